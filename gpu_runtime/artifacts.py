@@ -1,0 +1,113 @@
+"""Where a run's artifacts live in the store, and what they contain.
+
+Every key is a pure function of (run id, step, chunk, version), so a retried
+activity finds the artifact a previous attempt wrote and returns it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from gpu_runtime.storage import ObjectStore
+
+
+def _run(run_id: str) -> str:
+    if not run_id or "/" in run_id or run_id.startswith("."):
+        raise ValueError(f"invalid run id {run_id!r}: no '/' and not empty")
+    return f"runs/{run_id}"
+
+
+def dataset_key(run_id: str, split: str) -> str:
+    return f"{_run(run_id)}/data/{split}.jsonl"
+
+
+def step_prefix(run_id: str, step: int) -> str:
+    return f"{_run(run_id)}/steps/{step:06d}"
+
+
+def rollout_chunk_key(run_id: str, step: int, chunk: int) -> str:
+    return f"{step_prefix(run_id, step)}/rollout/chunk-{chunk:04d}.json"
+
+
+def rewards_key(run_id: str, step: int) -> str:
+    return f"{step_prefix(run_id, step)}/rewards.json"
+
+
+def train_spec_key(run_id: str, step: int) -> str:
+    return f"{step_prefix(run_id, step)}/train_spec.json"
+
+
+def weights_prefix(run_id: str, version: int) -> str:
+    return f"{_run(run_id)}/weights/v{version:06d}"
+
+
+def checkpoints_prefix(run_id: str) -> str:
+    return f"{_run(run_id)}/checkpoints"
+
+
+def events_key(run_id: str) -> str:
+    return f"{_run(run_id)}/events.jsonl"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from (run seed, step, chunk, sample ...): stable across processes."""
+    h = hashlib.sha256("/".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+class Sample(BaseModel):
+    sample_id: str  # "s<step>-p<prompt_index>-g<group_index>"
+    prompt_index: int  # index into the training dataset
+    group_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # one per response token, under the generating weights
+    weight_version: int
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class RolloutChunk(BaseModel):
+    run_id: str
+    step: int
+    chunk: int
+    seed: int
+    weight_version: int
+    engine_url: str = ""
+    samples: list[Sample]
+
+
+class SampleReward(BaseModel):
+    sample_id: str
+    reward: float
+    correct: bool
+    detail: str = ""
+
+
+class StepRewards(BaseModel):
+    run_id: str
+    step: int
+    rewards: list[SampleReward]  # same order as the concatenated chunks' samples
+
+
+def put_model(store: ObjectStore, key: str, model: BaseModel) -> None:
+    store.put_bytes(key, model.model_dump_json().encode())
+
+
+def get_model(store: ObjectStore, key: str, cls: type[M]) -> M:
+    return cls.model_validate_json(store.get_bytes(key))
+
+
+def put_json(store: ObjectStore, key: str, obj: object) -> None:
+    store.put_bytes(key, json.dumps(obj, sort_keys=True).encode())
+
+
+def get_json(store: ObjectStore, key: str) -> object:
+    return json.loads(store.get_bytes(key))

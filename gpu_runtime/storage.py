@@ -1,0 +1,135 @@
+"""Object stores addressed by URI: ``file:///abs/dir`` or ``s3://bucket/prefix``.
+
+Keys are ``/``-separated relative paths. Writes are atomic for readers: the local
+backend writes a temp file and renames it; S3 puts are atomic by nature.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+class StoreError(RuntimeError):
+    """A store operation failed (retryable: the store may be back later)."""
+
+
+class ObjectStore(ABC):
+    root_uri: str
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """All keys under ``prefix`` (recursive), sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        self.put_bytes(key, Path(path).read_bytes())
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_bytes(self.get_bytes(key))
+        os.replace(tmp, path)
+
+    def delete_prefix(self, prefix: str) -> None:
+        for key in self.list(prefix):
+            self.delete(key)
+
+    def uri(self, key: str) -> str:
+        return f"{self.root_uri.rstrip('/')}/{key}"
+
+
+def _check_key(key: str) -> str:
+    if not key or key.startswith("/") or ".." in key.split("/"):
+        raise ValueError(f"invalid store key {key!r}")
+    return key
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root_uri = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        dst = self._path(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.")
+        os.close(fd)
+        try:
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, dst)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get_bytes(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        if base.is_file():
+            return [prefix]
+        if not base.is_dir():
+            return []
+        return sorted(
+            str(p.relative_to(self.root))
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".")
+        )
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+def open_store(uri: str) -> ObjectStore:
+    """``file:///abs``, a plain path, or ``s3://bucket/prefix`` (see ``s3_store``)."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme == "file" else uri
+        if parsed.scheme == "file" and parsed.netloc:
+            path = parsed.netloc + parsed.path  # file://relative/dir
+        return LocalStore(path)
+    if parsed.scheme == "s3":
+        from gpu_runtime.s3_store import S3Store
+
+        return S3Store.from_uri(uri)
+    raise ValueError(f"unsupported store URI {uri!r}: use file:// or s3://")
