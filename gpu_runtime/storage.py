@@ -6,6 +6,7 @@ backend writes a temp file and renames it; S3 puts are atomic by nature.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -53,6 +54,23 @@ class ObjectStore(ABC):
 
     def uri(self, key: str) -> str:
         return f"{self.root_uri.rstrip('/')}/{key}"
+
+    def verify_file(self, key: str, path: str | Path, sha256: str, size: int) -> bool:
+        """True when the stored object ``key`` has this size and sha256 (``path`` is the
+        local source, which backends may use for a cheaper check). Default: re-read."""
+        try:
+            data = self.get_bytes(key)
+        except KeyError:
+            return False
+        return len(data) == size and hashlib.sha256(data).hexdigest() == sha256
+
+
+def file_sha256(path: str | Path, chunk: int = 4 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _check_key(key: str) -> str:
@@ -118,6 +136,15 @@ class LocalStore(ObjectStore):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def verify_file(self, key: str, path: str | Path, sha256: str, size: int) -> bool:
+        stored = self._path(key)
+        try:
+            if stored.stat().st_size != size:
+                return False
+            return file_sha256(stored) == sha256
+        except FileNotFoundError:
+            return False
 
 
 def open_store(uri: str) -> ObjectStore:

@@ -1,0 +1,78 @@
+"""Light CPU activities on the control queue: dataset preparation and rule rewards."""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.heartbeat import with_heartbeat
+from gpu_runtime import artifacts as art
+from gpu_runtime.data import generate_arithmetic, load_jsonl, write_jsonl
+from gpu_runtime.rewards import RewardError, RewardSpec, score_samples
+from gpu_runtime.storage import open_store
+from gpu_runtime.tokenizer import CharTokenizer
+from workflows.contracts import DatasetInfo, PrepareDataInput, RewardInput, RewardResult
+
+
+@activity.defn(name="prepare_data")
+def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
+    store = open_store(inp.store_uri)
+    key = art.dataset_key(inp.run_id, "train")
+    if not store.exists(key):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "train.jsonl"
+            if inp.data.kind == "arithmetic":
+                rows = generate_arithmetic(inp.data.num_train, inp.seed, inp.data.max_operand, inp.data.ops)
+                write_jsonl(rows, path)
+            else:
+                assert inp.data.path is not None
+                try:
+                    rows = load_jsonl(inp.data.path)
+                except (ValueError, FileNotFoundError) as err:
+                    raise ApplicationError(str(err), type="InvalidInput", non_retryable=True) from err
+                write_jsonl(rows, path)
+            store.put_file(key, path)
+    data = store.get_bytes(key)
+    return DatasetInfo(key=key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())
+
+
+def _load_rows(store_uri: str, key: str) -> list[dict]:
+    store = open_store(store_uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rows.jsonl"
+        store.get_file(key, path)
+        return load_jsonl(path)
+
+
+@activity.defn(name="compute_rewards")
+def compute_rewards(inp: RewardInput) -> RewardResult:
+    t0 = time.perf_counter()
+    store = open_store(inp.store_uri)
+    rows = _load_rows(inp.store_uri, inp.dataset.key)
+    samples: list[art.Sample] = []
+    for key in inp.chunk_keys:
+        samples.extend(art.get_model(store, key, art.RolloutChunk).samples)
+    spec = RewardSpec(kind=inp.reward.kind, function=inp.reward.function, timeout_s=inp.reward.timeout_s)
+    try:
+        rewards = with_heartbeat(
+            lambda: score_samples(samples, dict(enumerate(rows)), CharTokenizer(), spec)
+        )
+    except RewardError as err:
+        raise ApplicationError(str(err), type="RewardError") from err
+    key = art.rewards_key(inp.run_id, inp.step)
+    art.put_model(store, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+    values = [r.reward for r in rewards]
+    return RewardResult(
+        rewards_key=key,
+        reward_mean=statistics.fmean(values) if values else 0.0,
+        reward_std=statistics.pstdev(values) if len(values) > 1 else 0.0,
+        accuracy=sum(r.correct for r in rewards) / max(1, len(rewards)),
+        n=len(rewards),
+        seconds=time.perf_counter() - t0,
+    )

@@ -1,0 +1,211 @@
+"""Stateful activities served by a node agent on ``node-<node_id>-<boot_id>``.
+
+Thin adapters: validate, call ``gpu_runtime``, heartbeat, map failures to
+retryable / non-retryable errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.heartbeat import with_heartbeat
+from gpu_runtime.engine.fleet import HealthConfig, NoHealthyEngine, WeightMismatch
+from gpu_runtime.node_runtime import NodeRuntime
+from gpu_runtime.rollout import RolloutRequest, StaleWeights, run_rollout
+from gpu_runtime.rpc import RemoteError
+from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.trainer.process import TrainerDied
+from workflows.contracts import (
+    CheckpointInput,
+    CheckpointResult,
+    ClaimNodeInput,
+    EngineSlotInfo,
+    InitPolicyInput,
+    NodeClaim,
+    PolicyInfo,
+    RolloutInput,
+    RolloutResult,
+    TrainStepInput,
+    TrainStepResult,
+    UpdateWeightsInput,
+    UpdateWeightsResult,
+)
+
+log = logging.getLogger(__name__)
+NON_RETRYABLE_REMOTE = {"ValueError": "InvalidInput", "Divergence": "Divergence"}
+
+
+def _trainer_error(err: Exception, what: str) -> ApplicationError:
+    if isinstance(err, RemoteError) and err.error_type in NON_RETRYABLE_REMOTE:
+        return ApplicationError(f"{what}: {err.message}", type=NON_RETRYABLE_REMOTE[err.error_type], non_retryable=True)
+    if isinstance(err, TrainerDied):
+        return ApplicationError(f"{what}: {err}", type="TrainerDied")
+    return ApplicationError(f"{what}: {err}", type=type(err).__name__)
+
+
+class NodeActivities:
+    def __init__(self, runtime: NodeRuntime) -> None:
+        self.rt = runtime
+        self.tokenizer = CharTokenizer()
+
+    # ---- placement ----------------------------------------------------------------
+    @activity.defn(name="claim_node")
+    def claim_node(self, inp: ClaimNodeInput) -> NodeClaim:
+        if self.rt.task_queue in inp.exclude_queues:
+            raise ApplicationError(f"{self.rt.task_queue} is excluded for {inp.run_id}", type="NodeExcluded")
+        self.rt.set_run(inp.run_id)
+        return NodeClaim(node_id=self.rt.node_id, boot_id=self.rt.boot_id, task_queue=self.rt.task_queue)
+
+    @activity.defn(name="init_policy")
+    def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
+        self.rt.set_run(inp.run_id)
+        setup = {
+            "run_id": inp.run_id,
+            "store_uri": inp.store_uri,
+            "seed": inp.seed,
+            "model": inp.model.model_dump(),
+            "sft_steps": inp.sft.steps,
+            "sft_batch_size": inp.sft.batch_size,
+            "sft_lr": inp.sft.lr,
+            "dataset_key": inp.dataset.key,
+            "hparams": _hparams(inp.train.model_dump()),
+            "keep_last": inp.checkpoint.keep_last,
+            "config_hash": inp.config_hash,
+        }
+        self.rt.setups[inp.run_id] = setup
+        try:
+            info = with_heartbeat(lambda: self.rt.trainer.call("ensure_version", {"setup": setup, "target": inp.policy_version}))
+        except Exception as err:
+            raise _trainer_error(err, "init_policy") from err
+        return PolicyInfo(
+            policy_version=info["policy_version"], checksum=info["checksum"], weights_key=info["weights_key"],
+            sft_metrics=info["sft_metrics"], seconds=info["seconds"], restored_from_step=info["restored_from_step"],
+        )
+
+    # ---- the RL step --------------------------------------------------------------
+    @activity.defn(name="rollout")
+    def rollout(self, inp: RolloutInput) -> RolloutResult:
+        from gpu_runtime.storage import open_store
+
+        fleet = self.rt.fleet
+        if fleet is None:
+            raise ApplicationError("engines are not started on this node", type="NoHealthyEngine")
+        rows = self.rt.rows(inp.store_uri, inp.dataset.key)
+        r = inp.rollout
+        req = RolloutRequest(
+            run_id=inp.run_id, step=inp.step, seed=inp.seed, policy_version=inp.policy_version,
+            data_cursor=inp.data_cursor, n_rows=len(rows), prompts_per_step=r.prompts_per_step,
+            group_size=r.group_size, chunk_size=r.chunk_size, max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        )
+        retries_before = sum(1 for e in self.rt.events if e.get("kind") == "engine_dead")
+        try:
+            stats = run_rollout(
+                req, open_store(inp.store_uri), rows, self.tokenizer, fleet.generate_chunk,
+                parallelism=max(1, len(fleet.slots)),
+                on_chunk=lambda done, total: activity.heartbeat({"chunks_done": done, "chunks": total}),
+            )
+        except NoHealthyEngine as err:
+            raise ApplicationError(f"rollout step {inp.step}: {err}", type="NoHealthyEngine") from err
+        except StaleWeights as err:
+            raise ApplicationError(str(err), type="StaleWeights") from err
+        return RolloutResult(
+            chunk_keys=stats.chunk_keys, n_samples=stats.n_samples, gen_tokens=stats.gen_tokens,
+            response_len_mean=stats.response_len_mean, tokens_per_s=stats.tokens_per_s,
+            chunks_reused=stats.chunks_reused,
+            engine_retries=sum(1 for e in self.rt.events if e.get("kind") == "engine_dead") - retries_before,
+            seconds=stats.seconds,
+        )
+
+    @activity.defn(name="train_step")
+    def train_step(self, inp: TrainStepInput) -> TrainStepResult:
+        setup = self._setup(inp.run_id)
+        spec = {
+            "step": inp.step, "policy_version": inp.policy_version, "chunk_keys": inp.chunk_keys,
+            "rewards_key": inp.rewards_key, "group_size": inp.group_size,
+            "hparams": _hparams({**setup["hparams"], **inp.train.model_dump()}),
+        }
+        try:
+            res = with_heartbeat(lambda: self.rt.trainer.call("train_step", {"setup": setup, "spec": spec}))
+        except Exception as err:
+            raise _trainer_error(err, f"train_step {inp.step}") from err
+        metrics = res["metrics"]
+        bad = [k for k, v in metrics.items() if v != v or v in (float("inf"), float("-inf"))]
+        if bad:
+            raise ApplicationError(f"step {inp.step}: non-finite {bad}", type="Divergence", non_retryable=True)
+        return TrainStepResult(**res)
+
+    @activity.defn(name="update_weights")
+    def update_weights(self, inp: UpdateWeightsInput) -> UpdateWeightsResult:
+        t0 = time.perf_counter()
+        e = inp.engines
+        if e.backend != "torch":
+            raise ApplicationError(f"engines.backend {e.backend!r} needs a GPU node", type="InvalidInput", non_retryable=True)
+        folder = self.rt.local_weights(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key)
+        health = HealthConfig(
+            interval_s=e.health_check_interval_s, timeout_s=e.health_check_timeout_s,
+            first_wait_s=max(e.health_check_first_wait_s, 120.0), failure_threshold=e.health_check_failure_threshold,
+        )
+        try:
+            restarted = with_heartbeat(lambda: self.rt.ensure_engines(e.num_engines, health, folder, inp.policy_version))
+        except WeightMismatch as err:
+            raise ApplicationError(f"weight checksum mismatch: {err}", type="WeightMismatch") from err
+        except NoHealthyEngine as err:
+            raise ApplicationError(str(err), type="NoHealthyEngine") from err
+        assert self.rt.fleet is not None
+        checksums = {s.checksum for s in self.rt.fleet.snapshot() if s.state == "healthy"}
+        if checksums != {inp.checksum}:
+            raise ApplicationError(
+                f"engines report checksums {sorted(c or '' for c in checksums)}, trainer {inp.checksum}",
+                type="WeightMismatch",
+            )
+        return UpdateWeightsResult(
+            policy_version=inp.policy_version,
+            restarted_slots=restarted,
+            engines=[EngineSlotInfo(**s.model_dump(exclude={"weight_version"}), weight_version=_int(s.weight_version))
+                     for s in self.rt.fleet.snapshot()],
+            seconds=time.perf_counter() - t0,
+        )
+
+    @activity.defn(name="checkpoint")
+    def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:
+        t0 = time.perf_counter()
+        setup = self._setup(inp.run_id)
+        try:
+            res = with_heartbeat(
+                lambda: self.rt.trainer.call(
+                    "checkpoint", {"setup": setup, "step": inp.step, "data_cursor": inp.data_cursor, "sync": False}
+                )
+            )
+        except Exception as err:
+            raise _trainer_error(err, f"checkpoint {inp.step}") from err
+        return CheckpointResult(step=inp.step, key=res["key"], seconds=time.perf_counter() - t0, durable=res["durable"])
+
+    def _setup(self, run_id: str) -> dict:
+        setup = self.rt.setups.get(run_id)
+        if setup is None:  # this process never ran init_policy for the run: re-place
+            raise ApplicationError(f"node has no setup for run {run_id}", type="NodeLost", non_retryable=True)
+        return setup
+
+    def all(self) -> list:
+        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint]
+
+
+def _hparams(train: dict) -> dict:
+    return {k: v for k, v in train.items() if k in TRAIN_TO_TRAINER}
+
+
+TRAIN_TO_TRAINER = {
+    "lr", "clip_eps", "kl_coef", "grad_clip", "weight_decay", "ppo_epochs",
+}
+
+
+def _int(v: object) -> int | None:
+    try:
+        return int(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None

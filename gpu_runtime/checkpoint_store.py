@@ -1,0 +1,454 @@
+"""Checkpoints: save locally, upload in the background, commit with a manifest written last.
+
+Store layout (``prefix/step-000012/...``)::
+
+    step-000012/<relpath>        files uploaded by this checkpoint
+    step-000012/manifest.json    commit marker, written last after every object is verified:
+        {"format": 1, "step": 12, "created_at": ..., "meta": {...},
+         "files": {"<relpath>": {"sha256": ..., "size": ..., "stored_in": "step-000010"}}}
+
+A file whose sha256 equals the previous durable checkpoint's same-named file is not
+uploaded again; its entry points (``stored_in``) at the folder that holds the bytes.
+A checkpoint is durable when its manifest exists and parses. Uploads run one at a time
+(a single worker thread, or the caller's thread with ``sync=True``), so retention, which
+runs after each commit, never races an upload of this store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpu_runtime.storage import ObjectStore, StoreError, file_sha256
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+class NoUsableCheckpointError(RuntimeError):
+    """No durable checkpoint (or none that verifies) exists under the prefix."""
+
+
+class CheckpointUploadError(StoreError):
+    """A checkpoint upload gave up after its retry deadline."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    size: int
+    stored_in: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    name: str
+    meta: dict[str, Any]
+    files: dict[str, FileEntry]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff base_s, 2*base_s, ... capped at max_s; give up after deadline_s."""
+
+    base_s: float = 0.5
+    max_s: float = 10.0
+    deadline_s: float = 600.0
+
+
+@dataclass
+class CheckpointHandle:
+    step: int
+    local_path: Path
+    files: dict[str, tuple[str, int]]  # relpath -> (sha256, size)
+    meta: dict[str, Any]
+    failures: int = 0
+    last_error: BaseException | None = None
+    uploaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    upload_seconds: float | None = None
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once durable; False on timeout or failure (see ``error``)."""
+        self._done.wait(timeout)
+        return self.durable
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def durable(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+
+def parse_manifest(name: str, data: bytes) -> CheckpointInfo:
+    """Parse and validate a manifest; ValueError names the problem."""
+    try:
+        doc = json.loads(data)
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"format {doc.get('format')!r} != {FORMAT}")
+        step = int(doc["step"])
+        if step_name(step) != name:
+            raise ValueError(f"step {step} does not match folder {name}")
+        files: dict[str, FileEntry] = {}
+        for rel, e in doc["files"].items():
+            if not isinstance(e, dict) or not _STEP_DIR.match(str(e.get("stored_in", ""))):
+                raise ValueError(f"files[{rel!r}]: bad entry {e!r}")
+            files[rel] = FileEntry(str(e["sha256"]), int(e["size"]), str(e["stored_in"]))
+        meta = doc.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError("meta is not an object")
+        return CheckpointInfo(step, name, meta, files, float(doc.get("created_at", 0.0)))
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name}/{MANIFEST}: {type(e).__name__}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{name}/{MANIFEST}: {e}") from None
+
+
+def _copy_and_hash(src: Path, dst: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with src.open("rb") as fi, dst.open("wb") as fo:
+        while block := fi.read(8 << 20):
+            h.update(block)
+            fo.write(block)
+            size += len(block)
+    return h.hexdigest(), size
+
+
+class CheckpointStore:
+    def __init__(
+        self,
+        store: ObjectStore,
+        prefix: str,
+        local_dir: str | Path,
+        keep_last: int = 3,
+        *,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.store = store
+        self.prefix = prefix.strip("/")
+        self.local_dir = Path(local_dir)
+        self.keep_last = keep_last
+        self.retry = retry or RetryPolicy()
+        self.events: list[dict[str, Any]] = []
+        self._queue: queue.Queue[CheckpointHandle | None] = queue.Queue()
+        self._pending: list[CheckpointHandle] = []
+        self._lock = threading.Lock()  # serializes uploads and retention
+        self._pending_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._worker: threading.Thread | None = None
+
+    # -- keys ---------------------------------------------------------------------
+
+    def _key(self, name: str, rel: str) -> str:
+        return f"{self.prefix}/{name}/{rel}" if self.prefix else f"{name}/{rel}"
+
+    def _split(self, key: str) -> tuple[str, str] | None:
+        rest = key[len(self.prefix) + 1 :] if self.prefix else key
+        name, _, rel = rest.partition("/")
+        return (name, rel) if _STEP_DIR.match(name) and rel else None
+
+    # -- save ---------------------------------------------------------------------
+
+    def save(self, step: int, folder: str | Path, meta: dict[str, Any], *, sync: bool = False) -> CheckpointHandle:
+        """Copy ``folder`` to ``local_dir/step-XXXXXX`` (hashing on the way), then upload it
+        (background thread, or here with ``sync=True``). The caller may reuse ``folder``."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+        if (folder / MANIFEST).exists():
+            raise ValueError(f"{folder / MANIFEST}: name is reserved for the checkpoint manifest")
+        try:
+            json.dumps(meta, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint meta for step {step} is not JSON-serializable: {e}") from None
+        if self._closing.is_set():
+            raise RuntimeError("CheckpointStore is closed")
+        dest = self.local_dir / step_name(step)
+        files: dict[str, tuple[str, int]] = {}
+        sources = sorted(p for p in folder.rglob("*") if p.is_file())
+        if not sources:
+            raise ValueError(f"checkpoint folder {folder} has no files")
+        if dest.resolve() == folder.resolve():
+            for p in sources:
+                files[p.relative_to(folder).as_posix()] = (file_sha256(p), p.stat().st_size)
+        else:
+            tmp = self.local_dir / f".{step_name(step)}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            for p in sources:
+                rel = p.relative_to(folder).as_posix()
+                files[rel] = _copy_and_hash(p, tmp / rel)
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+        handle = CheckpointHandle(step, dest, files, dict(meta))
+        if sync:
+            self.wait_for_uploads()
+            self._upload(handle)
+            return handle
+        with self._pending_lock:
+            self._pending = [h for h in self._pending if not h.done] + [handle]
+        self._ensure_worker()
+        self._queue.put(handle)
+        return handle
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._run, name="checkpoint-upload", daemon=True)
+            self._worker.start()
+
+    def _run(self) -> None:
+        while (handle := self._queue.get()) is not None:
+            self._upload(handle)
+
+    def wait_for_uploads(self, timeout: float | None = None) -> bool:
+        """Wait for queued uploads; True when all finished and are durable."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._pending_lock:
+            pending = list(self._pending)
+        for h in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not h.wait(left):
+                return False
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait for uploads (up to ``timeout``), then stop the worker (an upload still
+        running gives up at its next retry). True when everything queued became durable."""
+        ok = self.wait_for_uploads(timeout)
+        self._closing.set()
+        self._queue.put(None)
+        return ok
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _with_retry(self, handle: CheckpointHandle, deadline: float, what: str, fn: Callable[[], T]) -> T:
+        delay = self.retry.base_s
+        while True:
+            try:
+                return fn()
+            except (StoreError, OSError, KeyError) as e:
+                handle.failures += 1
+                handle.last_error = e
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing.is_set():
+                    raise CheckpointUploadError(
+                        f"checkpoint {step_name(handle.step)}: {what} failed {handle.failures} time(s), "
+                        f"giving up after {self.retry.deadline_s:.0f}s deadline; last error: {e}"
+                    ) from e
+                log.warning("checkpoint %s: %s failed (%s); retry in %.1fs",
+                            step_name(handle.step), what, e, min(delay, left))
+                self._closing.wait(min(delay, left))
+                delay = min(delay * 2, self.retry.max_s)
+
+    def _upload(self, h: CheckpointHandle) -> None:
+        with self._lock:
+            t0 = time.monotonic()
+            deadline = t0 + self.retry.deadline_s
+            name = step_name(h.step)
+            manifest_key = self._key(name, MANIFEST)
+            try:
+                # an older manifest of this step must never describe the new files
+                self._with_retry(h, deadline, "remove stale manifest", lambda: self.store.delete(manifest_key))
+                base = self._with_retry(h, deadline, "read previous manifest", lambda: self._newest_before(h.step))
+                entries: dict[str, dict[str, Any]] = {}
+                for rel, (sha, size) in h.files.items():
+                    prev = base.files.get(rel) if base else None
+                    if prev and prev.sha256 == sha and prev.size == size and prev.stored_in != name:
+                        prev_key = self._key(prev.stored_in, rel)
+                        if self._with_retry(h, deadline, f"check {prev_key}", lambda k=prev_key: self.store.exists(k)):
+                            entries[rel] = {"sha256": sha, "size": size, "stored_in": prev.stored_in}
+                            h.skipped.append(rel)
+                            continue
+                    self._with_retry(h, deadline, f"upload {rel}", lambda r=rel, s=sha, n=size: self._put_verified(name, h, r, s, n))
+                    entries[rel] = {"sha256": sha, "size": size, "stored_in": name}
+                    h.uploaded.append(rel)
+                doc = {"format": FORMAT, "step": h.step, "created_at": time.time(), "meta": h.meta, "files": entries}
+                data = json.dumps(doc, indent=1, sort_keys=True).encode()
+                self._with_retry(h, deadline, "commit manifest", lambda: self._put_manifest(manifest_key, data))
+            except CheckpointUploadError as e:
+                log.error("%s; %s stays the durable checkpoint", e, self._safe_latest_name())
+                self.events.append({"kind": "checkpoint_upload_failed", "step": h.step, "error": str(e)})
+                h._finish(e)
+                return
+            except Exception as e:  # a bug or a non-retryable failure: report it on the handle
+                log.exception("checkpoint %s upload failed", name)
+                self.events.append({"kind": "checkpoint_upload_failed", "step": h.step, "error": repr(e)})
+                h._finish(e)
+                return
+            h.upload_seconds = time.monotonic() - t0
+            log.info("checkpoint %s durable in %.2fs (%d uploaded, %d unchanged, %d failed attempts)",
+                     name, h.upload_seconds, len(h.uploaded), len(h.skipped), h.failures)
+            try:  # before _finish, so a waiter sees the store already pruned
+                self._apply_retention()
+            except (StoreError, OSError) as e:
+                log.warning("checkpoint retention after %s failed (will retry next time): %s", name, e)
+            h._finish(None)
+
+    def _put_verified(self, name: str, h: CheckpointHandle, rel: str, sha: str, size: int) -> None:
+        key = self._key(name, rel)
+        path = h.local_path / rel
+        self.store.put_file(key, path)
+        if not self.store.verify_file(key, path, sha, size):
+            raise StoreError(f"{self.store.uri(key)}: stored object does not match sha256 {sha[:12]}.. / size {size}")
+
+    def _put_manifest(self, key: str, data: bytes) -> None:
+        self.store.put_bytes(key, data)
+        if self.store.get_bytes(key) != data:
+            raise StoreError(f"{self.store.uri(key)}: manifest read back differs from what was written")
+
+    # -- read -----------------------------------------------------------------------
+
+    def _manifest_names(self) -> list[str]:
+        """Step folders with a manifest, oldest first."""
+        names = []
+        for key in self.store.list(self.prefix + "/" if self.prefix else ""):
+            parts = self._split(key)
+            if parts and parts[1] == MANIFEST:
+                names.append(parts[0])
+        return sorted(names, key=lambda n: int(n[5:]))
+
+    def _load(self, name: str) -> CheckpointInfo | None:
+        try:
+            return parse_manifest(name, self.store.get_bytes(self._key(name, MANIFEST)))
+        except KeyError:
+            return None
+        except ValueError as e:
+            log.warning("ignoring unparsable manifest: %s", e)
+            return None
+
+    def list_durable(self) -> list[CheckpointInfo]:
+        """Every checkpoint whose manifest exists and parses, oldest first."""
+        return [i for n in self._manifest_names() if (i := self._load(n)) is not None]
+
+    def latest_durable(self) -> CheckpointInfo | None:
+        for name in reversed(self._manifest_names()):
+            if (info := self._load(name)) is not None:
+                return info
+        return None
+
+    def _newest_before(self, step: int) -> CheckpointInfo | None:
+        for name in reversed(self._manifest_names()):
+            if int(name[5:]) < step and (info := self._load(name)) is not None:
+                return info
+        return None
+
+    def _safe_latest_name(self) -> str:
+        try:
+            latest = self.latest_durable()
+        except StoreError:
+            return "the previous checkpoint (store unreachable)"
+        return latest.name if latest else "no checkpoint"
+
+    def restore(self, into: str | Path, step: int | None = None) -> CheckpointInfo:
+        """Download the newest (or the given) durable checkpoint into ``into`` (replaced),
+        verifying every file; a corrupt or incomplete one is reported in ``events`` and the
+        previous durable one is tried. Raises NoUsableCheckpointError if none verifies."""
+        into = Path(into)
+        durable = self.list_durable()
+        candidates = [i for i in reversed(durable) if step is None or i.step <= step]
+        if step is not None and (not candidates or candidates[0].step != step):
+            raise NoUsableCheckpointError(f"{self.store.uri(self.prefix or '.')}: no durable checkpoint {step_name(step)}")
+        if not candidates:
+            raise NoUsableCheckpointError(f"{self.store.uri(self.prefix or '.')}: no durable checkpoint")
+        tmp = into.parent / f".{into.name}.restoring"
+        for info in candidates:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            if self._download_verified(info, tmp):
+                shutil.rmtree(into, ignore_errors=True)
+                tmp.rename(into)
+                log.info("restored checkpoint %s into %s", info.name, into)
+                return info
+        shutil.rmtree(tmp, ignore_errors=True)
+        tried = ", ".join(i.name for i in candidates)
+        raise NoUsableCheckpointError(f"{self.store.uri(self.prefix or '.')}: no checkpoint verifies (tried {tried}); see events")
+
+    def _download_verified(self, info: CheckpointInfo, dest: Path) -> bool:
+        for rel, e in info.files.items():
+            path = dest / rel
+            try:
+                self.store.get_file(self._key(e.stored_in, rel), path)
+                actual = file_sha256(path)
+            except KeyError:
+                actual = "missing"
+            if actual != e.sha256:
+                event = {"kind": "checkpoint_corrupt", "step": info.step, "file": rel, "stored_in": e.stored_in,
+                         "expected": e.sha256, "actual": actual}
+                self.events.append(event)
+                log.error("checkpoint %s corrupt: %s (in %s) sha256 expected %s, got %s; trying the previous one",
+                          info.name, rel, e.stored_in, e.sha256, actual)
+                return False
+        return True
+
+    # -- retention ------------------------------------------------------------------
+
+    def _apply_retention(self) -> None:
+        """Keep the newest ``keep_last`` durable checkpoints and every file they reference;
+        delete older checkpoints (manifest first) and leftovers of failed uploads."""
+        durable = self.list_durable()
+        if not durable:
+            return
+        kept = durable[-self.keep_last :]
+        kept_names = {i.name for i in kept}
+        newest = durable[-1].step
+        referenced = {(e.stored_in, rel) for i in kept for rel, e in i.files.items()}
+        doomed: list[tuple[str, str]] = []
+        for key in self.store.list(self.prefix + "/" if self.prefix else ""):
+            parts = self._split(key)
+            if parts is None or parts[0] in kept_names or int(parts[0][5:]) >= newest:
+                continue
+            if parts not in referenced:
+                doomed.append(parts)
+        # manifests first: a checkpoint disappears before any of its files do
+        for name, rel in sorted(doomed, key=lambda x: x[1] != MANIFEST):
+            self.store.delete(self._key(name, rel))
+        if doomed:
+            log.info("retention: deleted %d objects; kept %s", len(doomed), sorted(kept_names))
+        oldest_kept = kept[0].step
+        with self._pending_lock:
+            busy = {h.step for h in self._pending if not h.done}
+        for d in self.local_dir.glob("step-*"):
+            m = _STEP_DIR.match(d.name)
+            if m and int(m.group(1)) < oldest_kept and int(m.group(1)) not in busy and d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)

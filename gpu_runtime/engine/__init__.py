@@ -1,0 +1,1 @@
+"""Rollout engines: torch engine server, SGLang backend, sglang-router supervision, fleet health."""

@@ -1,0 +1,103 @@
+"""Synchronous HTTP client for an engine (torch or SGLang) or a router in front of engines."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """A request to an engine failed: connection error, timeout or a non-200 answer."""
+
+    def __init__(self, url: str, message: str, *, status: int | None = None, timeout: bool = False) -> None:
+        super().__init__(f"{url}: {message}")
+        self.url = url
+        self.status = status
+        self.timeout = timeout
+
+
+class EngineClient:
+    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, route: str, *, json: Any = None, timeout_s: float | None = None) -> Any:
+        url = self.base_url + route
+        try:
+            resp = self._http.request(method, url, json=json, timeout=timeout_s or self.timeout_s)
+        except httpx.TimeoutException as e:
+            raise EngineError(url, f"timed out: {e!r}", timeout=True) from e
+        except httpx.HTTPError as e:
+            raise EngineError(url, f"request failed: {e!r}") from e
+        if resp.status_code != 200:
+            raise EngineError(url, f"HTTP {resp.status_code}: {resp.text[:500]}", status=resp.status_code)
+        try:
+            return resp.json()
+        except ValueError as e:
+            raise EngineError(url, f"not JSON: {resp.text[:200]!r}", status=200) from e
+
+    def generate(
+        self, batch_input_ids: list[list[int]], sampling_params: dict[str, Any], return_logprob: bool = True
+    ) -> list[dict[str, Any]]:
+        body = {"input_ids": batch_input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        out = self._request("POST", "/generate", json=body)
+        if isinstance(out, dict):
+            out = [out]
+        if not isinstance(out, list) or len(out) != len(batch_input_ids):
+            raise EngineError(self.base_url + "/generate", f"expected {len(batch_input_ids)} results, got {out!r:.200}")
+        return out
+
+    def health(self) -> bool:
+        try:
+            self._request("GET", "/health", timeout_s=min(self.timeout_s, 5.0))
+            return True
+        except EngineError:
+            return False
+
+    def health_generate(self, timeout_s: float) -> bool:
+        try:
+            self._request("GET", "/health_generate", timeout_s=timeout_s)
+            return True
+        except EngineError as e:
+            log.debug("health_generate failed: %s", e)
+            return False
+
+    def update_weights_from_disk(self, path: str, version: int | str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": str(path)}
+        if version is not None:
+            body["weight_version"] = str(version)
+        out = self._request("POST", "/update_weights_from_disk", json=body)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError(self.base_url, f"update_weights_from_disk failed: {out.get('message')}")
+        return out
+
+    def flush_cache(self) -> None:
+        self._request("POST", "/flush_cache")
+
+    def model_info(self) -> dict[str, Any]:
+        return self._request("GET", "/get_model_info")
+
+    def server_info(self) -> dict[str, Any]:
+        return self._request("GET", "/get_server_info")
+
+    def weights_checksum(self) -> tuple[str, str]:
+        out = self._request("GET", "/weights_checksum")
+        return str(out["checksum"]), str(out["weight_version"])
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        """SGLang only: a parameter's (truncated) values, for spot-checking weight sync."""
+        return self._request("POST", "/get_weights_by_name", json={"name": name, "truncate_size": truncate_size})

@@ -1,0 +1,430 @@
+"""A node's rollout engines: slots, parallel health checks, gated recovery, weight sync.
+
+Each slot runs one engine subprocess (torch or SGLang backend). A background
+``HealthMonitor`` probes every healthy engine *in parallel* with ``/health_generate``;
+``failure_threshold`` failed or timed-out probes in a row (or an exited process) make
+the engine dead: it is SIGKILLed by pid (this also ends a SIGSTOPped engine), removed
+from the router at once, and its slot becomes ``empty``. Empty slots are refilled only
+by ``restart_empty_slots`` (the *gated recovery* that precedes a weight update), which
+loads the newest weights and re-adds the engine to the router.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from gpu_runtime.engine.backends import EngineBackend
+from gpu_runtime.engine.client import EngineClient, EngineError
+from gpu_runtime.engine.router import RouterError, RouterProcess
+from gpu_runtime.model_folder import read_meta
+
+log = logging.getLogger(__name__)
+
+SlotState = Literal["starting", "healthy", "dead", "empty"]
+EventKind = Literal[
+    "engine_dead", "engine_restarted", "engine_recovered", "checksum_ok", "checksum_mismatch", "engine_hung"
+]
+
+
+class HealthConfig(BaseModel):
+    interval_s: float = 5.0  # between probe sweeps
+    timeout_s: float = 5.0  # one /health_generate probe
+    first_wait_s: float = 120.0  # a starting engine must be healthy within this; probes begin after
+    failure_threshold: int = 1  # failed probes in a row before the engine is declared dead
+
+
+class SlotInfo(BaseModel):
+    slot: int
+    pid: int | None
+    url: str
+    state: SlotState
+    weight_version: str | None
+    checksum: str | None
+    restart_count: int
+
+
+class FleetEvent(BaseModel):
+    kind: EventKind
+    slot: int
+    at: float  # unix time
+    detail: str = ""
+
+
+class FleetError(RuntimeError):
+    pass
+
+
+class NoHealthyEngine(FleetError):
+    """No engine can take a request now (retryable: recovery may bring one back)."""
+
+
+class WeightMismatch(FleetError):
+    def __init__(self, slots: list[int], detail: str) -> None:
+        super().__init__(f"engines in slots {slots} disagree with the expected weights: {detail}")
+        self.slots = slots
+
+
+@dataclass
+class _Slot:
+    index: int
+    url: str
+    port: int
+    state: SlotState = "empty"
+    proc: subprocess.Popen | None = None
+    weight_version: str | None = None
+    checksum: str | None = None
+    restart_count: int = 0
+    failures: int = 0
+
+
+class EngineFleet:
+    def __init__(
+        self,
+        backend: EngineBackend,
+        num_slots: int,
+        model_path: str | Path,
+        base_port: int,
+        log_dir: str | Path,
+        router: RouterProcess | None = None,
+        health: HealthConfig | None = None,
+        *,
+        weight_version: int | str | None = None,
+        on_event: Callable[[FleetEvent], None] | None = None,
+        generate_timeout_s: float = 600.0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.backend = backend
+        self.model_path = str(model_path)
+        self.weight_version = None if weight_version is None else str(weight_version)
+        self.log_dir = Path(log_dir)
+        self.router = router
+        self.health = health or HealthConfig()
+        self.on_event = on_event
+        self.generate_timeout_s = generate_timeout_s
+        self.slots = [_Slot(i, f"http://{host}:{base_port + i}", base_port + i) for i in range(num_slots)]
+        self.events: list[FleetEvent] = []
+        self._host = host
+        self._lock = threading.RLock()
+        self._clients: dict[str, EngineClient] = {}
+        self._rr = itertools.count()
+        self._pool = ThreadPoolExecutor(max_workers=max(4, num_slots), thread_name_prefix="fleet")
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._owns_router = False
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for s in self.slots:
+            self._spawn(s, self.model_path, self.weight_version)
+        ok = self._wait_all_healthy(self.slots)
+        if not all(ok):
+            bad = [s.index for s, good in zip(self.slots, ok) if not good]
+            self.stop()
+            raise FleetError(f"engines in slots {bad} did not become healthy; logs in {self.log_dir}")
+        if self.router is not None:
+            if self.router.proc is None:
+                self.router.initial_workers = []
+                self.router.start()
+                self._owns_router = True
+            self.router.sync(self.healthy_urls())
+        self._stop.clear()
+        self._monitor = threading.Thread(target=self._monitor_loop, name="HealthMonitor", daemon=True)
+        self._monitor.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=self.health.timeout_s + 5)
+            self._monitor = None
+        for s in self.slots:
+            self._kill(s)
+            s.state = "empty"
+        if self.router is not None and self._owns_router:
+            self.router.stop()
+            self._owns_router = False
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+
+    def __enter__(self) -> "EngineFleet":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- queries ---------------------------------------------------------------------
+    def healthy_urls(self) -> list[str]:
+        with self._lock:
+            return [s.url for s in self.slots if s.state == "healthy"]
+
+    def snapshot(self) -> list[SlotInfo]:
+        with self._lock:
+            return [
+                SlotInfo(slot=s.index, pid=s.proc.pid if s.proc else None, url=s.url, state=s.state,
+                         weight_version=s.weight_version, checksum=s.checksum, restart_count=s.restart_count)
+                for s in self.slots
+            ]
+
+    # ---- processes -------------------------------------------------------------------
+    def _client(self, url: str) -> EngineClient:
+        with self._lock:
+            if url not in self._clients:
+                self._clients[url] = EngineClient(url, timeout_s=self.generate_timeout_s)
+            return self._clients[url]
+
+    def _spawn(self, s: _Slot, model_path: str, version: str | None) -> None:
+        cmd = self.backend.command(model_path=model_path, port=s.port, host=self._host, weight_version=version)
+        logf = open(self.log_dir / f"engine-{s.index}.log", "ab")
+        try:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.backend.env(),
+                                    start_new_session=True)
+        finally:
+            logf.close()
+        with self._lock:
+            s.proc, s.state, s.failures = proc, "starting", 0
+            s.weight_version, s.checksum = None, None
+        log.info("slot %d: started pid=%d %s", s.index, proc.pid, " ".join(cmd))
+
+    def _wait_all_healthy(self, slots: list[_Slot]) -> list[bool]:
+        if not slots:
+            return []
+        with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="fleet-start") as pool:
+            return list(pool.map(self._wait_healthy, slots))
+
+    def _wait_healthy(self, s: _Slot) -> bool:
+        """Wait until a starting engine answers /health_generate; fills version and checksum."""
+        deadline = time.monotonic() + self.health.first_wait_s
+        probe = EngineClient(s.url, timeout_s=self.health.timeout_s)
+        try:
+            while time.monotonic() < deadline and not self._stop.is_set():
+                proc = s.proc
+                if proc is None or proc.poll() is not None:
+                    log.error("slot %d: engine exited during start (rc=%s)", s.index, proc and proc.returncode)
+                    return False
+                if probe.health() and probe.health_generate(self.health.timeout_s):
+                    version, checksum = self._read_weights(probe)
+                    with self._lock:
+                        s.state, s.weight_version, s.checksum, s.failures = "healthy", version, checksum, 0
+                    log.info("slot %d: healthy pid=%d version=%s", s.index, proc.pid, version)
+                    return True
+                time.sleep(0.1)
+            return False
+        finally:
+            probe.close()
+
+    def _read_weights(self, c: EngineClient) -> tuple[str | None, str | None]:
+        try:
+            if self.backend.supports_checksum:
+                checksum, version = c.weights_checksum()
+                return version, checksum
+            return str(c.model_info().get("weight_version")), None
+        except EngineError as e:
+            log.warning("could not read weights info from %s: %s", c.base_url, e)
+            return None, None
+
+    def _kill(self, s: _Slot) -> None:
+        proc = s.proc
+        s.proc = None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)  # works on a SIGSTOPped process too
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            log.error("slot %d: pid %d did not exit after SIGKILL", s.index, proc.pid)
+
+    def kill_slot(self, i: int, detail: str = "killed by request") -> None:
+        self._declare_dead(self.slots[i], detail, hung=False)
+
+    def _declare_dead(self, s: _Slot, detail: str, *, hung: bool) -> None:
+        with self._lock:
+            if s.state not in ("healthy", "starting"):
+                return
+            s.state = "dead"
+            pid = s.proc.pid if s.proc else None
+        if hung:
+            self._emit("engine_hung", s.index, detail)
+        self._kill(s)
+        if self.router is not None:
+            try:
+                self.router.remove_worker(s.url)
+            except RouterError as e:
+                log.warning("slot %d: could not remove %s from router: %s", s.index, s.url, e)
+        with self._lock:
+            s.state, s.weight_version, s.checksum, s.failures = "empty", None, None, 0
+        # emitted once the engine is killed, reaped and out of the router
+        self._emit("engine_dead", s.index, f"pid={pid}: {detail}")
+
+    def _emit(self, kind: EventKind, slot: int, detail: str = "") -> None:
+        ev = FleetEvent(kind=kind, slot=slot, at=time.time(), detail=detail)
+        with self._lock:
+            self.events.append(ev)
+        log.info("fleet event %s slot=%d %s", kind, slot, detail)
+        if self.on_event is not None:
+            try:
+                self.on_event(ev)
+            except Exception:  # noqa: BLE001 - a callback must not break health checking
+                log.exception("on_event callback failed")
+
+    # ---- health ----------------------------------------------------------------------
+    def _monitor_loop(self) -> None:
+        while not self._stop.wait(self.health.interval_s):
+            try:
+                self.check_now()
+            except Exception:  # noqa: BLE001 - keep monitoring
+                log.exception("health sweep failed")
+
+    def _probe(self, s: _Slot) -> tuple[_Slot, bool, bool, str]:
+        c = EngineClient(s.url, timeout_s=self.health.timeout_s)
+        try:
+            c._request("GET", "/health_generate", timeout_s=self.health.timeout_s)
+            return s, True, False, ""
+        except EngineError as e:
+            return s, False, e.timeout, str(e)
+        finally:
+            c.close()
+
+    def check_now(self) -> None:
+        """One sweep: reap exited engines, then probe all healthy engines in parallel."""
+        for s in list(self.slots):
+            proc = s.proc
+            if s.state == "healthy" and proc is not None and proc.poll() is not None:
+                self._declare_dead(s, f"process exited rc={proc.returncode}", hung=False)
+        targets = [s for s in self.slots if s.state == "healthy"]
+        for s, ok, timed_out, detail in self._pool.map(self._probe, targets):
+            if ok:
+                s.failures = 0
+                continue
+            s.failures += 1
+            log.warning("slot %d: probe failed (%d/%d): %s", s.index, s.failures,
+                        self.health.failure_threshold, detail)
+            if s.failures >= self.health.failure_threshold:
+                self._declare_dead(s, f"health_generate failed: {detail}", hung=timed_out)
+
+    # ---- recovery and weights --------------------------------------------------------
+    def restart_empty_slots(self, model_path: str | Path | None = None, version: int | str | None = None) -> list[int]:
+        """Gated recovery: start engines in empty slots with the given (newest) weights,
+        wait until healthy, verify the checksum and re-add them to the router."""
+        if model_path is not None:
+            self.model_path = str(model_path)
+            self.weight_version = None if version is None else str(version)
+        empty = [s for s in self.slots if s.state == "empty"]
+        for s in empty:
+            with self._lock:
+                s.restart_count += 1
+            self._spawn(s, self.model_path, self.weight_version)
+            self._emit("engine_restarted", s.index, f"pid={s.proc.pid if s.proc else None} {self.model_path}")
+        ok = self._wait_all_healthy(empty)
+        expected = self._expected_checksum(self.model_path)
+        recovered: list[int] = []
+        for s, good in zip(empty, ok):
+            if not good:
+                self._declare_dead(s, "did not become healthy after restart", hung=False)
+                continue
+            if expected is not None and s.checksum != expected:
+                self._emit("checksum_mismatch", s.index, f"got {s.checksum} want {expected}")
+                self._declare_dead(s, "checksum mismatch after restart", hung=False)
+                continue
+            if self.router is not None:
+                self.router.remove_worker(s.url)  # a stale entry would sit behind the circuit breaker
+                self.router.add_worker(s.url)
+            self._emit("engine_recovered", s.index, f"version={s.weight_version}")
+            recovered.append(s.index)
+        return recovered
+
+    def _expected_checksum(self, model_path: str) -> str | None:
+        if not self.backend.supports_checksum:
+            return None
+        return read_meta(model_path).get("checksum")
+
+    def update_weights(self, model_path: str | Path, version: int | str) -> dict[int, str]:
+        """Push weights to every healthy engine in parallel, then verify that every engine
+        reports the expected checksum (the folder's meta, else the first engine's).
+        Returns {slot: checksum}; raises WeightMismatch naming the disagreeing slots."""
+        path, ver = str(model_path), str(version)
+        targets = [s for s in self.slots if s.state == "healthy"]
+        if not targets:
+            raise NoHealthyEngine("no healthy engine to update")
+
+        def push(s: _Slot) -> str | None:
+            c = EngineClient(s.url, timeout_s=self.generate_timeout_s)
+            try:
+                c.update_weights_from_disk(path, ver)
+                return None
+            except EngineError as e:
+                return str(e)
+            finally:
+                c.close()
+
+        for s, err in zip(targets, self._pool.map(push, targets)):
+            if err is not None:
+                self._declare_dead(s, f"update_weights_from_disk failed: {err}", hung=False)
+        self.model_path, self.weight_version = path, ver
+        targets = [s for s in targets if s.state == "healthy"]
+        reports = list(self._pool.map(lambda s: self._read_weights(self._client(s.url)), targets))
+        expected = self._expected_checksum(path)
+        if expected is None and self.backend.supports_checksum and reports:
+            expected = reports[0][1]
+        bad: list[int] = []
+        out: dict[int, str] = {}
+        for s, (got_ver, got_sum) in zip(targets, reports):
+            with self._lock:
+                s.weight_version, s.checksum = got_ver, got_sum
+            good = got_ver == ver and (expected is None or got_sum == expected)
+            self._emit("checksum_ok" if good else "checksum_mismatch", s.index,
+                       f"version={got_ver} checksum={got_sum}")
+            if not good:
+                bad.append(s.index)
+            out[s.index] = got_sum or ""
+        if bad:
+            raise WeightMismatch(bad, f"expected version={ver} checksum={expected}")
+        return out
+
+    # ---- generation ------------------------------------------------------------------
+    def generate_chunk(
+        self, batch: list[list[int]], sampling_params: dict[str, Any], *, return_logprob: bool = True,
+        max_attempts: int | None = None,
+    ) -> tuple[list[dict[str, Any]], str]:
+        """Send one chunk (one batch request) to a healthy engine; on an engine failure,
+        detect it and resend the SAME request (same seed) to a survivor."""
+        attempts = max_attempts or len(self.slots) + 2
+        last: EngineError | None = None
+        for _ in range(attempts):
+            healthy = self.healthy_urls()
+            if not healthy:
+                raise NoHealthyEngine(f"no healthy engine (slots: {[s.state for s in self.slots]})") from last
+            url = self.router.url if self.router is not None else healthy[next(self._rr) % len(healthy)]
+            try:
+                return self._client(url).generate(batch, sampling_params, return_logprob), url
+            except EngineError as e:
+                if e.status is not None and 400 <= e.status < 500 and e.status not in (404, 408, 429):
+                    raise  # the request itself is bad: retrying elsewhere cannot help
+                last = e
+                log.warning("chunk failed on %s: %s; detecting failures and retrying", url, e)
+                if self.router is not None:
+                    self.check_now()
+                else:
+                    s = next(x for x in self.slots if x.url == url)
+                    _, ok, timed_out, detail = self._probe(s)
+                    if not ok:
+                        self._declare_dead(s, f"request failed and probe failed: {detail}", hung=timed_out)
+        raise NoHealthyEngine(f"chunk failed {attempts} times") from last

@@ -1,0 +1,152 @@
+"""Batched, deterministic generation with the in-repo torch model.
+
+A batch is left-padded, prefilled once, then decoded one token per step with
+the model's ``KVCache``. Sample ``i`` draws its randomness from its own
+``torch.Generator`` seeded with ``derive_seed(seed, i)`` (Gumbel-max over the
+temperature / top-k / top-p filtered distribution), so its tokens depend only
+on (weights, its prompt, seed, i) for a given batch. Finished samples keep
+being fed padding until every sample is done, so the batch shape — and hence
+every float — is the same on every run of the same batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_runtime.artifacts import derive_seed
+from gpu_runtime.model import CausalLM, KVCache, positions_from_mask
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenResult:
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # raw (temperature 1) logprob of each output token
+    finish_reason: str = "length"  # "stop" | "length"
+
+
+def _filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """logits [V] -> temperature-scaled logits with filtered entries set to -inf."""
+    x = logits / temperature
+    v = x.shape[-1]
+    if 0 < top_k < v:
+        kth = torch.topk(x, top_k).values[-1]
+        x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
+    if 0.0 < top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True, stable=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        drop_sorted = (cum - probs) >= top_p  # keep the smallest prefix reaching top_p
+        drop_sorted[0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def sample_token(
+    logits: torch.Tensor, *, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
+) -> int:
+    """One token from logits [V] (float32). temperature <= 0 => greedy (no randomness drawn)."""
+    if temperature <= 0.0 or generator is None:
+        return int(torch.argmax(logits).item())
+    x = _filter_logits(logits, temperature, top_p, top_k)
+    u = torch.rand(x.shape, generator=generator, dtype=torch.float64).clamp_(1e-20, 1.0 - 1e-16)
+    gumbel = -torch.log(-torch.log(u))
+    return int(torch.argmax(x.double() + gumbel).item())
+
+
+@torch.no_grad()
+def generate_batch(
+    model: CausalLM,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: int = 0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    on_step: Callable[[int], None] | None = None,
+) -> list[GenResult]:
+    """Generate for a batch of token-id prompts. ``on_step(step)`` is called after each
+    decode step (used by the server as a progress heartbeat)."""
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 0:
+        raise ValueError("max_new_tokens must be >= 0")
+    b = len(prompts)
+    results = [GenResult() for _ in range(b)]
+    if max_new_tokens == 0:
+        return results
+    stops = set(stop_token_ids)
+    if eos_id is not None:
+        stops.add(eos_id)
+    gens: list[torch.Generator | None] = []
+    for i in range(b):
+        gens.append(torch.Generator().manual_seed(derive_seed(seed, i)) if temperature > 0 else None)
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    key_mask = torch.zeros((b, width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        key_mask[i, width - len(p):] = True
+    positions = positions_from_mask(key_mask)
+    next_pos = positions[:, -1] + 1
+
+    cache = KVCache(model.config.num_hidden_layers)
+    logits = model(ids, key_mask, positions, cache)[:, -1, :].float()
+    done = [False] * b
+    for step in range(max_new_tokens):
+        logp = torch.log_softmax(logits, dim=-1)
+        new_tokens = torch.full((b,), pad_id, dtype=torch.long)
+        for i in range(b):
+            if done[i]:
+                continue
+            tok = sample_token(logits[i], temperature=temperature, top_p=top_p, top_k=top_k, generator=gens[i])
+            r = results[i]
+            r.output_ids.append(tok)
+            r.logprobs.append(float(logp[i, tok].item()))
+            new_tokens[i] = tok
+            if tok in stops:
+                r.finish_reason = "stop"
+                done[i] = True
+        if on_step is not None:
+            on_step(step)
+        if all(done) or step == max_new_tokens - 1:
+            break
+        key_mask = torch.cat([key_mask, torch.ones((b, 1), dtype=torch.bool)], dim=1)
+        logits = model(new_tokens[:, None], key_mask, next_pos[:, None], cache)[:, -1, :].float()
+        next_pos = next_pos + 1
+    return results
+
+
+@torch.no_grad()
+def greedy_full_recompute(
+    model: CausalLM, prompt: list[int], *, max_new_tokens: int, eos_id: int | None = None
+) -> GenResult:
+    """Reference: greedy decoding of ONE prompt recomputing the whole sequence each
+    token (no cache, no padding). Used by tests to check the cached path."""
+    out = GenResult()
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        ids = torch.tensor([seq], dtype=torch.long)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        logits = model(ids, mask, positions_from_mask(mask))[0, -1].float()
+        tok = int(torch.argmax(logits).item())
+        out.output_ids.append(tok)
+        out.logprobs.append(float(torch.log_softmax(logits, -1)[tok].item()))
+        seq.append(tok)
+        if eos_id is not None and tok == eos_id:
+            out.finish_reason = "stop"
+            break
+    return out

@@ -1,0 +1,263 @@
+"""A torch rollout engine speaking a subset of SGLang's native HTTP API.
+
+    python -m gpu_runtime.engine.server --model-path DIR --port P [--host 127.0.0.1] [--threads N]
+
+Routes: POST /generate, GET /health, GET /health_generate,
+POST /update_weights_from_disk, POST /flush_cache, GET /get_model_info (and
+/model_info), GET /get_server_info (and /server_info), GET /weights_checksum.
+Generation and weight updates are serialized by one lock; the info routes do
+not take it, so they answer while a batch is decoding. Logs go to stderr; the
+only stdout line is ``READY <url>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_runtime.engine.generate import GenResult, generate_batch
+from gpu_runtime.model import CausalLM
+from gpu_runtime.model_folder import load_model_folder, load_weights_into, model_checksum
+from gpu_runtime.tokenizer import CharTokenizer
+
+log = logging.getLogger("gpu_runtime.engine.server")
+
+# /health_generate answers 200 without queueing while a batch made progress this recently
+BUSY_PROGRESS_OK_S = 5.0
+
+
+class EngineState:
+    def __init__(self, model_path: str, weight_version: str | None, step_delay_s: float = 0.0) -> None:
+        self.lock = threading.Lock()
+        self.step_delay_s = step_delay_s
+        self.model_path = str(Path(model_path).resolve())
+        model, tok, meta = load_model_folder(self.model_path)
+        self.model: CausalLM = model
+        self.tokenizer: CharTokenizer = tok
+        self.weight_version = str(weight_version if weight_version is not None else meta.get("weight_version", 0))
+        self.checksum = model_checksum(model)
+        self.busy = False
+        self.last_progress = time.monotonic()
+        self.num_generate_requests = 0
+        self.num_generated_tokens = 0
+        log.info("loaded %s version=%s checksum=%s", self.model_path, self.weight_version, self.checksum[:12])
+
+    def _step(self, _step: int) -> None:
+        self.last_progress = time.monotonic()
+        if self.step_delay_s > 0:
+            time.sleep(self.step_delay_s)
+
+    def generate(self, body: dict[str, Any]) -> Any:
+        raw = body.get("input_ids")
+        if raw is None:
+            raise ValueError("input_ids is required (this engine takes token ids, not text)")
+        is_batch = bool(raw) and isinstance(raw[0], list)
+        prompts: list[list[int]] = raw if is_batch else [raw]
+        sp = body.get("sampling_params") or {}
+        if isinstance(sp, list):
+            raise ValueError("sampling_params must be one dict for the whole batch")
+        max_new = int(sp.get("max_new_tokens", 128))
+        temperature = float(sp.get("temperature", 1.0))
+        top_p = float(sp.get("top_p", 1.0))
+        top_k = int(sp.get("top_k", -1))
+        seed = int(sp.get("sampling_seed", 0) or 0)
+        stop_ids = [int(t) for t in (sp.get("stop_token_ids") or [])]
+        vocab = self.model.config.vocab_size
+        for p in prompts:
+            if not p or any((not isinstance(t, int)) or t < 0 or t >= vocab for t in p):
+                raise ValueError(f"each prompt must be a non-empty list of token ids in [0, {vocab})")
+        with self.lock:
+            self.busy = True
+            self.last_progress = time.monotonic()
+            try:
+                results = generate_batch(
+                    self.model, prompts, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+                    top_k=top_k, seed=seed, eos_id=self.tokenizer.eos_token_id,
+                    pad_id=self.tokenizer.pad_token_id, stop_token_ids=stop_ids, on_step=self._step,
+                )
+            finally:
+                self.busy = False
+            version = self.weight_version
+            self.num_generate_requests += 1
+            self.num_generated_tokens += sum(len(r.output_ids) for r in results)
+        want_lp = bool(body.get("return_logprob", False))
+        out = [self._response(p, r, want_lp, version) for p, r in zip(prompts, results)]
+        return out if is_batch else out[0]
+
+    def _response(self, prompt: list[int], r: GenResult, want_lp: bool, version: str) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": {"type": r.finish_reason},
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(r.output_ids),
+            "weight_version": version,
+        }
+        if r.finish_reason == "stop" and r.output_ids:
+            meta["finish_reason"]["matched"] = r.output_ids[-1]
+        if want_lp:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
+        return {"text": self.tokenizer.decode(r.output_ids), "output_ids": r.output_ids, "meta_info": meta}
+
+    def health_generate(self) -> bool:
+        if self.busy and time.monotonic() - self.last_progress < BUSY_PROGRESS_OK_S:
+            return True
+        with self.lock:
+            generate_batch(self.model, [[self.tokenizer.bos_token_id]], max_new_tokens=1, temperature=0.0)
+        return True
+
+    def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        path = body.get("model_path")
+        if not path:
+            raise ValueError("model_path is required")
+        path = str(Path(path).resolve())
+        with self.lock:
+            meta = load_weights_into(self.model, path)
+            self.model_path = path
+            self.weight_version = str(body.get("weight_version") or meta.get("weight_version", self.weight_version))
+            self.checksum = model_checksum(self.model)
+        log.info("updated weights from %s version=%s checksum=%s", path, self.weight_version, self.checksum[:12])
+        return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "engine": "milestone-torch",
+            "pid": os.getpid(),
+            "model_path": self.model_path,
+            "weight_version": self.weight_version,
+            "checksum": self.checksum,
+            "model_config": {k: v for k, v in vars(self.model.config).items() if k != "extra"},
+            "torch_threads": torch.get_num_threads(),
+            "busy": self.busy,
+            "num_generate_requests": self.num_generate_requests,
+            "num_generated_tokens": self.num_generated_tokens,
+        }
+
+
+def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _send(self, code: int, obj: Any) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _body(self) -> dict[str, Any]:
+            n = int(self.headers.get("Content-Length") or 0)
+            if n == 0:
+                return {}
+            obj = json.loads(self.rfile.read(n))
+            if not isinstance(obj, dict):
+                raise ValueError("request body must be a JSON object")
+            return obj
+
+        def _route(self, method: str) -> None:
+            path = self.path.split("?", 1)[0].rstrip("/") or "/"
+            try:
+                body = self._body() if method == "POST" else {}
+                if method == "GET" and path == "/health":
+                    self._send(200, {"status": "ok"})
+                elif method == "GET" and path == "/health_generate":
+                    state.health_generate()
+                    self._send(200, {"status": "ok"})
+                elif method == "POST" and path == "/generate":
+                    self._send(200, state.generate(body))
+                elif method == "POST" and path == "/update_weights_from_disk":
+                    self._send(200, state.update_weights_from_disk(body))
+                elif method == "POST" and path == "/flush_cache":
+                    self._send(200, {"success": True, "message": "cache flushed (no prefix cache)"})
+                elif method == "GET" and path in ("/get_model_info", "/model_info"):
+                    self._send(200, state.model_info())
+                elif method == "GET" and path in ("/get_server_info", "/server_info"):
+                    self._send(200, state.server_info())
+                elif method == "GET" and path == "/weights_checksum":
+                    self._send(200, {"checksum": state.checksum, "weight_version": state.weight_version})
+                else:
+                    self._send(404, {"error": f"no route {method} {path}"})
+            except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as e:
+                log.warning("%s %s failed: %s", method, path, e)
+                self._send(400, {"success": False, "error": str(e), "message": str(e)})
+            except Exception as e:  # noqa: BLE001 - report any engine failure as 500
+                log.exception("%s %s crashed", method, path)
+                self._send(500, {"success": False, "error": repr(e), "message": repr(e)})
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._route("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._route("POST")
+
+    return Handler
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            log.warning("parent %d is gone: exiting", parent_pid)
+            os._exit(3)
+        except PermissionError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--weight-version", default=None, help="override the folder's weight_version")
+    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    ap.add_argument("--step-delay-ms", type=float, default=0.0, help="fault-injection aid: sleep per decode step")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr, level=args.log_level.upper(),
+        format=f"%(asctime)s engine:{args.port} %(levelname)s %(name)s: %(message)s",
+    )
+    torch.set_num_threads(max(1, args.threads))
+    state = EngineState(args.model_path, args.weight_version, args.step_delay_ms / 1000.0)
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
+    server.daemon_threads = True
+    url = f"http://{args.host}:{args.port}"
+    log.info("serving %s pid=%d", url, os.getpid())
+    print(f"READY {url}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Everything a node agent owns: its trainer process, its engine fleet and router.
+
+One run is served at a time; a claim by another run rebinds the node (the trainer
+restores that run's state by checkpoint + replay).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from gpu_runtime.data import load_jsonl
+from gpu_runtime.engine.backends import TorchEngineBackend
+from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig
+from gpu_runtime.engine.router import RouterProcess
+from gpu_runtime.proc import free_port
+from gpu_runtime.storage import open_store
+from gpu_runtime.trainer.process import TrainerProcess
+
+log = logging.getLogger(__name__)
+
+
+class NodeRuntime:
+    def __init__(
+        self, node_id: str, boot_id: str, work_dir: Path, *, engine_threads: int = 1, trainer_threads: int = 1
+    ) -> None:
+        self.node_id = node_id
+        self.boot_id = boot_id
+        self.work_dir = work_dir
+        self.engine_threads = engine_threads
+        self.trainer = TrainerProcess(work_dir / "trainer", work_dir / "logs" / "trainer.log", threads=trainer_threads)
+        self.fleet: EngineFleet | None = None
+        self.router: RouterProcess | None = None
+        self.run_id: str | None = None
+        self.setups: dict[str, dict] = {}  # run id -> trainer RunSetup
+        self.events: deque[dict[str, Any]] = deque(maxlen=200)
+        self._rows: dict[str, list[dict]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def task_queue(self) -> str:
+        return f"node-{self.node_id}-{self.boot_id}"
+
+    def start(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.trainer.start()
+        self._write_children()
+
+    def stop(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
+        if self.router is not None:
+            self.router.stop()
+        self.trainer.stop()
+        (self.work_dir / "children.json").unlink(missing_ok=True)
+
+    def _write_children(self) -> None:
+        """Child pids on disk, so ``make down`` can stop them even if this process was killed."""
+        pids = [p for p in [self.trainer.pid, self.router.pid if self.router else None] if p]
+        if self.fleet is not None:
+            pids += [s.pid for s in self.fleet.snapshot() if s.pid]
+        (self.work_dir / "children.json").write_text(json.dumps(pids))
+
+    def _on_fleet_event(self, ev: FleetEvent) -> None:
+        self.events.append(ev.model_dump(mode="json"))
+        log.info("fleet event %s slot %s %s", ev.kind, ev.slot, ev.detail)
+
+    # ---- data and weights ---------------------------------------------------------
+    def rows(self, store_uri: str, key: str) -> list[dict]:
+        with self._lock:
+            if key not in self._rows:
+                path = self.work_dir / "data" / key.replace("/", "_")
+                if not path.exists():
+                    open_store(store_uri).get_file(key, path)
+                self._rows = {key: load_jsonl(path)}
+            return self._rows[key]
+
+    def local_weights(self, store_uri: str, run_id: str, version: int, weights_key: str) -> Path:
+        """The version's model folder on local disk (downloaded from the store once)."""
+        folder = self.work_dir / "weights" / run_id / f"v{version:06d}"
+        if not (folder / "model.safetensors").exists():
+            store = open_store(store_uri)
+            tmp = folder.with_name(folder.name + ".download")
+            for key in store.list(weights_key + "/"):
+                store.get_file(key, tmp / key.rsplit("/", 1)[1])
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
+        for old in folder.parent.glob("v*"):
+            if old.name < f"v{version - 1:06d}":
+                shutil.rmtree(old, ignore_errors=True)
+        return folder
+
+    # ---- engines ------------------------------------------------------------------
+    def ensure_engines(self, num_engines: int, health: HealthConfig, model_path: Path, version: int) -> list[int]:
+        """Gated recovery then weight push: returns the slots (re)started."""
+        with self._lock:
+            if self.fleet is None:
+                self.router = RouterProcess(
+                    free_port(), [], policy="round_robin", log_path=self.work_dir / "logs" / "router.log"
+                )
+                self.router.start()
+                self.fleet = EngineFleet(
+                    TorchEngineBackend(threads=self.engine_threads),
+                    num_engines,
+                    model_path,
+                    free_port(),
+                    self.work_dir / "logs",
+                    router=self.router,
+                    health=health,
+                    weight_version=version,
+                    on_event=self._on_fleet_event,
+                )
+                self.fleet.start()
+                restarted = list(range(num_engines))
+            else:
+                restarted = self.fleet.restart_empty_slots(model_path, version)
+            self.fleet.update_weights(model_path, version)
+            self._write_children()
+            return restarted
+
+    def set_run(self, run_id: str) -> None:
+        if self.run_id not in (None, run_id):
+            log.warning("node %s rebinds from run %s to %s", self.node_id, self.run_id, run_id)
+        self.run_id = run_id
+

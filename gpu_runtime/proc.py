@@ -1,0 +1,72 @@
+"""Child processes owned by a node agent: started in their own session, stopped by pid."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def stop_pid(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 10.0) -> None:
+    """SIGTERM the process group led by ``pid``, then SIGKILL it after ``timeout_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            os.kill(pid, sig)
+        if sig == signal.SIGKILL and proc is None:
+            break
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc is not None:
+                if proc.poll() is not None:
+                    return
+            elif not pid_alive(pid):
+                return
+            time.sleep(0.05)
+    if proc is not None:
+        proc.wait(timeout=timeout_s)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def spawn(cmd: list[str], log_path: Path, *, env: dict | None = None, stdout_pipe: bool = False) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    logf = open(log_path, "ab")
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE if stdout_pipe else logf,
+        stderr=logf,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    logf.close()
+    log.info("started pid %d: %s", proc.pid, " ".join(cmd[:4]))
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,159 @@
+"""Rollout of one RL step: fixed chunks, generated through the node's engines,
+stored under deterministic keys (a retried chunk whose artifact exists is reused).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from gpu_runtime import artifacts as art
+from gpu_runtime.data import encode_prompt, prompts_for_step
+from gpu_runtime.storage import ObjectStore
+from gpu_runtime.tokenizer import CharTokenizer
+
+log = logging.getLogger(__name__)
+
+# (batch of input ids, sampling params) -> (one SGLang-shaped result per prompt, engine url)
+ChunkGenerator = Callable[[list[list[int]], dict], tuple[list[dict], str]]
+
+
+class StaleWeights(RuntimeError):
+    """An engine answered with weights other than the step's policy version."""
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    chunk: int
+    seed: int
+    members: list[tuple[int, int]]  # (dataset index, group index)
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    run_id: str
+    step: int
+    seed: int
+    policy_version: int
+    data_cursor: int
+    n_rows: int
+    prompts_per_step: int
+    group_size: int
+    chunk_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+@dataclass
+class RolloutStats:
+    chunk_keys: list[str]
+    n_samples: int
+    gen_tokens: int
+    response_len_mean: float
+    tokens_per_s: float
+    chunks_reused: int
+    seconds: float
+
+
+def plan_chunks(req: RolloutRequest) -> list[ChunkPlan]:
+    """The step's samples, in a fixed order, cut into fixed chunks (DESIGN §5-6)."""
+    indices = prompts_for_step(req.n_rows, req.seed, req.data_cursor, req.prompts_per_step)
+    members = [(idx, g) for idx in indices for g in range(req.group_size)]
+    return [
+        ChunkPlan(
+            chunk=c,
+            seed=art.derive_seed(req.seed, req.step, c),
+            members=members[start : start + req.chunk_size],
+        )
+        for c, start in enumerate(range(0, len(members), req.chunk_size))
+    ]
+
+
+def generate_chunk(
+    req: RolloutRequest, plan: ChunkPlan, rows: list[dict], tokenizer: CharTokenizer, generate: ChunkGenerator
+) -> art.RolloutChunk:
+    prompts = [encode_prompt(tokenizer, rows[idx]) for idx, _ in plan.members]
+    params = {
+        "max_new_tokens": req.max_new_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "sampling_seed": plan.seed,
+    }
+    results, url = generate(prompts, params)
+    if len(results) != len(prompts):
+        raise RuntimeError(f"engine {url} returned {len(results)} results for {len(prompts)} prompts")
+    samples = []
+    for (idx, g), prompt_ids, res in zip(plan.members, prompts, results, strict=True):
+        meta = res.get("meta_info", {})
+        version = meta.get("weight_version")
+        if version is not None and int(version) != req.policy_version:
+            raise StaleWeights(f"engine {url} serves v{version}, step {req.step} needs v{req.policy_version}")
+        lps = [float(t[0]) for t in meta.get("output_token_logprobs", [])]
+        finish = meta.get("finish_reason") or {}
+        samples.append(
+            art.Sample(
+                sample_id=f"s{req.step}-p{idx}-g{g}",
+                prompt_index=idx,
+                group_index=g,
+                prompt_ids=prompt_ids,
+                response_ids=list(res["output_ids"]),
+                logprobs=lps,
+                weight_version=req.policy_version,
+                finish_reason=finish.get("type", "stop") if isinstance(finish, dict) else str(finish),
+            )
+        )
+    return art.RolloutChunk(
+        run_id=req.run_id, step=req.step, chunk=plan.chunk, seed=plan.seed,
+        weight_version=req.policy_version, engine_url=url, samples=samples,
+    )
+
+
+def run_rollout(
+    req: RolloutRequest,
+    store: ObjectStore,
+    rows: list[dict],
+    tokenizer: CharTokenizer,
+    generate: ChunkGenerator,
+    *,
+    parallelism: int,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> RolloutStats:
+    """Generate every missing chunk (``parallelism`` in flight) and store it."""
+    t0 = time.perf_counter()
+    plans = plan_chunks(req)
+    keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk) for p in plans]
+    todo = [(p, k) for p, k in zip(plans, keys) if not store.exists(k)]
+    reused = len(plans) - len(todo)
+    done = reused
+
+    def work(item: tuple[ChunkPlan, str]) -> None:
+        plan, key = item
+        chunk = generate_chunk(req, plan, rows, tokenizer, generate)
+        art.put_model(store, key, chunk)
+
+    with ThreadPoolExecutor(max_workers=max(1, parallelism)) as pool:
+        for _ in pool.map(work, todo):
+            done += 1
+            if on_chunk:
+                on_chunk(done, len(plans))
+    n_tokens, n_samples = 0, 0
+    for key in keys:
+        chunk = art.get_model(store, key, art.RolloutChunk)
+        n_samples += len(chunk.samples)
+        n_tokens += sum(len(s.response_ids) for s in chunk.samples)
+    seconds = time.perf_counter() - t0
+    return RolloutStats(
+        chunk_keys=keys,
+        n_samples=n_samples,
+        gen_tokens=n_tokens,
+        response_len_mean=n_tokens / max(1, n_samples),
+        tokens_per_s=n_tokens / max(seconds, 1e-9),
+        chunks_reused=reused,
+        seconds=seconds,
+    )

@@ -1,0 +1,398 @@
+"""The GRPO policy trainer: model, frozen reference, AdamW, LR schedule, version.
+
+Deterministic: given the same state and the same samples in the same order,
+``train_step`` produces bitwise identical weights (CPU, fixed thread count).
+``save_state``/``load_state`` capture everything needed to continue bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpu_runtime.artifacts import Sample, derive_seed
+from gpu_runtime.data import encode_prompt, final_answer, sft_target
+from gpu_runtime.grpo import entropy_from_logits, group_advantages, kl_k3, logprobs_and_logits, masked_mean, ppo_clip_loss
+from gpu_runtime.model import CausalLM, KVCache, ModelConfig, build_model, load_exported_state_dict, state_dict_for_export
+from gpu_runtime.model_folder import model_checksum, save_model_folder
+from gpu_runtime.rewards import extract_answer
+from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.trainer.hparams import TrainerHParams
+
+log = logging.getLogger(__name__)
+
+META_FILE = "trainer_meta.json"
+WEIGHTS_FILE = "policy.safetensors"
+REF_FILE = "reference.safetensors"
+OPTIM_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+FORMAT_VERSION = 1
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists -> (input_ids [B, T] int64, attention_mask [B, T] bool)."""
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), t), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = True
+    return ids, mask
+
+
+def response_mask(prompt_lens: list[int], total_lens: list[int], width: int) -> torch.Tensor:
+    """[B, width] bool over next-token targets: target j (token j+1) is a response token."""
+    j = torch.arange(width)[None, :] + 1
+    p = torch.tensor(prompt_lens)[:, None]
+    n = torch.tensor(total_lens)[:, None]
+    return (j >= p) & (j < n)
+
+
+class PolicyTrainer:
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: CharTokenizer,
+        hparams: TrainerHParams,
+        seed: int,
+        ref_model: CausalLM | None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.hparams = hparams
+        self.seed = seed
+        self.ref_model = ref_model
+        self.policy_version = 0
+        self.optimizer = self._new_optimizer(hparams)
+        self.opt_steps = 0  # LR-schedule position (optimizer steps taken in RL)
+
+    # ---------------------------------------------------------------- setup
+    @classmethod
+    def create(cls, model_cfg: ModelConfig, tokenizer: CharTokenizer, hparams: TrainerHParams, seed: int) -> "PolicyTrainer":
+        if model_cfg.vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size {model_cfg.vocab_size} < tokenizer vocab {tokenizer.vocab_size}")
+        torch.manual_seed(derive_seed("trainer", seed) % (1 << 63))
+        random.seed(derive_seed("trainer-py", seed))
+        model = build_model(model_cfg, seed)
+        model.train()
+        ref = cls._frozen_copy(model) if hparams.kl_coef > 0 else None
+        return cls(model, tokenizer, hparams, seed, ref)
+
+    @staticmethod
+    def _frozen_copy(model: CausalLM) -> CausalLM:
+        ref = copy.deepcopy(model)
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _new_optimizer(self, hp: TrainerHParams, lr: float | None = None) -> torch.optim.AdamW:
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=hp.lr if lr is None else lr, betas=hp.betas, eps=hp.eps,
+            weight_decay=hp.weight_decay, foreach=False,
+        )
+
+    def lr_at(self, step: int, hp: TrainerHParams) -> float:
+        """Constant LR with optional linear warm-up over ``warmup_steps`` optimizer steps."""
+        if hp.warmup_steps > 0 and step < hp.warmup_steps:
+            return hp.lr * (step + 1) / hp.warmup_steps
+        return hp.lr
+
+    # ----------------------------------------------------------------- SFT
+    def sft_warmup(self, rows: list[dict], steps: int, batch_size: int, lr: float, seed: int) -> dict[str, float]:
+        """Supervised warm-up on ``prompt -> sft_target + EOS`` (loss on the target
+        tokens only, token mean), constant LR, batches drawn from ``seed``. Afterwards
+        the RL optimizer/schedule are fresh, policy_version is 0 and the reference
+        (if any) is a copy of the warmed-up weights."""
+        if not rows:
+            raise ValueError("sft rows must not be empty")
+        if steps < 0 or batch_size <= 0:
+            raise ValueError(f"sft steps must be >= 0 and sft batch_size > 0, got {steps}, {batch_size}")
+        encoded = [
+            (encode_prompt(self.tokenizer, r), self.tokenizer.encode(sft_target(r)) + [self.tokenizer.eos_token_id])
+            for r in rows
+        ]
+        opt = self._new_optimizer(self.hparams, lr=lr)
+        self.model.train()
+        t0 = time.perf_counter()
+        first = last = float("nan")
+        for step in range(steps):
+            rng = random.Random(derive_seed("sft", seed, step))
+            batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+            ids, mask = pad_batch([p + c for p, c in batch], self.tokenizer.pad_token_id)
+            tmask = response_mask([len(p) for p, _ in batch], [len(p) + len(c) for p, c in batch], ids.shape[1] - 1)
+            lp, _ = logprobs_and_logits(self.model, ids, mask)
+            loss = -masked_mean(lp, tmask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hparams.grad_clip)
+            opt.step()
+            last = float(loss.detach())
+            if step == 0:
+                first = last
+        secs = time.perf_counter() - t0
+        self.optimizer = self._new_optimizer(self.hparams)
+        self.opt_steps = 0
+        self.policy_version = 0
+        if self.ref_model is not None:
+            self.ref_model = self._frozen_copy(self.model)
+        log.info("sft warm-up: %d steps in %.1f s, loss %.3f -> %.3f", steps, secs, first, last)
+        return {"sft_steps": float(steps), "sft_seconds": secs, "sft_loss_first": first, "sft_loss_last": last,
+                "sft_s_per_step": secs / max(steps, 1)}
+
+    # ------------------------------------------------------------------ RL
+    def _check_groups(self, samples: list[Sample], rewards: list[float], group_size: int) -> None:
+        if not samples:
+            raise ValueError("samples must not be empty")
+        if len(rewards) != len(samples):
+            raise ValueError(f"rewards has {len(rewards)} entries for {len(samples)} samples")
+        if group_size <= 0 or len(samples) % group_size:
+            raise ValueError(f"group_size={group_size} must divide the number of samples ({len(samples)})")
+        for g in range(0, len(samples), group_size):
+            grp = samples[g : g + group_size]
+            if any(s.prompt_index != grp[0].prompt_index or s.prompt_ids != grp[0].prompt_ids for s in grp):
+                raise ValueError(f"samples {g}..{g + group_size - 1}: a group must share one prompt (contiguous groups)")
+        for s in samples:
+            if not s.prompt_ids or not s.response_ids:
+                raise ValueError(f"sample {s.sample_id}: prompt_ids and response_ids must be non-empty")
+
+    def train_step(
+        self, samples: list[Sample], rewards: list[float], group_size: int, hparams: TrainerHParams
+    ) -> dict[str, float]:
+        """One GRPO update from one rollout; increments ``policy_version`` by 1.
+
+        ``ppo_epochs`` optimizer steps over the whole batch, each accumulated over
+        micro-batches so the loss is the token mean over the full batch. The
+        "old" logprobs are those of the current weights (taken, without grad,
+        from the first epoch's forward), so the first epoch's ratio is exactly 1."""
+        self._check_groups(samples, rewards, group_size)
+        t0 = time.perf_counter()
+        self.hparams = hparams
+        if hparams.kl_coef > 0 and self.ref_model is None:
+            raise ValueError("trainer.kl_coef > 0 needs a reference model: create the trainer with kl_coef > 0")
+        r = torch.tensor(rewards, dtype=torch.float32)
+        adv_all = group_advantages(r, group_size, scale_by_std=hparams.scale_adv_by_std)
+        mbs = hparams.micro_batch_size
+        batches = []
+        for i in range(0, len(samples), mbs):
+            chunk = samples[i : i + mbs]
+            ids, mask = pad_batch([s.prompt_ids + s.response_ids for s in chunk], self.tokenizer.pad_token_id)
+            tmask = response_mask([len(s.prompt_ids) for s in chunk],
+                                  [len(s.prompt_ids) + len(s.response_ids) for s in chunk], ids.shape[1] - 1)
+            batches.append((ids, mask, tmask, adv_all[i : i + mbs]))
+        n_tokens = int(sum(int(b[2].sum()) for b in batches))
+        ref_lps: list[torch.Tensor | None] = [None] * len(batches)
+        if hparams.kl_coef > 0:
+            assert self.ref_model is not None
+            with torch.no_grad():
+                ref_lps = [logprobs_and_logits(self.ref_model, ids, mask)[0] for ids, mask, _, _ in batches]
+        old_lps: list[torch.Tensor] = []
+        self.model.train()
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0}
+        grad_norm = 0.0
+        lr = self.lr_at(self.opt_steps, hparams)
+        for epoch in range(hparams.ppo_epochs):
+            lr = self.lr_at(self.opt_steps, hparams)
+            for group in self.optimizer.param_groups:
+                group.update(lr=lr, betas=hparams.betas, eps=hparams.eps, weight_decay=hparams.weight_decay)
+            self.optimizer.zero_grad(set_to_none=True)
+            last = epoch == hparams.ppo_epochs - 1
+            for k, (ids, mask, tmask, adv) in enumerate(batches):
+                lp, logits = logprobs_and_logits(self.model, ids, mask)
+                if epoch == 0:
+                    old_lps.append(lp.detach())
+                pg, clip_frac = ppo_clip_loss(lp, old_lps[k], adv, tmask, hparams.clip_eps, hparams.clip_eps_high)
+                loss = pg
+                kl = torch.zeros(())
+                ref = ref_lps[k]
+                if ref is not None:
+                    kl = kl_k3(lp, ref, tmask)
+                    loss = loss + hparams.kl_coef * kl
+                w = float(tmask.sum()) / max(n_tokens, 1)
+                (loss * w).backward()
+                if last:
+                    with torch.no_grad():
+                        ent = masked_mean(entropy_from_logits(logits.detach()), tmask)
+                    for name, v in (("loss", loss), ("pg_loss", pg), ("kl", kl), ("entropy", ent), ("clip_fraction", clip_frac)):
+                        sums[name] += float(v.detach()) * w
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), hparams.grad_clip))
+            self.optimizer.step()
+            self.opt_steps += 1
+        self.policy_version += 1
+        secs = time.perf_counter() - t0
+        metrics = dict(sums)
+        lens = [float(len(s.response_ids)) for s in samples]
+        metrics.update(
+            grad_norm=grad_norm, lr=lr, tokens=float(n_tokens), tokens_per_s=n_tokens * hparams.ppo_epochs / max(secs, 1e-9),
+            reward_mean=float(r.mean()), reward_std=float(r.std(unbiased=False)), response_len_mean=sum(lens) / len(lens),
+            step_seconds=secs, policy_version=float(self.policy_version),
+            rollout_logprob_abs_diff=self._logprob_gap(samples, batches, old_lps, mbs),
+        )
+        for k, v in metrics.items():
+            if v != v or v in (float("inf"), float("-inf")):
+                raise FloatingPointError(f"train_step: metric {k} is not finite ({v})")
+        return metrics
+
+    @staticmethod
+    def _logprob_gap(samples: list[Sample], batches: list, old_lps: list[torch.Tensor], mbs: int) -> float:
+        """Mean |engine logprob - trainer logprob| over response tokens (0 when the samples carry none)."""
+        total, count = 0.0, 0
+        for k, (_, _, tmask, _) in enumerate(batches):
+            for b, s in enumerate(samples[k * mbs : (k + 1) * mbs]):
+                if len(s.logprobs) != len(s.response_ids):
+                    continue
+                mine = old_lps[k][b][tmask[b]]
+                total += float((mine - torch.tensor(s.logprobs, dtype=mine.dtype)).abs().sum())
+                count += len(s.logprobs)
+        return total / count if count else 0.0
+
+    # --------------------------------------------------------------- state
+    def checksum(self) -> str:
+        return model_checksum(self.model)
+
+    def export_model_folder(self, folder: str | Path) -> str:
+        return save_model_folder(self.model, self.tokenizer, folder, weight_version=self.policy_version)
+
+    def save_state(self, folder: str | Path) -> None:
+        """Write the full trainer state into ``folder`` (meta file last)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(state_dict_for_export(self.model), str(folder / WEIGHTS_FILE))
+        if self.ref_model is not None:
+            save_file(state_dict_for_export(self.ref_model), str(folder / REF_FILE))
+        osd = self.optimizer.state_dict()
+        tensors = {f"{idx}.{name}": t.detach().contiguous().clone()
+                   for idx, st in osd["state"].items() for name, t in st.items() if isinstance(t, torch.Tensor)}
+        save_file(tensors, str(folder / OPTIM_FILE))
+        save_file({"torch_cpu": torch.get_rng_state()}, str(folder / RNG_FILE))
+        py_state = random.getstate()
+        meta = {
+            "format": FORMAT_VERSION,
+            "policy_version": self.policy_version,
+            "opt_steps": self.opt_steps,
+            "seed": self.seed,
+            "model_config": asdict(self.model.config),
+            "tokenizer_chars": self.tokenizer.chars,
+            "hparams": self.hparams.model_dump(mode="json"),
+            "has_reference": self.ref_model is not None,
+            "optimizer_param_groups": osd["param_groups"],
+            "python_random": [py_state[0], list(py_state[1]), py_state[2]],
+            "checksum": self.checksum(),
+        }
+        tmp = folder / (META_FILE + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        tmp.replace(folder / META_FILE)
+
+    @classmethod
+    def from_state(cls, folder: str | Path) -> "PolicyTrainer":
+        """Build a trainer from a folder written by ``save_state``."""
+        meta = cls._read_meta(Path(folder))
+        cfg = ModelConfig(**meta["model_config"])
+        hp = TrainerHParams.model_validate(meta["hparams"])
+        model = CausalLM(cfg)
+        ref = cls._frozen_copy(model) if meta["has_reference"] else None
+        trainer = cls(model, CharTokenizer(meta["tokenizer_chars"]), hp, int(meta["seed"]), ref)
+        trainer.load_state(folder)
+        return trainer
+
+    @staticmethod
+    def _read_meta(folder: Path) -> dict:
+        path = folder / META_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"no {META_FILE} in trainer state folder {folder}")
+        meta = json.loads(path.read_text())
+        if meta.get("format") != FORMAT_VERSION:
+            raise ValueError(f"{path}: field 'format' must be {FORMAT_VERSION}, got {meta.get('format')!r}")
+        return meta
+
+    def load_state(self, folder: str | Path) -> None:
+        """Restore weights, reference, optimizer, schedule, RNG and version from ``folder``."""
+        folder = Path(folder)
+        meta = self._read_meta(folder)
+        if asdict(self.model.config) != meta["model_config"]:
+            raise ValueError(f"{folder / META_FILE}: field 'model_config' does not match this trainer's model")
+        with torch.no_grad():
+            load_exported_state_dict(self.model, load_file(str(folder / WEIGHTS_FILE)))
+            if meta["has_reference"]:
+                if self.ref_model is None:
+                    self.ref_model = self._frozen_copy(self.model)
+                load_exported_state_dict(self.ref_model, load_file(str(folder / REF_FILE)))
+            else:
+                self.ref_model = None
+        self.hparams = TrainerHParams.model_validate(meta["hparams"])
+        self.optimizer = self._new_optimizer(self.hparams)
+        flat = load_file(str(folder / OPTIM_FILE))
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in flat.items():
+            idx, _, name = key.partition(".")
+            state.setdefault(int(idx), {})[name] = t
+        groups = meta["optimizer_param_groups"]
+        for g in groups:
+            g["betas"] = tuple(g["betas"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        torch.set_rng_state(load_file(str(folder / RNG_FILE))["torch_cpu"])
+        v, internal, gauss = meta["python_random"]
+        random.setstate((v, tuple(internal), gauss))
+        self.policy_version = int(meta["policy_version"])
+        self.opt_steps = int(meta["opt_steps"])
+        self.seed = int(meta["seed"])
+        got = self.checksum()
+        if got != meta["checksum"]:
+            raise ValueError(f"{folder / WEIGHTS_FILE}: weights checksum {got} != recorded {meta['checksum']}")
+        self.model.train()
+
+    # ---------------------------------------------------------------- eval
+    def evaluate_greedy(self, rows: list[dict], limit: int = 200, max_new_tokens: int = 8, batch_size: int = 128) -> float:
+        """Greedy accuracy (math answer check) on the first ``limit`` rows."""
+        rows = rows[:limit]
+        if not rows:
+            raise ValueError("evaluate_greedy: rows must not be empty")
+        correct = 0
+        for i in range(0, len(rows), batch_size):
+            chunk = rows[i : i + batch_size]
+            outs = greedy_generate(self.model, self.tokenizer, [encode_prompt(self.tokenizer, r) for r in chunk], max_new_tokens)
+            correct += sum(extract_answer(self.tokenizer.decode(o)) == final_answer(r) for o, r in zip(outs, chunk))
+        self.model.train()
+        return correct / len(rows)
+
+
+@torch.no_grad()
+def greedy_generate(model: CausalLM, tokenizer: CharTokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Batched greedy decoding (left-padded prompts, KV cache). Returns response ids incl. EOS when emitted."""
+    model.eval()
+    b = len(prompts)
+    t = max(len(p) for p in prompts)
+    ids = torch.full((b, t), tokenizer.pad_token_id, dtype=torch.long)
+    key_mask = torch.zeros((b, t), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, t - len(p):] = torch.tensor(p)
+        key_mask[i, t - len(p):] = True
+    pos = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+    cache = KVCache(model.config.num_hidden_layers)
+    logits = model(ids, key_mask, pos, cache=cache)[:, -1]
+    next_pos = pos[:, -1:] + 1
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        tok = logits.argmax(-1)
+        for i in range(b):
+            if not done[i]:
+                out[i].append(int(tok[i]))
+        done |= tok == tokenizer.eos_token_id
+        if bool(done.all()):
+            break
+        key_mask = torch.cat([key_mask, torch.ones((b, 1), dtype=torch.bool)], dim=1)
+        logits = model(tok[:, None], key_mask, next_pos, cache=cache)[:, -1]
+        next_pos = next_pos + 1
+    return out
+
+
+__all__ = ["PolicyTrainer", "greedy_generate", "pad_batch", "response_mask"]

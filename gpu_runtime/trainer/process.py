@@ -1,0 +1,80 @@
+"""The node agent's handle on its trainer subprocess (start, restart, stop by pid)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from gpu_runtime.proc import spawn, stop_pid
+from gpu_runtime.rpc import RPCClient
+
+log = logging.getLogger(__name__)
+
+
+class TrainerDied(RuntimeError):
+    pass
+
+
+class TrainerProcess:
+    def __init__(self, work_dir: Path, log_path: Path, threads: int = 1, start_timeout_s: float = 120.0) -> None:
+        self.work_dir = work_dir
+        self.log_path = log_path
+        self.threads = threads
+        self.start_timeout_s = start_timeout_s
+        self.proc = None
+        self.client: RPCClient | None = None
+        self.restarts = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "gpu_runtime.trainer.server", "--work-dir", str(self.work_dir),
+               "--threads", str(self.threads)]
+        self.proc = spawn(cmd, self.log_path, stdout_pipe=True)
+        line = _read_line(self.proc, self.start_timeout_s)
+        m = re.match(r"READY port=(\d+)", line or "")
+        if not m:
+            stop_pid(self.proc.pid, self.proc)
+            raise TrainerDied(f"trainer did not start (see {self.log_path}): {line!r}")
+        self.client = RPCClient(f"http://127.0.0.1:{m.group(1)}")
+        log.info("trainer pid %d on port %s", self.proc.pid, m.group(1))
+
+    def ensure_running(self) -> None:
+        with self._lock:
+            if not self.alive():
+                if self.proc is not None:
+                    log.warning("trainer pid %d exited with %s; restarting", self.proc.pid, self.proc.returncode)
+                    self.restarts += 1
+                self.start()
+
+    def call(self, method: str, arg: dict | None = None) -> Any:
+        self.ensure_running()
+        assert self.client is not None
+        try:
+            return self.client.call(method, arg)
+        except ConnectionError as err:
+            if not self.alive():
+                raise TrainerDied(f"trainer pid {self.pid} died during {method}") from err
+            raise
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_pid(self.proc.pid, self.proc)
+
+
+def _read_line(proc: Any, timeout_s: float) -> str | None:
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(proc.stdout.readline().decode()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return out[0].strip() if out else None

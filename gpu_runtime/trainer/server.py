@@ -1,0 +1,48 @@
+"""Trainer process: ``python -m gpu_runtime.trainer.server --work-dir D [--port 0]``.
+
+Prints ``READY port=<p> pid=<pid>`` on stdout once it serves; everything else
+goes to the log. One call at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+from gpu_runtime.rpc import RPCServer
+from gpu_runtime.trainer.service import RunSetup, TrainerService, TrainSpec
+
+
+def build_methods(svc: TrainerService) -> dict:
+    return {
+        "version": lambda a: {"policy_version": svc.version(), "pid": os.getpid()},
+        "ensure_version": lambda a: svc.ensure_version(RunSetup(**a["setup"]), int(a["target"])).model_dump(),
+        "train_step": lambda a: svc.train_step(RunSetup(**a["setup"]), TrainSpec(**a["spec"])).model_dump(),
+        "checkpoint": lambda a: svc.checkpoint(
+            RunSetup(**a["setup"]), int(a["step"]), data_cursor=int(a["data_cursor"]), sync=bool(a.get("sync", False))
+        ),
+        "wait_for_uploads": lambda a: svc.wait_for_uploads(float(a.get("timeout_s", 60.0))),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--work-dir", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (fixed for bitwise replay)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainer %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    server = RPCServer(args.host, args.port, build_methods(TrainerService(args.work_dir)))
+    print(f"READY port={server.port} pid={os.getpid()}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

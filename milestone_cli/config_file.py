@@ -1,0 +1,69 @@
+"""Load a YAML run config; errors name the key and its file:line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from workflows.config import RunConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
+    """Follow a pydantic error location through the YAML node tree to a line number."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == str(part):
+                    line, node = k.start_mark.line + 1, v
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file")
+    text = path.read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+        root = yaml.compose(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}:1: the config must be a mapping of keys")
+    raw.update(overrides or {})
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            loc = tuple(e["loc"])
+            where = f"{path}:{_line_of(root, loc) or 1}"
+            key = ".".join(str(p) for p in loc) or "<root>"
+            msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+            lines.append(f"{where}: {key}: {msg}")
+        raise ConfigError("\n".join(lines)) from None
+    return absolutize_store(cfg)
+
+
+def absolutize_store(cfg: RunConfig) -> RunConfig:
+    """``file://relative/dir`` is relative to where the run is started, not to the workers."""
+    if cfg.store.startswith("file://"):
+        rest = cfg.store.removeprefix("file://")
+        if not rest.startswith("/"):
+            cfg = cfg.model_copy(update={"store": f"file://{Path(rest).resolve()}"})
+    return cfg

@@ -1,0 +1,203 @@
+"""``milestone`` command line: start, watch, status, pause, resume, set."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import uuid
+
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.service import RPCError
+
+from milestone_cli.config_file import ConfigError, load_run_config
+from workers.common import connect
+from workflows.config import HParamUpdate
+from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
+
+UI_BASE = "http://localhost:8233"
+
+
+def ui_link(run_id: str, namespace: str = "default") -> str:
+    return f"{UI_BASE}/namespaces/{namespace}/workflows/{run_id}"
+
+
+async def _progress(handle: WorkflowHandle) -> RunProgress:
+    return await handle.query("progress", result_type=RunProgress)
+
+
+async def _closed_state(handle: WorkflowHandle) -> str | None:
+    desc = await handle.describe()
+    st = desc.status
+    if st in (None, WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW):
+        return None
+    return st.name.lower()
+
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    filled = int(width * done / max(1, total))
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+def format_progress(p: RunProgress) -> str:
+    last = p.steps[-1] if p.steps else None
+    line = f"{p.run_id} {_bar(p.step, p.total_steps)} step {p.step}/{p.total_steps} v{p.policy_version} {p.state}"
+    if last:
+        line += (
+            f" | reward {last.reward_mean:.3f} acc {last.accuracy:.2f} loss {last.loss:+.4f}"
+            f" | {last.step_seconds:.1f}s/step"
+        )
+    return line
+
+
+async def cmd_start(client: Client, args: argparse.Namespace) -> int:
+    try:
+        cfg = load_run_config(args.config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if cfg.data.kind == "jsonl":  # validate rows before the run starts
+        from gpu_runtime.data import load_jsonl
+
+        try:
+            load_jsonl(cfg.data.path)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    run_id = args.run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+    handle = await client.start_workflow(
+        "TrainingRun",
+        TrainingRunInput(config=cfg),
+        id=run_id,
+        task_queue=CONTROL_QUEUE,
+        static_summary=f"{cfg.name}: {cfg.steps} RL steps",
+    )
+    print(f"started {run_id}\n  UI: {ui_link(run_id)}")
+    if args.wait:
+        return await watch(client, run_id)
+    return 0
+
+
+async def watch(client: Client, run_id: str, interval_s: float = 1.0) -> int:
+    handle = client.get_workflow_handle(run_id, result_type=RunSummary)
+    tty = sys.stdout.isatty()
+    last_line = ""
+    while True:
+        closed = await _closed_state(handle)
+        try:
+            line = format_progress(await _progress(handle))
+        except RPCError:
+            line = f"{run_id}: waiting for a worker..."
+        if line != last_line:
+            print(("\r\x1b[2K" + line) if tty else line, end="" if tty else "\n", flush=True)
+            last_line = line
+        if closed:
+            if tty:
+                print()
+            if closed != "completed":
+                print(f"run {run_id} {closed}", file=sys.stderr)
+                return 1
+            summary = await handle.result()
+            print(
+                f"done: {summary.steps} steps, policy v{summary.policy_version}, "
+                f"mean reward first steps {summary.first_reward_mean:.3f} -> last steps {summary.last_reward_mean:.3f}"
+            )
+            return 0
+        await asyncio.sleep(interval_s)
+
+
+async def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    handle = client.get_workflow_handle(args.run)
+    closed = await _closed_state(handle)
+    p = await _progress(handle)
+    state = closed or p.state
+    if args.json:
+        doc = p.model_dump(mode="json")
+        doc["state"] = state
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_progress(p.model_copy(update={"state": state})))
+        for e in p.events[-10:]:
+            print(f"  {e.at} {e.kind}: {e.detail}")
+    return 0
+
+
+async def cmd_signal(client: Client, args: argparse.Namespace) -> int:
+    await client.get_workflow_handle(args.run).signal(args.command)
+    print(f"{args.command} sent to {args.run}")
+    return 0
+
+
+async def cmd_set(client: Client, args: argparse.Namespace) -> int:
+    fields: dict[str, float] = {}
+    for item in args.assignments:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"error: expected KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        try:
+            fields[key] = float(value)
+        except ValueError:
+            print(f"error: {key}: not a number: {value!r}", file=sys.stderr)
+            return 2
+    try:
+        update = HParamUpdate(**fields)
+    except Exception as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = await client.get_workflow_handle(args.run).execute_update("set_hparams", update)
+    print(json.dumps(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="milestone", description="Durable RL post-training on Temporal")
+    p.add_argument("--address", default=None, help="Temporal frontend (default localhost:7233)")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("start", help="start a run from a YAML config")
+    s.add_argument("config")
+    s.add_argument("--run-id", default=None)
+    s.add_argument("--wait", action="store_true", help="watch until the run ends")
+    w = sub.add_parser("watch", help="live progress of a run")
+    w.add_argument("run")
+    st = sub.add_parser("status", help="state of a run")
+    st.add_argument("run")
+    st.add_argument("--json", action="store_true")
+    for name in ("pause", "resume"):
+        sp = sub.add_parser(name, help=f"{name} a run between steps")
+        sp.add_argument("run")
+    se = sub.add_parser("set", help="change hyper-parameters between steps, e.g. lr=1e-5")
+    se.add_argument("run")
+    se.add_argument("assignments", nargs="+")
+    return p
+
+
+async def amain(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "start":  # validate the config before connecting
+        try:
+            load_run_config(args.config)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    client = await connect(args.address)
+    if args.command == "start":
+        return await cmd_start(client, args)
+    if args.command == "watch":
+        return await watch(client, args.run)
+    if args.command == "status":
+        return await cmd_status(client, args)
+    if args.command in ("pause", "resume"):
+        return await cmd_signal(client, args)
+    if args.command == "set":
+        return await cmd_set(client, args)
+    return 2
+
+
+def main() -> None:
+    sys.exit(asyncio.run(amain()))
+
+
+if __name__ == "__main__":
+    main()

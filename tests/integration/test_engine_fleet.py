@@ -1,0 +1,143 @@
+"""Fault injection on a real fleet: 2 torch engines behind a real sglang-router."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gpu_runtime.engine.backends import TorchEngineBackend
+from gpu_runtime.engine.client import EngineClient
+from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig, NoHealthyEngine, WeightMismatch
+from gpu_runtime.engine.router import RouterProcess
+from tests.engine_fixtures import free_port, free_port_block, model_dirs, wait_for  # noqa: F401
+
+HEALTH = HealthConfig(interval_s=1.0, timeout_s=1.0, first_wait_s=60.0, failure_threshold=1)
+BATCH = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11], [1, 12, 13, 14]]
+SP = {"max_new_tokens": 40, "temperature": 1.0, "top_p": 0.9, "sampling_seed": 77}
+
+
+def _make_fleet(model_dirs, tmp_path, *, with_router: bool) -> EngineFleet:  # type: ignore[no-untyped-def]
+    router = RouterProcess(free_port(), [], log_path=tmp_path / "router.log") if with_router else None
+    return EngineFleet(TorchEngineBackend(threads=1, step_delay_ms=25), 2, model_dirs["v1"], free_port_block(2),
+                       tmp_path / "logs", router=router, health=HEALTH)
+
+
+@pytest.fixture
+def fleet(model_dirs, tmp_path) -> Iterator[EngineFleet]:  # type: ignore[no-untyped-def]
+    f = _make_fleet(model_dirs, tmp_path, with_router=True)
+    try:
+        f.start()
+        yield f
+    finally:
+        f.stop()  # kills every engine and the router by pid, even when the test failed
+
+
+def _tokens(results: list[dict]) -> list[list[int]]:
+    return [r["output_ids"] for r in results]
+
+
+def _kill_busy_engine_mid_chunk(fleet: EngineFleet) -> tuple[list[dict], int]:
+    box: dict[str, object] = {}
+    t = threading.Thread(target=lambda: box.update(out=fleet.generate_chunk(BATCH, SP)))
+    t.start()
+    clients = {s.slot: (EngineClient(s.url, timeout_s=5), s.pid) for s in fleet.snapshot()}
+
+    def busy() -> int | None:
+        for slot, (c, _) in clients.items():
+            try:
+                if c.server_info()["busy"]:
+                    return slot + 1
+            except Exception:  # noqa: BLE001
+                pass
+        return None
+
+    slot = wait_for(busy, 30, "an engine to be decoding", interval_s=0.02) - 1
+    os.kill(clients[slot][1], signal.SIGKILL)  # type: ignore[arg-type]
+    t.join(timeout=120)
+    assert not t.is_alive()
+    return box["out"][0], slot  # type: ignore[index]
+
+
+def test_sigkill_mid_chunk_completes_with_identical_tokens(fleet) -> None:  # type: ignore[no-untyped-def]
+    reference, _ = fleet.generate_chunk(BATCH, SP)
+    out, slot = _kill_busy_engine_mid_chunk(fleet)
+    assert _tokens(out) == _tokens(reference)
+    assert [r["meta_info"]["output_token_logprobs"] for r in out] == \
+           [r["meta_info"]["output_token_logprobs"] for r in reference]
+    wait_for(lambda: fleet.snapshot()[slot].state == "empty", 10, "dead slot to be empty")
+    assert any(e.kind == "engine_dead" and e.slot == slot for e in fleet.events)
+    assert fleet.router.worker_urls() == {fleet.snapshot()[1 - slot].url}
+
+
+def test_direct_mode_retries_same_request_on_survivor(model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = _make_fleet(model_dirs, tmp_path, with_router=False)
+    try:
+        f.start()
+        reference, _ = f.generate_chunk(BATCH, SP)
+        out, slot = _kill_busy_engine_mid_chunk(f)
+        assert _tokens(out) == _tokens(reference)
+        assert f.snapshot()[slot].state == "empty"
+    finally:
+        f.stop()
+
+
+def test_sigstop_is_detected_killed_and_healed(fleet, model_dirs) -> None:  # type: ignore[no-untyped-def]
+    seen: list[FleetEvent] = []
+    fleet.on_event = seen.append
+    victim = fleet.snapshot()[0]
+    t0 = time.time()
+    os.kill(victim.pid, signal.SIGSTOP)
+    ev = wait_for(lambda: next((e for e in seen if e.kind == "engine_dead" and e.slot == 0), None), 30, "engine_dead")
+    latency = ev.at - t0
+    assert latency <= HEALTH.interval_s + HEALTH.timeout_s + 1.0, latency
+    assert any(e.kind == "engine_hung" and e.slot == 0 for e in seen)
+    with pytest.raises(ProcessLookupError):
+        os.kill(victim.pid, 0)  # killed and reaped
+    assert fleet.snapshot()[0].state == "empty"
+    assert victim.url not in fleet.router.worker_urls()
+    # a chunk still runs on the survivor
+    fleet.generate_chunk(BATCH, {**SP, "max_new_tokens": 4})
+
+    # gated recovery with the newest weights, then the weight update to everyone
+    assert fleet.restart_empty_slots(model_dirs["v2"], 2) == [0]
+    snap = fleet.snapshot()
+    assert snap[0].state == "healthy" and snap[0].checksum == model_dirs["c2"] and snap[0].restart_count == 1
+    assert snap[0].pid != victim.pid
+    assert fleet.router.worker_urls() == {s.url for s in snap}
+    assert fleet.update_weights(model_dirs["v2"], 2) == {0: model_dirs["c2"], 1: model_dirs["c2"]}
+    assert {e.kind for e in seen} >= {"engine_restarted", "engine_recovered", "checksum_ok"}
+    # the router sends the restarted engine traffic at once (no circuit-breaker wait)
+    restarted = EngineClient(snap[0].url, timeout_s=10)
+    for _ in range(4):
+        out, _ = fleet.generate_chunk(BATCH, {**SP, "max_new_tokens": 4})
+        assert out[0]["meta_info"]["weight_version"] == "2"
+    assert restarted.server_info()["num_generate_requests"] >= 1
+
+
+def test_all_engines_dead_then_recovery(fleet, model_dirs) -> None:  # type: ignore[no-untyped-def]
+    reference, _ = fleet.generate_chunk(BATCH, SP)
+    for s in fleet.snapshot():
+        os.kill(s.pid, signal.SIGKILL)
+    with pytest.raises(NoHealthyEngine):
+        fleet.generate_chunk(BATCH, SP)
+    assert all(s.state == "empty" for s in fleet.snapshot())
+    assert sorted(fleet.restart_empty_slots()) == [0, 1]
+    out, url = fleet.generate_chunk(BATCH, SP)
+    assert url == fleet.router.url and _tokens(out) == _tokens(reference)
+
+
+def test_update_weights_reports_checksum_mismatch(fleet, model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "tampered"
+    shutil.copytree(model_dirs["v2"], bad)
+    (bad / "milestone.json").write_text(json.dumps({"weight_version": 2, "checksum": "0" * 64}))
+    with pytest.raises(WeightMismatch) as ei:
+        fleet.update_weights(bad, 2)
+    assert ei.value.slots == [0, 1]
+    assert sum(e.kind == "checksum_mismatch" for e in fleet.events) == 2

@@ -1,0 +1,90 @@
+"""SeaweedFS fixtures: one real server per test session, a fresh bucket per test.
+
+Import into a test module explicitly::
+
+    from tests.s3_fixtures import seaweed, s3_store, make_s3_store  # noqa: F401
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime.s3_store import S3Store
+from infra.seaweedfs import SeaweedServer
+
+log = logging.getLogger(__name__)
+
+ACCESS_KEY = "milestone-test"
+SECRET_KEY = "milestone-test-secret"
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``cond`` every 20 ms until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def new_bucket_name() -> str:
+    return f"t-{uuid.uuid4().hex[:16]}"
+
+
+def store_for(server: SeaweedServer, bucket: str | None = None, prefix: str = "", **kw: object) -> S3Store:
+    return S3Store(
+        bucket or new_bucket_name(), prefix, endpoint_url=server.endpoint_url,
+        access_key=server.access_key, secret_key=server.secret_key, **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """A session-wide SeaweedFS on free ports; stopped by pid at the end."""
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"), 0, ACCESS_KEY, SECRET_KEY)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def make_s3_store(seaweed: SeaweedServer) -> Iterator[Callable[..., S3Store]]:
+    """Factory for S3Stores on fresh buckets of the session server; emptied afterwards."""
+    made: list[S3Store] = []
+
+    def make(prefix: str = "", bucket: str | None = None, **kw: object) -> S3Store:
+        store = store_for(seaweed, bucket, prefix, **kw)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        try:
+            if seaweed.is_running():
+                store.delete_prefix("")
+        except Exception as e:  # noqa: BLE001 - cleanup must not mask the test result
+            log.warning("cleanup of %s failed: %s", store.root_uri, e)
+
+
+@pytest.fixture
+def s3_store(make_s3_store: Callable[..., S3Store]) -> S3Store:
+    return make_s3_store("ckpt-root")
+
+
+@pytest.fixture
+def own_seaweed(tmp_path: Path) -> Iterator[SeaweedServer]:
+    """A private SeaweedFS for tests that stop and restart it (outage tests)."""
+    server = SeaweedServer(tmp_path / "seaweedfs", 0, ACCESS_KEY, SECRET_KEY)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,153 @@
+"""Real processes for integration tests: a Temporal dev server and our workers.
+
+Every process is started in its own session and stopped by pid at teardown,
+also when the test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+
+from gpu_runtime.proc import free_port, pid_alive, spawn, stop_pid
+from infra.temporal_server import server_command, wait_for_port
+
+ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], T], timeout_s: float = 60.0, interval_s: float = 0.1, what: str = "condition") -> T:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def async_wait_for(cond: Callable, timeout_s: float = 60.0, interval_s: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await cond()
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+class TemporalDevServer:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = server_command(
+            self.workdir / "temporal.db", self.port, None, http_port=free_port(), metrics_port=free_port()
+        )
+        self.proc = spawn(cmd, self.workdir / "temporal.log")
+        wait_for_port("127.0.0.1", self.port, 60, self.proc)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_pid(self.proc.pid, self.proc)
+            self.proc = None
+
+
+class Stack:
+    """Temporal dev server + ``workers.control`` + ``workers.gpu`` processes."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.server = TemporalDevServer(workdir)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"MILESTONE_TEMPORAL_ADDRESS": self.server.address, "PYTHONPATH": str(ROOT)}
+
+    def start(self, gpu_nodes: tuple[str, ...] = ("node0",)) -> "Stack":
+        self.server.start()
+        self.start_control()
+        for node in gpu_nodes:
+            self.start_gpu(node)
+        return self
+
+    def start_control(self) -> subprocess.Popen:
+        return self._spawn("control", [sys.executable, "-m", "workers.control"])
+
+    def start_gpu(self, node_id: str, name: str | None = None) -> subprocess.Popen:
+        return self._spawn(
+            name or f"gpu-{node_id}",
+            [sys.executable, "-m", "workers.gpu", "--device", "cpu", "--node-id", node_id,
+             "--work-dir", str(self.workdir / "nodes" / node_id)],
+        )
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        proc = spawn(cmd, self.workdir / "logs" / f"{name}.log", env=self.env)
+        self.procs[name] = proc
+        return proc
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=30)
+
+    def node_children(self, node_id: str) -> list[int]:
+        path = self.workdir / "nodes" / node_id / "children.json"
+        return [p for p in (json.loads(path.read_text()) if path.exists() else []) if pid_alive(p)]
+
+    def stop(self) -> None:
+        for name, proc in list(self.procs.items()):
+            if proc.poll() is None:
+                stop_pid(proc.pid, proc, timeout_s=20)
+        for node_dir in (self.workdir / "nodes").glob("*"):  # children of a SIGKILLed agent
+            for pid in self.node_children(node_dir.name):
+                stop_pid(pid)
+        self.server.stop()
+
+    def log(self, name: str) -> str:
+        path = self.workdir / "logs" / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+
+def tiny_config(store_dir: Path, **overrides: object) -> dict:
+    """A run small enough for CI: tiny model, few prompts, short SFT."""
+    cfg: dict = {
+        "name": "t",
+        "seed": 7,
+        "steps": 3,
+        "store": f"file://{store_dir}",
+        "model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2},
+        "data": {"kind": "arithmetic", "num_train": 200, "max_operand": 9},
+        "sft": {"steps": 100, "batch_size": 32, "lr": 3e-3},
+        "rollout": {"prompts_per_step": 4, "group_size": 4, "chunk_size": 8, "max_new_tokens": 4},
+        "train": {"lr": 1e-4},
+        "checkpoint": {"every": 1, "keep_last": 2},
+        "engines": {"num_engines": 2, "health_check_interval_s": 1, "health_check_timeout_s": 5},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    return cfg

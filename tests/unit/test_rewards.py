@@ -1,0 +1,115 @@
+"""Answer extraction, the math rule, and custom reward functions by dotted path."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from pydantic import ValidationError
+
+from gpu_runtime.artifacts import Sample
+from gpu_runtime.rewards import (
+    RewardError, RewardSpec, extract_answer, load_reward_function, math_answer_reward, score_samples,
+)
+from gpu_runtime.tokenizer import CharTokenizer
+
+ROW = {"id": "r0", "question": "What is 23+45?", "answer": "23+45=68\n#### 68"}
+_RELEASE = threading.Event()
+
+
+def length_reward(prompt: str, response: str, row: dict) -> float:
+    return float(len(response)) + (0.5 if prompt.endswith("=") else 0.0)
+
+
+def failing_reward(prompt: str, response: str, row: dict) -> float:
+    raise KeyError("boom")
+
+
+def string_reward(prompt: str, response: str, row: dict) -> float:
+    return "1"  # type: ignore[return-value]
+
+
+def blocking_reward(prompt: str, response: str, row: dict) -> float:
+    _RELEASE.wait(10.0)
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("68", "68"), ("the answer is 68", "68"), ("23+45=68\n#### 68", "68"), ("#### 68 then 99", "68"),
+     ("1 2 3", "3"), ("-7", "-7"), ("007", "7"), ("no digits", None), ("", None)],
+)
+def test_extract_answer(text: str, expected: str | None) -> None:
+    assert extract_answer(text) == expected
+
+
+def test_math_answer_reward() -> None:
+    assert math_answer_reward("68", ROW) == (1.0, True)
+    assert math_answer_reward("23+45=68\n#### 68", ROW) == (1.0, True)
+    assert math_answer_reward("67", ROW) == (0.0, False)
+    assert math_answer_reward("", ROW) == (0.0, False)
+
+
+def test_reward_spec_validation() -> None:
+    assert RewardSpec().kind == "math_answer"
+    with pytest.raises(ValidationError, match="reward.function is required"):
+        RewardSpec(kind="custom")
+    with pytest.raises(ValidationError, match="reward.function"):
+        RewardSpec(kind="custom", function="not a path")
+    with pytest.raises(ValidationError):
+        RewardSpec(timeout_s=0)
+
+
+def _samples(tok: CharTokenizer) -> list[Sample]:
+    p = tok.encode("23+45=", add_bos=True)
+    out = []
+    for g, text in enumerate(["68", "67", "6"]):
+        r = tok.encode(text) + [tok.eos_token_id]
+        out.append(Sample(sample_id=f"s0-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=p, response_ids=r,
+                          logprobs=[0.0] * len(r), weight_version=0, finish_reason="stop"))
+    return out
+
+
+def test_score_samples_math() -> None:
+    tok = CharTokenizer()
+    res = score_samples(_samples(tok), [ROW], tok, RewardSpec())
+    assert [r.reward for r in res] == [1.0, 0.0, 0.0]
+    assert [r.correct for r in res] == [True, False, False]
+    assert res[0].sample_id == "s0-p0-g0"
+
+
+@pytest.mark.parametrize("sep", [":", "."])
+def test_score_samples_custom_by_dotted_path(sep: str) -> None:
+    tok = CharTokenizer()
+    spec = RewardSpec(kind="custom", function=f"{__name__}{sep}length_reward")
+    res = score_samples(_samples(tok), {0: ROW}, tok, spec)
+    assert [r.reward for r in res] == [2.5, 2.5, 1.5]
+    assert [r.correct for r in res] == [True, False, False]
+
+
+def test_custom_errors_name_the_function() -> None:
+    tok = CharTokenizer()
+    with pytest.raises(RewardError, match="failing_reward.*KeyError"):
+        score_samples(_samples(tok), [ROW], tok, RewardSpec(kind="custom", function=f"{__name__}:failing_reward"))
+    with pytest.raises(RewardError, match="string_reward.*expected float"):
+        score_samples(_samples(tok), [ROW], tok, RewardSpec(kind="custom", function=f"{__name__}:string_reward"))
+    with pytest.raises(RewardError, match="no_such_module"):
+        load_reward_function("no_such_module:fn")
+    with pytest.raises(RewardError, match="no callable 'missing'"):
+        load_reward_function(f"{__name__}:missing")
+
+
+def test_custom_timeout() -> None:
+    tok = CharTokenizer()
+    spec = RewardSpec(kind="custom", function=f"{__name__}:blocking_reward", timeout_s=0.05)
+    try:
+        with pytest.raises(RewardError, match="blocking_reward.*timed out after 0.05 s"):
+            score_samples(_samples(tok), [ROW], tok, spec)
+    finally:
+        _RELEASE.set()
+
+
+def test_unknown_prompt_index() -> None:
+    tok = CharTokenizer()
+    with pytest.raises(ValueError, match="prompt_index 0 not in dataset"):
+        score_samples(_samples(tok), {}, tok, RewardSpec())

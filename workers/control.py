@@ -1,0 +1,55 @@
+"""Orchestration worker: ``python -m workers.control``.
+
+Runs the ``TrainingRun`` and ``RLStep`` workflows and the light CPU activities
+(dataset preparation, rule rewards) on the control task queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+from temporalio.worker import Worker
+
+from activities.control import compute_rewards, prepare_data
+from workers.common import connect, install_shutdown, setup_logging
+from workflows.contracts import CONTROL_QUEUE
+from workflows.rl_step import RLStep
+from workflows.training_run import TrainingRun
+
+log = logging.getLogger("workers.control")
+
+
+async def run(address: str | None, namespace: str | None) -> None:
+    client = await connect(address, namespace)
+    stop = asyncio.Event()
+    install_shutdown(stop)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        worker = Worker(
+            client,
+            task_queue=CONTROL_QUEUE,
+            workflows=[TrainingRun, RLStep],
+            activities=[prepare_data, compute_rewards],
+            activity_executor=pool,
+            graceful_shutdown_timeout=timedelta(seconds=5),
+        )
+        log.info("control worker polling %s", CONTROL_QUEUE)
+        async with worker:
+            await stop.wait()
+    log.info("control worker stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--address", default=None, help="Temporal frontend (default $MILESTONE_TEMPORAL_ADDRESS or localhost:7233)")
+    p.add_argument("--namespace", default=None)
+    args = p.parse_args(argv)
+    setup_logging("control")
+    asyncio.run(run(args.address, args.namespace))
+
+
+if __name__ == "__main__":
+    main()

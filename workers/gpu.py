@@ -1,0 +1,76 @@
+"""Node agent: ``python -m workers.gpu --device cpu``.
+
+Owns this node's trainer process and rollout engines. Listens on its own queue
+``node-<node_id>-<boot_id>`` (a restarted process gets a new boot id, so work that
+assumes warm state never lands on a cold process) and on the shared pool queue,
+used only to claim a node for a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+from temporalio.worker import Worker
+
+from activities.node import NodeActivities
+from gpu_runtime.node_runtime import NodeRuntime
+from workers.common import connect, install_shutdown, setup_logging
+from workflows.contracts import POOL_QUEUE
+
+log = logging.getLogger("workers.gpu")
+
+
+async def run(args: argparse.Namespace) -> None:
+    boot_id = uuid.uuid4().hex[:8]
+    work_dir = Path(args.work_dir or f".milestone/nodes/{args.node_id}").resolve()
+    runtime = NodeRuntime(
+        args.node_id, boot_id, work_dir, engine_threads=args.engine_threads, trainer_threads=args.trainer_threads
+    )
+    await asyncio.to_thread(runtime.start)
+    acts = NodeActivities(runtime)
+    client = await connect(args.address, args.namespace)
+    stop = asyncio.Event()
+    install_shutdown(stop)
+    try:
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            node_worker = Worker(
+                client, task_queue=runtime.task_queue, activities=acts.all(), activity_executor=pool,
+                graceful_shutdown_timeout=timedelta(seconds=5),
+            )
+            pool_worker = Worker(
+                client, task_queue=POOL_QUEUE, activities=[acts.claim_node], activity_executor=pool,
+                max_concurrent_activities=1, graceful_shutdown_timeout=timedelta(seconds=2),
+            )
+            log.info("node %s boot %s polling %s and %s", args.node_id, boot_id, runtime.task_queue, POOL_QUEUE)
+            async with node_worker, pool_worker:
+                await stop.wait()
+    finally:
+        await asyncio.to_thread(runtime.stop)
+        log.info("node agent stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--node-id", default=socket.gethostname().split(".")[0])
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--engine-threads", type=int, default=1)
+    p.add_argument("--trainer-threads", type=int, default=1)
+    p.add_argument("--address", default=None)
+    p.add_argument("--namespace", default=None)
+    args = p.parse_args(argv)
+    if args.device == "cuda":
+        p.error("--device cuda: the GPU backends (SGLang, Megatron) are not wired into the node agent yet")
+    setup_logging(f"gpu[{args.node_id}]")
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

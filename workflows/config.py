@@ -1,0 +1,166 @@
+"""The run configuration: one validated pydantic model, torch-free.
+
+Unknown keys are errors (``extra="forbid"``) so a typo never silently falls
+back to a default. ``load_run_config`` reports the YAML key path of a bad field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ModelSpec(Strict):
+    """A Qwen2-style decoder built from this config (nothing is downloaded)."""
+
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(256, ge=8)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    max_position_embeddings: int = Field(256, ge=16)
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelSpec":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class DataSpec(Strict):
+    """``arithmetic`` generates a GSM8K-format JSONL offline; ``jsonl`` reads ``path``."""
+
+    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    path: str | None = None
+    num_train: int = Field(2000, ge=1)
+    max_operand: int = Field(99, ge=1)
+    ops: str = "+"
+
+    @model_validator(mode="after")
+    def _path(self) -> "DataSpec":
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("path is required when kind is 'jsonl'")
+        return self
+
+
+class SFTSpec(Strict):
+    """Supervised warm-up before RL (version 0 of the policy)."""
+
+    steps: int = Field(300, ge=0)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-4, gt=0)
+
+
+class RolloutSpec(Strict):
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
+    chunk_size: int = Field(32, ge=1, description="samples per chunk: the unit of generation, storage and retry")
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+
+
+class RewardSpec(Strict):
+    """``math_answer``: rule verifier on the final integer. ``custom``: a function
+    by dotted path ``pkg.module:fn`` with signature ``fn(prompt, response, row) -> float``."""
+
+    kind: Literal["math_answer", "custom"] = "math_answer"
+    function: str | None = None
+    timeout_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _fn(self) -> "RewardSpec":
+        if self.kind == "custom" and not self.function:
+            raise ValueError("function is required when kind is 'custom'")
+        return self
+
+
+class TrainSpec(Strict):
+    """GRPO / PPO-clip hyper-parameters; changeable between steps with ``milestone set``."""
+
+    lr: float = Field(3e-5, gt=0)
+    clip_eps: float = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    ppo_epochs: int = Field(1, ge=1, description="optimizer steps per rollout batch")
+
+
+class CheckpointSpec(Strict):
+    every: int = Field(5, ge=1, description="checkpoint every k steps")
+    keep_last: int = Field(3, ge=1)
+
+
+class EngineSpec(Strict):
+    """Rollout engines per node. Miles: --rollout-health-check-interval/timeout."""
+
+    backend: Literal["torch", "sglang"] = "torch"
+    num_engines: int = Field(2, ge=1)
+    health_check_interval_s: float = Field(5.0, gt=0)
+    health_check_timeout_s: float = Field(5.0, gt=0)
+    health_check_first_wait_s: float = Field(0.0, ge=0)
+    health_check_failure_threshold: int = Field(1, ge=1)
+
+
+class RunConfig(Strict):
+    name: str = "milestone-run"
+    seed: int = 1
+    steps: int = Field(30, ge=1, description="RL steps to run in total")
+    store: str = Field("file://.milestone/store", description="file:// or s3:// root for artifacts and checkpoints")
+    model: ModelSpec = ModelSpec()
+    data: DataSpec = DataSpec()
+    sft: SFTSpec = SFTSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    reward: RewardSpec = RewardSpec()
+    train: TrainSpec = TrainSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    engines: EngineSpec = EngineSpec()
+    steps_per_workflow_run: int = Field(
+        50, ge=1, description="continue-as-new after this many steps (keeps history small)"
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        if not (v.startswith("file://") or v.startswith("s3://")):
+            raise ValueError("store must start with file:// or s3://")
+        return v
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.group_size
+
+
+class HParamUpdate(Strict):
+    """Fields of ``train`` that may change between steps (``set_hparams`` signal)."""
+
+    lr: float | None = Field(None, gt=0)
+    clip_eps: float | None = Field(None, gt=0)
+    kl_coef: float | None = Field(None, ge=0)
+    grad_clip: float | None = Field(None, gt=0)
+
+    def apply(self, train: TrainSpec) -> TrainSpec:
+        changes = {k: v for k, v in self.model_dump().items() if v is not None}
+        return train.model_copy(update=changes)
+
+
+def format_validation_error(err: Exception, source: str = "config") -> str:
+    """'source: key.path: message' lines for a pydantic ValidationError."""
+    from pydantic import ValidationError
+
+    if not isinstance(err, ValidationError):
+        return f"{source}: {err}"
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{source}: {loc}: {msg}")
+    return "\n".join(lines)

@@ -1,0 +1,241 @@
+"""Payloads between workflows and activities: URIs, keys, versions, counts, scalars.
+
+No tensor, token list or sample list ever travels here (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from workflows.config import CheckpointSpec, DataSpec, EngineSpec, ModelSpec, RewardSpec, RolloutSpec, RunConfig, SFTSpec, TrainSpec
+
+CONTROL_QUEUE = "milestone-control"
+POOL_QUEUE = "milestone-gpu-pool"
+
+
+class NodeClaim(BaseModel):
+    node_id: str
+    boot_id: str
+    task_queue: str
+
+
+class ClaimNodeInput(BaseModel):
+    run_id: str
+    exclude_queues: list[str] = []
+
+
+class PrepareDataInput(BaseModel):
+    run_id: str
+    store_uri: str
+    seed: int
+    data: DataSpec
+
+
+class DatasetInfo(BaseModel):
+    key: str
+    n_rows: int
+    sha256: str
+
+
+class InitPolicyInput(BaseModel):
+    run_id: str
+    store_uri: str
+    seed: int
+    model: ModelSpec
+    sft: SFTSpec
+    train: TrainSpec
+    dataset: DatasetInfo
+    checkpoint: CheckpointSpec
+    config_hash: str
+    policy_version: int = 0  # bring the trainer to this version (0 on a fresh run: SFT warm-up)
+    rollout: RolloutSpec  # group size for replaying stored steps
+
+
+class PolicyInfo(BaseModel):
+    policy_version: int
+    checksum: str
+    weights_key: str
+    sft_metrics: dict[str, float] = {}
+    seconds: float = 0.0
+    restored_from_step: int | None = None
+
+
+class RolloutInput(BaseModel):
+    run_id: str
+    step: int
+    store_uri: str
+    seed: int
+    policy_version: int
+    data_cursor: int
+    dataset: DatasetInfo
+    rollout: RolloutSpec
+
+
+class RolloutResult(BaseModel):
+    chunk_keys: list[str]
+    n_samples: int
+    gen_tokens: int
+    response_len_mean: float
+    tokens_per_s: float
+    chunks_reused: int = 0
+    engine_retries: int = 0
+    seconds: float
+
+
+class RewardInput(BaseModel):
+    run_id: str
+    step: int
+    store_uri: str
+    chunk_keys: list[str]
+    dataset: DatasetInfo
+    reward: RewardSpec
+
+
+class RewardResult(BaseModel):
+    rewards_key: str
+    reward_mean: float
+    reward_std: float
+    accuracy: float
+    n: int
+    seconds: float
+
+
+class TrainStepInput(BaseModel):
+    run_id: str
+    step: int
+    store_uri: str
+    policy_version: int  # version the trainer must hold before this step
+    chunk_keys: list[str]
+    rewards_key: str
+    group_size: int
+    train: TrainSpec
+
+
+class TrainStepResult(BaseModel):
+    policy_version: int
+    checksum: str
+    weights_key: str
+    metrics: dict[str, float]
+    replayed_steps: list[int] = []
+    restored_from_step: int | None = None
+    seconds: float
+
+
+class UpdateWeightsInput(BaseModel):
+    run_id: str
+    store_uri: str
+    policy_version: int
+    weights_key: str
+    checksum: str
+    engines: EngineSpec
+
+
+class EngineSlotInfo(BaseModel):
+    slot: int
+    pid: int | None = None
+    url: str = ""
+    state: str
+    weight_version: int | None = None
+    checksum: str | None = None
+    restart_count: int = 0
+
+
+class UpdateWeightsResult(BaseModel):
+    policy_version: int
+    restarted_slots: list[int] = []
+    engines: list[EngineSlotInfo] = []
+    seconds: float
+
+
+class CheckpointInput(BaseModel):
+    run_id: str
+    step: int
+    store_uri: str
+    policy_version: int
+    data_cursor: int
+    config_hash: str
+    keep_last: int
+
+
+class CheckpointResult(BaseModel):
+    step: int
+    key: str
+    seconds: float
+    durable: bool
+
+
+class RLStepInput(BaseModel):
+    run_id: str
+    step: int
+    config: RunConfig
+    train: TrainSpec  # config.train with set_hparams updates applied
+    policy_version: int
+    data_cursor: int
+    dataset: DatasetInfo
+    node_queue: str
+    config_hash: str
+
+
+class StepSummary(BaseModel):
+    step: int
+    policy_version: int
+    data_cursor: int  # cursor after this step
+    reward_mean: float
+    reward_std: float
+    accuracy: float
+    loss: float
+    kl: float = 0.0
+    grad_norm: float = 0.0
+    response_len_mean: float = 0.0
+    step_seconds: float
+    phase_seconds: dict[str, float] = {}
+    checkpointed: bool = False
+
+
+class RunEvent(BaseModel):
+    at: str
+    kind: str
+    detail: str = ""
+
+
+class RunState(BaseModel):
+    """Everything ``TrainingRun`` carries across continue-as-new."""
+
+    next_step: int = 1
+    policy_version: int = 0
+    data_cursor: int = 0
+    initialized: bool = False
+    dataset: DatasetInfo | None = None
+    node: NodeClaim | None = None
+    train: TrainSpec | None = None
+    paused: bool = False
+    history: list[StepSummary] = []
+    events: list[RunEvent] = []
+    first_rewards: list[float] = []
+
+
+class TrainingRunInput(BaseModel):
+    config: RunConfig
+    state: RunState | None = None
+
+
+class RunProgress(BaseModel):
+    run_id: str
+    state: str  # initializing | running | paused | completed | failed
+    step: int  # last committed step
+    total_steps: int
+    policy_version: int
+    data_cursor: int
+    node_queue: str | None = None
+    steps: list[StepSummary] = Field(default_factory=list)
+    events: list[RunEvent] = Field(default_factory=list)
+
+
+class RunSummary(BaseModel):
+    run_id: str
+    steps: int
+    policy_version: int
+    data_cursor: int
+    first_reward_mean: float
+    last_reward_mean: float
+    final_weights_key: str = ""

@@ -1,0 +1,48 @@
+"""Timeouts and retry policies for activities, in one place.
+
+Node-queue activities have a short schedule-to-start timeout: when a node agent
+is gone nobody polls its queue, the timeout fires, and the workflow re-places the
+work (Temporal does not move work between queues on its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from temporalio.common import RetryPolicy
+
+NON_RETRYABLE = ["InvalidInput", "Divergence", "WeightMismatchFatal"]
+
+
+@dataclass(frozen=True)
+class ActivityTiming:
+    start_to_close: timedelta
+    heartbeat: timedelta | None
+    schedule_to_start: timedelta | None
+    retry: RetryPolicy
+
+
+def _retry(max_attempts: int, max_interval_s: float = 30.0) -> RetryPolicy:
+    return RetryPolicy(
+        initial_interval=timedelta(seconds=1),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=max_interval_s),
+        maximum_attempts=max_attempts,
+        non_retryable_error_types=NON_RETRYABLE,
+    )
+
+
+NODE_SCHEDULE_TO_START = timedelta(seconds=30)
+
+TIMINGS: dict[str, ActivityTiming] = {
+    "claim_node": ActivityTiming(timedelta(seconds=30), None, None, _retry(0)),
+    "prepare_data": ActivityTiming(timedelta(minutes=5), None, None, _retry(5)),
+    "init_policy": ActivityTiming(timedelta(minutes=30), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(5)),
+    # rollout waits in retries while no engine is alive (engines come back at the next update)
+    "rollout": ActivityTiming(timedelta(minutes=20), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(20, 10.0)),
+    "compute_rewards": ActivityTiming(timedelta(minutes=10), timedelta(seconds=30), None, _retry(5)),
+    "train_step": ActivityTiming(timedelta(minutes=30), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(5)),
+    "update_weights": ActivityTiming(timedelta(minutes=10), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(5)),
+    "checkpoint": ActivityTiming(timedelta(minutes=10), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(10)),
+}

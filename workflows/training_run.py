@@ -1,0 +1,241 @@
+"""``TrainingRun``: one per run. Owns the data cursor and the policy version and
+advances them only after an ``RLStep`` child commits (exactly-once data ownership).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from temporalio import workflow
+from temporalio.common import SearchAttributeKey
+from temporalio.exceptions import ApplicationError, ChildWorkflowError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.config import HParamUpdate, RunConfig
+    from workflows.contracts import (
+        CONTROL_QUEUE,
+        POOL_QUEUE,
+        ClaimNodeInput,
+        DatasetInfo,
+        InitPolicyInput,
+        NodeClaim,
+        PolicyInfo,
+        PrepareDataInput,
+        RLStepInput,
+        RunEvent,
+        RunProgress,
+        RunState,
+        RunSummary,
+        StepSummary,
+        TrainingRunInput,
+        UpdateWeightsInput,
+        UpdateWeightsResult,
+    )
+    from workflows.rl_step import RLStep, run_activity
+
+SA_STEP = SearchAttributeKey.for_int("RlStep")
+SA_REWARD = SearchAttributeKey.for_float("RlReward")
+SA_VERSION = SearchAttributeKey.for_int("RlPolicyVersion")
+SA_STATUS = SearchAttributeKey.for_keyword("RlStatus")
+HISTORY_KEEP = 200
+MAX_NODE_REPLACEMENTS = 10
+
+
+def config_hash(cfg: RunConfig) -> str:
+    return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
+
+
+@workflow.defn(name="TrainingRun")
+class TrainingRun:
+    def __init__(self) -> None:
+        self.cfg: RunConfig | None = None
+        self.st = RunState()
+        self.status = "initializing"
+
+    # ---- the RL loop -------------------------------------------------------------
+    @workflow.run
+    async def run(self, inp: TrainingRunInput) -> RunSummary:
+        self.cfg = cfg = inp.config
+        self.st = st = inp.state or RunState(train=cfg.train)
+        run_id = workflow.info().workflow_id
+        chash = config_hash(cfg)
+        steps_this_run = 0
+
+        if not st.initialized:
+            st.dataset = await run_activity(
+                "prepare_data", PrepareDataInput(run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data),
+                DatasetInfo, task_queue=CONTROL_QUEUE, summary="prepare dataset",
+            )
+            await self._place_on_node(run_id, chash, init=True)
+            st.initialized = True
+        elif st.node is None:
+            await self._place_on_node(run_id, chash, init=False)
+
+        while st.next_step <= cfg.steps:
+            self.status = "paused" if st.paused else "running"
+            self._publish()
+            await workflow.wait_condition(lambda: not self.st.paused)
+            self.status = "running"
+            if steps_this_run >= cfg.steps_per_workflow_run or workflow.info().is_continue_as_new_suggested():
+                workflow.continue_as_new(TrainingRunInput(config=cfg, state=st))
+            summary = await self._run_step(run_id, chash)
+            # commit: the only place the cursor and the version move
+            st.policy_version = summary.policy_version
+            st.data_cursor = summary.data_cursor
+            st.history = [*st.history, summary][-HISTORY_KEEP:]
+            if len(st.first_rewards) < 3:
+                st.first_rewards.append(summary.reward_mean)
+            st.next_step += 1
+            steps_this_run += 1
+
+        self.status = "completed"
+        self._publish()
+        last = st.history[-3:]
+        return RunSummary(
+            run_id=run_id,
+            steps=st.next_step - 1,
+            policy_version=st.policy_version,
+            data_cursor=st.data_cursor,
+            first_reward_mean=sum(st.first_rewards) / max(1, len(st.first_rewards)),
+            last_reward_mean=sum(s.reward_mean for s in last) / max(1, len(last)),
+        )
+
+    async def _run_step(self, run_id: str, chash: str) -> StepSummary:
+        """Run the step as a child; a lost node is replaced and the step re-run."""
+        cfg, st = self.cfg, self.st
+        assert cfg is not None and st.dataset is not None and st.train is not None
+        for _ in range(MAX_NODE_REPLACEMENTS + 1):
+            assert st.node is not None
+            try:
+                return await workflow.execute_child_workflow(
+                    RLStep.run,
+                    RLStepInput(
+                        run_id=run_id, step=st.next_step, config=cfg, train=st.train,
+                        policy_version=st.policy_version, data_cursor=st.data_cursor,
+                        dataset=st.dataset, node_queue=st.node.task_queue, config_hash=chash,
+                    ),
+                    id=f"{run_id}/step-{st.next_step}",
+                    task_queue=CONTROL_QUEUE,
+                    static_summary=f"RL step {st.next_step} of {cfg.steps}",
+                )
+            except ChildWorkflowError as err:
+                if not _is_node_lost(err):
+                    raise
+                self._event("node_lost", f"{st.node.task_queue} during step {st.next_step}")
+                await self._place_on_node(run_id, chash, init=False)
+        raise ApplicationError(f"gave up after {MAX_NODE_REPLACEMENTS} node replacements", type="NodeLost")
+
+    async def _place_on_node(self, run_id: str, chash: str, *, init: bool) -> None:
+        """Claim a node, bring its trainer to the committed version and its engines up."""
+        cfg, st = self.cfg, self.st
+        assert cfg is not None and st.dataset is not None and st.train is not None
+        exclude = [st.node.task_queue] if st.node else []
+        while True:
+            st.node = await run_activity(
+                "claim_node", ClaimNodeInput(run_id=run_id, exclude_queues=exclude), NodeClaim,
+                task_queue=POOL_QUEUE, summary="claim a node",
+            )
+            self._event("node_claimed", st.node.task_queue)
+            try:
+                policy = await run_activity(
+                    "init_policy",
+                    InitPolicyInput(
+                        run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
+                        train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
+                        policy_version=st.policy_version, rollout=cfg.rollout,
+                    ),
+                    PolicyInfo, task_queue=st.node.task_queue,
+                    summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
+                )
+                if policy.restored_from_step is not None:
+                    self._event("trainer_restored", f"checkpoint step {policy.restored_from_step} -> v{policy.policy_version}")
+                await run_activity(
+                    "update_weights",
+                    UpdateWeightsInput(
+                        run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
+                        weights_key=policy.weights_key, checksum=policy.checksum, engines=cfg.engines,
+                    ),
+                    UpdateWeightsResult, task_queue=st.node.task_queue,
+                    summary=f"start engines @ v{policy.policy_version}",
+                )
+                return
+            except ApplicationError as err:
+                if err.type != "NodeLost":
+                    raise
+                exclude = [st.node.task_queue]
+                self._event("node_lost", st.node.task_queue)
+
+    # ---- observability -----------------------------------------------------------
+    def _event(self, kind: str, detail: str) -> None:
+        ev = RunEvent(at=workflow.now().isoformat(), kind=kind, detail=detail)
+        self.st.events = [*self.st.events, ev][-100:]
+        workflow.logger.info("run event %s: %s", kind, detail)
+
+    def _publish(self) -> None:
+        st = self.st
+        last = st.history[-1] if st.history else None
+        workflow.upsert_search_attributes(
+            [
+                SA_STEP.value_set(st.next_step - 1),
+                SA_VERSION.value_set(st.policy_version),
+                SA_STATUS.value_set(self.status),
+                *([SA_REWARD.value_set(last.reward_mean)] if last else []),
+            ]
+        )
+        lines = [
+            f"**{self.status}** — step {st.next_step - 1}/{self.cfg.steps if self.cfg else '?'}, "
+            f"policy v{st.policy_version}, data cursor {st.data_cursor}",
+        ]
+        if last:
+            lines.append(
+                f"last step: reward {last.reward_mean:.3f} (acc {last.accuracy:.2f}), loss {last.loss:.4f}, "
+                f"{last.step_seconds:.1f}s"
+            )
+        if st.node:
+            lines.append(f"node: `{st.node.task_queue}`")
+        workflow.set_current_details("\n\n".join(lines))
+
+    # ---- control -----------------------------------------------------------------
+    @workflow.query
+    def progress(self) -> RunProgress:
+        st = self.st
+        return RunProgress(
+            run_id=workflow.info().workflow_id,
+            state="paused" if st.paused and self.status == "running" else self.status,
+            step=st.next_step - 1,
+            total_steps=self.cfg.steps if self.cfg else 0,
+            policy_version=st.policy_version,
+            data_cursor=st.data_cursor,
+            node_queue=st.node.task_queue if st.node else None,
+            steps=st.history,
+            events=st.events,
+        )
+
+    @workflow.signal
+    def pause(self) -> None:
+        self.st.paused = True
+
+    @workflow.signal
+    def resume(self) -> None:
+        self.st.paused = False
+
+    @workflow.update
+    def set_hparams(self, update: HParamUpdate) -> dict:
+        assert self.st.train is not None
+        self.st.train = update.apply(self.st.train)
+        self._event("hparams_set", update.model_dump_json(exclude_none=True))
+        return self.st.train.model_dump()
+
+    @set_hparams.validator
+    def _validate_hparams(self, update: HParamUpdate) -> None:
+        if all(v is None for v in update.model_dump().values()):
+            raise ValueError("set_hparams: no field given (lr, clip_eps, kl_coef, grad_clip)")
+
+
+def _is_node_lost(err: ChildWorkflowError) -> bool:
+    cause = err.cause
+    while cause is not None:
+        if isinstance(cause, ApplicationError) and cause.type == "NodeLost":
+            return True
+        cause = cause.__cause__
+    return False
+
