@@ -68,9 +68,13 @@ class EngineClient:
         except EngineError:
             return False
 
+    def check_health_generate(self, timeout_s: float) -> None:
+        """Raise EngineError (``.timeout`` set when it timed out) unless a 1-token generation works."""
+        self._request("GET", "/health_generate", timeout_s=timeout_s)
+
     def health_generate(self, timeout_s: float) -> bool:
         try:
-            self._request("GET", "/health_generate", timeout_s=timeout_s)
+            self.check_health_generate(timeout_s)
             return True
         except EngineError as e:
             log.debug("health_generate failed: %s", e)

@@ -296,7 +296,7 @@ class EngineFleet:
     def _probe(self, s: _Slot) -> tuple[_Slot, bool, bool, str]:
         c = EngineClient(s.url, timeout_s=self.health.timeout_s)
         try:
-            c._request("GET", "/health_generate", timeout_s=self.health.timeout_s)
+            c.check_health_generate(self.health.timeout_s)
             return s, True, False, ""
         except EngineError as e:
             return s, False, e.timeout, str(e)

@@ -1,0 +1,45 @@
+# Milestone: two commands on a fresh machine.
+#   make demo   install the CPU profile, start the stack, run the demo RL run to the end
+#   make test   install the same environment and run the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.milestone-installed
+# CPU profile: torch 2.13.0 comes from the local wheel; pin it on every pip line so
+# nothing ever pulls a CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: install demo test up down status bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q $(TORCH) -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m infra.demo examples/demo.yaml
+
+test: install
+	$(PY) -m pytest
+
+up: install
+	$(PY) -m infra.devstack up
+
+down:
+	@if [ -x $(PY) ]; then $(PY) -m infra.devstack down; fi
+
+status:
+	$(PY) -m infra.devstack status
+
+bench: install
+	$(PY) bench/bench_engines.py
+	$(PY) bench/bench_checkpoint.py
+
+clean: down
+	rm -rf .milestone

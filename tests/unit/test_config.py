@@ -1,0 +1,68 @@
+"""Run configs: unknown or invalid keys are errors that name the key and its line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from milestone_cli.config_file import ConfigError, load_run_config
+from workflows.config import HParamUpdate, RunConfig, TrainSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_examples_are_valid() -> None:
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        cfg = load_run_config(path)
+        assert cfg.store.startswith("file:///"), "relative file:// stores are made absolute"
+
+
+def test_unknown_key_names_key_and_line(tmp_path: Path) -> None:
+    p = write(tmp_path, "name: x\nrollout:\n  group_size: 4\n  grup_size: 8\n")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(p)
+    assert f"{p}:4: rollout.grup_size: unknown key" in str(err.value)
+
+
+def test_invalid_value_names_field(tmp_path: Path) -> None:
+    p = write(tmp_path, "steps: 3\ntrain:\n  lr: -1\n")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(p)
+    assert f"{p}:3: train.lr:" in str(err.value)
+
+
+def test_cross_field_validation() -> None:
+    with pytest.raises(ValueError, match="function is required"):
+        RunConfig.model_validate({"reward": {"kind": "custom"}})
+    with pytest.raises(ValueError, match="divisible"):
+        RunConfig.model_validate({"model": {"hidden_size": 100, "num_attention_heads": 3}})
+    with pytest.raises(ValueError, match="store must start with"):
+        RunConfig.model_validate({"store": "/tmp/x"})
+
+
+def test_hparam_update_applies_only_given_fields() -> None:
+    train = TrainSpec(lr=1e-4, clip_eps=0.2)
+    new = HParamUpdate(lr=5e-5).apply(train)
+    assert new.lr == 5e-5 and new.clip_eps == 0.2
+    with pytest.raises(ValueError):
+        HParamUpdate(lr=0)
+
+
+def test_cli_start_rejects_bad_config_before_connecting(tmp_path: Path) -> None:
+    p = write(tmp_path, "steps: 2\nsft:\n  stepz: 3\n")
+    # no Temporal server is listening on this address: validation must fail first
+    out = subprocess.run(
+        [sys.executable, "-m", "milestone_cli.main", "--address", "127.0.0.1:1", "start", str(p)],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )
+    assert out.returncode == 2
+    assert f"{p}:3: sft.stepz: unknown key" in out.stderr
