@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime, timezone
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -29,6 +30,7 @@ from workflows.contracts import (
     PolicyInfo,
     RolloutInput,
     RolloutResult,
+    RunEvent,
     TrainStepInput,
     TrainStepResult,
     UpdateWeightsInput,
@@ -110,7 +112,12 @@ class NodeActivities:
                 on_chunk=lambda done, total: activity.heartbeat({"chunks_done": done, "chunks": total}),
             )
         except NoHealthyEngine as err:
-            raise ApplicationError(f"rollout step {inp.step}: {err}", type="NoHealthyEngine") from err
+            # nothing can generate: bring the slots back with the step's weights, then let
+            # Temporal retry the activity (chunks already stored are reused)
+            restarted = with_heartbeat(self.rt.recover_engines)
+            raise ApplicationError(
+                f"rollout step {inp.step}: {err}; restarted slots {restarted}", type="NoHealthyEngine"
+            ) from err
         except StaleWeights as err:
             raise ApplicationError(str(err), type="StaleWeights") from err
         return RolloutResult(
@@ -119,6 +126,7 @@ class NodeActivities:
             chunks_reused=stats.chunks_reused,
             engine_retries=sum(1 for e in self.rt.events if e.get("kind") == "engine_dead") - retries_before,
             seconds=stats.seconds,
+            node_events=self._events(),
         )
 
     @activity.defn(name="train_step")
@@ -169,6 +177,7 @@ class NodeActivities:
             engines=[EngineSlotInfo(**s.model_dump(exclude={"weight_version"}), weight_version=_int(s.weight_version))
                      for s in self.rt.fleet.snapshot()],
             seconds=time.perf_counter() - t0,
+            node_events=self._events(),
         )
 
     @activity.defn(name="checkpoint")
@@ -184,6 +193,16 @@ class NodeActivities:
         except Exception as err:
             raise _trainer_error(err, f"checkpoint {inp.step}") from err
         return CheckpointResult(step=inp.step, key=res["key"], seconds=time.perf_counter() - t0, durable=res["durable"])
+
+    def _events(self) -> list[RunEvent]:
+        return [
+            RunEvent(
+                at=datetime.fromtimestamp(float(e.get("at", 0)), timezone.utc).isoformat(),
+                kind=e["kind"],
+                detail=f"slot {e.get('slot')}: {e.get('detail', '')}",
+            )
+            for e in self.rt.drain_events()
+        ]
 
     def _setup(self, run_id: str) -> dict:
         setup = self.rt.setups.get(run_id)

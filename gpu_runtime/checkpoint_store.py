@@ -306,14 +306,10 @@ class CheckpointStore:
                 doc = {"format": FORMAT, "step": h.step, "created_at": time.time(), "meta": h.meta, "files": entries}
                 data = json.dumps(doc, indent=1, sort_keys=True).encode()
                 self._with_retry(h, deadline, "commit manifest", lambda: self._put_manifest(manifest_key, data))
-            except CheckpointUploadError as e:
-                log.error("%s; %s stays the durable checkpoint", e, self._safe_latest_name())
+            except Exception as e:  # CheckpointUploadError after the deadline, or not retryable
+                log.log(logging.ERROR, "checkpoint %s not durable (the previous durable one stays): %s", name, e,
+                        exc_info=not isinstance(e, CheckpointUploadError))
                 self.events.append({"kind": "checkpoint_upload_failed", "step": h.step, "error": str(e)})
-                h._finish(e)
-                return
-            except Exception as e:  # a bug or a non-retryable failure: report it on the handle
-                log.exception("checkpoint %s upload failed", name)
-                self.events.append({"kind": "checkpoint_upload_failed", "step": h.step, "error": repr(e)})
                 h._finish(e)
                 return
             h.upload_seconds = time.monotonic() - t0
@@ -372,13 +368,6 @@ class CheckpointStore:
             if int(name[5:]) < step and (info := self._load(name)) is not None:
                 return info
         return None
-
-    def _safe_latest_name(self) -> str:
-        try:
-            latest = self.latest_durable()
-        except StoreError:
-            return "the previous checkpoint (store unreachable)"
-        return latest.name if latest else "no checkpoint"
 
     def restore(self, into: str | Path, step: int | None = None) -> CheckpointInfo:
         """Download the newest (or the given) durable checkpoint into ``into`` (replaced),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
 from collections import deque
@@ -39,6 +40,7 @@ class NodeRuntime:
         self.run_id: str | None = None
         self.setups: dict[str, dict] = {}  # run id -> trainer RunSetup
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
+        self._undrained: list[dict[str, Any]] = []
         self._rows: dict[str, list[dict]] = {}
         self._lock = threading.Lock()
 
@@ -67,8 +69,26 @@ class NodeRuntime:
         (self.work_dir / "children.json").write_text(json.dumps(pids))
 
     def _on_fleet_event(self, ev: FleetEvent) -> None:
-        self.events.append(ev.model_dump(mode="json"))
+        doc = ev.model_dump(mode="json")
+        with self._lock:
+            self.events.append(doc)
+            self._undrained.append(doc)
         log.info("fleet event %s slot %s %s", ev.kind, ev.slot, ev.detail)
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        """Fleet events since the last drain (reported in the next activity result)."""
+        with self._lock:
+            out, self._undrained = self._undrained, []
+        return out
+
+    def recover_engines(self) -> list[int]:
+        """Restart empty slots with the weights the fleet last served (no engine alive)."""
+        if self.fleet is None:
+            return []
+        with self._lock:
+            restarted = self.fleet.restart_empty_slots()
+            self._write_children()
+        return restarted
 
     # ---- data and weights ---------------------------------------------------------
     def rows(self, store_uri: str, key: str) -> list[dict]:
@@ -105,7 +125,11 @@ class NodeRuntime:
                 )
                 self.router.start()
                 self.fleet = EngineFleet(
-                    TorchEngineBackend(threads=self.engine_threads),
+                    TorchEngineBackend(
+                        threads=self.engine_threads,
+                        # fault-injection aid for tests: slows decoding so a kill lands mid-rollout
+                        step_delay_ms=float(os.environ.get("MILESTONE_ENGINE_STEP_DELAY_MS", "0")),
+                    ),
                     num_engines,
                     model_path,
                     free_port(),

@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
@@ -187,6 +186,7 @@ class SeaweedServer:
             aws_secret_access_key=self.secret_key, region_name="us-east-1",
             config=Config(connect_timeout=1, read_timeout=5, retries={"max_attempts": 1}),
         )
+        volumes = len(list(self.data_dir.glob("*.dat")))  # reads fail until all are registered
         t0 = time.monotonic()
         last: Exception | None = None
         while time.monotonic() - t0 < self.start_timeout:
@@ -198,6 +198,8 @@ class SeaweedServer:
                 )
             try:
                 client.list_buckets()
+                if not self._volumes_registered(volumes):
+                    raise RuntimeError(f"volume server has not registered {volumes} volume(s) yet")
                 log.info("SeaweedFS S3 ready at %s after %.2fs (pid %d)",
                          self.endpoint_url, time.monotonic() - t0, self._proc.pid)
                 return
@@ -209,13 +211,22 @@ class SeaweedServer:
             f"(last error: {last}); log tail:\n{self.log_tail()}"
         )
 
+    def _volumes_registered(self, expected: int) -> bool:
+        """The master knows a volume server holding at least ``expected`` volumes."""
+        url = f"http://127.0.0.1:{self.ports['master']}/dir/status"
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            topo = json.load(resp).get("Topology") or {}
+        nodes = [n for dc in topo.get("DataCenters") or [] for r in dc.get("Racks") or []
+                 for n in r.get("DataNodes") or []]
+        return bool(nodes) and sum(int(n.get("Volumes", 0)) for n in nodes) >= expected
+
     def log_tail(self, lines: int = 30) -> str:
         path = self.data_dir / "weed.out"
         if not path.exists():
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, wait, then SIGKILL; by pid only."""
         proc, self._proc = self._proc, None
         if proc is None:

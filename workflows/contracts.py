@@ -13,6 +13,12 @@ CONTROL_QUEUE = "milestone-control"
 POOL_QUEUE = "milestone-gpu-pool"
 
 
+class RunEvent(BaseModel):
+    at: str
+    kind: str  # engine_dead, engine_hung, engine_restarted, engine_recovered, checksum_ok, node_lost, ...
+    detail: str = ""
+
+
 class NodeClaim(BaseModel):
     node_id: str
     boot_id: str
@@ -80,6 +86,7 @@ class RolloutResult(BaseModel):
     chunks_reused: int = 0
     engine_retries: int = 0
     seconds: float
+    node_events: list[RunEvent] = []
 
 
 class RewardInput(BaseModel):
@@ -145,6 +152,7 @@ class UpdateWeightsResult(BaseModel):
     restarted_slots: list[int] = []
     engines: list[EngineSlotInfo] = []
     seconds: float
+    node_events: list[RunEvent] = []
 
 
 class CheckpointInput(BaseModel):
@@ -189,13 +197,10 @@ class StepSummary(BaseModel):
     response_len_mean: float = 0.0
     step_seconds: float
     phase_seconds: dict[str, float] = {}
+    activity_seconds: float = 0.0  # sum of the activities' own times; the rest is orchestration
     checkpointed: bool = False
-
-
-class RunEvent(BaseModel):
-    at: str
-    kind: str
-    detail: str = ""
+    events: list[RunEvent] = []
+    engines: list[EngineSlotInfo] = []
 
 
 class RunState(BaseModel):
@@ -211,6 +216,7 @@ class RunState(BaseModel):
     paused: bool = False
     history: list[StepSummary] = []
     events: list[RunEvent] = []
+    engines: list[EngineSlotInfo] = []
     first_rewards: list[float] = []
 
 
@@ -229,6 +235,7 @@ class RunProgress(BaseModel):
     node_queue: str | None = None
     steps: list[StepSummary] = Field(default_factory=list)
     events: list[RunEvent] = Field(default_factory=list)
+    engines: list[EngineSlotInfo] = Field(default_factory=list)
 
 
 class RunSummary(BaseModel):

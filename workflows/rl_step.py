@@ -134,5 +134,8 @@ class RLStep:
             response_len_mean=rollout.response_len_mean,
             step_seconds=(workflow.now() - started).total_seconds(),
             phase_seconds=phases,
+            activity_seconds=sum(phases.values()),
             checkpointed=ckpt is not None,
+            events=[*rollout.node_events, *synced.node_events],
+            engines=synced.engines,
         )

@@ -81,7 +81,9 @@ class TrainingRun:
             # commit: the only place the cursor and the version move
             st.policy_version = summary.policy_version
             st.data_cursor = summary.data_cursor
-            st.history = [*st.history, summary][-HISTORY_KEEP:]
+            st.history = [*st.history, summary.model_copy(update={"events": [], "engines": []})][-HISTORY_KEEP:]
+            st.events = [*st.events, *summary.events][-100:]
+            st.engines = summary.engines
             if len(st.first_rewards) < 3:
                 st.first_rewards.append(summary.reward_mean)
             st.next_step += 1
@@ -148,7 +150,7 @@ class TrainingRun:
                 )
                 if policy.restored_from_step is not None:
                     self._event("trainer_restored", f"checkpoint step {policy.restored_from_step} -> v{policy.policy_version}")
-                await run_activity(
+                synced = await run_activity(
                     "update_weights",
                     UpdateWeightsInput(
                         run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
@@ -157,6 +159,8 @@ class TrainingRun:
                     UpdateWeightsResult, task_queue=st.node.task_queue,
                     summary=f"start engines @ v{policy.policy_version}",
                 )
+                st.events = [*st.events, *synced.node_events][-100:]
+                st.engines = synced.engines
                 return
             except ApplicationError as err:
                 if err.type != "NodeLost":
@@ -208,6 +212,7 @@ class TrainingRun:
             node_queue=st.node.task_queue if st.node else None,
             steps=st.history,
             events=st.events,
+            engines=st.engines,
         )
 
     @workflow.signal
