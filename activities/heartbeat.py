@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -22,7 +23,8 @@ def with_heartbeat(fn: Callable[[], T], *, every_s: float = 5.0, detail: Callabl
             except Exception:  # the activity may be finishing; never break the work
                 return
 
-    t = threading.Thread(target=beat, daemon=True)
+    # the activity context lives in context variables: run the beater inside a copy
+    t = threading.Thread(target=contextvars.copy_context().run, args=(beat,), daemon=True)
     t.start()
     try:
         return fn()

@@ -38,6 +38,7 @@ from workflows.contracts import (
 )
 
 log = logging.getLogger(__name__)
+EXCLUDED_NODE_ATTEMPTS = 4
 NON_RETRYABLE_REMOTE = {"ValueError": "InvalidInput", "Divergence": "Divergence"}
 
 
@@ -57,7 +58,9 @@ class NodeActivities:
     # ---- placement ----------------------------------------------------------------
     @activity.defn(name="claim_node")
     def claim_node(self, inp: ClaimNodeInput) -> NodeClaim:
-        if self.rt.task_queue in inp.exclude_queues:
+        # a node the run lost is left to others first; if it is the only one polling, it is
+        # alive after all (it was slow, not gone), so it may take the run back
+        if self.rt.task_queue in inp.exclude_queues and activity.info().attempt < EXCLUDED_NODE_ATTEMPTS:
             raise ApplicationError(f"{self.rt.task_queue} is excluded for {inp.run_id}", type="NodeExcluded")
         self.rt.set_run(inp.run_id)
         return NodeClaim(node_id=self.rt.node_id, boot_id=self.rt.boot_id, task_queue=self.rt.task_queue)

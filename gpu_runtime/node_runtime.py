@@ -42,7 +42,8 @@ class NodeRuntime:
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
         self._undrained: list[dict[str, Any]] = []
         self._rows: dict[str, list[dict]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # fleet lifecycle and data cache
+        self._events_lock = threading.Lock()  # fleet callbacks arrive while _lock is held
 
     @property
     def task_queue(self) -> str:
@@ -63,21 +64,24 @@ class NodeRuntime:
 
     def _write_children(self) -> None:
         """Child pids on disk, so ``make down`` can stop them even if this process was killed."""
-        pids = [p for p in [self.trainer.pid, self.router.pid if self.router else None] if p]
-        if self.fleet is not None:
-            pids += [s.pid for s in self.fleet.snapshot() if s.pid]
-        (self.work_dir / "children.json").write_text(json.dumps(pids))
+        children = {
+            "agent": os.getpid(),
+            "trainer": self.trainer.pid,
+            "router": self.router.pid if self.router else None,
+            "engines": [s.pid for s in self.fleet.snapshot()] if self.fleet else [],
+        }
+        (self.work_dir / "children.json").write_text(json.dumps(children))
 
     def _on_fleet_event(self, ev: FleetEvent) -> None:
         doc = ev.model_dump(mode="json")
-        with self._lock:
+        with self._events_lock:
             self.events.append(doc)
             self._undrained.append(doc)
         log.info("fleet event %s slot %s %s", ev.kind, ev.slot, ev.detail)
 
     def drain_events(self) -> list[dict[str, Any]]:
         """Fleet events since the last drain (reported in the next activity result)."""
-        with self._lock:
+        with self._events_lock:
             out, self._undrained = self._undrained, []
         return out
 

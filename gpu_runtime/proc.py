@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -70,3 +71,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
+    """Watch ``parent_pid`` from a daemon thread; exit this process when it is gone
+    (a SIGKILLed node agent must not leave engines or trainers behind)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if not pid_alive(parent_pid):
+                log.warning("parent %d is gone: exiting", parent_pid)
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()

@@ -75,14 +75,15 @@ class TemporalDevServer:
 class Stack:
     """Temporal dev server + ``workers.control`` + ``workers.gpu`` processes."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
         self.server = TemporalDevServer(workdir)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.extra_env = dict(env or {})
 
     @property
     def env(self) -> dict[str, str]:
-        return {"MILESTONE_TEMPORAL_ADDRESS": self.server.address, "PYTHONPATH": str(ROOT)}
+        return {"MILESTONE_TEMPORAL_ADDRESS": self.server.address, "PYTHONPATH": str(ROOT), **self.extra_env}
 
     def start(self, gpu_nodes: tuple[str, ...] = ("node0",)) -> "Stack":
         self.server.start()
@@ -111,9 +112,15 @@ class Stack:
         os.kill(proc.pid, sig)
         proc.wait(timeout=30)
 
-    def node_children(self, node_id: str) -> list[int]:
+    def node_pids(self, node_id: str) -> dict:
+        """{"agent", "trainer", "router", "engines": [...]} as the node agent last wrote them."""
         path = self.workdir / "nodes" / node_id / "children.json"
-        return [p for p in (json.loads(path.read_text()) if path.exists() else []) if pid_alive(p)]
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def node_children(self, node_id: str) -> list[int]:
+        pids = self.node_pids(node_id)
+        candidates = [pids.get("trainer"), pids.get("router"), *pids.get("engines", [])]
+        return [p for p in candidates if p and pid_alive(p)]
 
     def stop(self) -> None:
         for name, proc in list(self.procs.items()):

@@ -46,3 +46,4 @@ def setup_logging(name: str) -> None:
         level=os.environ.get("MILESTONE_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe otherwise

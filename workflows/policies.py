@@ -33,16 +33,17 @@ def _retry(max_attempts: int, max_interval_s: float = 30.0) -> RetryPolicy:
     )
 
 
-NODE_SCHEDULE_TO_START = timedelta(seconds=30)
+NODE_SCHEDULE_TO_START = timedelta(seconds=15)
+HEARTBEAT = timedelta(seconds=15)
 
 TIMINGS: dict[str, ActivityTiming] = {
     "claim_node": ActivityTiming(timedelta(seconds=30), None, None, _retry(0)),
     "prepare_data": ActivityTiming(timedelta(minutes=5), None, None, _retry(5)),
-    "init_policy": ActivityTiming(timedelta(minutes=30), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(5)),
+    "init_policy": ActivityTiming(timedelta(minutes=30), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),
     # rollout waits in retries while no engine is alive (engines come back at the next update)
-    "rollout": ActivityTiming(timedelta(minutes=20), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(20, 10.0)),
-    "compute_rewards": ActivityTiming(timedelta(minutes=10), timedelta(seconds=30), None, _retry(5)),
-    "train_step": ActivityTiming(timedelta(minutes=30), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(5)),
-    "update_weights": ActivityTiming(timedelta(minutes=10), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(5)),
-    "checkpoint": ActivityTiming(timedelta(minutes=10), timedelta(seconds=30), NODE_SCHEDULE_TO_START, _retry(10)),
+    "rollout": ActivityTiming(timedelta(minutes=20), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(20, 10.0)),
+    "compute_rewards": ActivityTiming(timedelta(minutes=10), HEARTBEAT, None, _retry(5)),
+    "train_step": ActivityTiming(timedelta(minutes=30), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),
+    "update_weights": ActivityTiming(timedelta(minutes=10), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),
+    "checkpoint": ActivityTiming(timedelta(minutes=10), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(10)),
 }

@@ -37,6 +37,7 @@ SA_REWARD = SearchAttributeKey.for_float("RlReward")
 SA_VERSION = SearchAttributeKey.for_int("RlPolicyVersion")
 SA_STATUS = SearchAttributeKey.for_keyword("RlStatus")
 HISTORY_KEEP = 200
+SUMMARY_STEPS = 5  # the summary compares the mean reward of the first and last 5 steps
 MAX_NODE_REPLACEMENTS = 10
 
 
@@ -84,14 +85,14 @@ class TrainingRun:
             st.history = [*st.history, summary.model_copy(update={"events": [], "engines": []})][-HISTORY_KEEP:]
             st.events = [*st.events, *summary.events][-100:]
             st.engines = summary.engines
-            if len(st.first_rewards) < 3:
+            if len(st.first_rewards) < SUMMARY_STEPS:
                 st.first_rewards.append(summary.reward_mean)
             st.next_step += 1
             steps_this_run += 1
 
         self.status = "completed"
         self._publish()
-        last = st.history[-3:]
+        last = st.history[-SUMMARY_STEPS:]
         return RunSummary(
             run_id=run_id,
             steps=st.next_step - 1,

@@ -28,6 +28,7 @@ import torch
 
 from gpu_runtime.engine.generate import GenResult, generate_batch
 from gpu_runtime.model import CausalLM
+from gpu_runtime.proc import exit_when_parent_dies
 from gpu_runtime.model_folder import load_model_folder, load_weights_into, model_checksum
 from gpu_runtime.tokenizer import CharTokenizer
 
@@ -215,18 +216,6 @@ def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(1.0)
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            log.warning("parent %d is gone: exiting", parent_pid)
-            os._exit(3)
-        except PermissionError:
-            pass
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", required=True)
@@ -245,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(max(1, args.threads))
     state = EngineState(args.model_path, args.weight_version, args.step_delay_ms / 1000.0)
     if args.parent_pid:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+        exit_when_parent_dies(args.parent_pid)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     url = f"http://{args.host}:{args.port}"

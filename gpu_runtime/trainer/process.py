@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import threading
@@ -39,7 +40,7 @@ class TrainerProcess:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "gpu_runtime.trainer.server", "--work-dir", str(self.work_dir),
-               "--threads", str(self.threads)]
+               "--threads", str(self.threads), "--parent-pid", str(os.getpid())]
         self.proc = spawn(cmd, self.log_path, stdout_pipe=True)
         line = _read_line(self.proc, self.start_timeout_s)
         m = re.match(r"READY port=(\d+)", line or "")

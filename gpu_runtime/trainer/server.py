@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from gpu_runtime.proc import exit_when_parent_dies
 from gpu_runtime.rpc import RPCServer
 from gpu_runtime.trainer.service import RunSetup, TrainerService, TrainSpec
 
@@ -35,8 +36,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (fixed for bitwise replay)")
+    p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainer %(levelname)s %(message)s")
+    if args.parent_pid:
+        exit_when_parent_dies(args.parent_pid)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     server = RPCServer(args.host, args.port, build_methods(TrainerService(args.work_dir)))
