@@ -136,6 +136,8 @@ class RLStep:
             phase_seconds=phases,
             activity_seconds=sum(phases.values()),
             checkpointed=ckpt is not None,
+            restored_from_step=trained.restored_from_step,
+            replayed_steps=trained.replayed_steps,
             events=[*rollout.node_events, *synced.node_events],
             engines=synced.engines,
         )

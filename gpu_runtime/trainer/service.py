@@ -8,6 +8,7 @@ artifacts of steps c+1..v (DESIGN §6). Policy version v is produced by step v
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -71,6 +72,13 @@ class TrainResult(BaseModel):
     replayed_steps: list[int] = []
     restored_from_step: int | None = None
     seconds: float
+
+
+def _fault_injection_delay() -> None:
+    """Tests set MILESTONE_FAULT_TRAIN_DELAY_S so a SIGKILL lands inside train_step."""
+    delay = float(os.environ.get("MILESTONE_FAULT_TRAIN_DELAY_S", "0"))
+    if delay > 0:
+        time.sleep(delay)
 
 
 class TrainerService:
@@ -214,6 +222,7 @@ class TrainerService:
         if self.trainer is None or self.trainer.policy_version != spec.policy_version:
             before = self.ensure_version(setup, spec.policy_version)
         art.put_model(self.store, art.train_spec_key(setup.run_id, spec.step), spec)
+        _fault_injection_delay()
         metrics = self._train(spec)
         info = self._publish_weights()
         result = TrainResult(

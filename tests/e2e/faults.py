@@ -1,0 +1,61 @@
+"""Helpers for fault-injection tests: start runs, wait for a phase, compare weights."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+
+from tests.stack import async_wait_for
+from workflows.config import RunConfig
+from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
+from workflows.training_run import TrainingRun
+
+STARTED = 2  # PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+
+
+async def start_run(client: Client, run_id: str, cfg: dict) -> WorkflowHandle:
+    return await client.start_workflow(
+        TrainingRun.run, TrainingRunInput(config=RunConfig.model_validate(cfg)), id=run_id,
+        task_queue=CONTROL_QUEUE, result_type=RunSummary,
+    )
+
+
+async def run_to_end(client: Client, run_id: str, cfg: dict, timeout_s: float = 300) -> RunSummary:
+    handle = await start_run(client, run_id, cfg)
+    return await asyncio.wait_for(handle.result(), timeout_s)
+
+
+async def activity_started(client: Client, workflow_id: str, activity: str) -> bool:
+    """True once ``activity`` of ``workflow_id`` has been picked up by a worker."""
+    try:
+        desc = await client.get_workflow_handle(workflow_id).describe()
+    except RPCError:
+        return False  # the child workflow does not exist yet
+    return any(
+        p.activity_type.name == activity and p.state == STARTED for p in desc.raw_description.pending_activities
+    )
+
+
+async def wait_activity_started(client: Client, workflow_id: str, activity: str, timeout_s: float = 180) -> None:
+    await async_wait_for(
+        lambda: activity_started(client, workflow_id, activity), timeout_s, what=f"{workflow_id} {activity} started"
+    )
+
+
+async def progress(client: Client, run_id: str) -> RunProgress:
+    return await client.get_workflow_handle(run_id).query("progress", result_type=RunProgress)
+
+
+def final_weights(store: Path, run_id: str, version: int) -> dict[str, torch.Tensor]:
+    return load_file(str(store / "runs" / run_id / "weights" / f"v{version:06d}" / "model.safetensors"))
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not diff, f"tensors differ: {diff[:5]}"

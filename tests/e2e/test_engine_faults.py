@@ -1,0 +1,90 @@
+"""Engine faults during a real run (DESIGN §7): the run heals itself and ends with
+weights bitwise equal to the same run without the fault."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.faults import (
+    assert_bitwise_equal,
+    final_weights,
+    progress,
+    run_to_end,
+    start_run,
+    wait_activity_started,
+)
+from tests.stack import Stack, tiny_config
+from workers.common import connect
+
+pytestmark = pytest.mark.e2e
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def engine_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # decoding is slowed (fault-injection aid) so a kill lands while a chunk is generating
+    s = Stack(tmp_path_factory.mktemp("engine-faults"), env={"MILESTONE_ENGINE_STEP_DELAY_MS": "150"})
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def store(engine_stack: Stack) -> Path:
+    return engine_stack.workdir / "store"
+
+
+@pytest.fixture(scope="module")
+def baseline(engine_stack: Stack, store: Path) -> dict:
+    async def main() -> None:
+        client = await connect(engine_stack.server.address)
+        await run_to_end(client, "baseline", tiny_config(store, steps=STEPS))
+
+    asyncio.run(main())
+    return final_weights(store, "baseline", STEPS)
+
+
+def _kill_engines_during_step2_rollout(stack: Stack, store: Path, run_id: str, slots: list[int]) -> list:
+    async def main() -> list:
+        client = await connect(stack.server.address)
+        handle = await start_run(client, run_id, tiny_config(store, steps=STEPS))
+        await wait_activity_started(client, f"{run_id}/step-2", "rollout")
+        engines = stack.node_pids("node0")["engines"]
+        for slot in slots:
+            os.kill(engines[slot], signal.SIGKILL)
+        summary = await asyncio.wait_for(handle.result(), 300)
+        assert summary.steps == STEPS and summary.policy_version == STEPS
+        p = await progress(client, run_id)
+        return [p, engines]
+
+    return asyncio.run(main())
+
+
+def test_one_engine_killed_mid_rollout(engine_stack: Stack, store: Path, baseline: dict) -> None:
+    p, old_pids = _kill_engines_during_step2_rollout(engine_stack, store, "kill-one", [0])
+    kinds = [e.kind for e in p.events]
+    assert "engine_dead" in kinds and "engine_recovered" in kinds, kinds
+    # the slot was restarted with a new process, serves the newest version, checksums agree
+    assert all(e.state == "healthy" for e in p.engines)
+    assert p.engines[0].pid != old_pids[0] and p.engines[0].restart_count >= 1
+    assert {e.weight_version for e in p.engines} == {STEPS}
+    assert len({e.checksum for e in p.engines}) == 1
+    assert_bitwise_equal(final_weights(store, "kill-one", STEPS), baseline)
+
+
+def test_all_engines_killed_run_waits_and_continues(engine_stack: Stack, store: Path, baseline: dict) -> None:
+    p, old_pids = _kill_engines_during_step2_rollout(engine_stack, store, "kill-all", [0, 1])
+    assert all(e.state == "healthy" for e in p.engines)
+    assert all(e.pid not in old_pids for e in p.engines)
+    # nothing lost or duplicated: one committed step per step, cursor advanced exactly
+    assert [s.step for s in p.steps] == [1, 2, 3]
+    assert p.data_cursor == STEPS * 4
+    assert_bitwise_equal(final_weights(store, "kill-all", STEPS), baseline)
