@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -85,3 +86,10 @@ def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
                 os._exit(3)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: the kernel SIGKILLs the child when the thread that started it
+    exits (PR_SET_PDEATHSIG). For children that cannot watch their parent themselves."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG

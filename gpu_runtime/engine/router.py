@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from gpu_runtime.proc import die_with_parent
+
 log = logging.getLogger(__name__)
 
 
@@ -95,7 +97,10 @@ class RouterProcess:
         log.info("starting router: %s", " ".join(cmd))
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent,  # the Rust router cannot watch our pid itself
+            )
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()  # type: ignore[union-attr]
