@@ -12,6 +12,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError
 
 from milestone_cli.config_file import ConfigError, load_run_config
+from milestone_cli.resume import NothingToResume, ResumeError, resume_state
 from workers.common import connect
 from workflows.config import HParamUpdate
 from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
@@ -65,18 +66,41 @@ async def cmd_start(client: Client, args: argparse.Namespace) -> int:
         except (ValueError, FileNotFoundError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    run_id = args.run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
-    handle = await client.start_workflow(
+    state = None
+    if args.resume_from:
+        try:
+            run_id, cfg, state = resume_state(cfg, args.resume_from)
+        except ResumeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 3 if isinstance(err, NothingToResume) else 2
+        if args.run_id and args.run_id != run_id:
+            print(f"error: --run-id {args.run_id}: a resume continues run {run_id} under its own id", file=sys.stderr)
+            return 2
+        if await _is_running(client, run_id):
+            print(f"error: run {run_id} is still running; nothing to resume", file=sys.stderr)
+            return 2
+    else:
+        run_id = args.run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
+    await client.start_workflow(
         "TrainingRun",
-        TrainingRunInput(config=cfg),
+        TrainingRunInput(config=cfg, state=state),
         id=run_id,
         task_queue=CONTROL_QUEUE,
-        static_summary=f"{cfg.name}: {cfg.steps} RL steps",
+        static_summary=f"{cfg.name}: {cfg.steps} RL steps" + (f" (resumed at step {state.next_step})" if state else ""),
     )
+    if state is not None:
+        print(f"resuming {run_id} at step {state.next_step} (policy v{state.policy_version}, data cursor {state.data_cursor})")
     print(f"started {run_id}\n  UI: {ui_link(run_id)}")
     if args.wait:
         return await watch(client, run_id)
     return 0
+
+
+async def _is_running(client: Client, run_id: str) -> bool:
+    try:
+        return await _closed_state(client.get_workflow_handle(run_id)) is None
+    except RPCError:
+        return False  # never started
 
 
 async def watch(client: Client, run_id: str, interval_s: float = 1.0) -> int:
@@ -159,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("config")
     s.add_argument("--run-id", default=None)
     s.add_argument("--wait", action="store_true", help="watch until the run ends")
+    s.add_argument(
+        "--resume-from", default=None, metavar="RUN_OR_CHECKPOINT_URI",
+        help="continue a run after its newest durable checkpoint (or <store>/runs/<run>/checkpoints/step-N)",
+    )
     w = sub.add_parser("watch", help="live progress of a run")
     w.add_argument("run")
     st = sub.add_parser("status", help="state of a run")

@@ -1,0 +1,70 @@
+"""``milestone start CONFIG --resume-from RUN_OR_CHECKPOINT_URI``.
+
+A resume continues the same run id (its artifacts and checkpoints live under it)
+from the step after a durable checkpoint — never from step 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tempfile
+
+from gpu_runtime import artifacts as art
+from gpu_runtime.checkpoint_store import CheckpointStore
+from gpu_runtime.storage import open_store
+from workflows.config import RunConfig
+from workflows.contracts import DatasetInfo, RunState
+
+CHECKPOINT_URI = re.compile(r"^(?P<root>.+)/runs/(?P<run>[^/]+)/checkpoints/step-(?P<step>\d+)/?$")
+
+
+class ResumeError(ValueError):
+    """The resume cannot start; the message says why."""
+
+
+class NothingToResume(ResumeError):
+    """The checkpoint already covers every step the config asks for."""
+
+
+def parse_target(target: str, cfg: RunConfig) -> tuple[str, str, int | None]:
+    """-> (store root URI, run id, checkpoint step or None for the newest)."""
+    m = CHECKPOINT_URI.match(target)
+    if m:
+        return m.group("root"), m.group("run"), int(m.group("step"))
+    if "://" in target or "/" in target:
+        raise ResumeError(f"--resume-from {target!r}: expected a run id or <store>/runs/<run>/checkpoints/step-N")
+    return cfg.store, target, None
+
+
+def resume_state(cfg: RunConfig, target: str) -> tuple[str, RunConfig, RunState]:
+    """Find the durable checkpoint and build the run's state after it."""
+    root, run_id, step = parse_target(target, cfg)
+    if root.rstrip("/") != cfg.store.rstrip("/"):
+        cfg = cfg.model_copy(update={"store": root})
+    store = open_store(root)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpts = CheckpointStore(store, art.checkpoints_prefix(run_id), local_dir=tmp)
+        durable = ckpts.list_durable()
+        chosen = [c for c in durable if step is None or c.step == step]
+        if not chosen:
+            what = f"step {step}" if step is not None else "any step"
+            raise ResumeError(f"run {run_id}: no durable checkpoint for {what} in {root}")
+        info = chosen[-1]
+    meta = info.meta
+    if cfg.steps <= info.step:
+        raise NothingToResume(
+            f"nothing to resume: run {run_id} is checkpointed at step {info.step} and the config asks for "
+            f"steps: {cfg.steps}; raise `steps` to train further"
+        )
+    data_key = art.dataset_key(run_id, "train")
+    data = store.get_bytes(data_key)
+    state = RunState(
+        next_step=info.step + 1,
+        policy_version=int(meta.get("policy_version", info.step)),
+        data_cursor=int(meta.get("data_cursor", 0)),
+        initialized=True,
+        dataset=DatasetInfo(key=data_key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest()),
+        train=cfg.train,
+    )
+    return run_id, cfg, state
