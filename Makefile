@@ -28,8 +28,9 @@ demo: install
 test: install
 	$(PY) -m pytest
 
+# make up S3=1 also starts SeaweedFS (S3 on :8333) for configs whose store is s3://
 up: install
-	$(PY) -m infra.devstack up
+	$(PY) -m infra.devstack up $(if $(S3),--s3,)
 
 down:
 	@if [ -x $(PY) ]; then $(PY) -m infra.devstack down; fi

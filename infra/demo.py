@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("config", nargs="?", default="examples/demo.yaml")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    devstack.up()
+    devstack.up(s3=load_run_config(args.config).store.startswith("s3://"))
     sys.exit(asyncio.run(run_demo(args.config)))
 
 

@@ -9,6 +9,7 @@ UI on :8233, search attributes registered), ``python -m workers.control`` and on
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -41,15 +42,34 @@ def _start(name: str, cmd: list[str]) -> int:
     if pid:
         log.info("%s already running (pid %d)", name, pid)
         return pid
-    proc = spawn(cmd, STATE / "logs" / f"{name}.log")
+    proc = spawn(cmd, STATE / "logs" / f"{name}.log", env=s3_env())
     _pidfile(name).parent.mkdir(parents=True, exist_ok=True)
     _pidfile(name).write_text(str(proc.pid))
     log.info("%s started (pid %d), log %s", name, proc.pid, STATE / "logs" / f"{name}.log")
     return proc.pid
 
 
-def up(node_id: str = "node0") -> None:
+S3_PORT = 8333
+S3_KEYS = ("milestone", "milestone-secret")
+
+
+def s3_env() -> dict[str, str]:
+    """How the workers reach the embedded SeaweedFS (used by s3:// stores)."""
+    return {
+        "MILESTONE_S3_ENDPOINT": os.environ.get("MILESTONE_S3_ENDPOINT", f"http://127.0.0.1:{S3_PORT}"),
+        "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", S3_KEYS[0]),
+        "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", S3_KEYS[1]),
+    }
+
+
+def up(node_id: str = "node0", *, s3: bool = False) -> None:
     STATE.mkdir(parents=True, exist_ok=True)
+    if s3:
+        from infra.seaweedfs import main as seaweed_main
+
+        seaweed_main(["start", "--dir", str(STATE / "s3"), "--port", str(S3_PORT),
+                      "--access-key", S3_KEYS[0], "--secret-key", S3_KEYS[1]])
+        os.environ.update(s3_env())
     _start("temporal", server_command(STATE / "temporal.db", TEMPORAL_PORT, UI_PORT))
     wait_for_port("127.0.0.1", TEMPORAL_PORT, 60)
     wait_for_port("127.0.0.1", UI_PORT, 60)
@@ -69,6 +89,17 @@ def down() -> None:
             stop_pid(pid, timeout_s=20)
             log.info("%s stopped (pid %d)", name, pid)
         _pidfile(name).unlink(missing_ok=True)
+    for children in (STATE / "nodes").glob("*/children.json"):  # left by a SIGKILLed agent
+        pids = json.loads(children.read_text())
+        for pid in [pids.get("trainer"), pids.get("router"), *pids.get("engines", [])]:
+            if pid and pid_alive(pid):
+                stop_pid(pid)
+        children.unlink(missing_ok=True)
+    if (STATE / "s3").exists():
+        from infra.seaweedfs import stop_by_pidfile
+
+        if stop_by_pidfile((STATE / "s3").resolve()):
+            log.info("SeaweedFS stopped")
 
 
 def status() -> dict[str, int | None]:
@@ -78,10 +109,11 @@ def status() -> dict[str, int | None]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--s3", action="store_true", help="also start SeaweedFS (S3 on :8333) for s3:// stores")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.action == "up":
-        up()
+        up(s3=args.s3)
     elif args.action == "down":
         down()
     else:
