@@ -13,6 +13,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import with_heartbeat
 from gpu_runtime import artifacts as art
+from gpu_runtime import metrics
 from gpu_runtime.data import generate_arithmetic, load_jsonl, write_jsonl
 from gpu_runtime.rewards import RewardError, RewardSpec, score_samples
 from gpu_runtime.storage import open_store
@@ -68,7 +69,7 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
     key = art.rewards_key(inp.run_id, inp.step)
     art.put_model(store, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
     values = [r.reward for r in rewards]
-    return RewardResult(
+    result = RewardResult(
         rewards_key=key,
         reward_mean=statistics.fmean(values) if values else 0.0,
         reward_std=statistics.pstdev(values) if len(values) > 1 else 0.0,
@@ -76,3 +77,7 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
         n=len(rewards),
         seconds=time.perf_counter() - t0,
     )
+    metrics.REWARD_MEAN.set(result.reward_mean)
+    metrics.REWARD_STD.set(result.reward_std)
+    metrics.PHASE_SECONDS.labels("reward").observe(result.seconds)
+    return result

@@ -14,6 +14,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import with_heartbeat
+from gpu_runtime import metrics
 from gpu_runtime.engine.fleet import HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.node_runtime import NodeRuntime
 from gpu_runtime.rollout import RolloutRequest, StaleWeights, run_rollout
@@ -123,6 +124,9 @@ class NodeActivities:
             ) from err
         except StaleWeights as err:
             raise ApplicationError(str(err), type="StaleWeights") from err
+        metrics.ROLLOUT_TOKENS_PER_S.set(stats.tokens_per_s)
+        metrics.RESPONSE_LENGTH.set(stats.response_len_mean)
+        metrics.PHASE_SECONDS.labels("rollout").observe(stats.seconds)
         return RolloutResult(
             chunk_keys=stats.chunk_keys, n_samples=stats.n_samples, gen_tokens=stats.gen_tokens,
             response_len_mean=stats.response_len_mean, tokens_per_s=stats.tokens_per_s,
@@ -144,11 +148,14 @@ class NodeActivities:
             res = with_heartbeat(lambda: self.rt.trainer.call("train_step", {"setup": setup, "spec": spec}))
         except Exception as err:
             raise _trainer_error(err, f"train_step {inp.step}") from err
-        metrics = res["metrics"]
-        bad = [k for k, v in metrics.items() if v != v or v in (float("inf"), float("-inf"))]
+        values = res["metrics"]
+        bad = [k for k, v in values.items() if v != v or v in (float("inf"), float("-inf"))]
         if bad:
             raise ApplicationError(f"step {inp.step}: non-finite {bad}", type="Divergence", non_retryable=True)
-        return TrainStepResult(**res)
+        result = TrainStepResult(**res)
+        metrics.record_train(result.metrics, result.seconds, len(result.replayed_steps))
+        metrics.POLICY_VERSION.set(result.policy_version)
+        return result
 
     @activity.defn(name="update_weights")
     def update_weights(self, inp: UpdateWeightsInput) -> UpdateWeightsResult:
@@ -174,6 +181,11 @@ class NodeActivities:
                 f"engines report checksums {sorted(c or '' for c in checksums)}, trainer {inp.checksum}",
                 type="WeightMismatch",
             )
+        snapshot = self.rt.fleet.snapshot()
+        metrics.ENGINES_HEALTHY.set(sum(1 for s in snapshot if s.state == "healthy"))
+        metrics.PHASE_SECONDS.labels("update_weights").observe(time.perf_counter() - t0)
+        weights_bytes = (folder / "model.safetensors").stat().st_size
+        metrics.WEIGHT_SYNC_BYTES.inc(weights_bytes * sum(1 for s in snapshot if s.state == "healthy"))
         return UpdateWeightsResult(
             policy_version=inp.policy_version,
             restarted_slots=restarted,
@@ -195,7 +207,9 @@ class NodeActivities:
             )
         except Exception as err:
             raise _trainer_error(err, f"checkpoint {inp.step}") from err
-        return CheckpointResult(step=inp.step, key=res["key"], seconds=time.perf_counter() - t0, durable=res["durable"])
+        seconds = time.perf_counter() - t0
+        metrics.PHASE_SECONDS.labels("checkpoint").observe(seconds)
+        return CheckpointResult(step=inp.step, key=res["key"], seconds=seconds, durable=res["durable"])
 
     def _events(self) -> list[RunEvent]:
         return [

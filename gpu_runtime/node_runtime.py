@@ -15,6 +15,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime import metrics
 from gpu_runtime.data import load_jsonl
 from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig
@@ -77,6 +78,7 @@ class NodeRuntime:
         with self._events_lock:
             self.events.append(doc)
             self._undrained.append(doc)
+        metrics.ENGINE_EVENTS.labels(ev.kind).inc()
         log.info("fleet event %s slot %s %s", ev.kind, ev.slot, ev.detail)
 
     def drain_events(self) -> list[dict[str, Any]]:

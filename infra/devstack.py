@@ -16,13 +16,14 @@ import sys
 from pathlib import Path
 
 from gpu_runtime.proc import pid_alive, spawn, stop_pid
-from infra.temporal_server import server_command, wait_for_port
+from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 
 log = logging.getLogger("devstack")
 STATE = Path(os.environ.get("MILESTONE_HOME", ".milestone"))
 TEMPORAL_PORT = 7233
 UI_PORT = 8233
 SERVICES = ("temporal", "control", "gpu")
+METRICS_PORTS = {"control": 9465, "gpu": 9464}  # Prometheus /metrics (see infra/prometheus.yml)
 
 
 def _pidfile(name: str) -> Path:
@@ -72,12 +73,14 @@ def up(node_id: str = "node0", *, s3: bool = False) -> None:
         os.environ.update(s3_env())
     _start("temporal", server_command(STATE / "temporal.db", TEMPORAL_PORT, UI_PORT))
     wait_for_port("127.0.0.1", TEMPORAL_PORT, 60)
+    wait_until_serving(f"127.0.0.1:{TEMPORAL_PORT}")
     wait_for_port("127.0.0.1", UI_PORT, 60)
     env_py = sys.executable
-    _start("control", [env_py, "-m", "workers.control"])
+    _start("control", [env_py, "-m", "workers.control", "--metrics-port", str(METRICS_PORTS["control"])])
     _start(
         "gpu",
-        [env_py, "-m", "workers.gpu", "--device", "cpu", "--node-id", node_id, "--work-dir", str(STATE / "nodes" / node_id)],
+        [env_py, "-m", "workers.gpu", "--device", "cpu", "--node-id", node_id,
+         "--metrics-port", str(METRICS_PORTS["gpu"]), "--work-dir", str(STATE / "nodes" / node_id)],
     )
     print(f"Temporal UI: http://localhost:{UI_PORT}   (stop everything with: make down)")
 

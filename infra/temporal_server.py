@@ -61,3 +61,21 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
         except OSError:
             time.sleep(0.1)
     raise TimeoutError(f"{host}:{port} did not open within {timeout_s}s")
+
+
+def wait_until_serving(address: str, timeout_s: float = 60.0) -> None:
+    """The port opens before the frontend is healthy: wait until a client connects."""
+    import asyncio
+
+    from temporalio.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            asyncio.run(Client.connect(address))
+            return
+        except RuntimeError as err:  # "Frontend is not healthy yet", connection refused
+            last = err
+            time.sleep(0.2)
+    raise TimeoutError(f"Temporal at {address} not serving after {timeout_s}s: {last}")

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 
 from gpu_runtime.proc import free_port, pid_alive, spawn, stop_pid
-from infra.temporal_server import server_command, wait_for_port
+from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -61,6 +61,7 @@ class TemporalDevServer:
         )
         self.proc = spawn(cmd, self.workdir / "temporal.log")
         wait_for_port("127.0.0.1", self.port, 60, self.proc)
+        wait_until_serving(self.address)
 
     def restart(self) -> None:
         self.stop()
@@ -80,6 +81,7 @@ class Stack:
         self.server = TemporalDevServer(workdir)
         self.procs: dict[str, subprocess.Popen] = {}
         self.extra_env = dict(env or {})
+        self.metrics_ports: dict[str, int] = {}
 
     @property
     def env(self) -> dict[str, str]:
@@ -96,11 +98,25 @@ class Stack:
         return self._spawn("control", [sys.executable, "-m", "workers.control"])
 
     def start_gpu(self, node_id: str, name: str | None = None) -> subprocess.Popen:
+        self.metrics_ports[node_id] = free_port()
         return self._spawn(
             name or f"gpu-{node_id}",
             [sys.executable, "-m", "workers.gpu", "--device", "cpu", "--node-id", node_id,
-             "--work-dir", str(self.workdir / "nodes" / node_id)],
+             "--work-dir", str(self.workdir / "nodes" / node_id),
+             "--metrics-port", str(self.metrics_ports[node_id])],
         )
+
+    def scrape(self, node_id: str) -> dict[str, float]:
+        """The node agent's Prometheus metrics as {'name{labels}': value}."""
+        import httpx
+
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_ports[node_id]}/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         proc = spawn(cmd, self.workdir / "logs" / f"{name}.log", env=self.env)

@@ -15,6 +15,7 @@ from datetime import timedelta
 from temporalio.worker import Worker
 
 from activities.control import compute_rewards, prepare_data
+from gpu_runtime import metrics
 from workers.common import connect, install_shutdown, setup_logging
 from workflows.contracts import CONTROL_QUEUE
 from workflows.rl_step import RLStep
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--address", default=None, help="Temporal frontend (default $MILESTONE_TEMPORAL_ADDRESS or localhost:7233)")
     p.add_argument("--namespace", default=None)
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = off)")
     args = p.parse_args(argv)
+    metrics.serve(args.metrics_port)
     setup_logging("control")
     asyncio.run(run(args.address, args.namespace))
 

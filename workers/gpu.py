@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 
 from activities.node import NodeActivities
 from gpu_runtime.node_runtime import NodeRuntime
+from gpu_runtime import metrics
 from workers.common import connect, install_shutdown, setup_logging
 from workflows.contracts import POOL_QUEUE
 
@@ -65,9 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trainer-threads", type=int, default=1)
     p.add_argument("--address", default=None)
     p.add_argument("--namespace", default=None)
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = off)")
     args = p.parse_args(argv)
     if args.device == "cuda":
         p.error("--device cuda: the GPU backends (SGLang, Megatron) are not wired into the node agent yet")
+    metrics.serve(args.metrics_port)
     setup_logging(f"gpu[{args.node_id}]")
     asyncio.run(run(args))
 

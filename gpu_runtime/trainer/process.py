@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime.metrics import TRAINER_RESTARTS
 from gpu_runtime.proc import spawn, stop_pid
 from gpu_runtime.rpc import RPCClient
 
@@ -56,6 +57,7 @@ class TrainerProcess:
                 if self.proc is not None:
                     log.warning("trainer pid %d exited with %s; restarting", self.proc.pid, self.proc.returncode)
                     self.restarts += 1
+                    TRAINER_RESTARTS.inc()
                 self.start()
 
     def call(self, method: str, arg: dict | None = None) -> Any:

@@ -78,6 +78,10 @@ def test_one_engine_killed_mid_rollout(engine_stack: Stack, store: Path, baselin
     assert {e.weight_version for e in p.engines} == {STEPS}
     assert len({e.checksum for e in p.engines}) == 1
     assert_bitwise_equal(final_weights(store, "kill-one", STEPS), baseline)
+    scraped = engine_stack.scrape("node0")
+    assert scraped['milestone_engine_events_total{kind="engine_dead"}'] >= 1
+    assert scraped['milestone_engine_events_total{kind="engine_recovered"}'] >= 1
+    assert scraped["milestone_engines_healthy"] == 2
 
 
 def test_all_engines_killed_run_waits_and_continues(engine_stack: Stack, store: Path, baseline: dict) -> None:

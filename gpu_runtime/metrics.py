@@ -1,0 +1,40 @@
+"""Prometheus metrics of a worker process (scrape ``http://127.0.0.1:<port>/metrics``).
+
+Names follow DESIGN §9; the node agent and the control worker each serve their own.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+PHASE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+ROLLOUT_TOKENS_PER_S = Gauge("milestone_rollout_tokens_per_second", "generated tokens per second, last rollout")
+RESPONSE_LENGTH = Gauge("milestone_response_length_mean", "mean response length (tokens), last rollout")
+REWARD_MEAN = Gauge("milestone_reward_mean", "mean reward, last step")
+REWARD_STD = Gauge("milestone_reward_std", "reward standard deviation, last step")
+TRAIN_METRIC = Gauge("milestone_train", "last train step metric", ["metric"])  # loss, kl, entropy, grad_norm, ...
+POLICY_VERSION = Gauge("milestone_policy_version", "policy version held by this node's trainer")
+PHASE_SECONDS = Histogram("milestone_phase_seconds", "activity time per phase", ["phase"], buckets=PHASE_BUCKETS)
+WEIGHT_SYNC_BYTES = Counter("milestone_weight_sync_bytes_total", "bytes of weights pushed to engines")
+ENGINE_EVENTS = Counter("milestone_engine_events_total", "engine fleet events", ["kind"])
+ENGINES_HEALTHY = Gauge("milestone_engines_healthy", "healthy engines on this node")
+TRAINER_RESTARTS = Counter("milestone_trainer_restarts_total", "trainer process restarts")
+REPLAYED_STEPS = Counter("milestone_replayed_steps_total", "steps replayed to rebuild trainer state")
+
+TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens_per_s")
+
+
+def serve(port: int) -> None:
+    """Start the /metrics endpoint on 127.0.0.1 (0 = disabled)."""
+    if port:
+        start_http_server(port, addr="127.0.0.1")
+
+
+def record_train(metrics: dict[str, float], seconds: float, replayed: int) -> None:
+    for key in TRAIN_KEYS:
+        if key in metrics:
+            TRAIN_METRIC.labels(key).set(metrics[key])
+    PHASE_SECONDS.labels("train").observe(seconds)
+    if replayed:
+        REPLAYED_STEPS.inc(replayed)
