@@ -17,7 +17,7 @@ from activities.heartbeat import with_heartbeat
 from gpu_runtime import metrics
 from gpu_runtime.engine.fleet import HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.node_runtime import NodeRuntime
-from gpu_runtime.rollout import RolloutRequest, StaleWeights, run_rollout
+from gpu_runtime.rollout import NonFiniteLogprobs, RolloutRequest, StaleWeights, run_rollout
 from gpu_runtime.rpc import RemoteError
 from gpu_runtime.tokenizer import CharTokenizer
 from gpu_runtime.trainer.process import TrainerDied
@@ -122,6 +122,8 @@ class NodeActivities:
             raise ApplicationError(
                 f"rollout step {inp.step}: {err}; restarted slots {restarted}", type="NoHealthyEngine"
             ) from err
+        except NonFiniteLogprobs as err:
+            raise ApplicationError(str(err), type="Divergence", non_retryable=True) from err
         except StaleWeights as err:
             raise ApplicationError(str(err), type="StaleWeights") from err
         metrics.ROLLOUT_TOKENS_PER_S.set(stats.tokens_per_s)
@@ -166,7 +168,7 @@ class NodeActivities:
         folder = self.rt.local_weights(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key)
         health = HealthConfig(
             interval_s=e.health_check_interval_s, timeout_s=e.health_check_timeout_s,
-            first_wait_s=max(e.health_check_first_wait_s, 120.0), failure_threshold=e.health_check_failure_threshold,
+            first_wait_s=e.health_check_first_wait_s, failure_threshold=e.health_check_failure_threshold,
         )
         try:
             restarted = with_heartbeat(lambda: self.rt.ensure_engines(e.num_engines, health, folder, inp.policy_version))

@@ -5,6 +5,7 @@ stored under deterministic keys (a retried chunk whose artifact exists is reused
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,10 @@ log = logging.getLogger(__name__)
 
 # (batch of input ids, sampling params) -> (one SGLang-shaped result per prompt, engine url)
 ChunkGenerator = Callable[[list[list[int]], dict], tuple[list[dict], str]]
+
+
+class NonFiniteLogprobs(RuntimeError):
+    """The policy produced NaN/inf: the run has diverged (not retryable)."""
 
 
 class StaleWeights(RuntimeError):
@@ -95,6 +100,8 @@ def generate_chunk(
         if version is not None and int(version) != req.policy_version:
             raise StaleWeights(f"engine {url} serves v{version}, step {req.step} needs v{req.policy_version}")
         lps = [float(t[0]) for t in meta.get("output_token_logprobs", [])]
+        if not all(math.isfinite(x) for x in lps):
+            raise NonFiniteLogprobs(f"step {req.step} chunk {plan.chunk}: policy v{req.policy_version} logprobs are not finite")
         finish = meta.get("finish_reason") or {}
         samples.append(
             art.Sample(

@@ -87,8 +87,8 @@ class TrainSpec(Strict):
     """GRPO / PPO-clip hyper-parameters; changeable between steps with ``milestone set``."""
 
     lr: float = Field(3e-5, gt=0)
-    clip_eps: float = Field(0.2, gt=0)
-    kl_coef: float = Field(0.0, ge=0)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the post-SFT reference; > 0 keeps a reference model")
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     ppo_epochs: int = Field(1, ge=1, description="optimizer steps per rollout batch")
@@ -106,7 +106,7 @@ class EngineSpec(Strict):
     num_engines: int = Field(2, ge=1)
     health_check_interval_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(5.0, gt=0)
-    health_check_first_wait_s: float = Field(0.0, ge=0)
+    health_check_first_wait_s: float = Field(120.0, gt=0, description="a starting engine must be healthy within this")
     health_check_failure_threshold: int = Field(1, ge=1)
 
 
@@ -143,7 +143,7 @@ class HParamUpdate(Strict):
     """Fields of ``train`` that may change between steps (``set_hparams`` signal)."""
 
     lr: float | None = Field(None, gt=0)
-    clip_eps: float | None = Field(None, gt=0)
+    clip_eps: float | None = Field(None, gt=0, lt=1)
     kl_coef: float | None = Field(None, ge=0)
     grad_clip: float | None = Field(None, gt=0)
 

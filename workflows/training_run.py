@@ -103,10 +103,12 @@ class TrainingRun:
         )
 
     async def _run_step(self, run_id: str, chash: str) -> StepSummary:
-        """Run the step as a child; a lost node is replaced and the step re-run."""
+        """Run the step as a child. A lost node is replaced and the step re-run; a
+        divergence (NaN) pauses the run on its last good state until ``resume``."""
         cfg, st = self.cfg, self.st
         assert cfg is not None and st.dataset is not None and st.train is not None
-        for _ in range(MAX_NODE_REPLACEMENTS + 1):
+        replacements = 0
+        while replacements <= MAX_NODE_REPLACEMENTS:
             assert st.node is not None
             try:
                 return await workflow.execute_child_workflow(
@@ -121,8 +123,18 @@ class TrainingRun:
                     static_summary=f"RL step {st.next_step} of {cfg.steps}",
                 )
             except ChildWorkflowError as err:
-                if not _is_node_lost(err):
+                kind, message = _failure_type(err)
+                if kind == "Divergence":
+                    self._event("divergence", f"step {st.next_step}: {message}; paused (fix with `milestone set`, then resume)")
+                    st.paused = True
+                    self.status = "paused"
+                    self._publish()
+                    await workflow.wait_condition(lambda: not self.st.paused)
+                    self.status = "running"
+                    continue
+                if kind != "NodeLost":
                     raise
+                replacements += 1
                 self._event("node_lost", f"{st.node.task_queue} during step {st.next_step}")
                 await self._place_on_node(run_id, chash, init=False)
         raise ApplicationError(f"gave up after {MAX_NODE_REPLACEMENTS} node replacements", type="NodeLost")
@@ -235,13 +247,16 @@ class TrainingRun:
     def _validate_hparams(self, update: HParamUpdate) -> None:
         if all(v is None for v in update.model_dump().values()):
             raise ValueError("set_hparams: no field given (lr, clip_eps, kl_coef, grad_clip)")
+        if update.kl_coef and self.cfg is not None and self.cfg.train.kl_coef == 0:
+            raise ValueError("set_hparams: kl_coef: the run started with kl_coef 0 and keeps no reference model")
 
 
-def _is_node_lost(err: ChildWorkflowError) -> bool:
+def _failure_type(err: ChildWorkflowError) -> tuple[str | None, str]:
+    """The first NodeLost / Divergence application error in the cause chain."""
     cause = err.cause
     while cause is not None:
-        if isinstance(cause, ApplicationError) and cause.type == "NodeLost":
-            return True
+        if isinstance(cause, ApplicationError) and cause.type in ("NodeLost", "Divergence"):
+            return cause.type, cause.message
         cause = cause.__cause__
-    return False
+    return None, str(err)
 

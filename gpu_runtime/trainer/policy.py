@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import logging
 import random
 import time
@@ -224,6 +225,9 @@ class PolicyTrainer:
                     for name, v in (("loss", loss), ("pg_loss", pg), ("kl", kl), ("entropy", ent), ("clip_fraction", clip_frac)):
                         sums[name] += float(v.detach()) * w
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), hparams.grad_clip))
+            if not math.isfinite(grad_norm):  # never step on NaN/inf: the weights stay the last good ones
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"train_step: grad norm is not finite ({grad_norm})")
             self.optimizer.step()
             self.opt_steps += 1
         self.policy_version += 1

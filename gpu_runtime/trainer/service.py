@@ -74,6 +74,10 @@ class TrainResult(BaseModel):
     seconds: float
 
 
+class Divergence(RuntimeError):
+    """Training produced NaN/inf: not retryable; the run pauses on its last good state."""
+
+
 def _fault_injection_delay() -> None:
     """Tests set MILESTONE_FAULT_TRAIN_DELAY_S so a SIGKILL lands inside train_step."""
     delay = float(os.environ.get("MILESTONE_FAULT_TRAIN_DELAY_S", "0"))
@@ -223,7 +227,11 @@ class TrainerService:
             before = self.ensure_version(setup, spec.policy_version)
         art.put_model(self.store, art.train_spec_key(setup.run_id, spec.step), spec)
         _fault_injection_delay()
-        metrics = self._train(spec)
+        try:
+            metrics = self._train(spec)
+        except FloatingPointError as err:
+            self.trainer = None  # possibly half-updated: the next call restores a checkpoint
+            raise Divergence(f"step {spec.step}: {err}") from err
         info = self._publish_weights()
         result = TrainResult(
             policy_version=info.policy_version,
