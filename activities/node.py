@@ -90,6 +90,7 @@ class NodeActivities:
         return PolicyInfo(
             policy_version=info["policy_version"], checksum=info["checksum"], weights_key=info["weights_key"],
             sft_metrics=info["sft_metrics"], seconds=info["seconds"], restored_from_step=info["restored_from_step"],
+            node_events=_store_events(info.get("events", [])),
         )
 
     # ---- the RL step --------------------------------------------------------------
@@ -154,7 +155,7 @@ class NodeActivities:
         bad = [k for k, v in values.items() if v != v or v in (float("inf"), float("-inf"))]
         if bad:
             raise ApplicationError(f"step {inp.step}: non-finite {bad}", type="Divergence", non_retryable=True)
-        result = TrainStepResult(**res)
+        result = TrainStepResult(**{**res, "node_events": _store_events(res.pop("events", []))})
         metrics.record_train(result.metrics, result.seconds, len(result.replayed_steps))
         metrics.POLICY_VERSION.set(result.policy_version)
         return result
@@ -231,6 +232,15 @@ class NodeActivities:
 
     def all(self) -> list:
         return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint]
+
+
+def _store_events(events: list[dict]) -> list[RunEvent]:
+    now = datetime.now(timezone.utc).isoformat()
+    return [
+        RunEvent(at=now, kind=str(e.get("kind", "checkpoint_event")),
+                 detail=", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
+        for e in events
+    ]
 
 
 def _hparams(train: dict) -> dict:

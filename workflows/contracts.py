@@ -64,6 +64,7 @@ class PolicyInfo(BaseModel):
     sft_metrics: dict[str, float] = {}
     seconds: float = 0.0
     restored_from_step: int | None = None
+    node_events: list[RunEvent] = []
 
 
 class RolloutInput(BaseModel):
@@ -126,6 +127,7 @@ class TrainStepResult(BaseModel):
     replayed_steps: list[int] = []
     restored_from_step: int | None = None
     seconds: float
+    node_events: list[RunEvent] = []
 
 
 class UpdateWeightsInput(BaseModel):

@@ -138,6 +138,6 @@ class RLStep:
             checkpointed=ckpt is not None,
             restored_from_step=trained.restored_from_step,
             replayed_steps=trained.replayed_steps,
-            events=[*rollout.node_events, *synced.node_events],
+            events=[*rollout.node_events, *trained.node_events, *synced.node_events],
             engines=synced.engines,
         )

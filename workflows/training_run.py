@@ -161,6 +161,7 @@ class TrainingRun:
                     PolicyInfo, task_queue=st.node.task_queue,
                     summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
                 )
+                st.events = [*st.events, *policy.node_events][-100:]
                 if policy.restored_from_step is not None:
                     self._event("trainer_restored", f"checkpoint step {policy.restored_from_step} -> v{policy.policy_version}")
                 synced = await run_activity(

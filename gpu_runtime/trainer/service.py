@@ -62,6 +62,7 @@ class VersionInfo(BaseModel):
     replayed_steps: list[int] = []
     sft_metrics: dict[str, float] = {}
     seconds: float = 0.0
+    events: list[dict] = []  # checkpoint_corrupt / checkpoint_upload_failed since the last call
 
 
 class TrainResult(BaseModel):
@@ -72,6 +73,7 @@ class TrainResult(BaseModel):
     replayed_steps: list[int] = []
     restored_from_step: int | None = None
     seconds: float
+    events: list[dict] = []  # checkpoint store events (corrupt checkpoint, failed upload)
 
 
 class Divergence(RuntimeError):
@@ -94,6 +96,7 @@ class TrainerService:
         self.store: ObjectStore | None = None
         self.ckpts: CheckpointStore | None = None
         self.tokenizer = CharTokenizer()
+        self._events_seen = 0
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
@@ -103,6 +106,7 @@ class TrainerService:
         self.setup = setup
         self.trainer = None
         self.store = open_store(setup.store_uri)
+        self._events_seen = 0
         self.ckpts = CheckpointStore(
             self.store,
             art.checkpoints_prefix(setup.run_id),
@@ -127,7 +131,16 @@ class TrainerService:
         info.replayed_steps = replayed
         info.sft_metrics = sft_metrics
         info.seconds = time.perf_counter() - t0
+        info.events = self.new_events()
         return info
+
+    def new_events(self) -> list[dict]:
+        """Checkpoint store events not yet reported."""
+        if self.ckpts is None:
+            return []
+        events = self.ckpts.events[self._events_seen :]
+        self._events_seen += len(events)
+        return [dict(e) for e in events]
 
     def _new_trainer(self) -> PolicyTrainer:
         s = self.setup
@@ -195,6 +208,10 @@ class TrainerService:
         prefix = art.weights_prefix(self.setup.run_id, v)
         for f in sorted(folder.iterdir()):
             self.store.put_file(f"{prefix}/{f.name}", f)
+        # the store keeps v0 (the post-SFT policy) and the newest two versions: a new node
+        # restores from checkpoints, engines only ever load the newest
+        if v - 2 > 0:
+            self.store.delete_prefix(art.weights_prefix(self.setup.run_id, v - 2) + "/")
         # engines on this node only need the newest two versions locally
         for old in (folder.parent).glob("v*"):
             if old.name < f"v{v - 1:06d}":
@@ -241,6 +258,7 @@ class TrainerService:
             replayed_steps=before.replayed_steps,
             restored_from_step=before.restored_from_step,
             seconds=time.perf_counter() - t0,
+            events=[*before.events, *self.new_events()],
         )
         art.put_model(self.store, result_key, result)
         return result

@@ -158,3 +158,35 @@ def test_node_agent_killed_run_moves_to_spare(tmp_path: Path, baseline: dict) ->
         stack.stop()
     assert_trained_exactly_once(store, "node-loss")
     assert_bitwise_equal(final_weights(store, "node-loss", STEPS), baseline)
+
+
+def test_corrupt_checkpoint_is_reported_and_previous_used(proc_stack: Stack, store: Path, baseline: dict) -> None:
+    from tests.stack import wait_for
+
+    run_id = "corrupt-ckpt"
+    cfg = tiny_config(store, steps=STEPS, checkpoint={"every": 1, "keep_last": 3})
+
+    async def main() -> None:
+        client = await connect(proc_stack.server.address)
+        handle = await start_run(client, run_id, cfg)
+        await wait_activity_started(client, f"{run_id}/step-3", "train_step")
+        ckpt2 = store / "runs" / run_id / "checkpoints" / "step-000002"
+        wait_for(lambda: (ckpt2 / "manifest.json").exists(), 60, what="checkpoint 2 durable")
+        blob = ckpt2 / "policy.safetensors"
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # flip one byte in the stored checkpoint
+        blob.write_bytes(bytes(data))
+        # the node's disk copies go too, so the store is the only source
+        for local in (proc_stack.workdir / "nodes" / "node0" / "trainer" / run_id / "checkpoints").glob("step-*"):
+            for f in local.iterdir():
+                f.unlink()
+            local.rmdir()
+        os.kill(proc_stack.node_pids("node0")["trainer"], signal.SIGKILL)
+        await asyncio.wait_for(handle.result(), 300)
+        p = await progress(client, run_id)
+        corrupt = [e for e in p.events if e.kind == "checkpoint_corrupt"]
+        assert corrupt and "step=2" in corrupt[0].detail, ([e.kind for e in p.events], p.steps[2])
+        assert p.steps[2].restored_from_step == 1 and p.steps[2].replayed_steps == [2]
+
+    asyncio.run(main())
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
