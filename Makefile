@@ -15,7 +15,6 @@ TORCH := torch==2.13.0
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q $(TORCH) -e '.[dev]'
 	touch $(STAMP)
@@ -39,8 +38,10 @@ status:
 	$(PY) -m infra.devstack status
 
 bench: install
-	$(PY) bench/bench_engines.py
-	$(PY) bench/bench_checkpoint.py
+	$(PY) -m bench.bench_rl_step
+	$(PY) -m bench.bench_restore
+	$(PY) -m bench.bench_engines
+	$(PY) -m bench.bench_checkpoint
 
 clean: down
 	rm -rf .milestone

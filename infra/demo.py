@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 
@@ -37,7 +38,10 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     devstack.up(s3=load_run_config(args.config).store.startswith("s3://"))
-    sys.exit(asyncio.run(run_demo(args.config)))
+    code = asyncio.run(run_demo(args.config))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (sdk-python #300 crash at exit)
 
 
 if __name__ == "__main__":

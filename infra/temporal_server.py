@@ -64,18 +64,28 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
 
 
 def wait_until_serving(address: str, timeout_s: float = 60.0) -> None:
-    """The port opens before the frontend is healthy: wait until a client connects."""
+    """The port opens before the frontend is healthy: wait until a client connects.
+    Runs its own event loop in a helper thread, so async callers may use it too."""
     import asyncio
+    import threading
 
     from temporalio.client import Client
 
     deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
+    errors: list[BaseException] = []
+
+    def attempt() -> None:
         try:
             asyncio.run(Client.connect(address))
-            return
+            errors.clear()
         except RuntimeError as err:  # "Frontend is not healthy yet", connection refused
-            last = err
-            time.sleep(0.2)
-    raise TimeoutError(f"Temporal at {address} not serving after {timeout_s}s: {last}")
+            errors[:] = [err]
+
+    while time.monotonic() < deadline:
+        t = threading.Thread(target=attempt, daemon=True)
+        t.start()
+        t.join(max(0.1, deadline - time.monotonic()))
+        if not t.is_alive() and not errors:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"Temporal at {address} not serving after {timeout_s}s: {errors[:1]}")

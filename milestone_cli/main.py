@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import uuid
 
@@ -224,7 +225,12 @@ async def amain(argv: list[str] | None = None) -> int:
 
 
 def main() -> None:
-    sys.exit(asyncio.run(amain()))
+    code = asyncio.run(amain())
+    # leave without interpreter teardown: the Temporal core can crash there
+    # (PyGILState_Release, sdk-python #300) after the work is done
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

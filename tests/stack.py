@@ -13,7 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -174,3 +175,14 @@ def tiny_config(store_dir: Path, **overrides: object) -> dict:
         else:
             cfg[key] = value
     return cfg
+
+
+@contextmanager
+def running_stack(workdir: Path, env: dict[str, str] | None = None, gpu_nodes: tuple[str, ...] = ("node0",)) -> Iterator[Stack]:
+    """A started Stack, stopped (by pid) however the block ends."""
+    stack = Stack(workdir, env=env)
+    try:
+        stack.start(gpu_nodes)
+        yield stack
+    finally:
+        stack.stop()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,19 +20,13 @@ from typing import Any
 
 import httpx
 
-from gpu_runtime.proc import die_with_parent
+from gpu_runtime.proc import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 
 
 class RouterError(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RouterProcess:
@@ -83,7 +76,7 @@ class RouterProcess:
             "--health-failure-threshold", str(self.health_failure_threshold),
             "--request-timeout-secs", str(self.request_timeout_s),
             "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(self.prometheus_port or _free_port()),
+            "--prometheus-port", str(self.prometheus_port or free_port()),
             "--log-level", "warn",
         ]
         if self.initial_workers:

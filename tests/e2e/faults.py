@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
-from tests.stack import async_wait_for
+from tests.stack import Stack, async_wait_for
+from workers.common import connect
 from workflows.config import RunConfig
 from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
 from workflows.training_run import TrainingRun
@@ -59,3 +60,13 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     diff = [k for k in a if not torch.equal(a[k], b[k])]
     assert not diff, f"tensors differ: {diff[:5]}"
+
+
+def baseline_weights(stack: Stack, store: Path, cfg: dict, run_id: str = "baseline") -> dict[str, torch.Tensor]:
+    """Run ``cfg`` without faults and return its final weights (the bitwise reference)."""
+
+    async def main() -> RunSummary:
+        return await run_to_end(await connect(stack.server.address), run_id, cfg)
+
+    summary = asyncio.run(main())
+    return final_weights(store, run_id, summary.policy_version)

@@ -13,13 +13,13 @@ import pytest
 
 from tests.e2e.faults import (
     assert_bitwise_equal,
+    baseline_weights,
     final_weights,
     progress,
-    run_to_end,
     start_run,
     wait_activity_started,
 )
-from tests.stack import Stack, tiny_config
+from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
 
 pytestmark = pytest.mark.e2e
@@ -29,12 +29,8 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def engine_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # decoding is slowed (fault-injection aid) so a kill lands while a chunk is generating
-    s = Stack(tmp_path_factory.mktemp("engine-faults"), env={"MILESTONE_ENGINE_STEP_DELAY_MS": "150"})
-    try:
-        s.start()
+    with running_stack(tmp_path_factory.mktemp("engine-faults"), env={"MILESTONE_ENGINE_STEP_DELAY_MS": "150"}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +40,7 @@ def store(engine_stack: Stack) -> Path:
 
 @pytest.fixture(scope="module")
 def baseline(engine_stack: Stack, store: Path) -> dict:
-    async def main() -> None:
-        client = await connect(engine_stack.server.address)
-        await run_to_end(client, "baseline", tiny_config(store, steps=STEPS))
-
-    asyncio.run(main())
-    return final_weights(store, "baseline", STEPS)
+    return baseline_weights(engine_stack, store, tiny_config(store, steps=STEPS))
 
 
 def _kill_engines_during_step2_rollout(stack: Stack, store: Path, run_id: str, slots: list[int]) -> list:

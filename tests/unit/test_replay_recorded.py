@@ -20,11 +20,13 @@ from workflows.rl_step import RLStep
 from workflows.training_run import TrainingRun
 
 HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.json"))
+# the workflow ids they were recorded under (child ids derive from the parent's id)
+WORKFLOW_IDS = {"training_run": "e2e-run", "rl_step": "e2e-run/step-1"}
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
 def test_recorded_history_replays(path: Path) -> None:
-    history = WorkflowHistory.from_json(path.stem, path.read_text())
+    history = WorkflowHistory.from_json(WORKFLOW_IDS[path.stem], path.read_text())
     replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
     asyncio.run(replayer.replay_workflow(history))
 
