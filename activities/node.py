@@ -15,6 +15,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import with_heartbeat
 from gpu_runtime import metrics
+from gpu_runtime.engine.backends import SGLangEngineBackend
 from gpu_runtime.engine.fleet import HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.node_runtime import NodeRuntime
 from gpu_runtime.rollout import NonFiniteLogprobs, RolloutRequest, StaleWeights, run_rollout
@@ -164,15 +165,18 @@ class NodeActivities:
     def update_weights(self, inp: UpdateWeightsInput) -> UpdateWeightsResult:
         t0 = time.perf_counter()
         e = inp.engines
-        if e.backend != "torch":
-            raise ApplicationError(f"engines.backend {e.backend!r} needs a GPU node", type="InvalidInput", non_retryable=True)
+        if e.backend == "sglang" and not SGLangEngineBackend.available():
+            raise ApplicationError(
+                "engines.backend 'sglang': sglang is not installed on this node (pip install '.[gpu]' on a CUDA node)",
+                type="InvalidInput", non_retryable=True,
+            )
         folder = self.rt.local_weights(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key)
         health = HealthConfig(
             interval_s=e.health_check_interval_s, timeout_s=e.health_check_timeout_s,
             first_wait_s=e.health_check_first_wait_s, failure_threshold=e.health_check_failure_threshold,
         )
         try:
-            restarted = with_heartbeat(lambda: self.rt.ensure_engines(e.num_engines, health, folder, inp.policy_version))
+            restarted = with_heartbeat(lambda: self.rt.ensure_engines(e.num_engines, health, folder, inp.policy_version, e.backend))
         except WeightMismatch as err:
             raise ApplicationError(f"weight checksum mismatch: {err}", type="WeightMismatch") from err
         except NoHealthyEngine as err:

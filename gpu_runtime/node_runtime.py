@@ -17,7 +17,7 @@ from typing import Any
 
 from gpu_runtime import metrics
 from gpu_runtime.data import load_jsonl
-from gpu_runtime.engine.backends import TorchEngineBackend
+from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.proc import free_port
@@ -122,7 +122,18 @@ class NodeRuntime:
         return folder
 
     # ---- engines ------------------------------------------------------------------
-    def ensure_engines(self, num_engines: int, health: HealthConfig, model_path: Path, version: int) -> list[int]:
+    def _backend(self, name: str) -> EngineBackend:
+        if name == "sglang":  # GPU nodes: real SGLang servers behind the same client and router
+            return SGLangEngineBackend()
+        return TorchEngineBackend(
+            threads=self.engine_threads,
+            # fault-injection aid for tests: slows decoding so a kill lands mid-rollout
+            step_delay_ms=float(os.environ.get("MILESTONE_ENGINE_STEP_DELAY_MS", "0")),
+        )
+
+    def ensure_engines(
+        self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch"
+    ) -> list[int]:
         """Gated recovery then weight push: returns the slots (re)started."""
         with self._lock:
             if self.fleet is None:
@@ -131,11 +142,7 @@ class NodeRuntime:
                 )
                 self.router.start()
                 self.fleet = EngineFleet(
-                    TorchEngineBackend(
-                        threads=self.engine_threads,
-                        # fault-injection aid for tests: slows decoding so a kill lands mid-rollout
-                        step_delay_ms=float(os.environ.get("MILESTONE_ENGINE_STEP_DELAY_MS", "0")),
-                    ),
+                    self._backend(backend),
                     num_engines,
                     model_path,
                     free_port(),

@@ -128,6 +128,8 @@ async def watch(client: Client, run_id: str, interval_s: float = 1.0) -> int:
                 f"done: {summary.steps} steps, policy v{summary.policy_version}, "
                 f"mean reward first steps {summary.first_reward_mean:.3f} -> last steps {summary.last_reward_mean:.3f}"
             )
+            if summary.final_weights_key:
+                print(f"final model (Hugging Face folder): {summary.final_weights_key} in the run's store")
             return 0
         await asyncio.sleep(interval_s)
 

@@ -136,6 +136,7 @@ class RLStep:
             phase_seconds=phases,
             activity_seconds=sum(phases.values()),
             checkpointed=ckpt is not None,
+            weights_key=trained.weights_key,
             restored_from_step=trained.restored_from_step,
             replayed_steps=trained.replayed_steps,
             events=[*rollout.node_events, *trained.node_events, *synced.node_events],

@@ -100,6 +100,7 @@ class TrainingRun:
             data_cursor=st.data_cursor,
             first_reward_mean=sum(st.first_rewards) / max(1, len(st.first_rewards)),
             last_reward_mean=sum(s.reward_mean for s in last) / max(1, len(last)),
+            final_weights_key=st.history[-1].weights_key if st.history else "",
         )
 
     async def _run_step(self, run_id: str, chash: str) -> StepSummary:

@@ -59,6 +59,7 @@ def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
         summary = await run_to_end(client, "e2e-run", cfg)
         assert summary.steps == 3 and summary.policy_version == 3
         assert summary.data_cursor == 3 * cfg["rollout"]["prompts_per_step"]
+        assert summary.final_weights_key == "runs/e2e-run/weights/v000003"
 
         progress = await client.get_workflow_handle("e2e-run").query("progress", result_type=RunProgress)
         assert [s.step for s in progress.steps] == [1, 2, 3]
