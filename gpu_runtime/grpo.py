@@ -12,7 +12,6 @@ excluded by ``mask``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from gpu_runtime.model import CausalLM, positions_from_mask
 

