@@ -8,12 +8,13 @@ Import into a test module explicitly::
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.stack import wait_for
 
 from gpu_runtime.s3_store import S3Store
 from infra.seaweedfs import SeaweedServer
@@ -26,11 +27,10 @@ SECRET_KEY = "milestone-test-secret"
 
 def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
     """Poll ``cond`` every 20 ms until true; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+    try:
+        wait_for(cond, timeout, interval_s=0.02, what=what)
+    except TimeoutError as err:
+        pytest.fail(str(err))
 
 
 def new_bucket_name() -> str:
