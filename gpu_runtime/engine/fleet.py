@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.router import RouterError, RouterProcess
+from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
 from gpu_runtime.model_folder import read_meta
 
 log = logging.getLogger(__name__)
@@ -351,6 +352,18 @@ class EngineFleet:
             recovered.append(s.index)
         return recovered
 
+    def _probe_mismatch(self, s: _Slot, model_path: str) -> list[str]:
+        """Parameters whose sampled values on the engine differ from the folder's."""
+        expected = expected_probe(model_path)
+        client = self._client(s.url)
+        got = {}
+        for name in expected:
+            try:
+                got[name] = client.get_weights_by_name(name, truncate_size=TRUNCATE_ROWS)
+            except EngineError as e:
+                log.warning("slot %d: get_weights_by_name(%s) failed: %s", s.index, name, e)
+        return mismatched(expected, got)
+
     def _expected_checksum(self, model_path: str) -> str | None:
         if not self.backend.supports_checksum:
             return None
@@ -390,6 +403,11 @@ class EngineFleet:
             with self._lock:
                 s.weight_version, s.checksum = got_ver, got_sum
             good = got_ver == ver and (expected is None or got_sum == expected)
+            if good and not self.backend.supports_checksum:
+                wrong = self._probe_mismatch(s, path)  # no full hash: spot-check sampled parameters
+                if wrong:
+                    good = False
+                    got_sum = f"probe mismatch: {', '.join(wrong)}"
             self._emit("checksum_ok" if good else "checksum_mismatch", s.index,
                        f"version={got_ver} checksum={got_sum}")
             if not good:

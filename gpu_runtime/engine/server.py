@@ -138,6 +138,10 @@ class EngineState:
             "weight_version": self.weight_version,
         }
 
+    def weights_by_name(self, body: dict[str, Any]) -> list:
+        with self.lock:
+            return _weights_by_name(self.model, body)
+
     def server_info(self) -> dict[str, Any]:
         return {
             "engine": "milestone-torch",
@@ -151,6 +155,16 @@ class EngineState:
             "num_generate_requests": self.num_generate_requests,
             "num_generated_tokens": self.num_generated_tokens,
         }
+
+
+def _weights_by_name(model: CausalLM, body: dict[str, Any]) -> list:
+    """SGLang's ``/get_weights_by_name``: ``param[:truncate_size]`` as nested lists."""
+    name = body.get("name")
+    params = dict(model.named_parameters())
+    if name not in params:
+        raise ValueError(f"unknown parameter name {name!r}")
+    rows = int(body.get("truncate_size", 100))
+    return params[name].detach()[:rows].tolist()
 
 
 def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
@@ -196,6 +210,8 @@ def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
                     self._send(200, state.model_info())
                 elif method == "GET" and path in ("/get_server_info", "/server_info"):
                     self._send(200, state.server_info())
+                elif method == "POST" and path == "/get_weights_by_name":
+                    self._send(200, state.weights_by_name(body))
                 elif method == "GET" and path == "/weights_checksum":
                     self._send(200, {"checksum": state.checksum, "weight_version": state.weight_version})
                 else:

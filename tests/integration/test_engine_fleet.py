@@ -141,3 +141,23 @@ def test_update_weights_reports_checksum_mismatch(fleet, model_dirs, tmp_path) -
         fleet.update_weights(bad, 2)
     assert ei.value.slots == [0, 1]
     assert sum(e.kind == "checksum_mismatch" for e in fleet.events) == 2
+
+
+def test_sampled_weight_probe_for_engines_without_a_checksum(model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SGLang engines cannot hash their state; the fleet spot-checks sampled parameters via
+    ``/get_weights_by_name`` instead. SGLang itself needs CUDA, so the torch engine (which
+    serves the same route with SGLang's ``param[:truncate_size]`` semantics) stands in."""
+    backend = TorchEngineBackend(threads=1)
+    backend.supports_checksum = False
+    fleet = EngineFleet(backend, 2, model_dirs["v1"], free_port_block(2), tmp_path / "logs", health=HEALTH)
+    try:
+        fleet.start()
+        fleet.update_weights(model_dirs["v2"], 2)  # probe agrees with the folder the engines loaded
+        assert sum(e.kind == "checksum_ok" for e in fleet.events) == 2
+        # an engine that silently kept other weights is caught by the probe
+        slot = fleet.slots[0]
+        EngineClient(slot.url).update_weights_from_disk(str(model_dirs["v1"]), 2)
+        assert fleet._probe_mismatch(slot, str(model_dirs["v2"]))
+        assert not fleet._probe_mismatch(fleet.slots[1], str(model_dirs["v2"]))
+    finally:
+        fleet.stop()
