@@ -38,6 +38,7 @@ class NodeRuntime:
         self.trainer = TrainerProcess(work_dir / "trainer", work_dir / "logs" / "trainer.log", threads=trainer_threads)
         self.fleet: EngineFleet | None = None
         self.router: RouterProcess | None = None
+        self._fleet_settings: tuple | None = None
         self.run_id: str | None = None
         self.setups: dict[str, dict] = {}  # run id -> trainer RunSetup
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
@@ -134,13 +135,21 @@ class NodeRuntime:
     def ensure_engines(
         self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch"
     ) -> list[int]:
-        """Gated recovery then weight push: returns the slots (re)started."""
+        """Gated recovery then weight push: returns the slots (re)started. A run whose
+        engine settings differ from the running fleet's gets a new fleet."""
+        settings = (backend, num_engines, health.model_dump_json())
         with self._lock:
+            if self.fleet is not None and settings != self._fleet_settings:
+                log.warning("engine settings changed %s -> %s: restarting the fleet", self._fleet_settings, settings)
+                self.fleet.stop()  # the router is ours and stays; the new fleet re-syncs its members
+                self.fleet = None
             if self.fleet is None:
-                self.router = RouterProcess(
-                    free_port(), [], policy="round_robin", log_path=self.work_dir / "logs" / "router.log"
-                )
-                self.router.start()
+                if self.router is None:
+                    self.router = RouterProcess(
+                        free_port(), [], policy="round_robin", log_path=self.work_dir / "logs" / "router.log"
+                    )
+                    self.router.start()
+                self._fleet_settings = settings
                 self.fleet = EngineFleet(
                     self._backend(backend),
                     num_engines,

@@ -94,3 +94,17 @@ def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
     assert v0.keys() == v3.keys()
     assert any(not torch.equal(v0[k], v3[k]) for k in v0)
     assert all(torch.isfinite(t).all() for t in v3.values())
+
+
+def test_engine_settings_follow_the_run(stack: Stack, tmp_path: Path) -> None:
+    """A later run on the same node agent gets the engine count it asks for."""
+    store = tmp_path / "store"
+
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        await run_to_end(client, "two-engines", tiny_config(store, steps=1))
+        await run_to_end(client, "one-engine", tiny_config(store, steps=1, engines={"num_engines": 1}))
+        p = await client.get_workflow_handle("one-engine").query("progress", result_type=RunProgress)
+        assert [e.slot for e in p.engines] == [0] and p.engines[0].state == "healthy"
+
+    asyncio.run(main())
