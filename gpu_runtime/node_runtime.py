@@ -20,7 +20,7 @@ from gpu_runtime.data import load_jsonl
 from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig
 from gpu_runtime.engine.router import RouterProcess
-from gpu_runtime.proc import free_port
+from gpu_runtime.proc import free_port, free_port_block
 from gpu_runtime.storage import open_store
 from gpu_runtime.trainer.process import TrainerProcess
 
@@ -154,7 +154,7 @@ class NodeRuntime:
                     self._backend(backend),
                     num_engines,
                     model_path,
-                    free_port(),
+                    free_port_block(num_engines),
                     self.work_dir / "logs",
                     router=self.router,
                     health=health,

@@ -76,6 +76,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(n: int) -> int:
+    """A base port with ``n`` consecutive free ports (best effort: they may be taken later)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no block of {n} free ports")
+
+
 def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> None:
     """Watch ``parent_pid`` from a daemon thread; exit this process when it is gone
     (a SIGKILLed node agent must not leave engines or trainers behind)."""

@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+
+from gpu_runtime.proc import free_port, free_port_block  # noqa: F401  (re-exported for tests)
+from tests.stack import wait_for as stack_wait_for
 
 from gpu_runtime.model import ModelConfig, build_model
 from gpu_runtime.model_folder import save_model_folder
@@ -39,41 +40,9 @@ def make_model_folder(folder: Path, *, seed: int, weight_version: int) -> str:
     return save_model_folder(model, tok, folder, weight_version=weight_version)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports (best effort)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no block of free ports")
-
-
 def wait_for(cond: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
     """Poll cond() until it returns a truthy value; fail the test after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
+    return stack_wait_for(cond, timeout_s, interval_s=interval_s, what=what)
 
 
 def stop_pid(proc: subprocess.Popen) -> None:
