@@ -1,4 +1,4 @@
-"""``milestone`` command line: start, watch, status, pause, resume, set."""
+"""``milestone`` command line: start, watch, status, pause, resume, set, report."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import uuid
+from pathlib import Path
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError
@@ -150,6 +151,19 @@ async def cmd_status(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_report(client: Client, args: argparse.Namespace) -> int:
+    from milestone_cli.report import render_report
+
+    p = await _progress(client.get_workflow_handle(args.run))
+    try:
+        out = render_report(p, Path(args.out or f"{args.run}-report.png"))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(p.steps)} steps)")
+    return 0
+
+
 async def cmd_signal(client: Client, args: argparse.Namespace) -> int:
     await client.get_workflow_handle(args.run).signal(args.command)
     print(f"{args.command} sent to {args.run}")
@@ -198,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("pause", "resume"):
         sp = sub.add_parser(name, help=f"{name} a run between steps")
         sp.add_argument("run")
+    rp = sub.add_parser("report", help="PNG of reward / loss / grad norm / time per phase")
+    rp.add_argument("run")
+    rp.add_argument("--out", default=None, help="output file (default RUN-report.png)")
     se = sub.add_parser("set", help="change hyper-parameters between steps, e.g. lr=1e-5")
     se.add_argument("run")
     se.add_argument("assignments", nargs="+")
@@ -223,6 +240,8 @@ async def amain(argv: list[str] | None = None) -> int:
         return await cmd_signal(client, args)
     if args.command == "set":
         return await cmd_set(client, args)
+    if args.command == "report":
+        return await cmd_report(client, args)
     return 2
 
 

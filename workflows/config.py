@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class Strict(BaseModel):
+    """Also the workflow input: histories are decoded again on replay and on every
+    query, so a validator may be loosened but never tightened."""
+
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
@@ -106,7 +109,10 @@ class EngineSpec(Strict):
     num_engines: int = Field(2, ge=1)
     health_check_interval_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(5.0, gt=0)
-    health_check_first_wait_s: float = Field(120.0, gt=0, description="a starting engine must be healthy within this")
+    # ge=0, not gt=0: runs recorded with 0 must still decode (0 = the 120 s default)
+    health_check_first_wait_s: float = Field(
+        120.0, ge=0, description="a starting engine must be healthy within this (0: 120 s)"
+    )
     health_check_failure_threshold: int = Field(1, ge=1)
 
 

@@ -15,6 +15,7 @@ from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from milestone_cli.report import render_report
 from tests.stack import Stack, tiny_config
 from workers.common import connect
 from workflows.config import RunConfig
@@ -67,6 +68,10 @@ def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
             for value in (s.reward_mean, s.loss, s.kl, s.grad_norm, s.step_seconds, *s.phase_seconds.values()):
                 assert math.isfinite(value)
             assert s.grad_norm > 0  # a real optimizer step happened
+
+        # the report CLI renders the curves from the same query
+        png = render_report(progress, tmp_path / "report.png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
         # one RLStep child per step, each with the five activities in order
         run_history = await client.get_workflow_handle("e2e-run").fetch_history()

@@ -1,0 +1,56 @@
+"""``milestone report RUN``: a PNG of the run's curves (reward, loss, KL / grad norm,
+time per phase), from the run's ``progress`` query."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workflows.contracts import RunProgress
+
+PHASES = ("rollout", "reward", "train", "update_weights", "checkpoint")
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def render_report(p: RunProgress, out: Path, window: int = 10) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not p.steps:
+        raise ValueError(f"run {p.run_id} has no committed step yet")
+    steps = [s.step for s in p.steps]
+    fig, ax = plt.subplots(2, 2, figsize=(12, 7.5))
+    rewards = [s.reward_mean for s in p.steps]
+    ax[0][0].plot(steps, rewards, ".", alpha=0.4, label="reward (mean per step)")
+    ax[0][0].plot(steps, moving_average(rewards, window), "-", label=f"{window}-step average")
+    ax[0][0].set_title("reward")
+    ax[0][0].legend(loc="lower right")
+    ax[0][1].plot(steps, [s.loss for s in p.steps], "-", lw=1)
+    ax[0][1].set_title("loss")
+    ax[1][0].plot(steps, [s.grad_norm for s in p.steps], "-", lw=1, label="grad norm")
+    ax[1][0].plot(steps, [s.kl for s in p.steps], "-", lw=1, label="KL")
+    ax[1][0].set_title("grad norm / KL")
+    ax[1][0].legend(loc="upper right")
+    ax[1][1].stackplot(steps, *[[s.phase_seconds.get(ph, 0.0) for s in p.steps] for ph in PHASES], labels=PHASES)
+    ax[1][1].plot(steps, [s.step_seconds for s in p.steps], "k-", lw=1, label="step wall")
+    ax[1][1].set_title("seconds per step")
+    ax[1][1].legend(loc="upper right", fontsize=7)
+    for a in ax.flat:
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+    fig.suptitle(f"{p.run_id}: {p.state}, step {p.step}/{p.total_steps}, policy v{p.policy_version}")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
