@@ -20,75 +20,27 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel
+from typing import Any
 
 from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
+from gpu_runtime.engine.fleet_types import (  # noqa: F401  (re-exported)
+    EventKind,
+    FleetError,
+    FleetEvent,
+    HealthConfig,
+    NoHealthyEngine,
+    SlotInfo,
+    SlotState,
+    WeightMismatch,
+    _Slot,
+)
 from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
 from gpu_runtime.model_folder import read_meta
 
 log = logging.getLogger(__name__)
-
-SlotState = Literal["starting", "healthy", "dead", "empty"]
-EventKind = Literal[
-    "engine_dead", "engine_restarted", "engine_recovered", "checksum_ok", "checksum_mismatch", "engine_hung"
-]
-
-
-class HealthConfig(BaseModel):
-    interval_s: float = 5.0  # between probe sweeps
-    timeout_s: float = 5.0  # one /health_generate probe
-    first_wait_s: float = 120.0  # a starting engine must be healthy within this; probes begin after
-    failure_threshold: int = 1  # failed probes in a row before the engine is declared dead
-
-
-class SlotInfo(BaseModel):
-    slot: int
-    pid: int | None
-    url: str
-    state: SlotState
-    weight_version: str | None
-    checksum: str | None
-    restart_count: int
-
-
-class FleetEvent(BaseModel):
-    kind: EventKind
-    slot: int
-    at: float  # unix time
-    detail: str = ""
-
-
-class FleetError(RuntimeError):
-    pass
-
-
-class NoHealthyEngine(FleetError):
-    """No engine can take a request now (retryable: recovery may bring one back)."""
-
-
-class WeightMismatch(FleetError):
-    def __init__(self, slots: list[int], detail: str) -> None:
-        super().__init__(f"engines in slots {slots} disagree with the expected weights: {detail}")
-        self.slots = slots
-
-
-@dataclass
-class _Slot:
-    index: int
-    url: str
-    port: int
-    state: SlotState = "empty"
-    proc: subprocess.Popen | None = None
-    weight_version: str | None = None
-    checksum: str | None = None
-    restart_count: int = 0
-    failures: int = 0
 
 
 class EngineFleet:
