@@ -20,6 +20,7 @@ from gpu_runtime.engine.fleet import HealthConfig, NoHealthyEngine, WeightMismat
 from gpu_runtime.node_runtime import NodeRuntime
 from gpu_runtime.rollout import NonFiniteLogprobs, RolloutRequest, StaleWeights, run_rollout
 from gpu_runtime.rpc import RemoteError
+from gpu_runtime.storage import open_store
 from gpu_runtime.tokenizer import CharTokenizer
 from gpu_runtime.trainer.process import TrainerDied
 from workflows.contracts import (
@@ -97,8 +98,6 @@ class NodeActivities:
     # ---- the RL step --------------------------------------------------------------
     @activity.defn(name="rollout")
     def rollout(self, inp: RolloutInput) -> RolloutResult:
-        from gpu_runtime.storage import open_store
-
         fleet = self.rt.fleet
         if fleet is None:
             raise ApplicationError("engines are not started on this node", type="NoHealthyEngine")
@@ -110,7 +109,7 @@ class NodeActivities:
             group_size=r.group_size, chunk_size=r.chunk_size, max_new_tokens=r.max_new_tokens,
             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
         )
-        retries_before = sum(1 for e in self.rt.events if e.get("kind") == "engine_dead")
+        deaths_before = self.rt.engine_deaths
         try:
             stats = run_rollout(
                 req, open_store(inp.store_uri), rows, self.tokenizer, fleet.generate_chunk,
@@ -135,7 +134,7 @@ class NodeActivities:
             chunk_keys=stats.chunk_keys, n_samples=stats.n_samples, gen_tokens=stats.gen_tokens,
             response_len_mean=stats.response_len_mean, tokens_per_s=stats.tokens_per_s,
             chunks_reused=stats.chunks_reused,
-            engine_retries=sum(1 for e in self.rt.events if e.get("kind") == "engine_dead") - retries_before,
+            engine_retries=self.rt.engine_deaths - deaths_before,
             seconds=stats.seconds,
             node_events=self._events(),
         )

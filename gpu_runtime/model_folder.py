@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import fields
 from pathlib import Path
 
@@ -103,3 +104,11 @@ def load_weights_into(model: CausalLM, folder: str | Path) -> dict:
     with torch.no_grad():
         load_exported_state_dict(model, sd)
     return read_meta(folder)
+
+
+def prune_version_folders(parent: Path, newest: int, keep: int = 2) -> None:
+    """Delete ``v<NNNNNN>`` folders under ``parent`` older than the newest ``keep``."""
+    oldest_kept = f"v{newest - keep + 1:06d}"
+    for old in parent.glob("v*"):
+        if old.name < oldest_kept:
+            shutil.rmtree(old, ignore_errors=True)

@@ -20,6 +20,7 @@ from gpu_runtime.data import load_jsonl
 from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig
 from gpu_runtime.engine.router import RouterProcess
+from gpu_runtime.model_folder import prune_version_folders
 from gpu_runtime.proc import free_port, free_port_block
 from gpu_runtime.storage import open_store
 from gpu_runtime.trainer.process import TrainerProcess
@@ -43,6 +44,7 @@ class NodeRuntime:
         self.setups: dict[str, dict] = {}  # run id -> trainer RunSetup
         self.events: deque[dict[str, Any]] = deque(maxlen=200)
         self._undrained: list[dict[str, Any]] = []
+        self.engine_deaths = 0  # total, for per-activity deltas (the deque above is bounded)
         self._rows: dict[str, list[dict]] = {}
         self._lock = threading.Lock()  # fleet lifecycle and data cache
         self._events_lock = threading.Lock()  # fleet callbacks arrive while _lock is held
@@ -79,6 +81,7 @@ class NodeRuntime:
         with self._events_lock:
             self.events.append(doc)
             self._undrained.append(doc)
+            self.engine_deaths += ev.kind == "engine_dead"
         metrics.ENGINE_EVENTS.labels(ev.kind).inc()
         log.info("fleet event %s slot %s %s", ev.kind, ev.slot, ev.detail)
 
@@ -117,9 +120,7 @@ class NodeRuntime:
                 store.get_file(key, tmp / key.rsplit("/", 1)[1])
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
-        for old in folder.parent.glob("v*"):
-            if old.name < f"v{version - 1:06d}":
-                shutil.rmtree(old, ignore_errors=True)
+        prune_version_folders(folder.parent, version)
         return folder
 
     # ---- engines ------------------------------------------------------------------

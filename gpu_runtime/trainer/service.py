@@ -20,6 +20,7 @@ from gpu_runtime import artifacts as art
 from gpu_runtime.checkpoint_store import CheckpointStore
 from gpu_runtime.data import load_jsonl
 from gpu_runtime.model import ModelConfig
+from gpu_runtime.model_folder import prune_version_folders
 from gpu_runtime.storage import ObjectStore, open_store
 from gpu_runtime.tokenizer import CharTokenizer
 from gpu_runtime.trainer.hparams import TrainerHParams
@@ -213,9 +214,7 @@ class TrainerService:
         if v - 2 > 0:
             self.store.delete_prefix(art.weights_prefix(self.setup.run_id, v - 2) + "/")
         # engines on this node only need the newest two versions locally
-        for old in (folder.parent).glob("v*"):
-            if old.name < f"v{v - 1:06d}":
-                shutil.rmtree(old, ignore_errors=True)
+        prune_version_folders(folder.parent, v)
         return VersionInfo(policy_version=v, checksum=checksum, weights_key=prefix, model_path=str(folder))
 
     # ---- training -----------------------------------------------------------------
