@@ -12,12 +12,12 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import with_heartbeat
-from gpu_runtime import artifacts as art
-from gpu_runtime import metrics
-from gpu_runtime.data import generate_arithmetic, load_jsonl, write_jsonl
-from gpu_runtime.rewards import RewardError, RewardSpec, score_samples
-from gpu_runtime.storage import open_store
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.node import metrics
+from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
+from gpu_runtime.data.rewards import RewardError, RewardSpec, score_samples
+from gpu_runtime.store.uri import open_store
+from gpu_runtime.models.tokenizer import CharTokenizer
 from workflows.contracts import DatasetInfo, PrepareDataInput, RewardInput, RewardResult
 
 

@@ -14,14 +14,14 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import with_heartbeat
-from gpu_runtime import metrics
+from gpu_runtime.node import metrics
 from gpu_runtime.engine.backends import SGLangEngineBackend
 from gpu_runtime.engine.fleet import HealthConfig, NoHealthyEngine, WeightMismatch
-from gpu_runtime.node_runtime import NodeRuntime
-from gpu_runtime.rollout import NonFiniteLogprobs, RolloutRequest, StaleWeights, run_rollout
-from gpu_runtime.rpc import RemoteError
-from gpu_runtime.storage import open_store
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.node.runtime import NodeRuntime
+from gpu_runtime.engine.rollout import NonFiniteLogprobs, RolloutRequest, StaleWeights, run_rollout
+from gpu_runtime.node.rpc import RemoteError
+from gpu_runtime.store.uri import open_store
+from gpu_runtime.models.tokenizer import CharTokenizer
 from gpu_runtime.trainer.process import TrainerDied
 from workflows.contracts import (
     CheckpointInput,

@@ -2,7 +2,7 @@
 rollout that calls ``generate_batch`` directly (no engine server, no router, no Temporal).
 
 The rollout cuts the step into the same chunks with the same seeds as
-``gpu_runtime.rollout.plan_chunks`` and generates each chunk as one batch, exactly
+``gpu_runtime.engine.rollout.plan_chunks`` and generates each chunk as one batch, exactly
 as a torch engine does, so on CPU its tokens equal those of a real run.
 """
 
@@ -17,12 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gpu_runtime import artifacts as art  # noqa: E402
-from gpu_runtime.data import encode_prompt, generate_arithmetic, load_jsonl, write_jsonl  # noqa: E402
+from gpu_runtime.store import artifacts as art  # noqa: E402
+from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic, load_jsonl, write_jsonl  # noqa: E402
 from gpu_runtime.engine.generate import generate_batch  # noqa: E402
-from gpu_runtime.model import CausalLM  # noqa: E402
-from gpu_runtime.rollout import RolloutRequest, plan_chunks  # noqa: E402
-from gpu_runtime.tokenizer import CharTokenizer  # noqa: E402
+from gpu_runtime.models.causal_lm import CausalLM  # noqa: E402
+from gpu_runtime.engine.rollout import RolloutRequest, plan_chunks  # noqa: E402
+from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
 from workflows.config import RunConfig  # noqa: E402
 

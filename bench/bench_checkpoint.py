@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gpu_runtime.checkpoint_store import CheckpointStore
-from gpu_runtime.s3_store import S3Store
-from gpu_runtime.storage import LocalStore, ObjectStore
+from gpu_runtime.store.checkpoint_store import CheckpointStore
+from gpu_runtime.store.s3 import S3Store
+from gpu_runtime.store.object_store import LocalStore, ObjectStore
 from infra.seaweedfs import SeaweedServer
 
 log = logging.getLogger("bench_checkpoint")

@@ -26,9 +26,9 @@ from gpu_runtime.engine.backends import TorchEngineBackend  # noqa: E402
 from gpu_runtime.engine.client import EngineClient  # noqa: E402
 from gpu_runtime.engine.fleet import EngineFleet, HealthConfig  # noqa: E402
 from gpu_runtime.engine.router import RouterProcess  # noqa: E402
-from gpu_runtime.model import ModelConfig, build_model  # noqa: E402
-from gpu_runtime.model_folder import save_model_folder  # noqa: E402
-from gpu_runtime.tokenizer import CharTokenizer  # noqa: E402
+from gpu_runtime.models.causal_lm import ModelConfig, build_model  # noqa: E402
+from gpu_runtime.models.model_folder import save_model_folder  # noqa: E402
+from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
 
 log = logging.getLogger("bench_engines")
 

@@ -35,10 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, trainer_hparams  # noqa: E402
-from gpu_runtime import artifacts as art  # noqa: E402
-from gpu_runtime.rewards import RewardSpec, score_samples  # noqa: E402
-from gpu_runtime.storage import LocalStore  # noqa: E402
-from gpu_runtime.tokenizer import CharTokenizer  # noqa: E402
+from gpu_runtime.store import artifacts as art  # noqa: E402
+from gpu_runtime.data.rewards import RewardSpec, score_samples  # noqa: E402
+from gpu_runtime.store.object_store import LocalStore  # noqa: E402
+from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
 from gpu_runtime.trainer.service import RunSetup, TrainerService, TrainSpec, VersionInfo  # noqa: E402
 
 log = logging.getLogger("bench_restore")

@@ -34,12 +34,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, trainer_hparams  # noqa: E402
-from gpu_runtime.checkpoint_store import CheckpointStore  # noqa: E402
-from gpu_runtime.model import ModelConfig  # noqa: E402
-from gpu_runtime.model_folder import read_meta  # noqa: E402
-from gpu_runtime.rewards import RewardSpec, score_samples  # noqa: E402
-from gpu_runtime.storage import LocalStore  # noqa: E402
-from gpu_runtime.tokenizer import CharTokenizer  # noqa: E402
+from gpu_runtime.store.checkpoint_store import CheckpointStore  # noqa: E402
+from gpu_runtime.models.causal_lm import ModelConfig  # noqa: E402
+from gpu_runtime.models.model_folder import read_meta  # noqa: E402
+from gpu_runtime.data.rewards import RewardSpec, score_samples  # noqa: E402
+from gpu_runtime.store.object_store import LocalStore  # noqa: E402
+from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
 from gpu_runtime.trainer import PolicyTrainer, TrainerHParams  # noqa: E402
 from tests.e2e.faults import progress, run_to_end  # noqa: E402
 from tests.stack import Stack  # noqa: E402

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpu_runtime.proc import pid_alive, spawn, stop_pid
+from gpu_runtime.node.proc import pid_alive, spawn, stop_pid
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 
 log = logging.getLogger("devstack")

@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from gpu_runtime.proc import packaged_binary
+from gpu_runtime.node.proc import packaged_binary
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ async def cmd_start(client: Client, args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if cfg.data.kind == "jsonl":  # validate rows before the run starts
-        from gpu_runtime.data import load_jsonl
+        from gpu_runtime.data.datasets import load_jsonl
 
         try:
             load_jsonl(cfg.data.path)

@@ -10,9 +10,9 @@ import hashlib
 import re
 import tempfile
 
-from gpu_runtime import artifacts as art
-from gpu_runtime.checkpoint_store import CheckpointStore
-from gpu_runtime.storage import open_store
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.checkpoint_store import CheckpointStore
+from gpu_runtime.store.uri import open_store
 from workflows.config import RunConfig
 from workflows.contracts import DatasetInfo, RunState
 

@@ -13,12 +13,12 @@ from typing import TypeVar
 
 import pytest
 
-from gpu_runtime.proc import free_port, free_port_block  # noqa: F401  (re-exported for tests)
+from gpu_runtime.node.proc import free_port, free_port_block  # noqa: F401  (re-exported for tests)
 from tests.stack import wait_for as stack_wait_for
 
-from gpu_runtime.model import ModelConfig, build_model
-from gpu_runtime.model_folder import save_model_folder
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.models.causal_lm import ModelConfig, build_model
+from gpu_runtime.models.model_folder import save_model_folder
+from gpu_runtime.models.tokenizer import CharTokenizer
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]

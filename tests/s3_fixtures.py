@@ -16,7 +16,7 @@ import pytest
 
 from tests.stack import wait_for
 
-from gpu_runtime.s3_store import S3Store
+from gpu_runtime.store.s3 import S3Store
 from infra.seaweedfs import SeaweedServer
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from pathlib import Path
 from temporalio.worker import Worker
 
 from activities.node import NodeActivities
-from gpu_runtime.node_runtime import NodeRuntime
-from gpu_runtime import metrics
+from gpu_runtime.node.runtime import NodeRuntime
+from gpu_runtime.node import metrics
 from workers.common import connect, install_shutdown, setup_logging
 from workflows.contracts import POOL_QUEUE
 

@@ -38,7 +38,7 @@ from gpu_runtime.engine.fleet_types import (  # noqa: F401  (re-exported)
 )
 from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
-from gpu_runtime.model_folder import read_meta
+from gpu_runtime.models.model_folder import read_meta
 
 log = logging.getLogger(__name__)
 

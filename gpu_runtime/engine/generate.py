@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_runtime.artifacts import derive_seed
-from gpu_runtime.model import CausalLM, KVCache, positions_from_mask
+from gpu_runtime.store.artifacts import derive_seed
+from gpu_runtime.models.causal_lm import CausalLM, KVCache, positions_from_mask
 
 log = logging.getLogger(__name__)
 

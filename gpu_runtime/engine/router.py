@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from gpu_runtime.proc import die_with_parent, free_port
+from gpu_runtime.node.proc import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from gpu_runtime.engine.generate import GenResult, generate_batch
-from gpu_runtime.model import CausalLM
-from gpu_runtime.proc import exit_when_parent_dies
-from gpu_runtime.model_folder import load_model_folder, load_weights_into, model_checksum
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.models.causal_lm import CausalLM
+from gpu_runtime.node.proc import exit_when_parent_dies
+from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum
+from gpu_runtime.models.tokenizer import CharTokenizer
 
 log = logging.getLogger("gpu_runtime.engine.server")
 

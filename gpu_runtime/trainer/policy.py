@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_runtime.artifacts import Sample, derive_seed
-from gpu_runtime.data import encode_prompt, final_answer, sft_target
-from gpu_runtime.grpo import entropy_from_logits, group_advantages, kl_k3, logprobs_and_logits, masked_mean, ppo_clip_loss
-from gpu_runtime.model import CausalLM, KVCache, ModelConfig, build_model, load_exported_state_dict, state_dict_for_export
-from gpu_runtime.model_folder import model_checksum, save_model_folder
-from gpu_runtime.rewards import extract_answer
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.store.artifacts import Sample, derive_seed
+from gpu_runtime.data.datasets import encode_prompt, final_answer, sft_target
+from gpu_runtime.algorithms.grpo import entropy_from_logits, group_advantages, kl_k3, logprobs_and_logits, masked_mean, ppo_clip_loss
+from gpu_runtime.models.causal_lm import CausalLM, KVCache, ModelConfig, build_model, load_exported_state_dict, state_dict_for_export
+from gpu_runtime.models.model_folder import model_checksum, save_model_folder
+from gpu_runtime.data.rewards import extract_answer
+from gpu_runtime.models.tokenizer import CharTokenizer
 from gpu_runtime.trainer.hparams import TrainerHParams
 
 log = logging.getLogger(__name__)

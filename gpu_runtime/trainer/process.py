@@ -10,9 +10,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.metrics import TRAINER_RESTARTS
-from gpu_runtime.proc import spawn, stop_pid
-from gpu_runtime.rpc import RPCClient
+from gpu_runtime.node.metrics import TRAINER_RESTARTS
+from gpu_runtime.node.proc import spawn, stop_pid
+from gpu_runtime.node.rpc import RPCClient
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from gpu_runtime.proc import exit_when_parent_dies
-from gpu_runtime.rpc import RPCServer
+from gpu_runtime.node.proc import exit_when_parent_dies
+from gpu_runtime.node.rpc import RPCServer
 from gpu_runtime.trainer.service import RunSetup, TrainerService, TrainSpec
 
 

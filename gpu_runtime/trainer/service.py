@@ -16,13 +16,14 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from gpu_runtime import artifacts as art
-from gpu_runtime.checkpoint_store import CheckpointStore
-from gpu_runtime.data import load_jsonl
-from gpu_runtime.model import ModelConfig
-from gpu_runtime.model_folder import prune_version_folders
-from gpu_runtime.storage import ObjectStore, open_store
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.checkpoint_store import CheckpointStore
+from gpu_runtime.data.datasets import load_jsonl
+from gpu_runtime.models.causal_lm import ModelConfig
+from gpu_runtime.models.model_folder import prune_version_folders
+from gpu_runtime.store.object_store import ObjectStore
+from gpu_runtime.store.uri import open_store
+from gpu_runtime.models.tokenizer import CharTokenizer
 from gpu_runtime.trainer.hparams import TrainerHParams
 from gpu_runtime.trainer.policy import PolicyTrainer
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime import artifacts as art
-from gpu_runtime.checkpoint_store import CheckpointStore
-from gpu_runtime.storage import LocalStore
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.checkpoint_store import CheckpointStore
+from gpu_runtime.store.object_store import LocalStore
 from tests.e2e.faults import progress, start_run
 from tests.stack import Stack, async_wait_for, tiny_config
 from workers.common import connect

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.data import prompts_for_step
+from gpu_runtime.data.datasets import prompts_for_step
 from tests.e2e.faults import (
     assert_bitwise_equal,
     baseline_weights,
@@ -22,7 +22,7 @@ from tests.e2e.faults import (
     start_run,
     wait_activity_started,
 )
-from gpu_runtime.proc import pid_alive
+from gpu_runtime.node.proc import pid_alive
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
 

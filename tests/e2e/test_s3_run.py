@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime import artifacts as art
-from gpu_runtime.checkpoint_store import CheckpointStore
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.checkpoint_store import CheckpointStore
 from infra.seaweedfs import SeaweedServer
 from tests.e2e.faults import progress, start_run, wait_activity_started
 from tests.s3_fixtures import new_bucket_name, seaweed, store_for  # noqa: F401  (fixture)

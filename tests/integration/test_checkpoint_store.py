@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.checkpoint_store import (
+from gpu_runtime.store.checkpoint_store import (
     MANIFEST,
     CheckpointStore,
     NoUsableCheckpointError,
     RetryPolicy,
     step_name,
 )
-from gpu_runtime.s3_store import S3Store
-from gpu_runtime.storage import LocalStore, ObjectStore
+from gpu_runtime.store.s3 import S3Store
+from gpu_runtime.store.object_store import LocalStore, ObjectStore
 from infra.seaweedfs import SeaweedServer
 from tests.s3_fixtures import make_s3_store, own_seaweed, seaweed, store_for, wait_until  # noqa: F401
 

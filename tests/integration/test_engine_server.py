@@ -13,7 +13,7 @@ from gpu_runtime.engine.backends import SGLangEngineBackend, TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.engine.router import RouterProcess
-from gpu_runtime.model_folder import load_model_folder
+from gpu_runtime.models.model_folder import load_model_folder
 from tests.engine_fixtures import free_port, model_dirs, procs, start_engine, stop_pid, wait_for  # noqa: F401
 
 BATCH = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11]]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.model import ModelConfig, build_model, positions_from_mask
-from gpu_runtime.model_folder import save_model_folder
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.models.causal_lm import ModelConfig, build_model, positions_from_mask
+from gpu_runtime.models.model_folder import save_model_folder
+from gpu_runtime.models.tokenizer import CharTokenizer
 
 transformers = pytest.importorskip("transformers")
 

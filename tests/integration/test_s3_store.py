@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.s3_store import S3Store
-from gpu_runtime.storage import StoreError, open_store
+from gpu_runtime.store.s3 import S3Store
+from gpu_runtime.store.object_store import StoreError
+from gpu_runtime.store.uri import open_store
 from infra.seaweedfs import SeaweedServer, free_port
 from tests.s3_fixtures import make_s3_store, new_bucket_name, s3_store, seaweed  # noqa: F401
 

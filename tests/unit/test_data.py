@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.data import (
+from gpu_runtime.data.datasets import (
     encode_prompt, final_answer, generate_arithmetic, load_jsonl, prompt_order, prompt_text, prompts_for_step,
     sft_target, write_jsonl,
 )
-from gpu_runtime.tokenizer import DEFAULT_CHARS, CharTokenizer
+from gpu_runtime.models.tokenizer import DEFAULT_CHARS, CharTokenizer
 
 
 def test_generate_format_and_characters() -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gpu_runtime.engine.generate import generate_batch, greedy_full_recompute
-from gpu_runtime.model import build_model
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.models.causal_lm import build_model
+from gpu_runtime.models.tokenizer import CharTokenizer
 from tests.engine_fixtures import tiny_config
 
 TOK = CharTokenizer()

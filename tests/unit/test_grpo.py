@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from gpu_runtime.grpo import entropy_from_logits, group_advantages, kl_k3, ppo_clip_loss, token_logprobs
-from gpu_runtime.model import ModelConfig, build_model, positions_from_mask
+from gpu_runtime.algorithms.grpo import entropy_from_logits, group_advantages, kl_k3, ppo_clip_loss, token_logprobs
+from gpu_runtime.models.causal_lm import ModelConfig, build_model, positions_from_mask
 
 
 def test_group_advantages_two_groups() -> None:

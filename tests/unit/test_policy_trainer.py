@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.artifacts import Sample
-from gpu_runtime.data import encode_prompt, generate_arithmetic
-from gpu_runtime.model import ModelConfig
-from gpu_runtime.model_folder import load_model_folder, model_checksum
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic
+from gpu_runtime.models.causal_lm import ModelConfig
+from gpu_runtime.models.model_folder import load_model_folder, model_checksum
+from gpu_runtime.models.tokenizer import CharTokenizer
 from gpu_runtime.trainer import PolicyTrainer, TrainerHParams
 
 TOK = CharTokenizer()

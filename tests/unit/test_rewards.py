@@ -7,11 +7,11 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from gpu_runtime.artifacts import Sample
-from gpu_runtime.rewards import (
+from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.data.rewards import (
     RewardError, RewardSpec, extract_answer, load_reward_function, math_answer_reward, score_samples,
 )
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.models.tokenizer import CharTokenizer
 
 ROW = {"id": "r0", "question": "What is 23+45?", "answer": "23+45=68\n#### 68"}
 _RELEASE = threading.Event()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_runtime.model import CausalLM, positions_from_mask
+from gpu_runtime.models.causal_lm import CausalLM, positions_from_mask
 
 
 def group_advantages(

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from gpu_runtime.storage import ObjectStore
+from gpu_runtime.store.object_store import ObjectStore
 
 
 def _run(run_id: str) -> str:

@@ -19,9 +19,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gpu_runtime.artifacts import Sample, SampleReward
-from gpu_runtime.data import final_answer
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.store.artifacts import Sample, SampleReward
+from gpu_runtime.data.datasets import final_answer
+from gpu_runtime.models.tokenizer import CharTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_runtime.model import CausalLM, ModelConfig, load_exported_state_dict, state_dict_for_export
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.models.causal_lm import CausalLM, ModelConfig, load_exported_state_dict, state_dict_for_export
+from gpu_runtime.models.tokenizer import CharTokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "milestone.json"

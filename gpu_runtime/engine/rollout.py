@@ -11,10 +11,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from gpu_runtime import artifacts as art
-from gpu_runtime.data import encode_prompt, prompts_for_step
-from gpu_runtime.storage import ObjectStore
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.data.datasets import encode_prompt, prompts_for_step
+from gpu_runtime.store.object_store import ObjectStore
+from gpu_runtime.models.tokenizer import CharTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import random
 import re
 from pathlib import Path
 
-from gpu_runtime.artifacts import derive_seed
-from gpu_runtime.tokenizer import CharTokenizer
+from gpu_runtime.store.artifacts import derive_seed
+from gpu_runtime.models.tokenizer import CharTokenizer
 
 REQUIRED_FIELDS = ("id", "question", "answer")
 _OPS = "+-*"

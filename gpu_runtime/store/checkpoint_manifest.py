@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_runtime.storage import StoreError
+from gpu_runtime.store.object_store import StoreError
 
 MANIFEST = "manifest.json"
 FORMAT = 1

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gpu_runtime.checkpoint_manifest import (  # noqa: F401  (re-exported)
+from gpu_runtime.store.checkpoint_manifest import (  # noqa: F401  (re-exported)
     _STEP_DIR,
     FORMAT,
     MANIFEST,
@@ -40,7 +40,7 @@ from gpu_runtime.checkpoint_manifest import (  # noqa: F401  (re-exported)
     parse_manifest,
     step_name,
 )
-from gpu_runtime.storage import ObjectStore, StoreError, file_sha256
+from gpu_runtime.store.object_store import ObjectStore, StoreError, file_sha256
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,7 +12,6 @@ import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
-from urllib.parse import urlparse
 
 
 class StoreError(RuntimeError):
@@ -146,17 +145,3 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             return False
 
-
-def open_store(uri: str) -> ObjectStore:
-    """``file:///abs``, a plain path, or ``s3://bucket/prefix`` (see ``s3_store``)."""
-    parsed = urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        path = parsed.path if parsed.scheme == "file" else uri
-        if parsed.scheme == "file" and parsed.netloc:
-            path = parsed.netloc + parsed.path  # file://relative/dir
-        return LocalStore(path)
-    if parsed.scheme == "s3":
-        from gpu_runtime.s3_store import S3Store
-
-        return S3Store.from_uri(uri)
-    raise ValueError(f"unsupported store URI {uri!r}: use file:// or s3://")

@@ -15,14 +15,14 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime import metrics
-from gpu_runtime.data import load_jsonl
+from gpu_runtime.node import metrics
+from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig
 from gpu_runtime.engine.router import RouterProcess
-from gpu_runtime.model_folder import prune_version_folders
-from gpu_runtime.proc import free_port, free_port_block
-from gpu_runtime.storage import open_store
+from gpu_runtime.models.model_folder import prune_version_folders
+from gpu_runtime.node.proc import free_port, free_port_block
+from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.process import TrainerProcess
 
 log = logging.getLogger(__name__)

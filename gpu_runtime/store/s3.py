@@ -22,7 +22,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from gpu_runtime.storage import ObjectStore, StoreError, _check_key
+from gpu_runtime.store.object_store import ObjectStore, StoreError, _check_key
 
 log = logging.getLogger(__name__)
 

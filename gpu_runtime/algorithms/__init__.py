@@ -1,0 +1,1 @@
+"""RL math as plain functions: advantages, losses, KL, entropy."""

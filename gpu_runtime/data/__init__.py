@@ -1,0 +1,1 @@
+"""Datasets (generation, JSONL loading, prompt formatting) and reward functions."""

@@ -1,0 +1,1 @@
+"""The policy model, its tokenizer, and Hugging Face model folders."""

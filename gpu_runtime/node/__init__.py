@@ -1,0 +1,1 @@
+"""A node agent's runtime: child processes, the trainer RPC, Prometheus metrics."""
