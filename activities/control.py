@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.store import artifacts as art
@@ -18,6 +17,7 @@ from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jso
 from gpu_runtime.data.rewards import RewardError, RewardSpec, score_samples
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.models.tokenizer import CharTokenizer
+from workflows.failures import Failure, failure
 from workflows.contracts import DatasetInfo, PrepareDataInput, RewardInput, RewardResult
 
 
@@ -36,7 +36,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
                 try:
                     rows = load_jsonl(inp.data.path)
                 except (ValueError, FileNotFoundError) as err:
-                    raise ApplicationError(str(err), type="InvalidInput", non_retryable=True) from err
+                    raise failure(Failure.INVALID_INPUT, str(err)) from err
                 write_jsonl(rows, path)
             store.put_file(key, path)
     data = store.get_bytes(key)
@@ -65,7 +65,7 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
             lambda: score_samples(samples, dict(enumerate(rows)), CharTokenizer(), spec)
         )
     except RewardError as err:
-        raise ApplicationError(str(err), type="RewardError") from err
+        raise failure(Failure.REWARD_ERROR, str(err)) from err
     key = art.rewards_key(inp.run_id, inp.step)
     art.put_model(store, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
     values = [r.reward for r in rewards]

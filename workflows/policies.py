@@ -12,8 +12,7 @@ from datetime import timedelta
 
 from temporalio.common import RetryPolicy
 
-NON_RETRYABLE = ["InvalidInput", "Divergence", "WeightMismatchFatal"]
-
+from workflows.failures import NON_RETRYABLE
 
 @dataclass(frozen=True)
 class ActivityTiming:
@@ -29,7 +28,7 @@ def _retry(max_attempts: int, max_interval_s: float = 30.0) -> RetryPolicy:
         backoff_coefficient=2.0,
         maximum_interval=timedelta(seconds=max_interval_s),
         maximum_attempts=max_attempts,
-        non_retryable_error_types=NON_RETRYABLE,
+        non_retryable_error_types=sorted(f.value for f in NON_RETRYABLE),
     )
 
 

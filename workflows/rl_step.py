@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
+from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
@@ -28,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsInput,
         UpdateWeightsResult,
     )
+    from workflows.failures import Failure, failure
     from workflows.policies import TIMINGS
 
 R = TypeVar("R", bound=BaseModel)
@@ -51,11 +52,8 @@ async def run_activity(name: str, arg: BaseModel, result_type: type[R], *, task_
     except ActivityError as err:
         cause = err.cause
         if isinstance(cause, TimeoutError) and cause.type in (TimeoutType.SCHEDULE_TO_START, TimeoutType.HEARTBEAT):
-            raise ApplicationError(
-                f"node queue {task_queue} did not run {name}: {cause.type.name}",
-                task_queue,
-                type="NodeLost",
-                non_retryable=True,
+            raise failure(
+                Failure.NODE_LOST, f"node queue {task_queue} did not run {name}: {cause.type.name}", task_queue
             ) from err
         raise
 

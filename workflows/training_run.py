@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsInput,
         UpdateWeightsResult,
     )
+    from workflows.failures import Failure, failure, failure_in
     from workflows.rl_step import RLStep, run_activity
 
 SA_STEP = SearchAttributeKey.for_int("RlStep")
@@ -124,8 +125,8 @@ class TrainingRun:
                     static_summary=f"RL step {st.next_step} of {cfg.steps}",
                 )
             except ChildWorkflowError as err:
-                kind, message = _failure_type(err)
-                if kind == "Divergence":
+                kind, message = failure_in(err)
+                if kind == Failure.DIVERGENCE:
                     self._event("divergence", f"step {st.next_step}: {message}; paused (fix with `milestone set`, then resume)")
                     st.paused = True
                     self.status = "paused"
@@ -133,12 +134,12 @@ class TrainingRun:
                     await workflow.wait_condition(lambda: not self.st.paused)
                     self.status = "running"
                     continue
-                if kind != "NodeLost":
+                if kind != Failure.NODE_LOST:
                     raise
                 replacements += 1
                 self._event("node_lost", f"{st.node.task_queue} during step {st.next_step}")
                 await self._place_on_node(run_id, chash, init=False)
-        raise ApplicationError(f"gave up after {MAX_NODE_REPLACEMENTS} node replacements", type="NodeLost")
+        raise failure(Failure.NODE_LOST, f"gave up after {MAX_NODE_REPLACEMENTS} node replacements")
 
     async def _place_on_node(self, run_id: str, chash: str, *, init: bool) -> None:
         """Claim a node, bring its trainer to the committed version and its engines up."""
@@ -178,7 +179,7 @@ class TrainingRun:
                 st.engines = synced.engines
                 return
             except ApplicationError as err:
-                if err.type != "NodeLost":
+                if err.type != Failure.NODE_LOST:
                     raise
                 exclude = [st.node.task_queue]
                 self._event("node_lost", st.node.task_queue)
@@ -251,14 +252,4 @@ class TrainingRun:
             raise ValueError("set_hparams: no field given (lr, clip_eps, kl_coef, grad_clip)")
         if update.kl_coef and self.cfg is not None and self.cfg.train.kl_coef == 0:
             raise ValueError("set_hparams: kl_coef: the run started with kl_coef 0 and keeps no reference model")
-
-
-def _failure_type(err: ChildWorkflowError) -> tuple[str | None, str]:
-    """The first NodeLost / Divergence application error in the cause chain."""
-    cause = err.cause
-    while cause is not None:
-        if isinstance(cause, ApplicationError) and cause.type in ("NodeLost", "Divergence"):
-            return cause.type, cause.message
-        cause = cause.__cause__
-    return None, str(err)
 

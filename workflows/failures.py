@@ -1,0 +1,48 @@
+"""Every failure type an activity or workflow raises, in one enum.
+
+The raising side builds its ``ApplicationError`` with :func:`failure`, and the
+retry policies (``workflows.policies``) read which types are final from
+:data:`NON_RETRYABLE`, so the two sides cannot disagree on a spelling.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from temporalio.exceptions import ApplicationError
+
+
+class Failure(StrEnum):
+    INVALID_INPUT = "InvalidInput"  # bad config, dataset row or reward function: retrying cannot help
+    DIVERGENCE = "Divergence"  # NaN/inf: the run pauses on its last good state
+    NODE_LOST = "NodeLost"  # the node's queue is not served: the workflow re-places the run
+    NODE_EXCLUDED = "NodeExcluded"  # this node was lost by the run before: let another claim it
+    NO_HEALTHY_ENGINE = "NoHealthyEngine"  # no engine can generate: slots restarted, then retried
+    STALE_WEIGHTS = "StaleWeights"  # an engine served another weight version than the step's
+    WEIGHT_MISMATCH = "WeightMismatch"  # engines' checksums differ from the trainer's
+    TRAINER_DIED = "TrainerDied"  # the trainer process exited during a call: restarted, then retried
+    TRAINER_ERROR = "TrainerError"  # any other trainer-side error (message names its class)
+    REWARD_ERROR = "RewardError"  # a reward function raised or timed out
+
+    @property
+    def retryable(self) -> bool:
+        return self not in NON_RETRYABLE
+
+
+NON_RETRYABLE: frozenset[Failure] = frozenset({Failure.INVALID_INPUT, Failure.DIVERGENCE, Failure.NODE_LOST})
+
+
+def failure(kind: Failure, message: str, *details: object) -> ApplicationError:
+    """An ``ApplicationError`` of this type, final exactly when the retry policies say so."""
+    return ApplicationError(message, *details, type=kind.value, non_retryable=not kind.retryable)
+
+
+def failure_in(err: BaseException | None) -> tuple[Failure | None, str]:
+    """The first of our failure types in an error's cause chain and its message
+    (``(None, str(err))`` when the chain holds none)."""
+    cause = err
+    while cause is not None:
+        if isinstance(cause, ApplicationError) and cause.type in Failure._value2member_map_:
+            return Failure(cause.type), cause.message
+        cause = cause.__cause__
+    return None, str(err)
