@@ -17,18 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gpu_runtime.store import artifacts as art  # noqa: E402
+from activities import translate  # noqa: E402
 from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic, load_jsonl, write_jsonl  # noqa: E402
 from gpu_runtime.engine.generate import generate_batch  # noqa: E402
-from gpu_runtime.models.causal_lm import CausalLM  # noqa: E402
 from gpu_runtime.engine.rollout import RolloutRequest, plan_chunks  # noqa: E402
+from gpu_runtime.models.causal_lm import CausalLM  # noqa: E402
 from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
+from gpu_runtime.store import artifacts as art  # noqa: E402
+from gpu_runtime.trainer.api import RunSetup, StepBatch  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
 from workflows.config import RunConfig  # noqa: E402
+from workflows.contracts import DatasetInfo, InitPolicyInput, RolloutInput, TrainStepInput  # noqa: E402
 
 DEMO_YAML = ROOT / "examples" / "demo.yaml"
-# the train fields the node agent forwards to the trainer (activities.node.TRAIN_TO_TRAINER)
-TRAINER_FIELDS = {"lr", "clip_eps", "kl_coef", "grad_clip", "weight_decay", "ppo_epochs"}
 
 
 def demo_config(store_dir: Path, *, steps: int, sft_steps: int, every: int, keep_last: int, name: str) -> RunConfig:
@@ -43,8 +44,24 @@ def demo_config(store_dir: Path, *, steps: int, sft_steps: int, every: int, keep
     })
 
 
-def trainer_hparams(cfg: RunConfig) -> dict:
-    return {k: v for k, v in cfg.train.model_dump().items() if k in TRAINER_FIELDS}
+def _dataset(cfg: RunConfig, run_id: str) -> DatasetInfo:
+    return DatasetInfo(key=art.dataset_key(run_id, "train"), n_rows=cfg.data.num_train, sha256="")
+
+
+def run_setup(cfg: RunConfig, run_id: str) -> RunSetup:
+    """What ``init_policy`` sends the trainer for this config (the activity's own translation)."""
+    return translate.run_setup(InitPolicyInput(
+        run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft, train=cfg.train,
+        dataset=_dataset(cfg, run_id), checkpoint=cfg.checkpoint, config_hash=run_id,
+    ))
+
+
+def step_batch(cfg: RunConfig, run_id: str, step: int, chunk_keys: list[str], rewards_key: str) -> StepBatch:
+    """What ``train_step`` sends the trainer for step ``step`` (the activity's own translation)."""
+    return translate.step_batch(TrainStepInput(
+        run_id=run_id, step=step, store_uri=cfg.store, policy_version=step - 1, chunk_keys=chunk_keys,
+        rewards_key=rewards_key, group_size=cfg.rollout.group_size, train=cfg.train,
+    ))
 
 
 def dataset_rows(cfg: RunConfig, path: Path) -> list[dict]:
@@ -55,13 +72,11 @@ def dataset_rows(cfg: RunConfig, path: Path) -> list[dict]:
 
 
 def rollout_request(cfg: RunConfig, run_id: str, step: int, n_rows: int) -> RolloutRequest:
-    r = cfg.rollout
-    return RolloutRequest(
-        run_id=run_id, step=step, seed=cfg.seed, policy_version=step - 1,
-        data_cursor=(step - 1) * r.prompts_per_step, n_rows=n_rows, prompts_per_step=r.prompts_per_step,
-        group_size=r.group_size, chunk_size=r.chunk_size, max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-    )
+    """What the ``rollout`` activity plans for step ``step`` (the activity's own translation)."""
+    return translate.rollout_request(RolloutInput(
+        run_id=run_id, step=step, store_uri=cfg.store, seed=cfg.seed, policy_version=step - 1,
+        data_cursor=(step - 1) * cfg.rollout.prompts_per_step, dataset=_dataset(cfg, run_id), rollout=cfg.rollout,
+    ), n_rows)
 
 
 def generate_step(

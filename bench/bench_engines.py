@@ -13,7 +13,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -29,14 +28,9 @@ from gpu_runtime.engine.router import RouterProcess  # noqa: E402
 from gpu_runtime.models.causal_lm import ModelConfig, build_model  # noqa: E402
 from gpu_runtime.models.model_folder import save_model_folder  # noqa: E402
 from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
+from gpu_runtime.node.proc import free_port  # noqa: E402
 
 log = logging.getLogger("bench_engines")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_event(fleet: EngineFleet, kind: str, slot: int, after: float, timeout_s: float = 60.0) -> float:
@@ -77,8 +71,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp:
         root = Path(tmp)
         save_model_folder(build_model(cfg, 1), tok, root / "v1", weight_version=1)
-        router = RouterProcess(_free_port(), [], log_path=root / "router.log")
-        base = _free_port()
+        router = RouterProcess(free_port(), [], log_path=root / "router.log")
+        base = free_port()
         fleet = EngineFleet(TorchEngineBackend(threads=1), args.slots, root / "v1", base, root / "logs",
                             router=router, health=health)
         t = time.monotonic()

@@ -34,12 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, trainer_hparams  # noqa: E402
+from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, run_setup, step_batch  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.data.rewards import RewardSpec, score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
 from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
-from gpu_runtime.trainer.service import RunSetup, TrainerService, TrainSpec, VersionInfo  # noqa: E402
+from gpu_runtime.trainer.api import RunSetup, VersionInfo  # noqa: E402
+from gpu_runtime.trainer.service import TrainerService  # noqa: E402
 
 log = logging.getLogger("bench_restore")
 RUN_ID = "bench-restore"
@@ -84,8 +85,7 @@ def build_run(cfg, setup: RunSetup, work: Path) -> tuple[dict[int, str], Trainer
         rewards = score_samples(samples, by_index, tok, spec)
         rkey = art.rewards_key(RUN_ID, step)
         art.put_model(store, rkey, art.StepRewards(run_id=RUN_ID, step=step, rewards=rewards))
-        res = svc.train_step(setup, TrainSpec(step=step, policy_version=step - 1, chunk_keys=keys, rewards_key=rkey,
-                                              group_size=cfg.rollout.group_size, hparams=setup.hparams))
+        res = svc.train_step(setup, step_batch(cfg, RUN_ID, step, keys, rkey))
         checksums[step] = res.checksum
         svc.save_checkpoint(step, data_cursor=step * cfg.rollout.prompts_per_step, sync=True)
         print(f"  step {step:>2}: reward {statistics.fmean(r.reward for r in rewards):.3f} "
@@ -125,12 +125,7 @@ def main() -> None:
         work = Path(tmp)
         cfg = demo_config(work / "store", steps=args.steps, sft_steps=args.sft_steps, every=1, keep_last=1000,
                           name=RUN_ID)
-        setup = RunSetup(
-            run_id=RUN_ID, store_uri=cfg.store, seed=cfg.seed, model=cfg.model.model_dump(),
-            sft_steps=cfg.sft.steps, sft_batch_size=cfg.sft.batch_size, sft_lr=cfg.sft.lr,
-            dataset_key=art.dataset_key(RUN_ID, "train"), hparams=trainer_hparams(cfg), keep_last=1000,
-            config_hash="bench-restore",
-        )
+        setup = run_setup(cfg, RUN_ID)
         print(f"building the run: demo model {cfg.model.hidden_size}h x {cfg.model.num_hidden_layers}L, "
               f"{cfg.samples_per_step} samples/step, SFT {cfg.sft.steps} steps, {cfg.steps} RL steps, "
               f"checkpoint after every step", flush=True)

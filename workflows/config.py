@@ -6,9 +6,10 @@ back to a default. ``load_run_config`` reports the YAML key path of a bad field.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 
 class Strict(BaseModel):
@@ -87,14 +88,30 @@ class RewardSpec(Strict):
 
 
 class TrainSpec(Strict):
-    """GRPO / PPO-clip hyper-parameters; changeable between steps with ``milestone set``."""
+    """The RL update (GRPO advantages, PPO-clip loss, AdamW): the one place each trainer
+    knob is declared, with its default. Every field can change between steps with
+    ``milestone set`` (each step's values are stored with it, so replay reuses them)."""
 
-    lr: float = Field(3e-5, gt=0)
-    clip_eps: float = Field(0.2, gt=0, lt=1)
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the post-SFT reference; > 0 keeps a reference model")
-    grad_clip: float = Field(1.0, gt=0)
+    lr: float = Field(3e-5, gt=0, description="AdamW learning rate (after warm-up)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="linear lr warm-up over this many optimizer steps, then constant")
+    grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip (low side; also the high side unless clip_eps_high)")
+    clip_eps_high: float | None = Field(None, gt=0, lt=1, description="DAPO clip-higher: the ratio's upper clip")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the post-SFT reference; > 0 keeps a reference model")
+    scale_adv_by_std: bool = Field(True, description="GRPO: divide group advantages by the group std (false: Dr.GRPO)")
     ppo_epochs: int = Field(1, ge=1, description="optimizer steps per rollout batch")
+    micro_batch_size: int = Field(128, ge=1, description="sequences per forward/backward (gradients accumulate)")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(v):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+        return v
 
 
 class CheckpointSpec(Strict):
@@ -145,17 +162,28 @@ class RunConfig(Strict):
         return self.rollout.prompts_per_step * self.rollout.group_size
 
 
-class HParamUpdate(Strict):
-    """Fields of ``train`` that may change between steps (``set_hparams`` signal)."""
-
-    lr: float | None = Field(None, gt=0)
-    clip_eps: float | None = Field(None, gt=0, lt=1)
-    kl_coef: float | None = Field(None, ge=0)
-    grad_clip: float | None = Field(None, gt=0)
-
+class _TrainUpdate(Strict):
     def apply(self, train: TrainSpec) -> TrainSpec:
         changes = {k: v for k, v in self.model_dump().items() if v is not None}
-        return train.model_copy(update=changes)
+        return TrainSpec.model_validate({**train.model_dump(), **changes})
+
+    def given(self) -> dict[str, object]:
+        return {k: v for k, v in self.model_dump(mode="json").items() if v is not None}
+
+
+def _all_optional(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s fields, each optional with default None and its own constraints."""
+    return {
+        name: (f.annotation | None, FieldInfo.merge_field_infos(f, default=None))
+        for name, f in model.model_fields.items()
+    }
+
+
+# ``set_hparams``: any ``train`` field, changed between steps. Derived from TrainSpec
+# so a knob is declared once; ``apply`` re-validates the merged section.
+HParamUpdate = create_model(
+    "HParamUpdate", __base__=_TrainUpdate, __module__=__name__, **_all_optional(TrainSpec)
+)
 
 
 def format_validation_error(err: Exception, source: str = "config") -> str:

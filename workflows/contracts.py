@@ -54,7 +54,6 @@ class InitPolicyInput(BaseModel):
     checkpoint: CheckpointSpec
     config_hash: str
     policy_version: int = 0  # bring the trainer to this version (0 on a fresh run: SFT warm-up)
-    rollout: RolloutSpec  # group size for replaying stored steps
 
 
 class PolicyInfo(BaseModel):
@@ -172,6 +171,7 @@ class CheckpointResult(BaseModel):
     key: str
     seconds: float
     durable: bool
+    node_events: list[RunEvent] = []
 
 
 class RLStepInput(BaseModel):

@@ -137,6 +137,6 @@ class RLStep:
             weights_key=trained.weights_key,
             restored_from_step=trained.restored_from_step,
             replayed_steps=trained.replayed_steps,
-            events=[*rollout.node_events, *trained.node_events, *synced.node_events],
+            events=[*rollout.node_events, *trained.node_events, *synced.node_events, *(ckpt.node_events if ckpt else [])],
             engines=synced.engines,
         )

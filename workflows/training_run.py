@@ -5,12 +5,16 @@ advances them only after an ``RLStep`` child commits (exactly-once data ownershi
 from __future__ import annotations
 
 import hashlib
+import json
+
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.config import HParamUpdate, RunConfig
+    from pydantic import ValidationError
+
+    from workflows.config import HParamUpdate, RunConfig, TrainSpec
     from workflows.contracts import (
         CONTROL_QUEUE,
         POOL_QUEUE,
@@ -158,14 +162,12 @@ class TrainingRun:
                     InitPolicyInput(
                         run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
                         train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
-                        policy_version=st.policy_version, rollout=cfg.rollout,
+                        policy_version=st.policy_version,
                     ),
                     PolicyInfo, task_queue=st.node.task_queue,
                     summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
                 )
                 st.events = [*st.events, *policy.node_events][-100:]
-                if policy.restored_from_step is not None:
-                    self._event("trainer_restored", f"checkpoint step {policy.restored_from_step} -> v{policy.policy_version}")
                 synced = await run_activity(
                     "update_weights",
                     UpdateWeightsInput(
@@ -243,13 +245,18 @@ class TrainingRun:
     def set_hparams(self, update: HParamUpdate) -> dict:
         assert self.st.train is not None
         self.st.train = update.apply(self.st.train)
-        self._event("hparams_set", update.model_dump_json(exclude_none=True))
+        self._event("hparams_set", json.dumps(update.given()))
         return self.st.train.model_dump()
 
     @set_hparams.validator
     def _validate_hparams(self, update: HParamUpdate) -> None:
-        if all(v is None for v in update.model_dump().values()):
-            raise ValueError("set_hparams: no field given (lr, clip_eps, kl_coef, grad_clip)")
+        if not update.given():
+            raise ValueError(f"set_hparams: no field given (any of {', '.join(TrainSpec.model_fields)})")
         if update.kl_coef and self.cfg is not None and self.cfg.train.kl_coef == 0:
             raise ValueError("set_hparams: kl_coef: the run started with kl_coef 0 and keeps no reference model")
+        assert self.st.train is not None
+        try:
+            update.apply(self.st.train)
+        except ValidationError as err:
+            raise ValueError(f"set_hparams: {err}") from None
 

@@ -70,25 +70,35 @@ def spawn(cmd: list[str], log_path: Path, *, env: dict | None = None, stdout_pip
     return proc
 
 
-def free_port() -> int:
+def port_free(port: int) -> bool:
+    """Whether ``127.0.0.1:port`` can be bound now (it may be taken later)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(taken: set[int] | None = None) -> int:
+    """A free port on 127.0.0.1 not in ``taken`` (which it is added to)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if taken is None or port not in taken:
+            if taken is not None:
+                taken.add(port)
+            return port
+    raise RuntimeError("no free TCP port found")
 
 
 def free_port_block(n: int) -> int:
     """A base port with ``n`` consecutive free ports (best effort: they may be taken later)."""
     for _ in range(50):
         base = free_port()
-        if base + n >= 65535:
-            continue
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
+        if base + n < 65535 and all(port_free(port) for port in range(base, base + n)):
+            return base
     raise RuntimeError(f"no block of {n} free ports")
 
 

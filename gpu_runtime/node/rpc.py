@@ -1,7 +1,9 @@
-"""A minimal JSON-over-HTTP RPC used between a node agent and its trainer process.
+"""A minimal typed JSON-over-HTTP RPC between a node agent and its trainer process.
 
-``POST /call/<method>`` with a JSON object -> ``{"result": ...}`` or HTTP 500 with
-``{"error_type", "message"}``. One call at a time (the trainer is single-threaded).
+``POST /call/<method>`` with the argument model's JSON -> ``{"result": <result model>}``
+or HTTP 500 with ``{"error_type", "message"}``. Both ends speak pydantic models: the
+server validates the argument into the method's model, the client parses the result
+with ``model_validate``. One call at a time (the trainer is single-threaded).
 """
 
 from __future__ import annotations
@@ -11,11 +13,26 @@ import logging
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
 log = logging.getLogger(__name__)
+A = TypeVar("A", bound=BaseModel)
+R = TypeVar("R", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Method(Generic[A, R]):
+    """One RPC method: its argument model and the function that serves it."""
+
+    arg_type: type[A]
+    fn: Callable[[A], R]
+
+    def serve(self, body: bytes) -> dict:
+        return self.fn(self.arg_type.model_validate_json(body or b"{}")).model_dump(mode="json")
 
 
 class RemoteError(RuntimeError):
@@ -26,7 +43,7 @@ class RemoteError(RuntimeError):
 
 
 class RPCServer:
-    def __init__(self, host: str, port: int, methods: dict[str, Callable[[dict], Any]]) -> None:
+    def __init__(self, host: str, port: int, methods: dict[str, Method]) -> None:
         self.methods = methods
         self.lock = threading.Lock()
         server = self
@@ -57,9 +74,9 @@ class RPCServer:
                     return
                 n = int(self.headers.get("Content-Length", "0"))
                 try:
-                    arg = json.loads(self.rfile.read(n) or b"{}")
+                    body = self.rfile.read(n)
                     with server.lock:
-                        result = fn(arg)
+                        result = fn.serve(body)
                     self._send(200, {"result": result})
                 except Exception as err:  # reported to the caller, which maps it
                     log.exception("rpc %s failed", name)
@@ -81,17 +98,18 @@ class RPCClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def call(self, method: str, arg: dict | None = None, timeout_s: float | None = None) -> Any:
+    def call(self, method: str, arg: BaseModel, result_type: type[R], timeout_s: float | None = None) -> R:
         try:
             resp = httpx.post(
-                f"{self.base_url}/call/{method}", json=arg or {}, timeout=timeout_s or self.timeout_s
+                f"{self.base_url}/call/{method}", content=arg.model_dump_json(),
+                headers={"Content-Type": "application/json"}, timeout=timeout_s or self.timeout_s,
             )
         except httpx.HTTPError as err:
             raise ConnectionError(f"{self.base_url}: {method}: {err}") from err
         data = resp.json()
         if resp.status_code != 200:
             raise RemoteError(data.get("error_type", "Error"), data.get("message", resp.text))
-        return data["result"]
+        return result_type.model_validate(data["result"])
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         try:

@@ -11,9 +11,7 @@ import logging
 import os
 import shutil
 import threading
-from collections import deque
 from pathlib import Path
-from typing import Any
 
 from gpu_runtime.node import metrics
 from gpu_runtime.data.datasets import load_jsonl
@@ -23,6 +21,7 @@ from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.node.proc import free_port, free_port_block
 from gpu_runtime.store.uri import open_store
+from gpu_runtime.trainer.api import NodeEvent, RunSetup
 from gpu_runtime.trainer.process import TrainerProcess
 
 log = logging.getLogger(__name__)
@@ -36,15 +35,16 @@ class NodeRuntime:
         self.boot_id = boot_id
         self.work_dir = work_dir
         self.engine_threads = engine_threads
-        self.trainer = TrainerProcess(work_dir / "trainer", work_dir / "logs" / "trainer.log", threads=trainer_threads)
+        self.trainer = TrainerProcess(
+            work_dir / "trainer", work_dir / "logs" / "trainer.log", threads=trainer_threads, on_event=self._add_event
+        )
         self.fleet: EngineFleet | None = None
         self.router: RouterProcess | None = None
         self._fleet_settings: tuple | None = None
         self.run_id: str | None = None
-        self.setups: dict[str, dict] = {}  # run id -> trainer RunSetup
-        self.events: deque[dict[str, Any]] = deque(maxlen=200)
-        self._undrained: list[dict[str, Any]] = []
-        self.engine_deaths = 0  # total, for per-activity deltas (the deque above is bounded)
+        self.setups: dict[str, RunSetup] = {}  # run id -> what its trainer needs
+        self._undrained: list[NodeEvent] = []
+        self.engine_deaths = 0  # total, for per-activity deltas
         self._rows: dict[str, list[dict]] = {}
         self._lock = threading.Lock()  # fleet lifecycle and data cache
         self._events_lock = threading.Lock()  # fleet callbacks arrive while _lock is held
@@ -76,17 +76,20 @@ class NodeRuntime:
         }
         (self.work_dir / "children.json").write_text(json.dumps(children))
 
-    def _on_fleet_event(self, ev: FleetEvent) -> None:
-        doc = ev.model_dump(mode="json")
+    def _add_event(self, ev: NodeEvent) -> None:
         with self._events_lock:
-            self.events.append(doc)
-            self._undrained.append(doc)
+            self._undrained.append(ev)
+
+    def _on_fleet_event(self, ev: FleetEvent) -> None:
+        with self._events_lock:
             self.engine_deaths += ev.kind == "engine_dead"
+        self._add_event(NodeEvent(at=ev.at, kind=ev.kind, detail=f"slot {ev.slot}: {ev.detail}"))
         metrics.ENGINE_EVENTS.labels(ev.kind).inc()
         log.info("fleet event %s slot %s %s", ev.kind, ev.slot, ev.detail)
 
-    def drain_events(self) -> list[dict[str, Any]]:
-        """Fleet events since the last drain (reported in the next activity result)."""
+    def drain_events(self) -> list[NodeEvent]:
+        """Events of the fleet and the trainer process since the last drain (reported in
+        the next activity result)."""
         with self._events_lock:
             out, self._undrained = self._undrained, []
         return out

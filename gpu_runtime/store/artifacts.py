@@ -38,8 +38,9 @@ def rewards_key(run_id: str, step: int) -> str:
     return f"{step_prefix(run_id, step)}/rewards.json"
 
 
-def train_spec_key(run_id: str, step: int) -> str:
-    return f"{step_prefix(run_id, step)}/train_spec.json"
+def step_batch_key(run_id: str, step: int) -> str:
+    """The step's training input (``StepBatch``), stored before training so replay reuses it."""
+    return f"{step_prefix(run_id, step)}/step_batch.json"
 
 
 def weights_prefix(run_id: str, version: int) -> str:

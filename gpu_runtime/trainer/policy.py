@@ -26,7 +26,7 @@ from gpu_runtime.models.causal_lm import CausalLM, KVCache, ModelConfig, build_m
 from gpu_runtime.models.model_folder import model_checksum, save_model_folder
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import CharTokenizer
-from gpu_runtime.trainer.hparams import TrainerHParams
+from gpu_runtime.trainer.api import TrainerHParams
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The node agent's handle on its trainer subprocess (start, restart, stop by pid)."""
+"""The node agent's handle on its trainer subprocess: start, restart, stop by pid,
+and a typed client for its RPC (arguments and results are ``trainer.api`` models)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,31 @@ import os
 import re
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from gpu_runtime.node.metrics import TRAINER_RESTARTS
 from gpu_runtime.node.proc import spawn, stop_pid
 from gpu_runtime.node.rpc import RPCClient
+from gpu_runtime.trainer.api import (
+    CheckpointCall,
+    CheckpointRequest,
+    CheckpointSaved,
+    EnsureVersionCall,
+    NodeEvent,
+    RunSetup,
+    StepBatch,
+    TrainResult,
+    TrainStepCall,
+    VersionInfo,
+)
 
 log = logging.getLogger(__name__)
+R = TypeVar("R", bound=BaseModel)
 
 
 class TrainerDied(RuntimeError):
@@ -22,16 +40,42 @@ class TrainerDied(RuntimeError):
 
 
 class TrainerProcess:
-    def __init__(self, work_dir: Path, log_path: Path, threads: int = 1, start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, work_dir: Path, log_path: Path, threads: int = 1, start_timeout_s: float = 120.0,
+        on_event: Callable[[NodeEvent], None] | None = None,
+    ) -> None:
         self.work_dir = work_dir
         self.log_path = log_path
         self.threads = threads
         self.start_timeout_s = start_timeout_s
+        self.on_event = on_event
         self.proc = None
         self.client: RPCClient | None = None
         self.restarts = 0
         self._lock = threading.Lock()
 
+    # ---- the typed API ------------------------------------------------------------
+    def ensure_version(self, setup: RunSetup, target: int) -> VersionInfo:
+        """Bring the trainer to policy version ``target`` (keep, restore + replay, or SFT)."""
+        return self._call("ensure_version", EnsureVersionCall(setup=setup, target=target), VersionInfo)
+
+    def train_step(self, setup: RunSetup, batch: StepBatch) -> TrainResult:
+        return self._call("train_step", TrainStepCall(setup=setup, batch=batch), TrainResult)
+
+    def checkpoint(self, setup: RunSetup, request: CheckpointRequest) -> CheckpointSaved:
+        return self._call("checkpoint", CheckpointCall(setup=setup, request=request), CheckpointSaved)
+
+    def _call(self, method: str, arg: BaseModel, result_type: type[R]) -> R:
+        self.ensure_running()
+        assert self.client is not None
+        try:
+            return self.client.call(method, arg, result_type)
+        except ConnectionError as err:
+            if not self.alive():
+                raise TrainerDied(f"trainer pid {self.pid} died during {method}") from err
+            raise
+
+    # ---- the process --------------------------------------------------------------
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
@@ -53,22 +97,17 @@ class TrainerProcess:
 
     def ensure_running(self) -> None:
         with self._lock:
-            if not self.alive():
-                if self.proc is not None:
-                    log.warning("trainer pid %d exited with %s; restarting", self.proc.pid, self.proc.returncode)
-                    self.restarts += 1
-                    TRAINER_RESTARTS.inc()
-                self.start()
-
-    def call(self, method: str, arg: dict | None = None) -> Any:
-        self.ensure_running()
-        assert self.client is not None
-        try:
-            return self.client.call(method, arg)
-        except ConnectionError as err:
-            if not self.alive():
-                raise TrainerDied(f"trainer pid {self.pid} died during {method}") from err
-            raise
+            if self.alive():
+                return
+            old = self.proc
+            self.start()
+            if old is not None:
+                self.restarts += 1
+                TRAINER_RESTARTS.inc()
+                detail = f"pid {old.pid} exited with {old.returncode}; new pid {self.pid}"
+                log.warning("trainer restarted: %s", detail)
+                if self.on_event is not None:
+                    self.on_event(NodeEvent(at=time.time(), kind="trainer_restarted", detail=detail))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -14,19 +14,17 @@ import sys
 import torch
 
 from gpu_runtime.node.proc import exit_when_parent_dies
-from gpu_runtime.node.rpc import RPCServer
-from gpu_runtime.trainer.service import RunSetup, TrainerService, TrainSpec
+from gpu_runtime.node.rpc import Method, RPCServer
+from gpu_runtime.trainer.api import CheckpointCall, EnsureVersionCall, TrainStepCall
+from gpu_runtime.trainer.service import TrainerService
 
 
-def build_methods(svc: TrainerService) -> dict:
+def build_methods(svc: TrainerService) -> dict[str, Method]:
+    """The trainer's RPC methods; ``TrainerProcess`` is their typed client."""
     return {
-        "version": lambda a: {"policy_version": svc.version(), "pid": os.getpid()},
-        "ensure_version": lambda a: svc.ensure_version(RunSetup(**a["setup"]), int(a["target"])).model_dump(),
-        "train_step": lambda a: svc.train_step(RunSetup(**a["setup"]), TrainSpec(**a["spec"])).model_dump(),
-        "checkpoint": lambda a: svc.checkpoint(
-            RunSetup(**a["setup"]), int(a["step"]), data_cursor=int(a["data_cursor"]), sync=bool(a.get("sync", False))
-        ),
-        "wait_for_uploads": lambda a: svc.wait_for_uploads(float(a.get("timeout_s", 60.0))),
+        "ensure_version": Method(EnsureVersionCall, lambda a: svc.ensure_version(a.setup, a.target)),
+        "train_step": Method(TrainStepCall, lambda a: svc.train_step(a.setup, a.batch)),
+        "checkpoint": Method(CheckpointCall, lambda a: svc.checkpoint(a.setup, a.request)),
     }
 
 

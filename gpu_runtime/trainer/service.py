@@ -14,8 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.data.datasets import load_jsonl
@@ -24,58 +22,19 @@ from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.models.tokenizer import CharTokenizer
-from gpu_runtime.trainer.hparams import TrainerHParams
+from gpu_runtime.trainer.api import (
+    CheckpointRequest,
+    CheckpointSaved,
+    NodeEvent,
+    Rebuild,
+    RunSetup,
+    StepBatch,
+    TrainResult,
+    VersionInfo,
+)
 from gpu_runtime.trainer.policy import PolicyTrainer
 
 log = logging.getLogger(__name__)
-
-
-class RunSetup(BaseModel):
-    run_id: str
-    store_uri: str
-    seed: int
-    model: dict  # ModelConfig fields except vocab_size
-    sft_steps: int
-    sft_batch_size: int
-    sft_lr: float
-    dataset_key: str
-    hparams: dict  # TrainerHParams fields
-    keep_last: int = 3
-    config_hash: str = ""
-
-
-class TrainSpec(BaseModel):
-    """Stored per step before training so replay uses exactly the same inputs."""
-
-    step: int
-    policy_version: int
-    chunk_keys: list[str]
-    rewards_key: str
-    group_size: int
-    hparams: dict
-
-
-class VersionInfo(BaseModel):
-    policy_version: int
-    checksum: str
-    weights_key: str
-    model_path: str
-    restored_from_step: int | None = None
-    replayed_steps: list[int] = []
-    sft_metrics: dict[str, float] = {}
-    seconds: float = 0.0
-    events: list[dict] = []  # checkpoint_corrupt / checkpoint_upload_failed since the last call
-
-
-class TrainResult(BaseModel):
-    policy_version: int
-    checksum: str
-    weights_key: str
-    metrics: dict[str, float]
-    replayed_steps: list[int] = []
-    restored_from_step: int | None = None
-    seconds: float
-    events: list[dict] = []  # checkpoint store events (corrupt checkpoint, failed upload)
 
 
 class Divergence(RuntimeError):
@@ -116,39 +75,38 @@ class TrainerService:
             keep_last=setup.keep_last,
         )
 
-    def version(self) -> int | None:
-        return None if self.trainer is None else self.trainer.policy_version
-
     def ensure_version(self, setup: RunSetup, target: int) -> VersionInfo:
         """Bring the trainer to ``target``: keep, or restore + replay, or SFT from scratch."""
         t0 = time.perf_counter()
         self._bind(setup)
-        restored: int | None = None
+        rebuild: Rebuild | None = None
         sft_metrics: dict[str, float] = {}
         if self.trainer is None or self.trainer.policy_version != target:
             restored, sft_metrics = self._restore_at_or_below(target)
-        replayed = self._replay_to(target)
+            rebuild = Rebuild(restored_from_step=restored, replayed_steps=self._replay_to(target))
         info = self._publish_weights()
-        info.restored_from_step = restored
-        info.replayed_steps = replayed
-        info.sft_metrics = sft_metrics
-        info.seconds = time.perf_counter() - t0
-        info.events = self.new_events()
-        return info
+        return info.model_copy(update={
+            "rebuild": rebuild, "sft_metrics": sft_metrics, "seconds": time.perf_counter() - t0,
+            "events": self.new_events(),
+        })
 
-    def new_events(self) -> list[dict]:
-        """Checkpoint store events not yet reported."""
+    def new_events(self) -> list[NodeEvent]:
+        """Checkpoint store events (corrupt checkpoint, failed upload) not yet reported."""
         if self.ckpts is None:
             return []
         events = self.ckpts.events[self._events_seen :]
         self._events_seen += len(events)
-        return [dict(e) for e in events]
+        now = time.time()
+        return [
+            NodeEvent(at=now, kind=str(e["kind"]), detail=", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
+            for e in events
+        ]
 
     def _new_trainer(self) -> PolicyTrainer:
         s = self.setup
         assert s is not None
-        cfg = ModelConfig(vocab_size=self.tokenizer.vocab_size, **s.model)
-        return PolicyTrainer.create(cfg, self.tokenizer, TrainerHParams(**s.hparams), s.seed)
+        cfg = ModelConfig(vocab_size=self.tokenizer.vocab_size, **s.model.model_dump())
+        return PolicyTrainer.create(cfg, self.tokenizer, s.hparams, s.seed)
 
     def _restore_at_or_below(self, target: int) -> tuple[int | None, dict[str, float]]:
         assert self.ckpts is not None and self.setup is not None and self.store is not None
@@ -170,7 +128,7 @@ class TrainerService:
         s = self.setup
         trainer = self._new_trainer()
         rows = self._rows()
-        metrics = trainer.sft_warmup(rows, s.sft_steps, s.sft_batch_size, s.sft_lr, s.seed)
+        metrics = trainer.sft_warmup(rows, s.sft.steps, s.sft.batch_size, s.sft.lr, s.seed)
         self.trainer = trainer
         self.save_checkpoint(0, data_cursor=0, sync=True)
         return None, metrics
@@ -187,11 +145,10 @@ class TrainerService:
         replayed = []
         while self.trainer.policy_version < target:
             step = self.trainer.policy_version + 1
-            key = art.train_spec_key(self.setup.run_id, step)
+            key = art.step_batch_key(self.setup.run_id, step)
             if not self.store.exists(key):
                 raise RuntimeError(f"cannot replay step {step}: {key} missing from the store")
-            spec = art.get_model(self.store, key, TrainSpec)
-            self._train(spec)
+            self._train(art.get_model(self.store, key, StepBatch))
             replayed.append(step)
         if self.trainer.policy_version != target:
             raise RuntimeError(f"trainer at v{self.trainer.policy_version} is ahead of target v{target}")
@@ -219,58 +176,60 @@ class TrainerService:
         return VersionInfo(policy_version=v, checksum=checksum, weights_key=prefix, model_path=str(folder))
 
     # ---- training -----------------------------------------------------------------
-    def _train(self, spec: TrainSpec) -> dict[str, float]:
+    def _train(self, batch: StepBatch) -> dict[str, float]:
         assert self.trainer is not None and self.store is not None
         samples: list[art.Sample] = []
-        for key in spec.chunk_keys:
+        for key in batch.chunk_keys:
             samples.extend(art.get_model(self.store, key, art.RolloutChunk).samples)
-        rewards = art.get_model(self.store, spec.rewards_key, art.StepRewards).rewards
+        rewards = art.get_model(self.store, batch.rewards_key, art.StepRewards).rewards
         if [r.sample_id for r in rewards] != [s.sample_id for s in samples]:
-            raise ValueError(f"step {spec.step}: rewards do not match the rollout samples")
-        return self.trainer.train_step(
-            samples, [r.reward for r in rewards], spec.group_size, TrainerHParams(**spec.hparams)
-        )
+            raise ValueError(f"step {batch.step}: rewards do not match the rollout samples")
+        return self.trainer.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams)
 
-    def train_step(self, setup: RunSetup, spec: TrainSpec) -> TrainResult:
+    def train_step(self, setup: RunSetup, batch: StepBatch) -> TrainResult:
         t0 = time.perf_counter()
         self._bind(setup)
         assert self.store is not None
-        result_key = f"{art.step_prefix(setup.run_id, spec.step)}/train_result.json"
-        if self.trainer is not None and self.trainer.policy_version == spec.policy_version + 1:
+        result_key = f"{art.step_prefix(setup.run_id, batch.step)}/train_result.json"
+        if self.trainer is not None and self.trainer.policy_version == batch.policy_version + 1:
             if self.store.exists(result_key):  # a retry after success: never train twice
                 return art.get_model(self.store, result_key, TrainResult)
-        before = VersionInfo(policy_version=spec.policy_version, checksum="", weights_key="", model_path="")
-        if self.trainer is None or self.trainer.policy_version != spec.policy_version:
-            before = self.ensure_version(setup, spec.policy_version)
-        art.put_model(self.store, art.train_spec_key(setup.run_id, spec.step), spec)
+        before: VersionInfo | None = None
+        if self.trainer is None or self.trainer.policy_version != batch.policy_version:
+            before = self.ensure_version(setup, batch.policy_version)
+        art.put_model(self.store, art.step_batch_key(setup.run_id, batch.step), batch)
         _fault_injection_delay()
         try:
-            metrics = self._train(spec)
+            metrics = self._train(batch)
         except FloatingPointError as err:
             self.trainer = None  # possibly half-updated: the next call restores a checkpoint
-            raise Divergence(f"step {spec.step}: {err}") from err
+            raise Divergence(f"step {batch.step}: {err}") from err
         info = self._publish_weights()
         result = TrainResult(
             policy_version=info.policy_version,
             checksum=info.checksum,
             weights_key=info.weights_key,
             metrics=metrics,
-            replayed_steps=before.replayed_steps,
-            restored_from_step=before.restored_from_step,
+            rebuild=before.rebuild if before else None,
             seconds=time.perf_counter() - t0,
-            events=[*before.events, *self.new_events()],
+            events=[*(before.events if before else []), *self.new_events()],
         )
         art.put_model(self.store, result_key, result)
         return result
 
-    def checkpoint(self, setup: RunSetup, step: int, *, data_cursor: int, sync: bool = False) -> dict:
-        """Save version ``step`` (restoring it first if this process lost it)."""
+    def checkpoint(self, setup: RunSetup, request: CheckpointRequest) -> CheckpointSaved:
+        """Save version ``request.step`` (restoring it first if this process lost it)."""
         self._bind(setup)
-        if self.trainer is None or self.trainer.policy_version != step:
-            self.ensure_version(setup, step)
-        return self.save_checkpoint(step, data_cursor=data_cursor, sync=sync)
+        before: VersionInfo | None = None
+        if self.trainer is None or self.trainer.policy_version != request.step:
+            before = self.ensure_version(setup, request.step)
+        saved = self.save_checkpoint(request.step, data_cursor=request.data_cursor, sync=request.sync)
+        return saved.model_copy(update={
+            "rebuild": before.rebuild if before else None,
+            "events": [*(before.events if before else []), *self.new_events()],
+        })
 
-    def save_checkpoint(self, step: int, *, data_cursor: int, sync: bool = False) -> dict:
+    def save_checkpoint(self, step: int, *, data_cursor: int, sync: bool = False) -> CheckpointSaved:
         assert self.trainer is not None and self.ckpts is not None and self.setup is not None
         if self.trainer.policy_version != step:
             raise RuntimeError(f"checkpoint step {step} but trainer holds v{self.trainer.policy_version}")
@@ -286,10 +245,9 @@ class TrainerService:
             handle = self.ckpts.save(step, folder, meta, sync=sync)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        return {"step": step, "durable": bool(handle.durable), "key": f"{art.checkpoints_prefix(self.setup.run_id)}/step-{step:06d}"}
+        return CheckpointSaved(
+            step=step, durable=bool(handle.durable), key=f"{art.checkpoints_prefix(self.setup.run_id)}/step-{step:06d}"
+        )
 
     def wait_for_uploads(self, timeout_s: float) -> bool:
         return True if self.ckpts is None else self.ckpts.wait_for_uploads(timeout_s)
-
-    def model_path(self, version: int) -> str:
-        return str(self._weights_dir(version))

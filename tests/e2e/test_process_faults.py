@@ -58,7 +58,7 @@ def assert_trained_exactly_once(store: Path, run_id: str) -> None:
     run_dir = store / "runs" / run_id
     assert sorted(d.name for d in (run_dir / "steps").iterdir()) == [f"{s:06d}" for s in range(1, STEPS + 1)]
     for step in range(1, STEPS + 1):
-        spec = json.loads((run_dir / "steps" / f"{step:06d}" / "train_spec.json").read_text())
+        spec = json.loads((run_dir / "steps" / f"{step:06d}" / "step_batch.json").read_text())
         trained = []
         for key in spec["chunk_keys"]:
             trained += [s["prompt_index"] for s in json.loads((store / key).read_text())["samples"]]

@@ -67,3 +67,31 @@ def test_cli_start_rejects_bad_config_before_connecting(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert f"{p}:3: sft.stepz: unknown key" in out.stderr
+
+
+def test_milestone_set_reads_typed_values_and_names_bad_keys() -> None:
+    from milestone_cli.main import parse_assignments
+
+    update = parse_assignments(["lr=1e-5", "ppo_epochs=2", "betas=[0.9,0.95]", "scale_adv_by_std=false"])
+    assert update.given() == {"lr": 1e-5, "ppo_epochs": 2, "betas": [0.9, 0.95], "scale_adv_by_std": False}
+    new = update.apply(TrainSpec())
+    assert (new.lr, new.ppo_epochs, new.betas, new.scale_adv_by_std, new.clip_eps) == (1e-5, 2, (0.9, 0.95), False, 0.2)
+    with pytest.raises(ValueError, match=r"lrr: unknown key \(settable: lr, betas"):
+        parse_assignments(["lrr=1"])
+    with pytest.raises(ValueError, match="lr: Input should be greater than 0"):
+        parse_assignments(["lr=-1"])
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        parse_assignments(["lr"])
+    with pytest.raises(ValueError, match=r"betas\[1\] must be in \[0, 1\)"):
+        parse_assignments(["betas=[0.9,1.5]"]).apply(TrainSpec())
+
+
+def test_every_trainer_knob_is_settable_from_yaml(tmp_path: Path) -> None:
+    p = write(tmp_path, "train:\n  warmup_steps: 4\n  clip_eps_high: 0.28\n  micro_batch_size: 16\n"
+                        "  scale_adv_by_std: false\n  betas: [0.9, 0.95]\n  eps: 1.0e-6\n")
+    t = load_run_config(p).train
+    assert (t.warmup_steps, t.clip_eps_high, t.micro_batch_size, t.scale_adv_by_std, t.betas, t.eps) == (
+        4, 0.28, 16, False, (0.9, 0.95), 1e-6)
+    p = write(tmp_path, "train:\n  betas: [0.9, 1.0]\n")
+    with pytest.raises(ConfigError, match=r":2: train.betas: Value error, betas\[1\] must be in \[0, 1\)"):
+        load_run_config(p)

@@ -14,7 +14,9 @@ from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic
 from gpu_runtime.models.causal_lm import ModelConfig
 from gpu_runtime.models.model_folder import load_model_folder, model_checksum
 from gpu_runtime.models.tokenizer import CharTokenizer
+from activities.translate import trainer_hparams
 from gpu_runtime.trainer import PolicyTrainer, TrainerHParams
+from workflows.config import TrainSpec
 
 TOK = CharTokenizer()
 CFG = ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -30,9 +32,10 @@ def _threads() -> None:
 
 
 def hparams(**kw: object) -> TrainerHParams:
+    """The run config's ``train`` defaults with these overrides, as the node agent sends them."""
     base: dict[str, object] = dict(lr=1e-3, micro_batch_size=3, ppo_epochs=2, kl_coef=0.1, warmup_steps=3, clip_eps=0.2)
     base.update(kw)
-    return TrainerHParams(**base)
+    return trainer_hparams(TrainSpec(**base))
 
 
 def rollout(step: int, n_prompts: int = 2, group: int = 4) -> tuple[list[Sample], list[float]]:

@@ -1,0 +1,139 @@
+"""The seam between workflow contracts and the GPU runtime's own models.
+
+One named function per crossing, in both directions. The models mirrored on the
+two sides are listed in ``MIRRORS``; ``tests/unit/test_translate.py`` checks their
+field sets agree, so neither side can grow a field the other silently drops.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from pydantic import BaseModel
+
+from gpu_runtime.engine.fleet_types import SlotInfo
+from gpu_runtime.engine.rollout import RolloutRequest
+from gpu_runtime.trainer.api import (
+    CheckpointRequest,
+    CheckpointSaved,
+    ModelShape,
+    NodeEvent,
+    Rebuild,
+    RunSetup,
+    SFTSettings,
+    StepBatch,
+    TrainerHParams,
+    TrainResult,
+    VersionInfo,
+)
+from workflows.config import ModelSpec, SFTSpec, TrainSpec
+from workflows.contracts import (
+    CheckpointInput,
+    CheckpointResult,
+    EngineSlotInfo,
+    InitPolicyInput,
+    PolicyInfo,
+    RolloutInput,
+    RunEvent,
+    TrainStepInput,
+    TrainStepResult,
+)
+
+# (run config section, runtime model): the same fields on both sides
+MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
+    (TrainSpec, TrainerHParams),
+    (SFTSpec, SFTSettings),
+    (ModelSpec, ModelShape),
+]
+
+
+# ---- workflow -> runtime -------------------------------------------------------------
+def trainer_hparams(train: TrainSpec) -> TrainerHParams:
+    return TrainerHParams.model_validate(train.model_dump())
+
+
+def run_setup(inp: InitPolicyInput) -> RunSetup:
+    return RunSetup(
+        run_id=inp.run_id,
+        store_uri=inp.store_uri,
+        seed=inp.seed,
+        model=ModelShape.model_validate(inp.model.model_dump()),
+        sft=SFTSettings.model_validate(inp.sft.model_dump()),
+        hparams=trainer_hparams(inp.train),
+        dataset_key=inp.dataset.key,
+        keep_last=inp.checkpoint.keep_last,
+        config_hash=inp.config_hash,
+    )
+
+
+def step_batch(inp: TrainStepInput) -> StepBatch:
+    return StepBatch(
+        step=inp.step, policy_version=inp.policy_version, chunk_keys=inp.chunk_keys,
+        rewards_key=inp.rewards_key, group_size=inp.group_size, hparams=trainer_hparams(inp.train),
+    )
+
+
+def checkpoint_request(inp: CheckpointInput) -> CheckpointRequest:
+    return CheckpointRequest(step=inp.step, data_cursor=inp.data_cursor)
+
+
+def rollout_request(inp: RolloutInput, n_rows: int) -> RolloutRequest:
+    return RolloutRequest(
+        run_id=inp.run_id, step=inp.step, seed=inp.seed, policy_version=inp.policy_version,
+        data_cursor=inp.data_cursor, n_rows=n_rows, **inp.rollout.model_dump(),
+    )
+
+
+# ---- runtime -> workflow -------------------------------------------------------------
+def run_events(events: list[NodeEvent]) -> list[RunEvent]:
+    return [
+        RunEvent(at=datetime.fromtimestamp(e.at, timezone.utc).isoformat(), kind=e.kind, detail=e.detail)
+        for e in events
+    ]
+
+
+def rebuild_event(rebuild: Rebuild | None, policy_version: int) -> list[NodeEvent]:
+    """A ``trainer_restored`` event when the trainer had to rebuild a version it lost
+    (none for the first SFT warm-up of a run)."""
+    if rebuild is None or (rebuild.restored_from_step is None and not rebuild.replayed_steps):
+        return []
+    source = (
+        f"checkpoint step {rebuild.restored_from_step}" if rebuild.restored_from_step is not None
+        else "no usable checkpoint: SFT warm-up"
+    )
+    replayed = f", replayed steps {rebuild.replayed_steps}" if rebuild.replayed_steps else ""
+    return [NodeEvent(at=datetime.now(timezone.utc).timestamp(), kind="trainer_restored",
+                      detail=f"{source}{replayed} -> v{policy_version}")]
+
+
+def policy_info(info: VersionInfo, node_events: list[NodeEvent]) -> PolicyInfo:
+    rebuild = info.rebuild
+    return PolicyInfo(
+        policy_version=info.policy_version, checksum=info.checksum, weights_key=info.weights_key,
+        sft_metrics=info.sft_metrics, seconds=info.seconds,
+        restored_from_step=rebuild.restored_from_step if rebuild else None,
+        node_events=run_events([*node_events, *info.events, *rebuild_event(rebuild, info.policy_version)]),
+    )
+
+
+def train_step_result(res: TrainResult, node_events: list[NodeEvent]) -> TrainStepResult:
+    rebuild = res.rebuild
+    return TrainStepResult(
+        policy_version=res.policy_version, checksum=res.checksum, weights_key=res.weights_key,
+        metrics=res.metrics, seconds=res.seconds,
+        restored_from_step=rebuild.restored_from_step if rebuild else None,
+        replayed_steps=rebuild.replayed_steps if rebuild else [],
+        node_events=run_events([*node_events, *res.events, *rebuild_event(rebuild, res.policy_version - 1)]),
+    )
+
+
+def checkpoint_result(saved: CheckpointSaved, seconds: float, node_events: list[NodeEvent]) -> CheckpointResult:
+    return CheckpointResult(
+        step=saved.step, key=saved.key, durable=saved.durable, seconds=seconds,
+        node_events=run_events([*node_events, *saved.events, *rebuild_event(saved.rebuild, saved.step)]),
+    )
+
+
+def engine_slot(s: SlotInfo) -> EngineSlotInfo:
+    version = int(s.weight_version) if s.weight_version is not None and s.weight_version.isdigit() else None
+    return EngineSlotInfo(**s.model_dump(exclude={"weight_version"}), weight_version=version)

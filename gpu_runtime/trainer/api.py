@@ -1,0 +1,146 @@
+"""The trainer process's typed API: every message that crosses its RPC.
+
+Hyper-parameters have no defaults here: each value comes from the run config
+(``workflows/config.py`` declares the knob, its default and its validation once)
+through one translation function in ``activities/trainer_seam.py``, and a unit
+test keeps the mirrored field sets equal.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainerHParams(Message):
+    """The RL optimiser and loss settings of one step (``train`` in the run config)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    warmup_steps: int
+    grad_clip: float
+    clip_eps: float
+    clip_eps_high: float | None
+    kl_coef: float
+    scale_adv_by_std: bool
+    ppo_epochs: int
+    micro_batch_size: int
+
+
+class SFTSettings(Message):
+    """The supervised warm-up that produces policy version 0 (``sft`` in the run config)."""
+
+    steps: int
+    batch_size: int
+    lr: float
+
+
+class ModelShape(Message):
+    """The decoder built from config (``model`` in the run config; vocab size from the tokenizer)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+
+class RunSetup(Message):
+    """What a trainer needs to serve a run; sent with every call, so a restarted
+    trainer can rebuild the run's state without a separate bind."""
+
+    run_id: str
+    store_uri: str
+    seed: int
+    model: ModelShape
+    sft: SFTSettings
+    hparams: TrainerHParams  # the run's initial settings (the optimizer is built from them)
+    dataset_key: str
+    keep_last: int
+    config_hash: str
+
+
+class StepBatch(Message):
+    """One step's training input, stored before training so replay uses exactly it."""
+
+    step: int
+    policy_version: int  # the version the trainer holds before the step
+    chunk_keys: list[str]
+    rewards_key: str
+    group_size: int
+    hparams: TrainerHParams
+
+
+class NodeEvent(Message):
+    """Something a node's processes did that the run should show (engine deaths,
+    trainer restarts, corrupt checkpoints); drained into the next activity result."""
+
+    at: float  # unix time
+    kind: str
+    detail: str = ""
+
+
+class Rebuild(Message):
+    """How a trainer that did not hold the version a call needed got there."""
+
+    restored_from_step: int | None  # None: no usable checkpoint, rebuilt from the SFT warm-up
+    replayed_steps: list[int]
+
+
+class VersionInfo(Message):
+    """The trainer's current policy version, published as a model folder."""
+
+    policy_version: int
+    checksum: str
+    weights_key: str
+    model_path: str
+    sft_metrics: dict[str, float] = {}
+    rebuild: Rebuild | None = None
+    seconds: float = 0.0
+    events: list[NodeEvent] = []
+
+
+class TrainResult(Message):
+    policy_version: int
+    checksum: str
+    weights_key: str
+    metrics: dict[str, float]
+    rebuild: Rebuild | None = None
+    seconds: float
+    events: list[NodeEvent] = []
+
+
+class CheckpointRequest(Message):
+    step: int
+    data_cursor: int
+    sync: bool = False
+
+
+class CheckpointSaved(Message):
+    step: int
+    key: str
+    durable: bool
+    rebuild: Rebuild | None = None
+    events: list[NodeEvent] = []
+
+
+# ---- RPC call arguments --------------------------------------------------------------
+class EnsureVersionCall(Message):
+    setup: RunSetup
+    target: int
+
+
+class TrainStepCall(Message):
+    setup: RunSetup
+    batch: StepBatch
+
+
+class CheckpointCall(Message):
+    setup: RunSetup
+    request: CheckpointRequest

@@ -1,0 +1,109 @@
+"""The seam between workflow contracts and the trainer's typed API.
+
+The mirrored models cannot drift (same field sets), and each translation carries
+every field across (a non-default value in, the same value out)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from activities import translate
+from gpu_runtime.engine.rollout import RolloutRequest
+from gpu_runtime.trainer.api import CheckpointSaved, NodeEvent, Rebuild, TrainResult, VersionInfo
+from workflows.config import CheckpointSpec, HParamUpdate, ModelSpec, RolloutSpec, SFTSpec, TrainSpec
+from workflows.contracts import DatasetInfo, InitPolicyInput, RolloutInput, RunEvent, TrainStepInput
+
+
+@pytest.mark.parametrize("workflow_side,runtime_side", translate.MIRRORS, ids=lambda m: m.__name__)
+def test_mirrored_field_sets_agree(workflow_side: type, runtime_side: type) -> None:
+    assert set(workflow_side.model_fields) == set(runtime_side.model_fields)
+
+
+def test_runtime_hparams_have_no_defaults_of_their_own() -> None:
+    """Each knob's default lives in the run config only."""
+    for (_, runtime_side) in translate.MIRRORS:
+        defaults = [n for n, f in runtime_side.model_fields.items() if not f.is_required()]
+        assert defaults == [], f"{runtime_side.__name__} declares defaults for {defaults}"
+
+
+def test_rollout_spec_reaches_the_rollout_request() -> None:
+    assert set(RolloutSpec.model_fields) <= {f.name for f in dataclasses.fields(RolloutRequest)}
+
+
+def test_every_train_knob_can_be_set_mid_run() -> None:
+    assert set(HParamUpdate.model_fields) == set(TrainSpec.model_fields)
+
+
+# non-default values everywhere, so a dropped field shows
+TRAIN = TrainSpec(lr=1.5e-5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, warmup_steps=3, grad_clip=0.5,
+                  clip_eps=0.1, clip_eps_high=0.28, kl_coef=0.05, scale_adv_by_std=False, ppo_epochs=3,
+                  micro_batch_size=7)
+DATASET = DatasetInfo(key="runs/r/data/train.jsonl", n_rows=10, sha256="x")
+
+
+def test_train_spec_arrives_whole() -> None:
+    assert translate.trainer_hparams(TRAIN).model_dump() == TRAIN.model_dump()
+
+
+def test_run_setup_and_step_batch() -> None:
+    inp = InitPolicyInput(
+        run_id="r", store_uri="file:///s", seed=5, model=ModelSpec(hidden_size=32, num_attention_heads=4),
+        sft=SFTSpec(steps=7, batch_size=3, lr=2e-3), train=TRAIN, dataset=DATASET,
+        checkpoint=CheckpointSpec(every=2, keep_last=9), config_hash="abc", policy_version=4,
+    )
+    setup = translate.run_setup(inp)
+    assert setup.model.model_dump() == inp.model.model_dump()
+    assert setup.sft.model_dump() == inp.sft.model_dump()
+    assert setup.hparams.model_dump() == TRAIN.model_dump()
+    assert (setup.keep_last, setup.config_hash, setup.dataset_key, setup.seed) == (9, "abc", DATASET.key, 5)
+
+    step = TrainStepInput(run_id="r", step=3, store_uri="file:///s", policy_version=2, chunk_keys=["a", "b"],
+                          rewards_key="rw", group_size=4, train=TRAIN.model_copy(update={"lr": 9e-6}))
+    batch = translate.step_batch(step)
+    assert (batch.step, batch.policy_version, batch.chunk_keys, batch.rewards_key, batch.group_size) == (
+        3, 2, ["a", "b"], "rw", 4)
+    assert batch.hparams.lr == 9e-6  # the step's own settings (set_hparams), not the run's initial ones
+
+
+def test_rollout_request() -> None:
+    spec = RolloutSpec(prompts_per_step=3, group_size=5, chunk_size=6, max_new_tokens=9, temperature=0.7,
+                       top_p=0.9, top_k=11)
+    inp = RolloutInput(run_id="r", step=2, store_uri="file:///s", seed=8, policy_version=1, data_cursor=3,
+                       dataset=DATASET, rollout=spec)
+    req = translate.rollout_request(inp, n_rows=10)
+    assert dataclasses.asdict(req) == {"run_id": "r", "step": 2, "seed": 8, "policy_version": 1, "data_cursor": 3,
+                                       "n_rows": 10, **spec.model_dump()}
+
+
+EVENT = NodeEvent(at=0.0, kind="engine_dead", detail="slot 1: killed")
+
+
+def test_results_carry_rebuild_and_events() -> None:
+    res = TrainResult(policy_version=6, checksum="c", weights_key="w", metrics={"loss": 0.5}, seconds=1.25,
+                      rebuild=Rebuild(restored_from_step=4, replayed_steps=[5]),
+                      events=[NodeEvent(at=1.0, kind="checkpoint_corrupt", detail="step=5")])
+    out = translate.train_step_result(res, [EVENT])
+    assert (out.policy_version, out.checksum, out.weights_key, out.metrics, out.seconds) == (6, "c", "w", {"loss": 0.5}, 1.25)
+    assert (out.restored_from_step, out.replayed_steps) == (4, [5])
+    assert [e.kind for e in out.node_events] == ["engine_dead", "checkpoint_corrupt", "trainer_restored"]
+    assert out.node_events[0] == RunEvent(at="1970-01-01T00:00:00+00:00", kind="engine_dead", detail="slot 1: killed")
+    assert "checkpoint step 4, replayed steps [5] -> v5" in out.node_events[2].detail
+
+
+def test_first_sft_is_not_a_restore_but_a_rebuild_from_sft_is() -> None:
+    first = VersionInfo(policy_version=0, checksum="c", weights_key="w", model_path="p", sft_metrics={"sft_steps": 3},
+                        rebuild=Rebuild(restored_from_step=None, replayed_steps=[]))
+    info = translate.policy_info(first, [])
+    assert info.node_events == [] and info.restored_from_step is None and info.sft_metrics == {"sft_steps": 3}
+    lost = first.model_copy(update={"policy_version": 2, "rebuild": Rebuild(restored_from_step=None, replayed_steps=[1, 2])})
+    (ev,) = translate.policy_info(lost, []).node_events
+    assert ev.kind == "trainer_restored" and "no usable checkpoint" in ev.detail
+
+
+def test_checkpoint_after_a_trainer_restart_reports_the_restore() -> None:
+    saved = CheckpointSaved(step=4, key="k", durable=True, rebuild=Rebuild(restored_from_step=2, replayed_steps=[3, 4]))
+    out = translate.checkpoint_result(saved, 0.5, [NodeEvent(at=2.0, kind="trainer_restarted", detail="pid 1")])
+    assert (out.step, out.key, out.durable, out.seconds) == (4, "k", True, 0.5)
+    assert [e.kind for e in out.node_events] == ["trainer_restarted", "trainer_restored"]
