@@ -106,24 +106,29 @@ def rebuild_event(rebuild: Rebuild | None, policy_version: int) -> list[NodeEven
                       detail=f"{source}{replayed} -> v{policy_version}")]
 
 
+def _trainer_state(rebuild: Rebuild | None, version: int, events: list[NodeEvent]) -> dict:
+    """The fields every trainer result reports: how the trainer got to ``version`` and
+    the events since the last report."""
+    return {
+        "restored_from_step": rebuild.restored_from_step if rebuild else None,
+        "replayed_steps": rebuild.replayed_steps if rebuild else [],
+        "node_events": run_events([*events, *rebuild_event(rebuild, version)]),
+    }
+
+
 def policy_info(info: VersionInfo, node_events: list[NodeEvent]) -> PolicyInfo:
-    rebuild = info.rebuild
     return PolicyInfo(
         policy_version=info.policy_version, checksum=info.checksum, weights_key=info.weights_key,
         sft_metrics=info.sft_metrics, seconds=info.seconds,
-        restored_from_step=rebuild.restored_from_step if rebuild else None,
-        node_events=run_events([*node_events, *info.events, *rebuild_event(rebuild, info.policy_version)]),
+        **_trainer_state(info.rebuild, info.policy_version, [*node_events, *info.events]),
     )
 
 
 def train_step_result(res: TrainResult, node_events: list[NodeEvent]) -> TrainStepResult:
-    rebuild = res.rebuild
     return TrainStepResult(
         policy_version=res.policy_version, checksum=res.checksum, weights_key=res.weights_key,
         metrics=res.metrics, seconds=res.seconds,
-        restored_from_step=rebuild.restored_from_step if rebuild else None,
-        replayed_steps=rebuild.replayed_steps if rebuild else [],
-        node_events=run_events([*node_events, *res.events, *rebuild_event(rebuild, res.policy_version - 1)]),
+        **_trainer_state(res.rebuild, res.policy_version - 1, [*node_events, *res.events]),
     )
 
 

@@ -63,6 +63,7 @@ class PolicyInfo(BaseModel):
     sft_metrics: dict[str, float] = {}
     seconds: float = 0.0
     restored_from_step: int | None = None
+    replayed_steps: list[int] = []
     node_events: list[RunEvent] = []
 
 

@@ -29,6 +29,7 @@ import torch
 from gpu_runtime.engine.generate import GenResult, generate_batch
 from gpu_runtime.models.causal_lm import CausalLM
 from gpu_runtime.node.proc import exit_when_parent_dies
+from gpu_runtime.node.rpc import send_json
 from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum
 from gpu_runtime.models.tokenizer import CharTokenizer
 
@@ -175,12 +176,7 @@ def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
             log.debug("%s " + fmt, self.address_string(), *args)
 
         def _send(self, code: int, obj: Any) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, code, obj)
 
         def _body(self) -> dict[str, Any]:
             n = int(self.headers.get("Content-Length") or 0)

@@ -42,6 +42,16 @@ class RemoteError(RuntimeError):
         self.message = message
 
 
+def send_json(handler: BaseHTTPRequestHandler, code: int, obj: Any) -> None:
+    """Answer an HTTP request with ``obj`` as JSON."""
+    body = json.dumps(obj).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class RPCServer:
     def __init__(self, host: str, port: int, methods: dict[str, Method]) -> None:
         self.methods = methods
@@ -53,12 +63,7 @@ class RPCServer:
                 log.debug(fmt, *args)
 
             def _send(self, code: int, obj: Any) -> None:
-                body = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_json(self, code, obj)
 
             def do_GET(self) -> None:
                 if self.path == "/health":

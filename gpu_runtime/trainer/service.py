@@ -41,9 +41,10 @@ class Divergence(RuntimeError):
     """Training produced NaN/inf: not retryable; the run pauses on its last good state."""
 
 
-def _fault_injection_delay() -> None:
-    """Tests set MILESTONE_FAULT_TRAIN_DELAY_S so a SIGKILL lands inside train_step."""
-    delay = float(os.environ.get("MILESTONE_FAULT_TRAIN_DELAY_S", "0"))
+def _fault_injection_delay(phase: str) -> None:
+    """Tests set MILESTONE_FAULT_TRAIN_DELAY_S / MILESTONE_FAULT_CHECKPOINT_DELAY_S so a
+    SIGKILL lands inside train_step / checkpoint."""
+    delay = float(os.environ.get(f"MILESTONE_FAULT_{phase.upper()}_DELAY_S", "0"))
     if delay > 0:
         time.sleep(delay)
 
@@ -198,7 +199,7 @@ class TrainerService:
         if self.trainer is None or self.trainer.policy_version != batch.policy_version:
             before = self.ensure_version(setup, batch.policy_version)
         art.put_model(self.store, art.step_batch_key(setup.run_id, batch.step), batch)
-        _fault_injection_delay()
+        _fault_injection_delay("train")
         try:
             metrics = self._train(batch)
         except FloatingPointError as err:
@@ -223,6 +224,7 @@ class TrainerService:
         before: VersionInfo | None = None
         if self.trainer is None or self.trainer.policy_version != request.step:
             before = self.ensure_version(setup, request.step)
+        _fault_injection_delay("checkpoint")
         saved = self.save_checkpoint(request.step, data_cursor=request.data_cursor, sync=request.sync)
         return saved.model_copy(update={
             "rebuild": before.rebuild if before else None,

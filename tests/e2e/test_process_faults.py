@@ -30,8 +30,8 @@ pytestmark = pytest.mark.e2e
 STEPS = 3
 # checkpoints only at the end: a rebuilt trainer must restore step 0 and replay
 CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}}
-# fault-injection aid: each train step waits 2 s first, so a kill lands inside it
-ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2"}
+# fault-injection aid: each train step and checkpoint waits first, so a kill lands inside it
+ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2", "MILESTONE_FAULT_CHECKPOINT_DELAY_S": "1.5"}
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +78,35 @@ def test_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline:
         step2 = p.steps[1]
         assert step2.restored_from_step == 0 and step2.replayed_steps == [1]
         assert proc_stack.node_pids("node0")["trainer"] != old
+        kinds = [e.kind for e in p.events]
+        assert "trainer_restarted" in kinds and "trainer_restored" in kinds, kinds
 
     asyncio.run(main())
     assert_trained_exactly_once(store, "trainer-crash")
     assert_bitwise_equal(final_weights(store, "trainer-crash", STEPS), baseline)
+
+
+def test_trainer_killed_during_checkpoint_is_an_event(proc_stack: Stack, store: Path, baseline: dict) -> None:
+    """A trainer restart outside train_step: the checkpoint activity restores and
+    replays, and the run's events name the checkpoint and the replayed steps."""
+    run_id = "trainer-crash-ckpt"
+
+    async def main() -> None:
+        client = await connect(proc_stack.server.address)
+        handle = await start_run(client, run_id, tiny_config(store, **CFG))
+        await wait_activity_started(client, f"{run_id}/step-{STEPS}", "checkpoint")
+        old = proc_stack.node_pids("node0")["trainer"]
+        os.kill(old, signal.SIGKILL)
+        await asyncio.wait_for(handle.result(), 300)
+        p = await progress(client, run_id)
+        restarted = [e for e in p.events if e.kind == "trainer_restarted"]
+        restored = [e for e in p.events if e.kind == "trainer_restored"]
+        assert restarted and f"pid {old} exited" in restarted[0].detail, [e.kind for e in p.events]
+        assert restored and restored[0].detail == f"checkpoint step 0, replayed steps [1, 2, 3] -> v{STEPS}"
+        assert p.steps[-1].checkpointed
+
+    asyncio.run(main())
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
 
 
 def test_control_worker_killed_mid_run(proc_stack: Stack, store: Path, baseline: dict) -> None:
