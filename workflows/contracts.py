@@ -159,12 +159,9 @@ class UpdateWeightsResult(BaseModel):
 
 class CheckpointInput(BaseModel):
     run_id: str
-    step: int
+    step: int  # = the policy version to save
     store_uri: str
-    policy_version: int
     data_cursor: int
-    config_hash: str
-    keep_last: int
 
 
 class CheckpointResult(BaseModel):
@@ -184,7 +181,6 @@ class RLStepInput(BaseModel):
     data_cursor: int
     dataset: DatasetInfo
     node_queue: str
-    config_hash: str
 
 
 class StepSummary(BaseModel):

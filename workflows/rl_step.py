@@ -104,9 +104,8 @@ class RLStep:
             ckpt = await run_activity(
                 "checkpoint",
                 CheckpointInput(
-                    run_id=inp.run_id, step=inp.step, store_uri=store, policy_version=trained.policy_version,
+                    run_id=inp.run_id, step=inp.step, store_uri=store,
                     data_cursor=inp.data_cursor + cfg.rollout.prompts_per_step,
-                    config_hash=inp.config_hash, keep_last=cfg.checkpoint.keep_last,
                 ),
                 CheckpointResult, task_queue=node, summary=f"checkpoint step {inp.step}",
             )

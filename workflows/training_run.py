@@ -122,7 +122,7 @@ class TrainingRun:
                     RLStepInput(
                         run_id=run_id, step=st.next_step, config=cfg, train=st.train,
                         policy_version=st.policy_version, data_cursor=st.data_cursor,
-                        dataset=st.dataset, node_queue=st.node.task_queue, config_hash=chash,
+                        dataset=st.dataset, node_queue=st.node.task_queue,
                     ),
                     id=f"{run_id}/step-{st.next_step}",
                     task_queue=CONTROL_QUEUE,
