@@ -6,9 +6,10 @@ back to a default. ``load_run_config`` reports the YAML key path of a bad field.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Strict(BaseModel):
@@ -158,15 +159,17 @@ class HParamUpdate(Strict):
         return train.model_copy(update=changes)
 
 
-def format_validation_error(err: Exception, source: str = "config") -> str:
-    """'source: key.path: message' lines for a pydantic ValidationError."""
-    from pydantic import ValidationError
+def format_validation_error(err: ValidationError, where: Callable[[tuple], str | None] | None = None) -> str:
+    """One ``key.path: message`` line per error of a pydantic ``ValidationError``.
 
-    if not isinstance(err, ValidationError):
-        return f"{source}: {err}"
+    ``where(loc)`` may prefix a line with the error's origin (the CLI passes one
+    that returns ``file:line``); the workflow names only the key path.
+    """
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        lines.append(f"{source}: {loc}: {msg}")
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        origin = where(loc) if where is not None else None
+        lines.append(f"{origin}: {key}: {msg}" if origin else f"{key}: {msg}")
     return "\n".join(lines)

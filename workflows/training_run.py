@@ -5,12 +5,16 @@ advances them only after an ``RLStep`` child commits (exactly-once data ownershi
 from __future__ import annotations
 
 import hashlib
+from typing import Any
+
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
 from temporalio.exceptions import ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.config import HParamUpdate, RunConfig
+    from pydantic import ValidationError
+
+    from workflows.config import HParamUpdate, RunConfig, format_validation_error
     from workflows.contracts import (
         CONTROL_QUEUE,
         POOL_QUEUE,
@@ -55,7 +59,15 @@ class TrainingRun:
 
     # ---- the RL loop -------------------------------------------------------------
     @workflow.run
-    async def run(self, inp: TrainingRunInput) -> RunSummary:
+    async def run(self, raw: Any = None) -> RunSummary:
+        """``raw`` is the ``TrainingRunInput`` as decoded JSON, validated here: a bad
+        field started from the Temporal CLI fails the run at once, naming the field,
+        instead of failing the workflow task forever in the data converter."""
+        try:
+            inp = TrainingRunInput.model_validate(raw)
+        except ValidationError as err:
+            self.status = "failed"
+            raise failure(Failure.INVALID_INPUT, "invalid TrainingRun input:\n" + format_validation_error(err)) from None
         self.cfg = cfg = inp.config
         self.st = st = inp.state or RunState(train=cfg.train)
         run_id = workflow.info().workflow_id
