@@ -80,6 +80,16 @@ class RewardSpec(Strict):
     function: str | None = None
     timeout_s: float = Field(10.0, gt=0)
 
+    @field_validator("function")
+    @classmethod
+    def _dotted(cls, v: str | None) -> str | None:
+        # shape only (importing it is the CLI's pre-flight and the control worker's job)
+        if v is not None:
+            mod, _, attr = v.partition(":") if ":" in v else v.rpartition(".")
+            if not (mod and all(p.isidentifier() for p in mod.split(".")) and attr.isidentifier()):
+                raise ValueError(f"{v!r} must look like 'pkg.module:fn' (or 'pkg.module.fn')")
+        return v
+
     @model_validator(mode="after")
     def _fn(self) -> "RewardSpec":
         if self.kind == "custom" and not self.function:
