@@ -105,7 +105,7 @@ def load_reward_function(path: str) -> RewardFn:
         raise RewardFunctionNotFound(f"reward function {path!r}: module {mod_name!r} has no callable {attr!r}")
     if not callable(fn):
         raise RewardFunctionNotFound(
-            f"reward function {path!r}: {mod_name}.{attr} is a {type(fn).__name__}, not a callable"
+            f"reward function {path!r}: {mod_name}.{attr} is not callable ({type(fn).__name__})"
         )
     return fn  # type: ignore[no-any-return]
 
