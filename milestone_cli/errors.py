@@ -16,7 +16,7 @@ from temporalio.client import (
     WorkflowQueryRejectedError,
     WorkflowUpdateFailedError,
 )
-from temporalio.exceptions import ApplicationError, TemporalError
+from temporalio.exceptions import ApplicationError, FailureError, TemporalError
 from temporalio.service import RPCError, RPCStatusCode
 
 from workflows.failures import failure_in
@@ -53,13 +53,13 @@ def failure_text(err: BaseException) -> str:
     while cause.__cause__ is not None:
         cause = cause.__cause__
     name = cause.type if isinstance(cause, ApplicationError) and cause.type else type(cause).__name__
-    return f"{name}: {cause}"
+    return f"{name}: {cause.message if isinstance(cause, FailureError) else cause}"
 
 
 def connect_error(address: str, err: BaseException) -> Unreachable:
     """'Failed client connect: ... message: "Connection refused" ...' -> a short reason."""
     text = str(err)
-    m = re.search(r'message: "([^"]+)"', text)
+    m = re.search(r'(?:message|error): "([^"]+)"', text)
     reason = m.group(1) if m else text.removeprefix("Failed client connect: ")
     return Unreachable(
         f"cannot reach Temporal at {address}: {reason} (is the stack up? `make up`, or set --address / "

@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _connect(address: str | None) -> Client:
     try:
         return await connect(address)
-    except RuntimeError as err:  # the core's "Failed client connect: ..."
+    except (RuntimeError, ValueError) as err:  # the core's "Failed client connect: ...", a bad URL
         raise connect_error(address or temporal_address(), err) from None
 
 
@@ -302,14 +302,15 @@ async def amain(argv: list[str] | None = None) -> int:
         message, code = describe_error(err, run), 1
     except (StoreError, OSError) as err:
         message, code = f"{type(err).__name__}: {err}", 1
-    except KeyboardInterrupt:
-        return 130
     print(f"error: {message}", file=sys.stderr)
     return code
 
 
 def main() -> None:
-    code = asyncio.run(amain())
+    try:
+        code = asyncio.run(amain())
+    except KeyboardInterrupt:  # Ctrl-C in `watch`: the run goes on
+        code = 130
     # leave without interpreter teardown: the Temporal core can crash there
     # (PyGILState_Release, sdk-python #300) after the work is done
     sys.stdout.flush()

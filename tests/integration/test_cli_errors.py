@@ -147,6 +147,7 @@ def test_unknown_run_is_one_line(stack: Stack, args: list[str]) -> None:
 def test_unreachable_temporal_is_one_line(tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     assert_one_error_line(cli(address, "status", "x"), 1, f"cannot reach Temporal at {address}", "Connection refused")
+    assert_one_error_line(cli("127.0.0.1:99999", "watch", "x"), 1, "cannot reach Temporal at 127.0.0.1:99999")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(tmp_path / "store")))
     assert_one_error_line(cli(address, "start", str(cfg)), 1, "cannot reach Temporal")
