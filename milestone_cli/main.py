@@ -8,9 +8,8 @@ import json
 import os
 import sys
 import uuid
-from pathlib import Path
-
 from datetime import timedelta
+from pathlib import Path
 
 from pydantic import ValidationError
 from temporalio.client import (
