@@ -14,7 +14,7 @@ from activities.heartbeat import with_heartbeat
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.node import metrics
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
-from gpu_runtime.data.rewards import RewardError, RewardSpec, score_samples
+from gpu_runtime.data.rewards import RewardError, RewardFunctionNotFound, RewardSpec, score_samples
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.models.tokenizer import CharTokenizer
 from workflows.failures import Failure, failure
@@ -64,7 +64,9 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
         rewards = with_heartbeat(
             lambda: score_samples(samples, dict(enumerate(rows)), CharTokenizer(), spec)
         )
-    except RewardError as err:
+    except RewardFunctionNotFound as err:  # the same on every attempt: fail the run, naming the field
+        raise failure(Failure.INVALID_INPUT, f"reward.function: {err}") from err
+    except RewardError as err:  # the function raised, timed out or returned junk: retried
         raise failure(Failure.REWARD_ERROR, str(err)) from err
     key = art.rewards_key(inp.run_id, inp.step)
     art.put_model(store, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from workflows.config import RunConfig
+from workflows.config import RunConfig, format_validation_error
 
 
 class ConfigError(ValueError):
@@ -49,14 +49,10 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as err:
-        lines = []
-        for e in err.errors():
-            loc = tuple(e["loc"])
-            where = f"{path}:{_line_of(root, loc) or 1}"
-            key = ".".join(str(p) for p in loc) or "<root>"
-            msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-            lines.append(f"{where}: {key}: {msg}")
-        raise ConfigError("\n".join(lines)) from None
+        def where(loc: tuple) -> str:
+            return f"{path}:{_line_of(root, loc) or 1}"
+
+        raise ConfigError(format_validation_error(err, where)) from None
     return absolutize_store(cfg)
 
 

@@ -8,18 +8,31 @@ import json
 import os
 import sys
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import (
+    Client,
+    RPCTimeoutOrCancelledError,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowQueryRejectedError,
+)
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import TemporalError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
-from milestone_cli.config_file import ConfigError, load_run_config
+from gpu_runtime.store.object_store import StoreError
+from milestone_cli.errors import CLIError, connect_error, describe_error, failure_text, one_line
+from milestone_cli.preflight import PreflightError, check_config, check_new_run_id
 from milestone_cli.resume import NothingToResume, ResumeError, resume_state
-from workers.common import connect
-from workflows.config import HParamUpdate
+from workers.common import connect, temporal_address
+from workflows.config import HParamUpdate, format_validation_error
 from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
 
 UI_BASE = "http://localhost:8233"
@@ -29,8 +42,21 @@ def ui_link(run_id: str, namespace: str = "default") -> str:
     return f"{UI_BASE}/namespaces/{namespace}/workflows/{run_id}"
 
 
+QUERY_TIMEOUT = timedelta(seconds=15)  # a query needs a control worker; without one it would wait 30 s+
+QUERY_ERRORS = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError, RPCTimeoutOrCancelledError)
+
+
 async def _progress(handle: WorkflowHandle) -> RunProgress:
-    return await handle.query("progress", result_type=RunProgress)
+    return await handle.query("progress", result_type=RunProgress, rpc_timeout=QUERY_TIMEOUT)
+
+
+async def _failure(handle: WorkflowHandle) -> str | None:
+    """Why a closed run did not complete (None when it completed)."""
+    try:
+        await handle.result()
+    except WorkflowFailureError as err:
+        return failure_text(err)
+    return None
 
 
 async def _closed_state(handle: WorkflowHandle) -> str | None:
@@ -57,42 +83,41 @@ def format_progress(p: RunProgress) -> str:
     return line
 
 
-async def cmd_start(client: Client, args: argparse.Namespace) -> int:
-    try:
-        cfg = load_run_config(args.config)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if cfg.data.kind == "jsonl":  # validate rows before the run starts
-        from gpu_runtime.data.datasets import load_jsonl
-
-        try:
-            load_jsonl(cfg.data.path)
-        except (ValueError, FileNotFoundError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+async def cmd_start(args: argparse.Namespace) -> int:
+    cfg = check_config(args.config)  # before connecting: config, jsonl rows, reward function
     state = None
     if args.resume_from:
         try:
             run_id, cfg, state = resume_state(cfg, args.resume_from)
         except ResumeError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 3 if isinstance(err, NothingToResume) else 2
+            raise CLIError(str(err), 3 if isinstance(err, NothingToResume) else 2) from None
         if args.run_id and args.run_id != run_id:
-            print(f"error: --run-id {args.run_id}: a resume continues run {run_id} under its own id", file=sys.stderr)
-            return 2
-        if await _is_running(client, run_id):
-            print(f"error: run {run_id} is still running; nothing to resume", file=sys.stderr)
-            return 2
+            raise CLIError(f"--run-id {args.run_id}: a resume continues run {run_id} under its own id", 2)
     else:
         run_id = args.run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
-    await client.start_workflow(
-        "TrainingRun",
-        TrainingRunInput(config=cfg, state=state),
-        id=run_id,
-        task_queue=CONTROL_QUEUE,
-        static_summary=f"{cfg.name}: {cfg.steps} RL steps" + (f" (resumed at step {state.next_step})" if state else ""),
-    )
+        check_new_run_id(cfg, run_id)  # its store prefix must be empty
+    client = await _connect(args.address)
+    still_running = CLIError(f"run {run_id} is still running; nothing to resume", 2)
+    if state is not None and await _is_running(client, run_id):
+        raise still_running
+    try:
+        await client.start_workflow(
+            "TrainingRun",
+            TrainingRunInput(config=cfg, state=state),
+            id=run_id,
+            task_queue=CONTROL_QUEUE,
+            # a run id names one run forever; only a resume starts a new execution under
+            # it, after the old one closed (a running one is refused either way)
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE if state else WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            static_summary=f"{cfg.name}: {cfg.steps} RL steps" + (f" (resumed at step {state.next_step})" if state else ""),
+        )
+    except WorkflowAlreadyStartedError:
+        if state is not None:
+            raise still_running from None
+        raise CLIError(
+            f"run id {run_id!r} is taken: Temporal already has a workflow {run_id} (running or closed). "
+            f"Choose another --run-id, or continue that run with --resume-from {run_id}", 2,
+        ) from None
     if state is not None:
         print(f"resuming {run_id} at step {state.next_step} (policy v{state.policy_version}, data cursor {state.data_cursor})")
     print(f"started {run_id}\n  UI: {ui_link(run_id)}")
@@ -116,7 +141,7 @@ async def watch(client: Client, run_id: str, interval_s: float = 1.0) -> int:
         closed = await _closed_state(handle)
         try:
             line = format_progress(await _progress(handle))
-        except RPCError:
+        except QUERY_ERRORS:
             line = f"{run_id}: waiting for a worker..."
         if line != last_line:
             print(("\r\x1b[2K" + line) if tty else line, end="" if tty else "\n", flush=True)
@@ -125,7 +150,8 @@ async def watch(client: Client, run_id: str, interval_s: float = 1.0) -> int:
             if tty:
                 print()
             if closed != "completed":
-                print(f"run {run_id} {closed}", file=sys.stderr)
+                why = await _failure(handle)
+                print(f"error: run {run_id} {closed}" + (f": {one_line(why)}" if why else ""), file=sys.stderr)
                 return 1
             summary = await handle.result()
             print(
@@ -139,18 +165,37 @@ async def watch(client: Client, run_id: str, interval_s: float = 1.0) -> int:
 
 
 async def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    """The run's state (from Temporal), its progress (a query: needs a control worker)
+    and, for a run that failed, why. Exit 0 whenever the state could be read."""
     handle = client.get_workflow_handle(args.run)
     closed = await _closed_state(handle)
-    p = await _progress(handle)
-    state = closed or p.state
+    why = await _failure(handle) if closed and closed != "completed" else None
+    try:
+        p: RunProgress | None = await _progress(handle)
+        unavailable = None
+    except QUERY_ERRORS as err:
+        p, unavailable = None, describe_error(err, None) if isinstance(err, TemporalError) else str(err)
+    state = closed or (p.state if p else "running")
     if args.json:
-        doc = p.model_dump(mode="json")
+        doc = p.model_dump(mode="json") if p else {"run_id": args.run}
         doc["state"] = state
+        if why:
+            doc["failure"] = why
+        if unavailable:
+            doc["progress_error"] = unavailable
         print(json.dumps(doc, indent=2))
-    else:
+        return 0
+    if p is not None:
         print(format_progress(p.model_copy(update={"state": state})))
-        for e in p.events[-10:]:
-            print(f"  {e.at} {e.kind}: {e.detail}")
+    else:
+        print(f"{args.run} {state} (progress unavailable, is a control worker running? {one_line(unavailable or '')})")
+    if why:
+        head, *rest = why.splitlines()
+        print(f"  failure: {head}")
+        for line in rest:
+            print(f"    {line}")
+    for e in (p.events[-10:] if p else []):
+        print(f"  {e.at} {e.kind}: {e.detail}")
     return 0
 
 
@@ -161,8 +206,7 @@ async def cmd_report(client: Client, args: argparse.Namespace) -> int:
     try:
         out = render_report(p, Path(args.out or f"{args.run}-report.png"))
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise CLIError(str(err), 2) from None
     print(f"wrote {out} ({len(p.steps)} steps)")
     return 0
 
@@ -180,30 +224,21 @@ def parse_assignments(items: list[str]) -> HParamUpdate:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"expected KEY=VALUE, got {item!r}")
+            raise CLIError(f"expected KEY=VALUE, got {item!r}", 2)
         try:
             fields[key] = yaml.safe_load(value)
         except yaml.YAMLError as err:
-            raise ValueError(f"{key}: cannot read {value!r}: {err}") from None
+            raise CLIError(f"{key}: cannot read {value!r}: {one_line(str(err))}", 2) from None
     try:
         return HParamUpdate(**fields)
     except ValidationError as err:
-        raise ValueError("; ".join(_setting_error(e) for e in err.errors())) from None
-
-
-def _setting_error(e: Any) -> str:
-    key = ".".join(map(str, e["loc"]))
-    if e["type"] == "extra_forbidden":
-        return f"{key}: unknown key (settable: {', '.join(HParamUpdate.model_fields)})"
-    return f"{key}: {e['msg']}"
+        unknown = any(e["type"] == "extra_forbidden" for e in err.errors())
+        hint = f" (settable: {', '.join(HParamUpdate.model_fields)})" if unknown else ""
+        raise CLIError(one_line(format_validation_error(err)) + hint, 2) from None
 
 
 async def cmd_set(client: Client, args: argparse.Namespace) -> int:
-    try:
-        update = parse_assignments(args.assignments)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    update = parse_assignments(args.assignments)
     result = await client.get_workflow_handle(args.run).execute_update("set_hparams", update)
     print(json.dumps(result))
     return 0
@@ -240,17 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def amain(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "start":  # validate the config before connecting
-        try:
-            load_run_config(args.config)
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    client = await connect(args.address)
+async def _connect(address: str | None) -> Client:
+    try:
+        return await connect(address)
+    except (RuntimeError, ValueError) as err:  # the core's "Failed client connect: ...", a bad URL
+        raise connect_error(address or temporal_address(), err) from None
+
+
+async def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "start":
-        return await cmd_start(client, args)
+        return await cmd_start(args)  # validates the config before connecting
+    client = await _connect(args.address)
     if args.command == "watch":
         return await watch(client, args.run)
     if args.command == "status":
@@ -264,8 +299,29 @@ async def amain(argv: list[str] | None = None) -> int:
     return 2
 
 
+async def amain(argv: list[str] | None = None) -> int:
+    """Run one command; every error ends here as ``error: <message>`` and a non-zero exit."""
+    args = build_parser().parse_args(argv)
+    run = getattr(args, "run", None) or getattr(args, "run_id", None)
+    try:
+        return await _dispatch(args)
+    except PreflightError as err:  # config / dataset errors: one line per bad key or row
+        message, code = str(err), 2
+    except CLIError as err:
+        message, code = str(err), err.code
+    except TemporalError as err:
+        message, code = describe_error(err, run), 1
+    except (StoreError, OSError) as err:
+        message, code = f"{type(err).__name__}: {err}", 1
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
 def main() -> None:
-    code = asyncio.run(amain())
+    try:
+        code = asyncio.run(amain())
+    except KeyboardInterrupt:  # Ctrl-C in `watch`: the run goes on
+        code = 130
     # leave without interpreter teardown: the Temporal core can crash there
     # (PyGILState_Release, sdk-python #300) after the work is done
     sys.stdout.flush()

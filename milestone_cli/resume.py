@@ -58,7 +58,10 @@ def resume_state(cfg: RunConfig, target: str) -> tuple[str, RunConfig, RunState]
             f"steps: {cfg.steps}; raise `steps` to train further"
         )
     data_key = art.dataset_key(run_id, "train")
-    data = store.get_bytes(data_key)
+    try:
+        data = store.get_bytes(data_key)
+    except KeyError:
+        raise ResumeError(f"run {run_id}: its dataset {data_key} is missing from {root}") from None
     state = RunState(
         next_step=info.step + 1,
         policy_version=int(meta.get("policy_version", info.step)),

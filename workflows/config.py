@@ -6,9 +6,10 @@ back to a default. ``load_run_config`` reports the YAML key path of a bad field.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 
@@ -79,6 +80,16 @@ class RewardSpec(Strict):
     kind: Literal["math_answer", "custom"] = "math_answer"
     function: str | None = None
     timeout_s: float = Field(10.0, gt=0)
+
+    @field_validator("function")
+    @classmethod
+    def _dotted(cls, v: str | None) -> str | None:
+        # shape only (importing it is the CLI's pre-flight and the control worker's job)
+        if v is not None:
+            mod, _, attr = v.partition(":") if ":" in v else v.rpartition(".")
+            if not (mod and all(p.isidentifier() for p in mod.split(".")) and attr.isidentifier()):
+                raise ValueError(f"{v!r} must look like 'pkg.module:fn' (or 'pkg.module.fn')")
+        return v
 
     @model_validator(mode="after")
     def _fn(self) -> "RewardSpec":
@@ -186,15 +197,17 @@ HParamUpdate = create_model(
 )
 
 
-def format_validation_error(err: Exception, source: str = "config") -> str:
-    """'source: key.path: message' lines for a pydantic ValidationError."""
-    from pydantic import ValidationError
+def format_validation_error(err: ValidationError, where: Callable[[tuple], str | None] | None = None) -> str:
+    """One ``key.path: message`` line per error of a pydantic ``ValidationError``.
 
-    if not isinstance(err, ValidationError):
-        return f"{source}: {err}"
+    ``where(loc)`` may prefix a line with the error's origin (the CLI passes one
+    that returns ``file:line``); the workflow names only the key path.
+    """
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        lines.append(f"{source}: {loc}: {msg}")
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        origin = where(loc) if where is not None else None
+        lines.append(f"{origin}: {key}: {msg}" if origin else f"{key}: {msg}")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
@@ -14,7 +15,7 @@ from temporalio.exceptions import ApplicationError, ChildWorkflowError
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from workflows.config import HParamUpdate, RunConfig, TrainSpec
+    from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error
     from workflows.contracts import (
         CONTROL_QUEUE,
         POOL_QUEUE,
@@ -59,7 +60,15 @@ class TrainingRun:
 
     # ---- the RL loop -------------------------------------------------------------
     @workflow.run
-    async def run(self, inp: TrainingRunInput) -> RunSummary:
+    async def run(self, raw: Any = None) -> RunSummary:
+        """``raw`` is the ``TrainingRunInput`` as decoded JSON, validated here: a bad
+        field started from the Temporal CLI fails the run at once, naming the field,
+        instead of failing the workflow task forever in the data converter."""
+        try:
+            inp = TrainingRunInput.model_validate(raw)
+        except ValidationError as err:
+            self.status = "failed"
+            raise failure(Failure.INVALID_INPUT, "invalid TrainingRun input:\n" + format_validation_error(err)) from None
         self.cfg = cfg = inp.config
         self.st = st = inp.state or RunState(train=cfg.train)
         run_id = workflow.info().workflow_id

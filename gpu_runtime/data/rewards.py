@@ -4,6 +4,9 @@ loaded by dotted path (``"pkg.module:fn"`` or ``"pkg.module.fn"``).
 A custom function has the signature ``fn(prompt: str, response: str, row: dict) -> float``
 and runs in a daemon thread with a timeout; a timeout, an exception or a
 non-finite / non-numeric result raises ``RewardError`` naming the function.
+A function that cannot be found at all (bad path, module not importable,
+attribute missing or not callable) raises ``RewardFunctionNotFound``: that
+does not change on a retry, while a call that raised may succeed on one.
 Torch-free.
 """
 
@@ -32,6 +35,11 @@ _HASH_RE = re.compile(r"####\s*(-?\d+)")
 
 class RewardError(RuntimeError):
     """A reward function failed (timeout, exception, bad return value)."""
+
+
+class RewardFunctionNotFound(RewardError):
+    """The dotted path names no callable: malformed, module not importable,
+    attribute missing or not callable. Deterministic: retrying cannot help."""
 
 
 class RewardSpec(BaseModel):
@@ -81,15 +89,24 @@ def _split_dotted(path: str) -> tuple[str, str]:
 
 
 def load_reward_function(path: str) -> RewardFn:
-    """Import ``pkg.module:fn`` / ``pkg.module.fn``; raises RewardError when it cannot."""
-    mod_name, attr = _split_dotted(path)
+    """Import ``pkg.module:fn`` / ``pkg.module.fn``; ``RewardFunctionNotFound`` when it cannot."""
+    try:
+        mod_name, attr = _split_dotted(path)
+    except ValueError as e:
+        raise RewardFunctionNotFound(str(e)) from None
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise RewardError(f"reward function {path!r}: cannot import module {mod_name!r}: {e}") from e
+    except (ImportError, SyntaxError) as e:
+        raise RewardFunctionNotFound(
+            f"reward function {path!r}: cannot import module {mod_name!r}: {type(e).__name__}: {e}"
+        ) from e
     fn = getattr(mod, attr, None)
-    if fn is None or not callable(fn):
-        raise RewardError(f"reward function {path!r}: module {mod_name!r} has no callable {attr!r}")
+    if fn is None:
+        raise RewardFunctionNotFound(f"reward function {path!r}: module {mod_name!r} has no callable {attr!r}")
+    if not callable(fn):
+        raise RewardFunctionNotFound(
+            f"reward function {path!r}: {mod_name}.{attr} is not callable ({type(fn).__name__})"
+        )
     return fn  # type: ignore[no-any-return]
 
 

@@ -22,6 +22,11 @@ def _run(run_id: str) -> str:
     return f"runs/{run_id}"
 
 
+def run_prefix(run_id: str) -> str:
+    """``runs/<run_id>``: everything a run writes lives under it (ValueError on a bad id)."""
+    return _run(run_id)
+
+
 def dataset_key(run_id: str, split: str) -> str:
     return f"{_run(run_id)}/data/{split}.jsonl"
 

@@ -38,6 +38,15 @@ def test_resume_continues_from_checkpoint(stack: Stack, tmp_path: Path) -> None:
     out = cli(stack, "start", str(short), "--run-id", "resumable", "--wait")
     assert out.returncode == 0, out.stderr
 
+    # a run id names one run forever, even a completed one: refused by the store...
+    out = cli(stack, "start", str(short), "--run-id", "resumable")
+    assert out.returncode == 2 and "run id 'resumable' is taken" in out.stderr and "runs/resumable/" in out.stderr
+    # ...and by Temporal when the config points at another store
+    other = write_config(tmp_path / "other.yaml", tiny_config(tmp_path / "other-store", steps=2))
+    out = cli(stack, "start", str(other), "--run-id", "resumable")
+    assert out.returncode == 2 and "Temporal already has a workflow resumable" in out.stderr
+    assert not (tmp_path / "other-store").exists()
+
     # nothing to resume: the checkpoint already covers steps: 2
     out = cli(stack, "start", str(short), "--resume-from", "resumable")
     assert out.returncode == 3

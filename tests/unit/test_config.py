@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from milestone_cli.config_file import ConfigError, load_run_config
-from workflows.config import HParamUpdate, RunConfig, TrainSpec
+from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,17 +72,18 @@ def test_cli_start_rejects_bad_config_before_connecting(tmp_path: Path) -> None:
 
 
 def test_milestone_set_reads_typed_values_and_names_bad_keys() -> None:
+    from milestone_cli.errors import CLIError
     from milestone_cli.main import parse_assignments
 
     update = parse_assignments(["lr=1e-5", "ppo_epochs=2", "betas=[0.9,0.95]", "scale_adv_by_std=false"])
     assert update.given() == {"lr": 1e-5, "ppo_epochs": 2, "betas": [0.9, 0.95], "scale_adv_by_std": False}
     new = update.apply(TrainSpec())
     assert (new.lr, new.ppo_epochs, new.betas, new.scale_adv_by_std, new.clip_eps) == (1e-5, 2, (0.9, 0.95), False, 0.2)
-    with pytest.raises(ValueError, match=r"lrr: unknown key \(settable: lr, betas"):
+    with pytest.raises(CLIError, match=r"lrr: unknown key \(settable: lr, betas"):
         parse_assignments(["lrr=1"])
-    with pytest.raises(ValueError, match="lr: Input should be greater than 0"):
+    with pytest.raises(CLIError, match="lr: Input should be greater than 0"):
         parse_assignments(["lr=-1"])
-    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+    with pytest.raises(CLIError, match="expected KEY=VALUE"):
         parse_assignments(["lr"])
     with pytest.raises(ValueError, match=r"betas\[1\] must be in \[0, 1\)"):
         parse_assignments(["betas=[0.9,1.5]"]).apply(TrainSpec())
@@ -93,5 +96,66 @@ def test_every_trainer_knob_is_settable_from_yaml(tmp_path: Path) -> None:
     assert (t.warmup_steps, t.clip_eps_high, t.micro_batch_size, t.scale_adv_by_std, t.betas, t.eps) == (
         4, 0.28, 16, False, (0.9, 0.95), 1e-6)
     p = write(tmp_path, "train:\n  betas: [0.9, 1.0]\n")
-    with pytest.raises(ConfigError, match=r":2: train.betas: Value error, betas\[1\] must be in \[0, 1\)"):
+    with pytest.raises(ConfigError, match=r":2: train.betas: betas\[1\] must be in \[0, 1\)"):
         load_run_config(p)
+
+
+def test_one_formatter_names_key_path_with_or_without_origin() -> None:
+    with pytest.raises(ValidationError) as err:
+        RunConfig.model_validate({"train": {"lr": -1}, "stepz": 1, "store": "/tmp/x"})
+    text = format_validation_error(err.value)
+    assert "train.lr: Input should be greater than 0" in text.splitlines()
+    assert "stepz: unknown key" in text.splitlines()
+    assert "store: store must start with file:// or s3://" in text.splitlines()  # no "Value error, "
+    located = format_validation_error(err.value, lambda loc: f"run.yaml:{len(loc)}")
+    assert "run.yaml:2: train.lr: Input should be greater than 0" in located.splitlines()
+
+
+@pytest.mark.parametrize("fn", ["pkg.mod:fn", "pkg.mod.fn", "mod:fn", "a.b.c:_fn"])
+def test_reward_function_shapes_accepted(fn: str) -> None:
+    assert RunConfig.model_validate({"reward": {"kind": "custom", "function": fn}}).reward.function == fn
+
+
+@pytest.mark.parametrize("fn", ["fn", "pkg.mod:a.b", "pkg..mod:fn", ":fn", "mod:", "pkg mod:fn", "1pkg:fn"])
+def test_reward_function_shape_rejected(fn: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        RunConfig.model_validate({"reward": {"kind": "custom", "function": fn}})
+    assert format_validation_error(err.value).startswith(f"reward.function: {fn!r} must look like 'pkg.module:fn'")
+
+
+def start_offline(tmp_path: Path, reward: dict) -> subprocess.CompletedProcess:
+    """`milestone start` against an address where nothing listens: pre-flight must decide first."""
+    p = write(tmp_path, f"steps: 2\nstore: file://{tmp_path}/store\nreward: {json.dumps(reward)}\n")
+    return subprocess.run(
+        [sys.executable, "-m", "milestone_cli.main", "--address", "127.0.0.1:1", "start", str(p)],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("function", "needle"),
+    [
+        ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
+        ("tests.unit.test_rewards:missing", "has no callable 'missing'"),
+        ("tests.unit.test_rewards:ROW", "tests.unit.test_rewards.ROW is not callable (dict)"),
+    ],
+)
+def test_cli_start_checks_reward_function_before_connecting(tmp_path: Path, function: str, needle: str) -> None:
+    out = start_offline(tmp_path, {"kind": "custom", "function": function})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"error: reward.function: reward function {function!r}: ") and needle in out.stderr
+    assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_cli_start_reward_function_shape_names_file_line(tmp_path: Path) -> None:
+    out = start_offline(tmp_path, {"kind": "custom", "function": "not a path"})
+    assert out.returncode == 2
+    assert f"{tmp_path / 'run.yaml'}:3: reward.function: 'not a path' must look like" in out.stderr
+
+
+def test_cli_start_good_reward_function_passes_preflight(tmp_path: Path) -> None:
+    out = start_offline(tmp_path, {"kind": "custom", "function": "tests.unit.test_rewards:length_reward"})
+    # past pre-flight: it fails only on the unreachable Temporal address, in one line
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: cannot reach Temporal at 127.0.0.1:1") and len(out.stderr.splitlines()) == 1
+    assert not (tmp_path / "store").exists()

@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.data.rewards import (
-    RewardError, RewardSpec, extract_answer, load_reward_function, math_answer_reward, score_samples,
+    RewardError, RewardFunctionNotFound, RewardSpec, extract_answer, load_reward_function, math_answer_reward,
+    score_samples,
 )
 from gpu_runtime.models.tokenizer import CharTokenizer
 
@@ -27,6 +28,9 @@ def failing_reward(prompt: str, response: str, row: dict) -> float:
 
 def string_reward(prompt: str, response: str, row: dict) -> float:
     return "1"  # type: ignore[return-value]
+
+
+NOT_CALLABLE = 3
 
 
 def blocking_reward(prompt: str, response: str, row: dict) -> float:
@@ -113,3 +117,26 @@ def test_unknown_prompt_index() -> None:
     tok = CharTokenizer()
     with pytest.raises(ValueError, match="prompt_index 0 not in dataset"):
         score_samples(_samples(tok), {}, tok, RewardSpec())
+
+
+@pytest.mark.parametrize(
+    ("path", "needle"),
+    [
+        ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz': ModuleNotFoundError"),
+        (f"{__name__}:missing", "has no callable 'missing'"),
+        (f"{__name__}:NOT_CALLABLE", f"{__name__}.NOT_CALLABLE is not callable \\(int\\)"),
+        ("not a path", "must look like 'pkg.module:fn'"),
+    ],
+)
+def test_function_not_found_is_its_own_type(path: str, needle: str) -> None:
+    """What cannot be loaded is deterministic (RewardFunctionNotFound, still a RewardError)."""
+    with pytest.raises(RewardFunctionNotFound, match=needle):
+        load_reward_function(path)
+
+
+def test_function_that_raises_is_not_a_not_found() -> None:
+    tok = CharTokenizer()
+    spec = RewardSpec(kind="custom", function=f"{__name__}:failing_reward")
+    with pytest.raises(RewardError) as err:
+        score_samples(_samples(tok), [ROW], tok, spec)
+    assert not isinstance(err.value, RewardFunctionNotFound)

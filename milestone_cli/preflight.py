@@ -1,0 +1,80 @@
+"""What ``milestone start`` checks before it contacts Temporal.
+
+The config (file:line per bad key), a ``jsonl`` dataset (file:line per bad row),
+a custom reward function (imported here, as the control worker will), and that a
+new run id names no run whose artifacts are already in the store.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from gpu_runtime.data.datasets import load_jsonl
+from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.object_store import StoreError
+from gpu_runtime.store.s3 import S3Store
+from gpu_runtime.store.uri import open_store
+from milestone_cli.config_file import ConfigError, load_run_config
+from workflows.config import RunConfig
+
+
+class PreflightError(ValueError):
+    """``milestone start`` refuses to start; the message says why (exit code 2)."""
+
+
+def check_config(path: str | Path) -> RunConfig:
+    """The validated config, or PreflightError naming the file:line / field."""
+    try:
+        cfg = load_run_config(path)
+    except ConfigError as err:
+        raise PreflightError(str(err)) from None
+    if cfg.data.kind == "jsonl":
+        assert cfg.data.path is not None
+        try:
+            load_jsonl(cfg.data.path)
+        except (ValueError, OSError) as err:
+            raise PreflightError(f"data.path: {err}") from None
+    if cfg.reward.kind == "custom":
+        assert cfg.reward.function is not None
+        check_reward_function(cfg.reward.function)
+    return cfg
+
+
+def check_reward_function(path: str) -> None:
+    """Import the function as the control worker will (it runs from its working
+    directory, which ``python -m`` puts on ``sys.path``: do the same here)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        load_reward_function(path)
+    except RewardFunctionNotFound as err:
+        raise PreflightError(f"reward.function: {err}") from None
+
+
+def check_new_run_id(cfg: RunConfig, run_id: str) -> None:
+    """A run id names one run forever: refuse one whose prefix in the store holds
+    artifacts (Temporal forgets closed runs after its retention; the store does not)."""
+    try:
+        prefix = art.run_prefix(run_id)
+    except ValueError as err:
+        raise PreflightError(f"--run-id: {err}") from None
+    if cfg.store.startswith("file://") and not Path(cfg.store.removeprefix("file://")).is_dir():
+        return  # a new store (opening a LocalStore would create its folder)
+    try:
+        store = S3Store.from_uri(cfg.store, create_bucket=False) if cfg.store.startswith("s3://") else open_store(cfg.store)
+        keys = store.list(prefix)
+    except StoreError as err:
+        if "NoSuchBucket" in str(err):  # a new S3 store: the workers create the bucket
+            return
+        raise PreflightError(f"store {cfg.store}: cannot check run id {run_id!r}: {err}") from None
+    except (OSError, ValueError) as err:
+        raise PreflightError(f"store {cfg.store}: cannot check run id {run_id!r}: {err}") from None
+    if keys:
+        raise PreflightError(
+            f"run id {run_id!r} is taken: {cfg.store.rstrip('/')}/{prefix}/ already holds {len(keys)} artifact(s). "
+            f"Choose another --run-id, or continue that run with --resume-from {run_id}"
+        )

@@ -1,0 +1,84 @@
+"""``compute_rewards`` on a real local store, run in Temporal's activity test
+environment: a reward function that cannot be loaded fails the run (InvalidInput,
+not retried); one that raises when called is a retried RewardError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.control import compute_rewards, prepare_data
+from gpu_runtime.models.tokenizer import CharTokenizer
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.uri import open_store
+from workflows.config import DataSpec, RewardSpec
+from workflows.contracts import DatasetInfo, PrepareDataInput, RewardInput, RewardResult
+from workflows.failures import Failure
+
+NOT_CALLABLE = {"a": 1}
+
+
+def constant_reward(prompt: str, response: str, row: dict) -> float:
+    return 0.5
+
+
+def raising_reward(prompt: str, response: str, row: dict) -> float:
+    raise ZeroDivisionError("reward bug")
+
+
+@pytest.fixture
+def step_inputs(tmp_path: Path) -> tuple[str, DatasetInfo, str]:
+    """A prepared dataset and one stored rollout chunk of two samples (step 1)."""
+    uri = f"file://{tmp_path / 'store'}"
+    data = ActivityEnvironment().run(
+        prepare_data, PrepareDataInput(run_id="r", store_uri=uri, seed=1, data=DataSpec(num_train=4, max_operand=9))
+    )
+    tok = CharTokenizer()
+    samples = [
+        art.Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=tok.encode("1+1=", add_bos=True),
+                   response_ids=tok.encode(text), logprobs=[0.0] * len(text), weight_version=0, finish_reason="stop")
+        for g, text in enumerate(["2", "3"])
+    ]
+    key = art.rollout_chunk_key("r", 1, 0)
+    art.put_model(open_store(uri), key, art.RolloutChunk(run_id="r", step=1, chunk=0, seed=1, weight_version=0,
+                                                         samples=samples))
+    return uri, data, key
+
+
+def rewards(step_inputs: tuple[str, DatasetInfo, str], function: str) -> RewardResult:
+    uri, data, key = step_inputs
+    inp = RewardInput(run_id="r", step=1, store_uri=uri, chunk_keys=[key], dataset=data,
+                      reward=RewardSpec(kind="custom", function=function))
+    return ActivityEnvironment().run(compute_rewards, inp)
+
+
+def test_custom_reward_scores_every_sample(step_inputs: tuple[str, DatasetInfo, str]) -> None:
+    result = rewards(step_inputs, f"{__name__}:constant_reward")
+    assert result.n == 2 and result.reward_mean == 0.5
+
+
+@pytest.mark.parametrize(
+    ("function", "needle"),
+    [
+        ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
+        (f"{__name__}:missing", "has no callable 'missing'"),
+        (f"{__name__}:NOT_CALLABLE", "is not callable (dict)"),
+    ],
+)
+def test_unloadable_reward_function_is_invalid_input(
+    step_inputs: tuple[str, DatasetInfo, str], function: str, needle: str
+) -> None:
+    with pytest.raises(ApplicationError) as err:
+        rewards(step_inputs, function)
+    assert err.value.type == Failure.INVALID_INPUT and err.value.non_retryable
+    assert err.value.message.startswith("reward.function: ") and needle in err.value.message
+
+
+def test_raising_reward_function_is_retried(step_inputs: tuple[str, DatasetInfo, str]) -> None:
+    with pytest.raises(ApplicationError) as err:
+        rewards(step_inputs, f"{__name__}:raising_reward")
+    assert err.value.type == Failure.REWARD_ERROR and not err.value.non_retryable
+    assert "raised ZeroDivisionError: reward bug" in err.value.message
