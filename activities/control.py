@@ -10,11 +10,12 @@ from pathlib import Path
 
 from temporalio import activity
 
+from activities import translate
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.node import metrics
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
-from gpu_runtime.data.rewards import RewardError, RewardFunctionNotFound, RewardSpec, score_samples
+from gpu_runtime.data.rewards import RewardError, RewardFunctionNotFound, score_samples
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.models.tokenizer import CharTokenizer
 from workflows.failures import Failure, failure
@@ -59,7 +60,7 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
     samples: list[art.Sample] = []
     for key in inp.chunk_keys:
         samples.extend(art.get_model(store, key, art.RolloutChunk).samples)
-    spec = RewardSpec(kind=inp.reward.kind, function=inp.reward.function, timeout_s=inp.reward.timeout_s)
+    spec = translate.reward_settings(inp.reward)
     try:
         rewards = with_heartbeat(
             lambda: score_samples(samples, dict(enumerate(rows)), CharTokenizer(), spec)

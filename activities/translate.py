@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel
 
+from gpu_runtime.data.rewards import RewardSettings
 from gpu_runtime.engine.fleet_types import SlotInfo
 from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
@@ -26,7 +27,7 @@ from gpu_runtime.trainer.api import (
     TrainResult,
     VersionInfo,
 )
-from workflows.config import ModelSpec, SFTSpec, TrainSpec
+from workflows.config import ModelSpec, RewardSpec, SFTSpec, TrainSpec
 from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
@@ -44,12 +45,17 @@ MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
     (TrainSpec, TrainerHParams),
     (SFTSpec, SFTSettings),
     (ModelSpec, ModelShape),
+    (RewardSpec, RewardSettings),
 ]
 
 
 # ---- workflow -> runtime -------------------------------------------------------------
 def trainer_hparams(train: TrainSpec) -> TrainerHParams:
     return TrainerHParams.model_validate(train.model_dump())
+
+
+def reward_settings(reward: RewardSpec) -> RewardSettings:
+    return RewardSettings.model_validate(reward.model_dump())
 
 
 def run_setup(inp: InitPolicyInput) -> RunSetup:

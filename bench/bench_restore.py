@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, run_setup, step_batch  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
-from gpu_runtime.data.rewards import RewardSpec, score_samples  # noqa: E402
+from activities.translate import reward_settings  # noqa: E402
+from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
 from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
 from gpu_runtime.trainer.api import RunSetup, VersionInfo  # noqa: E402
@@ -68,7 +69,7 @@ def build_run(cfg, setup: RunSetup, work: Path) -> tuple[dict[int, str], Trainer
     store = LocalStore(work / "store")
     rows = dataset_rows(cfg, work / "train.jsonl")
     store.put_file(setup.dataset_key, work / "train.jsonl")
-    spec = RewardSpec(kind=cfg.reward.kind, function=cfg.reward.function, timeout_s=cfg.reward.timeout_s)
+    spec = reward_settings(cfg.reward)
     svc = TrainerService(work / "uninterrupted")
     info = svc.ensure_version(setup, 0)  # SFT warm-up -> v0, checkpoint step 0 (sync)
     checksums = {0: info.checksum}

@@ -37,7 +37,8 @@ from bench._inproc import demo_config, dataset_rows, generate_step, rollout_requ
 from gpu_runtime.store.checkpoint_store import CheckpointStore  # noqa: E402
 from gpu_runtime.models.causal_lm import ModelConfig  # noqa: E402
 from gpu_runtime.models.model_folder import read_meta  # noqa: E402
-from gpu_runtime.data.rewards import RewardSpec, score_samples  # noqa: E402
+from activities.translate import reward_settings  # noqa: E402
+from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
 from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
 from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
@@ -95,7 +96,7 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
     trainer = PolicyTrainer.create(ModelConfig(vocab_size=tok.vocab_size, **cfg.model.model_dump()), tok, hp, cfg.seed)
     trainer.sft_warmup(rows, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed)
     gen_model = copy.deepcopy(trainer.model).eval()  # the "engine": a second copy of the weights
-    spec = RewardSpec(kind=cfg.reward.kind, function=cfg.reward.function, timeout_s=cfg.reward.timeout_s)
+    spec = reward_settings(cfg.reward)
     ckpts = CheckpointStore(LocalStore(work / "plain-store"), "plain/checkpoints", local_dir=work / "plain-ckpt",
                             keep_last=cfg.checkpoint.keep_last)
     by_index = dict(enumerate(rows))

@@ -8,10 +8,12 @@ import pytest
 from pydantic import ValidationError
 
 from gpu_runtime.store.artifacts import Sample
+from activities.translate import reward_settings
 from gpu_runtime.data.rewards import (
-    RewardError, RewardFunctionNotFound, RewardSpec, extract_answer, load_reward_function, math_answer_reward,
+    RewardError, RewardFunctionNotFound, RewardSettings, extract_answer, load_reward_function, math_answer_reward,
     score_samples,
 )
+from workflows.config import RewardSpec
 from gpu_runtime.models.tokenizer import CharTokenizer
 
 ROW = {"id": "r0", "question": "What is 23+45?", "answer": "23+45=68\n#### 68"}
@@ -56,12 +58,17 @@ def test_math_answer_reward() -> None:
 
 def test_reward_spec_validation() -> None:
     assert RewardSpec().kind == "math_answer"
-    with pytest.raises(ValidationError, match="reward.function is required"):
+    with pytest.raises(ValidationError, match="function is required when kind is 'custom'"):
         RewardSpec(kind="custom")
-    with pytest.raises(ValidationError, match="reward.function"):
+    with pytest.raises(ValidationError, match="must look like 'pkg.module:fn'"):
         RewardSpec(kind="custom", function="not a path")
     with pytest.raises(ValidationError):
         RewardSpec(timeout_s=0)
+
+
+def settings(**kw: object) -> RewardSettings:
+    """The run config's ``reward`` section as the control worker hands it to the scorer."""
+    return reward_settings(RewardSpec(**kw))
 
 
 def _samples(tok: CharTokenizer) -> list[Sample]:
@@ -76,7 +83,7 @@ def _samples(tok: CharTokenizer) -> list[Sample]:
 
 def test_score_samples_math() -> None:
     tok = CharTokenizer()
-    res = score_samples(_samples(tok), [ROW], tok, RewardSpec())
+    res = score_samples(_samples(tok), [ROW], tok, settings())
     assert [r.reward for r in res] == [1.0, 0.0, 0.0]
     assert [r.correct for r in res] == [True, False, False]
     assert res[0].sample_id == "s0-p0-g0"
@@ -85,7 +92,7 @@ def test_score_samples_math() -> None:
 @pytest.mark.parametrize("sep", [":", "."])
 def test_score_samples_custom_by_dotted_path(sep: str) -> None:
     tok = CharTokenizer()
-    spec = RewardSpec(kind="custom", function=f"{__name__}{sep}length_reward")
+    spec = settings(kind="custom", function=f"{__name__}{sep}length_reward")
     res = score_samples(_samples(tok), {0: ROW}, tok, spec)
     assert [r.reward for r in res] == [2.5, 2.5, 1.5]
     assert [r.correct for r in res] == [True, False, False]
@@ -94,9 +101,9 @@ def test_score_samples_custom_by_dotted_path(sep: str) -> None:
 def test_custom_errors_name_the_function() -> None:
     tok = CharTokenizer()
     with pytest.raises(RewardError, match="failing_reward.*KeyError"):
-        score_samples(_samples(tok), [ROW], tok, RewardSpec(kind="custom", function=f"{__name__}:failing_reward"))
+        score_samples(_samples(tok), [ROW], tok, settings(kind="custom", function=f"{__name__}:failing_reward"))
     with pytest.raises(RewardError, match="string_reward.*expected float"):
-        score_samples(_samples(tok), [ROW], tok, RewardSpec(kind="custom", function=f"{__name__}:string_reward"))
+        score_samples(_samples(tok), [ROW], tok, settings(kind="custom", function=f"{__name__}:string_reward"))
     with pytest.raises(RewardError, match="no_such_module"):
         load_reward_function("no_such_module:fn")
     with pytest.raises(RewardError, match="no callable 'missing'"):
@@ -105,7 +112,7 @@ def test_custom_errors_name_the_function() -> None:
 
 def test_custom_timeout() -> None:
     tok = CharTokenizer()
-    spec = RewardSpec(kind="custom", function=f"{__name__}:blocking_reward", timeout_s=0.05)
+    spec = settings(kind="custom", function=f"{__name__}:blocking_reward", timeout_s=0.05)
     try:
         with pytest.raises(RewardError, match="blocking_reward.*timed out after 0.05 s"):
             score_samples(_samples(tok), [ROW], tok, spec)
@@ -116,7 +123,7 @@ def test_custom_timeout() -> None:
 def test_unknown_prompt_index() -> None:
     tok = CharTokenizer()
     with pytest.raises(ValueError, match="prompt_index 0 not in dataset"):
-        score_samples(_samples(tok), {}, tok, RewardSpec())
+        score_samples(_samples(tok), {}, tok, settings())
 
 
 @pytest.mark.parametrize(
@@ -125,7 +132,7 @@ def test_unknown_prompt_index() -> None:
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz': ModuleNotFoundError"),
         (f"{__name__}:missing", "has no callable 'missing'"),
         (f"{__name__}:NOT_CALLABLE", f"{__name__}.NOT_CALLABLE is not callable \\(int\\)"),
-        ("not a path", "must look like 'pkg.module:fn'"),
+        ("not a path", "cannot import module ''"),  # the run config refuses this shape first
     ],
 )
 def test_function_not_found_is_its_own_type(path: str, needle: str) -> None:
@@ -136,7 +143,7 @@ def test_function_not_found_is_its_own_type(path: str, needle: str) -> None:
 
 def test_function_that_raises_is_not_a_not_found() -> None:
     tok = CharTokenizer()
-    spec = RewardSpec(kind="custom", function=f"{__name__}:failing_reward")
+    spec = settings(kind="custom", function=f"{__name__}:failing_reward")
     with pytest.raises(RewardError) as err:
         score_samples(_samples(tok), [ROW], tok, spec)
     assert not isinstance(err.value, RewardFunctionNotFound)
