@@ -265,3 +265,16 @@ def test_divergence_pauses_then_resume_retries_the_step() -> None:
 
     scenario(cluster, body)
 
+
+
+def test_step_summary_reports_engine_retries_and_reused_chunks() -> None:
+    cluster = Cluster()
+    cluster.rollout_extra[2] = {"engine_retries": 2, "chunks_reused": 1}
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=2))
+        await finish(handle)
+        p = await progress(handle)
+        assert [(s.engine_retries, s.chunks_reused) for s in p.steps] == [(0, 0), (2, 1)]
+
+    scenario(cluster, body)
