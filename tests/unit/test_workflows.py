@@ -257,14 +257,15 @@ def test_divergence_pauses_then_resume_retries_the_step() -> None:
         assert len(diverged) == 1 and "step 2" in diverged[0] and "non-finite" in diverged[0]
         assert [c.attempt for c in cluster.served("train_step", 2)] == [1]  # non-retryable
 
+        await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(lr=5e-5))  # the advised fix
         await handle.signal(TrainingRun.resume)
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version) == (3, 3)
         assert len(cluster.served("rollout", 2)) == 2  # the step was re-run from its start
+        assert [(t.step, t.train.lr) for t in cluster.train_inputs] == [(1, 1e-4), (2, 5e-5), (3, 5e-5)]
         assert_committed_once(cluster, 3, (await progress(handle)).steps)
 
     scenario(cluster, body)
-
 
 
 def test_step_summary_reports_engine_retries_and_reused_chunks() -> None:
