@@ -194,6 +194,8 @@ class StepSummary(BaseModel):
     kl: float = 0.0
     grad_norm: float = 0.0
     response_len_mean: float = 0.0
+    chunks_reused: int = 0  # rollout chunks found in the store (a retried rollout)
+    engine_retries: int = 0  # engine deaths during the rollout attempt that succeeded (their chunks were resent)
     step_seconds: float
     phase_seconds: dict[str, float] = {}
     activity_seconds: float = 0.0  # sum of the activities' own times; the rest is orchestration

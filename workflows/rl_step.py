@@ -129,6 +129,8 @@ class RLStep:
             kl=m.get("kl", 0.0),
             grad_norm=m.get("grad_norm", 0.0),
             response_len_mean=rollout.response_len_mean,
+            chunks_reused=rollout.chunks_reused,
+            engine_retries=rollout.engine_retries,
             step_seconds=(workflow.now() - started).total_seconds(),
             phase_seconds=phases,
             activity_seconds=sum(phases.values()),

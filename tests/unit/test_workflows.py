@@ -1,0 +1,281 @@
+"""``TrainingRun`` and ``RLStep`` on Temporal's time-skipping test server.
+
+The real workflows run on a real worker; the activities are stand-ins under the
+real names (tests/unit/workflow_harness.py). Each test drives one control path
+of DESIGN §4-7: activity retry, node loss and re-placement, pause / resume,
+``set_hparams``, continue-as-new, and resuming after a divergence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from tests.unit.workflow_harness import (
+    PROMPTS_PER_STEP,
+    WAIT_S,
+    Cluster,
+    finish,
+    progress,
+    reward_of,
+    run_config,
+    scenario,
+    start_run,
+    wait_progress,
+)
+from workflows.config import HParamUpdate
+from workflows.contracts import StepSummary
+from workflows.failures import Failure, failure
+from workflows.policies import TIMINGS
+from workflows.training_run import TrainingRun
+
+
+def assert_committed_once(cluster: Cluster, steps: int, summary_steps: list[StepSummary]) -> None:
+    """Each step committed once, in order: version +1 and cursor +prompts per step."""
+    assert [s.step for s in summary_steps] == list(range(1, steps + 1))
+    assert [s.policy_version for s in summary_steps] == list(range(1, steps + 1))
+    assert [s.data_cursor for s in summary_steps] == [PROMPTS_PER_STEP * n for n in range(1, steps + 1)]
+    # the trainer took one successful step per RL step, each from the version before it
+    assert [(t.step, t.policy_version) for t in cluster.train_inputs] == [(n, n - 1) for n in range(1, steps + 1)]
+
+
+async def assert_replaced(handle: WorkflowHandle, cluster: Cluster, node_a: str, node_b: str, lost_at_step: int) -> None:
+    """Node A served until ``lost_at_step``; B was claimed (A excluded), brought to the
+    committed version, and ran the lost step and the rest; each step committed once."""
+    # train steps A served before the loss, then all of them on B (A's failed call aside)
+    trained = [(c.queue, c.step) for c in cluster.served("train_step") if c.queue == node_b or c.step < lost_at_step]
+    assert trained == [(node_a, n) for n in range(1, lost_at_step)] + [(node_b, n) for n in range(lost_at_step, 4)]
+    assert [(q, i.policy_version) for q, i in cluster.init_inputs] == [(node_a, 0), (node_b, lost_at_step - 1)]
+    assert len(cluster.served("claim_node")) == 2
+    p = await progress(handle)
+    assert p.state == "completed" and p.node_queue == node_b
+    events = [(e.kind, e.detail) for e in p.events]
+    assert [e for e in events if e[0] == "node_claimed"] == [("node_claimed", node_a), ("node_claimed", node_b)]
+    lost = [d for k, d in events if k == "node_lost"]
+    assert len(lost) == 1 and node_a in lost[0] and f"step {lost_at_step}" in lost[0]
+    assert_committed_once(cluster, 3, p.steps)
+
+
+def test_train_step_retried_then_used_once() -> None:
+    cluster = Cluster()
+
+    async def flaky(queue: str, attempt: int) -> None:
+        if attempt == 1:
+            raise ApplicationError("trainer process exited", type=Failure.TRAINER_DIED.value)
+
+    cluster.hooks[("train_step", 2)] = flaky
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=3))
+        summary = await finish(handle)
+        assert [c.attempt for c in cluster.served("train_step", 2)] == [1, 2]
+        assert len(cluster.served("rollout", 2)) == 1  # the retry stays inside the activity
+        assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 3 * PROMPTS_PER_STEP)
+        p = await progress(handle)
+        assert p.state == "completed"
+        assert_committed_once(cluster, 3, p.steps)
+
+    scenario(cluster, body)
+
+
+def test_lost_node_is_replaced_and_the_step_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node A's worker stops right after step 2's rollout: its train_step waits on a
+    queue nobody polls, schedule-to-start times out, RLStep fails with NodeLost, and
+    the run re-places itself on node B at the committed version and re-runs step 2.
+
+    The test server does not skip time while an activity task waits in a queue, so
+    this timeout runs on the wall clock: it is shortened from 15 s to 1 s here."""
+    monkeypatch.setitem(TIMINGS, "train_step", replace(TIMINGS["train_step"], schedule_to_start=timedelta(seconds=1)))
+    cluster = Cluster(n_nodes=2)
+    node_a, node_b = cluster.queues
+    a_stopping = asyncio.Event()
+
+    async def last_call_on_a(queue: str, attempt: int) -> None:
+        if queue == node_a:
+            a_stopping.set()
+            await activity.wait_for_worker_shutdown()  # finish this call, then A is gone
+
+    cluster.hooks[("rollout", 2)] = last_call_on_a
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=3))
+        await asyncio.wait_for(a_stopping.wait(), WAIT_S)
+        await nodes[node_a].shutdown()
+        summary = await finish(handle)
+        assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 3 * PROMPTS_PER_STEP)
+        # A ran step 1 and step 2's rollout; step 2 was re-run whole on B, from v1
+        assert [(c.queue, c.step) for c in cluster.served("rollout")] == [
+            (node_a, 1), (node_a, 2), (node_b, 2), (node_b, 3)
+        ]
+        await assert_replaced(handle, cluster, node_a, node_b, lost_at_step=2)
+
+    scenario(cluster, body)
+
+
+def test_node_lost_raised_by_activity_is_replaced() -> None:
+    """A node agent that no longer knows the run (restarted in place) raises NodeLost
+    itself (activities/node.py ``_setup``); the run re-places the same way."""
+    cluster = Cluster(n_nodes=2)
+    node_a, node_b = cluster.queues
+
+    async def no_setup(queue: str, attempt: int) -> None:
+        if queue == node_a:
+            raise failure(Failure.NODE_LOST, "node has no setup for run")
+
+    cluster.hooks[("train_step", 2)] = no_setup
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=3))
+        summary = await finish(handle)
+        assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 3 * PROMPTS_PER_STEP)
+        assert [c.attempt for c in cluster.served("train_step", 2)] == [1, 1]  # non-retryable on A, then B
+        await assert_replaced(handle, cluster, node_a, node_b, lost_at_step=2)
+
+    scenario(cluster, body)
+
+
+def test_paused_run_waits_for_resume() -> None:
+    cluster = Cluster()
+    held = cluster.gate("train_step", 1)
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=3))
+        await held.wait_reached()
+        await handle.signal(TrainingRun.pause)
+        await wait_progress(handle, lambda p: p.state == "paused", "the pause signal")
+        held.release.set()  # step 1 commits; step 2 must not start
+        p = await wait_progress(handle, lambda p: p.step == 1, "step 1 to commit")
+        assert p.state == "paused"
+        await env.sleep(timedelta(hours=1))  # an hour of skipped time changes nothing
+        p = await progress(handle)
+        assert (p.state, p.step, p.policy_version) == ("paused", 1, 1)
+        assert not cluster.served("rollout", 2)
+
+        await handle.signal(TrainingRun.resume)
+        summary = await finish(handle)
+        assert summary.steps == 3
+        assert_committed_once(cluster, 3, (await progress(handle)).steps)
+
+    scenario(cluster, body)
+
+
+def test_set_hparams_accepted_applies_to_next_step() -> None:
+    cluster = Cluster()
+    held = cluster.gate("train_step", 1)
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=3))
+        await held.wait_reached()
+        train = await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(lr=1e-3, clip_eps=0.1))
+        assert train["lr"] == 1e-3 and train["clip_eps"] == 0.1
+        held.release.set()
+        await finish(handle)
+        # step 1 was already sent with the old values; every later step carries the new ones
+        assert [(t.step, t.train.lr, t.train.clip_eps) for t in cluster.train_inputs] == [
+            (1, 1e-4, 0.2), (2, 1e-3, 0.1), (3, 1e-3, 0.1)
+        ]
+        events = [e for e in (await progress(handle)).events if e.kind == "hparams_set"]
+        assert len(events) == 1 and '"lr":0.001' in events[0].detail
+
+    scenario(cluster, body)
+
+
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [(HParamUpdate(), "no field given"), (HParamUpdate(kl_coef=0.05), "kl_coef")],
+    ids=["no-fields", "kl-coef-without-reference"],
+)
+def test_set_hparams_rejected_leaves_run_unaffected(update: HParamUpdate, message: str) -> None:
+    cluster = Cluster()
+    held = cluster.gate("train_step", 1)
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        cfg = run_config(steps=2)
+        assert cfg.train.kl_coef == 0
+        handle = await start_run(env, cfg)
+        await held.wait_reached()
+        with pytest.raises(WorkflowUpdateFailedError) as err:
+            await handle.execute_update(TrainingRun.set_hparams, update)
+        assert message in str(err.value.cause)
+        held.release.set()
+        summary = await finish(handle)
+        assert summary.steps == 2
+        assert [t.train for t in cluster.train_inputs] == [cfg.train, cfg.train]
+        p = await progress(handle)
+        assert p.state == "completed" and not [e for e in p.events if e.kind == "hparams_set"]
+
+    scenario(cluster, body)
+
+
+def test_continue_as_new_carries_the_summary() -> None:
+    cluster = Cluster()
+    steps = 7  # runs of 3 + 3 + 1 steps
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=steps, steps_per_workflow_run=3))
+        summary = await finish(handle)
+        assert (summary.steps, summary.policy_version, summary.data_cursor) == (steps, steps, steps * PROMPTS_PER_STEP)
+        # first five steps vs last five steps (SUMMARY_STEPS), across both boundaries
+        assert summary.first_reward_mean == pytest.approx(sum(reward_of(n) for n in range(1, 6)) / 5)
+        assert summary.last_reward_mean == pytest.approx(sum(reward_of(n) for n in range(3, 8)) / 5)
+        assert summary.final_weights_key.endswith(f"v{steps:06d}")
+
+        first = env.client.get_workflow_handle(handle.id, run_id=handle.first_execution_run_id)
+        assert (await first.describe()).status == WorkflowExecutionStatus.CONTINUED_AS_NEW
+        latest = env.client.get_workflow_handle(handle.id)
+        assert (await latest.describe()).run_id != handle.first_execution_run_id
+        p = await progress(latest)
+        assert_committed_once(cluster, steps, p.steps)
+        # the placement travelled with the state: data prepared and node claimed once
+        assert len(cluster.served("prepare_data")) == 1 and len(cluster.served("init_policy")) == 1
+
+    scenario(cluster, body)
+
+
+def test_divergence_pauses_then_resume_retries_the_step() -> None:
+    cluster = Cluster()
+
+    async def nan_once(queue: str, attempt: int) -> None:
+        if len(cluster.served("train_step", 2)) == 1:
+            raise failure(Failure.DIVERGENCE, "step 2: non-finite ['loss']")
+
+    cluster.hooks[("train_step", 2)] = nan_once
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=3))
+        p = await wait_progress(handle, lambda p: p.state == "paused", "the divergence to pause the run")
+        assert (p.step, p.policy_version, p.data_cursor) == (1, 1, PROMPTS_PER_STEP)
+        diverged = [e.detail for e in p.events if e.kind == "divergence"]
+        assert len(diverged) == 1 and "step 2" in diverged[0] and "non-finite" in diverged[0]
+        assert [c.attempt for c in cluster.served("train_step", 2)] == [1]  # non-retryable
+
+        await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(lr=5e-5))  # the advised fix
+        await handle.signal(TrainingRun.resume)
+        summary = await finish(handle)
+        assert (summary.steps, summary.policy_version) == (3, 3)
+        assert len(cluster.served("rollout", 2)) == 2  # the step was re-run from its start
+        assert [(t.step, t.train.lr) for t in cluster.train_inputs] == [(1, 1e-4), (2, 5e-5), (3, 5e-5)]
+        assert_committed_once(cluster, 3, (await progress(handle)).steps)
+
+    scenario(cluster, body)
+
+
+def test_step_summary_reports_engine_retries_and_reused_chunks() -> None:
+    cluster = Cluster()
+    cluster.rollout_extra[2] = {"engine_retries": 2, "chunks_reused": 1}
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=2))
+        await finish(handle)
+        p = await progress(handle)
+        assert [(s.engine_retries, s.chunks_reused) for s in p.steps] == [(0, 0), (2, 1)]
+
+    scenario(cluster, body)

