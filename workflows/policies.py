@@ -36,6 +36,7 @@ NODE_SCHEDULE_TO_START = timedelta(seconds=15)
 HEARTBEAT = timedelta(seconds=15)
 
 TIMINGS: dict[str, ActivityTiming] = {
+    # maximum_attempts 0 = unlimited: a run with no free node waits for one (backoff capped at 30 s)
     "claim_node": ActivityTiming(timedelta(seconds=30), None, None, _retry(0)),
     "prepare_data": ActivityTiming(timedelta(minutes=5), None, None, _retry(5)),
     "init_policy": ActivityTiming(timedelta(minutes=30), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),

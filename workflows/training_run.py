@@ -10,7 +10,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeKey
-from temporalio.exceptions import ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
@@ -123,7 +123,7 @@ class TrainingRun:
         cfg, st = self.cfg, self.st
         assert cfg is not None and st.dataset is not None and st.train is not None
         replacements = 0
-        while replacements <= MAX_NODE_REPLACEMENTS:
+        while True:
             assert st.node is not None
             try:
                 return await workflow.execute_child_workflow(
@@ -151,8 +151,9 @@ class TrainingRun:
                     raise
                 replacements += 1
                 self._event("node_lost", f"{st.node.task_queue} during step {st.next_step}")
+                if replacements > MAX_NODE_REPLACEMENTS:
+                    raise failure(Failure.NODE_LOST, f"gave up after {MAX_NODE_REPLACEMENTS} node replacements") from err
                 await self._place_on_node(run_id, chash, init=False)
-        raise failure(Failure.NODE_LOST, f"gave up after {MAX_NODE_REPLACEMENTS} node replacements")
 
     async def _place_on_node(self, run_id: str, chash: str, *, init: bool) -> None:
         """Claim a node, bring its trainer to the committed version and its engines up."""
@@ -189,8 +190,8 @@ class TrainingRun:
                 st.events = [*st.events, *synced.node_events][-100:]
                 st.engines = synced.engines
                 return
-            except ApplicationError as err:
-                if err.type != Failure.NODE_LOST:
+            except (ActivityError, ApplicationError) as err:  # NodeLost: a timeout, or said by the activity
+                if failure_in(err)[0] != Failure.NODE_LOST:
                     raise
                 exclude = [st.node.task_queue]
                 self._event("node_lost", st.node.task_queue)

@@ -142,6 +142,30 @@ def test_node_lost_raised_by_activity_is_replaced() -> None:
     scenario(cluster, body)
 
 
+def test_node_lost_during_placement_claims_another() -> None:
+    """``init_policy`` itself reports NodeLost while the run is placed: the run claims
+    another node instead of failing."""
+    cluster = Cluster(n_nodes=2)
+    node_a, node_b = cluster.queues
+
+    async def lost(queue: str, attempt: int) -> None:
+        if queue == node_a:
+            raise failure(Failure.NODE_LOST, "node lost its setup during init")
+
+    cluster.hooks[("init_policy", None)] = lost
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=2))
+        summary = await finish(handle)
+        assert (summary.steps, summary.policy_version) == (2, 2)
+        assert [c.queue for c in cluster.served("init_policy")] == [node_a, node_b]
+        assert [c.queue for c in cluster.served("train_step")] == [node_b, node_b]
+        p = await progress(handle)
+        assert p.node_queue == node_b and [e.detail for e in p.events if e.kind == "node_lost"] == [node_a]
+
+    scenario(cluster, body)
+
+
 def test_paused_run_waits_for_resume() -> None:
     cluster = Cluster()
     held = cluster.gate("train_step", 1)
@@ -183,15 +207,16 @@ def test_set_hparams_accepted_applies_to_next_step() -> None:
             (1, 1e-4, 0.2), (2, 1e-3, 0.1), (3, 1e-3, 0.1)
         ]
         events = [e for e in (await progress(handle)).events if e.kind == "hparams_set"]
-        assert len(events) == 1 and '"lr":0.001' in events[0].detail
+        assert len(events) == 1 and events[0].detail == '{"lr": 0.001, "clip_eps": 0.1}'
 
     scenario(cluster, body)
 
 
 @pytest.mark.parametrize(
     ("update", "message"),
-    [(HParamUpdate(), "no field given"), (HParamUpdate(kl_coef=0.05), "kl_coef")],
-    ids=["no-fields", "kl-coef-without-reference"],
+    [(HParamUpdate(), "no field given"), (HParamUpdate(kl_coef=0.05), "kl_coef"),
+     (HParamUpdate(betas=(0.9, 1.5)), "betas[1] must be in [0, 1)")],
+    ids=["no-fields", "kl-coef-without-reference", "merged-section-invalid"],
 )
 def test_set_hparams_rejected_leaves_run_unaffected(update: HParamUpdate, message: str) -> None:
     cluster = Cluster()

@@ -128,7 +128,7 @@ class Cluster:
         self.trainer_version: dict[str, int] = {}
         self.init_inputs: list[tuple[str, InitPolicyInput]] = []
         self.train_inputs: list[TrainStepInput] = []
-        self.hooks: dict[tuple[str, int], Hook] = {}
+        self.hooks: dict[tuple[str, int | None], Hook] = {}  # (activity, step or None)
         self.rollout_extra: dict[int, dict] = {}  # step -> RolloutResult fields (chunks_reused, engine_retries)
         self.nodes = [StandInNode(self, q) for q in self.queues]
 
@@ -143,7 +143,7 @@ class Cluster:
     async def record(self, queue: str, name: str, step: int | None, version: int | None) -> None:
         attempt = activity.info().attempt
         self.calls.append(Call(queue, name, step, version, attempt))
-        hook = self.hooks.get((name, step)) if step is not None else None
+        hook = self.hooks.get((name, step))
         if hook is not None:
             await hook(queue, attempt)
 
@@ -224,7 +224,7 @@ class StandInNode:
 
     @activity.defn(name="checkpoint")
     async def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:
-        await self.cluster.record(self.queue, "checkpoint", inp.step, inp.policy_version)
+        await self.cluster.record(self.queue, "checkpoint", inp.step, inp.step)  # a checkpoint saves version = step
         return CheckpointResult(step=inp.step, key=f"runs/{inp.run_id}/checkpoints/{inp.step}", seconds=0.3, durable=True)
 
     def _check_version(self, version: int, what: str, step: int) -> None:
