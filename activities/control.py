@@ -17,7 +17,6 @@ from gpu_runtime.node import metrics
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
 from gpu_runtime.data.rewards import RewardError, RewardFunctionNotFound, score_samples
 from gpu_runtime.store.uri import open_store
-from gpu_runtime.models.tokenizer import CharTokenizer
 from workflows.failures import Failure, failure
 from workflows.contracts import DatasetInfo, PrepareDataInput, RewardInput, RewardResult
 
@@ -63,7 +62,7 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
     spec = translate.reward_settings(inp.reward)
     try:
         rewards = with_heartbeat(
-            lambda: score_samples(samples, dict(enumerate(rows)), CharTokenizer(), spec)
+            lambda: score_samples(samples, dict(enumerate(rows)), spec)
         )
     except RewardFunctionNotFound as err:  # the same on every attempt: fail the run, naming the field
         raise failure(Failure.INVALID_INPUT, f"reward.function: {err}") from err

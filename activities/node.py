@@ -18,7 +18,6 @@ from activities.heartbeat import with_heartbeat
 from gpu_runtime.engine.backends import SGLangEngineBackend
 from gpu_runtime.engine.fleet import HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.rollout import NonFiniteLogprobs, StaleWeights, run_rollout
-from gpu_runtime.models.tokenizer import CharTokenizer
 from gpu_runtime.node import metrics
 from gpu_runtime.node.rpc import RemoteError
 from gpu_runtime.node.runtime import NodeRuntime
@@ -59,7 +58,6 @@ def _trainer_error(err: Exception, what: str) -> ApplicationError:
 class NodeActivities:
     def __init__(self, runtime: NodeRuntime) -> None:
         self.rt = runtime
-        self.tokenizer = CharTokenizer()
 
     # ---- placement ----------------------------------------------------------------
     @activity.defn(name="claim_node")
@@ -84,15 +82,15 @@ class NodeActivities:
     # ---- the RL step --------------------------------------------------------------
     @activity.defn(name="rollout")
     def rollout(self, inp: RolloutInput) -> RolloutResult:
-        fleet = self.rt.fleet
-        if fleet is None:
+        fleet, tokenizer = self.rt.fleet, self.rt.tokenizer
+        if fleet is None or tokenizer is None:
             raise failure(Failure.NO_HEALTHY_ENGINE, "engines are not started on this node")
         rows = self.rt.rows(inp.store_uri, inp.dataset.key)
         req = translate.rollout_request(inp, len(rows))
         deaths_before = self.rt.engine_deaths
         try:
             stats = run_rollout(
-                req, open_store(inp.store_uri), rows, self.tokenizer, fleet.generate_chunk,
+                req, open_store(inp.store_uri), rows, tokenizer, fleet.generate_chunk,
                 parallelism=max(1, len(fleet.slots)),
                 on_chunk=lambda done, total: activity.heartbeat({"chunks_done": done, "chunks": total}),
             )

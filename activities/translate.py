@@ -17,7 +17,8 @@ from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
     CheckpointSaved,
-    ModelShape,
+    ModelInit,
+    ModelSource,
     NodeEvent,
     Rebuild,
     RunSetup,
@@ -27,7 +28,7 @@ from gpu_runtime.trainer.api import (
     TrainResult,
     VersionInfo,
 )
-from workflows.config import ModelSpec, RewardSpec, SFTSpec, TrainSpec
+from workflows.config import ModelInitSpec, ModelSpec, RewardSpec, SFTSpec, TrainSpec
 from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
@@ -44,7 +45,8 @@ from workflows.contracts import (
 MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
     (TrainSpec, TrainerHParams),
     (SFTSpec, SFTSettings),
-    (ModelSpec, ModelShape),
+    (ModelSpec, ModelSource),
+    (ModelInitSpec, ModelInit),
     (RewardSpec, RewardSettings),
 ]
 
@@ -63,7 +65,7 @@ def run_setup(inp: InitPolicyInput) -> RunSetup:
         run_id=inp.run_id,
         store_uri=inp.store_uri,
         seed=inp.seed,
-        model=ModelShape.model_validate(inp.model.model_dump()),
+        model=ModelSource.model_validate(inp.model.model_dump()),
         sft=SFTSettings.model_validate(inp.sft.model_dump()),
         hparams=trainer_hparams(inp.train),
         dataset_key=inp.dataset.key,

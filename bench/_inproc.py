@@ -12,17 +12,17 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from activities import translate  # noqa: E402
-from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic, load_jsonl, write_jsonl  # noqa: E402
+from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl  # noqa: E402
 from gpu_runtime.engine.generate import generate_batch  # noqa: E402
-from gpu_runtime.engine.rollout import RolloutRequest, plan_chunks  # noqa: E402
-from gpu_runtime.models.causal_lm import CausalLM  # noqa: E402
-from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
+from gpu_runtime.engine.rollout import RolloutRequest, generate_chunk, plan_chunks  # noqa: E402
+from gpu_runtime.models.tokenizer import Tokenizer  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.trainer.api import RunSetup, StepBatch  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
@@ -80,27 +80,24 @@ def rollout_request(cfg: RunConfig, run_id: str, step: int, n_rows: int) -> Roll
 
 
 def generate_step(
-    model: CausalLM, req: RolloutRequest, rows: list[dict], tok: CharTokenizer
+    model: PreTrainedModel, req: RolloutRequest, rows: list[dict], tok: Tokenizer
 ) -> list[art.RolloutChunk]:
-    """All chunks of one step, one ``generate_batch`` call per chunk, in order."""
-    chunks = []
+    """All chunks of one step through the rollout's own ``generate_chunk``, with one
+    in-process ``generate_batch`` call per chunk where a run asks an engine."""
+
+    def generate(prompts: list[list[int]], params: dict) -> tuple[list[dict], str]:
+        results = generate_batch(
+            model, prompts, max_new_tokens=params["max_new_tokens"], temperature=params["temperature"],
+            top_p=params["top_p"], top_k=params["top_k"], seed=params["sampling_seed"],
+            eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+        )
+        return [
+            {"output_ids": r.output_ids, "meta_info": {
+                "weight_version": req.policy_version, "finish_reason": {"type": r.finish_reason},
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)],
+            }}
+            for r in results
+        ], "in-process"
+
     with torch.no_grad():
-        for plan in plan_chunks(req):
-            prompts = [encode_prompt(tok, rows[idx]) for idx, _ in plan.members]
-            results = generate_batch(
-                model, prompts, max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-                top_p=req.top_p, top_k=req.top_k, seed=plan.seed, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-            )
-            samples = [
-                art.Sample(
-                    sample_id=f"s{req.step}-p{idx}-g{g}", prompt_index=idx, group_index=g, prompt_ids=p,
-                    response_ids=list(res.output_ids), logprobs=list(res.logprobs),
-                    weight_version=req.policy_version, finish_reason=res.finish_reason,
-                )
-                for (idx, g), p, res in zip(plan.members, prompts, results, strict=True)
-            ]
-            chunks.append(art.RolloutChunk(
-                run_id=req.run_id, step=req.step, chunk=plan.chunk, seed=plan.seed,
-                weight_version=req.policy_version, engine_url="in-process", samples=samples,
-            ))
-    return chunks
+        return [generate_chunk(req, plan, rows, tok, generate) for plan in plan_chunks(req)]

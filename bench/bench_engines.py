@@ -25,9 +25,9 @@ from gpu_runtime.engine.backends import TorchEngineBackend  # noqa: E402
 from gpu_runtime.engine.client import EngineClient  # noqa: E402
 from gpu_runtime.engine.fleet import EngineFleet, HealthConfig  # noqa: E402
 from gpu_runtime.engine.router import RouterProcess  # noqa: E402
-from gpu_runtime.models.causal_lm import ModelConfig, build_model  # noqa: E402
-from gpu_runtime.models.model_folder import save_model_folder  # noqa: E402
-from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
+from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer  # noqa: E402
+from gpu_runtime.models.model_folder import load_model_folder, save_model_folder  # noqa: E402
+from gpu_runtime.models.tokenizer import Tokenizer  # noqa: E402
 from gpu_runtime.node.proc import free_port  # noqa: E402
 
 log = logging.getLogger("bench_engines")
@@ -43,9 +43,9 @@ def _wait_event(fleet: EngineFleet, kind: str, slot: int, after: float, timeout_
     raise TimeoutError(f"no {kind} event for slot {slot}")
 
 
-def _chunks(n: int, size: int, tok: CharTokenizer) -> list[list[list[int]]]:
+def _chunks(n: int, size: int, tok: Tokenizer) -> list[list[list[int]]]:
     texts = [f"{a}+{b}=" for a in range(n) for b in range(size)]
-    ids = [tok.encode(t, add_bos=True) for t in texts]
+    ids = [tok.encode(t) for t in texts]
     return [ids[i * size:(i + 1) * size] for i in range(n)]
 
 
@@ -64,13 +64,15 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
-    tok = CharTokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2)
     health = HealthConfig(interval_s=1.0, timeout_s=1.0, first_wait_s=120.0, failure_threshold=1)
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp:
         root = Path(tmp)
-        save_model_folder(build_model(cfg, 1), tok, root / "v1", weight_version=1)
+        texts = [f"{a}+{b}={a + b}" for a in range(100) for b in range(100)]
+        init_model_folder(root / "base", arch="qwen2", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                          num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=512, tokenizer=train_bpe_tokenizer(texts, 300), seed=1)
+        model, tok, _ = load_model_folder(root / "base")
+        save_model_folder(model, tok, root / "v1", weight_version=1)
         router = RouterProcess(free_port(), [], log_path=root / "router.log")
         base = free_port()
         fleet = EngineFleet(TorchEngineBackend(threads=1), args.slots, root / "v1", base, root / "logs",

@@ -39,7 +39,6 @@ from gpu_runtime.store import artifacts as art  # noqa: E402
 from activities.translate import reward_settings  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
-from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
 from gpu_runtime.trainer.api import RunSetup, VersionInfo  # noqa: E402
 from gpu_runtime.trainer.service import TrainerService  # noqa: E402
 
@@ -65,7 +64,6 @@ class IntervalTrainerService(TrainerService):
 
 def build_run(cfg, setup: RunSetup, work: Path) -> tuple[dict[int, str], TrainerService]:
     """The uninterrupted run: every step's artifacts + a durable checkpoint after every step."""
-    tok = CharTokenizer()
     store = LocalStore(work / "store")
     rows = dataset_rows(cfg, work / "train.jsonl")
     store.put_file(setup.dataset_key, work / "train.jsonl")
@@ -77,13 +75,13 @@ def build_run(cfg, setup: RunSetup, work: Path) -> tuple[dict[int, str], Trainer
     for step in range(1, cfg.steps + 1):
         assert svc.trainer is not None
         gen_model = copy.deepcopy(svc.trainer.model).eval()
-        chunks = generate_step(gen_model, rollout_request(cfg, RUN_ID, step, len(rows)), rows, tok)
+        chunks = generate_step(gen_model, rollout_request(cfg, RUN_ID, step, len(rows)), rows, svc.trainer.tokenizer)
         keys = []
         for c in chunks:
             keys.append(art.rollout_chunk_key(RUN_ID, step, c.chunk))
             art.put_model(store, keys[-1], c)
         samples = [s for c in chunks for s in c.samples]
-        rewards = score_samples(samples, by_index, tok, spec)
+        rewards = score_samples(samples, by_index, spec)
         rkey = art.rewards_key(RUN_ID, step)
         art.put_model(store, rkey, art.StepRewards(run_id=RUN_ID, step=step, rewards=rewards))
         res = svc.train_step(setup, step_batch(cfg, RUN_ID, step, keys, rkey))

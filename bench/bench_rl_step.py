@@ -35,12 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, run_setup  # noqa: E402
 from gpu_runtime.store.checkpoint_store import CheckpointStore  # noqa: E402
-from gpu_runtime.models.causal_lm import ModelConfig  # noqa: E402
 from gpu_runtime.models.model_folder import read_meta  # noqa: E402
 from activities.translate import reward_settings  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
-from gpu_runtime.models.tokenizer import CharTokenizer  # noqa: E402
+from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
 from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
 from tests.e2e.faults import progress, run_to_end  # noqa: E402
 from tests.stack import Stack  # noqa: E402
@@ -90,11 +89,11 @@ def measure_temporal(cfg: RunConfig, work: Path) -> dict:
 def measure_plain(cfg: RunConfig, work: Path) -> dict:
     """The same steps in one process and one torch thread, nothing between the pieces."""
     torch.set_num_threads(1)  # like the trainer and each engine process of the stack
-    tok = CharTokenizer()
     rows = dataset_rows(cfg, work / "train.jsonl")
-    hp = run_setup(cfg, "plain").hparams
-    trainer = PolicyTrainer.create(ModelConfig(vocab_size=tok.vocab_size, **cfg.model.model_dump()), tok, hp, cfg.seed)
-    trainer.sft_warmup(rows, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed)
+    setup = run_setup(cfg, "plain")
+    trainer = PolicyTrainer.create(base_model_folder(setup.model, rows, cfg.seed, work), setup.hparams, cfg.seed)
+    tok = trainer.tokenizer
+    trainer.sft_warmup(rows, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, cfg.sft.grad_clip)
     gen_model = copy.deepcopy(trainer.model).eval()  # the "engine": a second copy of the weights
     spec = reward_settings(cfg.reward)
     ckpts = CheckpointStore(LocalStore(work / "plain-store"), "plain/checkpoints", local_dir=work / "plain-ckpt",
@@ -110,10 +109,10 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
             samples = [s for c in chunks for s in c.samples]
             ph["rollout"] = time.perf_counter() - t
             t = time.perf_counter()
-            rewards = score_samples(samples, by_index, tok, spec)
+            rewards = score_samples(samples, by_index, spec)
             ph["reward"] = time.perf_counter() - t
             t = time.perf_counter()
-            trainer.train_step(samples, [r.reward for r in rewards], cfg.rollout.group_size, hp)
+            trainer.train_step(samples, [r.reward for r in rewards], cfg.rollout.group_size, setup.hparams)
             ph["train"] = time.perf_counter() - t
             t = time.perf_counter()
             gen_model.load_state_dict(trainer.model.state_dict())

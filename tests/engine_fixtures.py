@@ -16,27 +16,46 @@ import pytest
 from gpu_runtime.node.proc import free_port, free_port_block  # noqa: F401  (re-exported for tests)
 from tests.stack import wait_for as stack_wait_for
 
-from gpu_runtime.models.causal_lm import ModelConfig, build_model
-from gpu_runtime.models.model_folder import save_model_folder
-from gpu_runtime.models.tokenizer import CharTokenizer
+import tempfile
+from functools import cache
+
+from transformers import PreTrainedModel
+
+from gpu_runtime.data.datasets import generate_arithmetic, prompt_text, sft_target
+from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
+from gpu_runtime.models.model_folder import load_model_folder, save_model_folder
+from gpu_runtime.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
+TEXTS = [prompt_text(r) + sft_target(r) for r in generate_arithmetic(300, 0, 99, "+-*")] + [
+    "What is the answer? The answer is 42.", "hello world", "(9-2)*3=21",
+]
 
 
-def tiny_config(vocab_size: int) -> ModelConfig:
-    # a large init makes logits peaked, so greedy ties (and float-order flips) are unlikely
-    return ModelConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
+@cache
+def _tokenizer() -> Tokenizer:
+    return Tokenizer(train_bpe_tokenizer(TEXTS, 300))
+
+
+def tiny_model(seed: int, *, arch: str = "qwen2", tie: bool = True) -> tuple[PreTrainedModel, Tokenizer]:
+    """A real random-init ``transformers`` model (2 layers, hidden 64) and a BPE tokenizer
+    trained here. A large init makes logits peaked, so greedy ties (and float-order flips)
+    are unlikely."""
+    folder = Path(tempfile.mkdtemp(prefix="tiny-model-"))
+    init_model_folder(
+        folder / "m", arch=arch, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tokenizer=_tokenizer().hf, seed=seed,
+        tie_word_embeddings=tie, initializer_range=0.3,
     )
+    model, tok, _ = load_model_folder(folder / "m")
+    return model, tok
 
 
 def make_model_folder(folder: Path, *, seed: int, weight_version: int) -> str:
-    """Save a tiny random model; returns its checksum."""
-    tok = CharTokenizer()
-    model = build_model(tiny_config(tok.vocab_size), seed)
+    """Save a tiny random model as a versioned model folder; returns its checksum."""
+    model, tok = tiny_model(seed)
     return save_model_folder(model, tok, folder, weight_version=weight_version)
 
 

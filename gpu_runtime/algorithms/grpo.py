@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from gpu_runtime.models.causal_lm import CausalLM, positions_from_mask
+from transformers import PreTrainedModel
+
+from gpu_runtime.models.causal_lm import lm_logits, positions_from_mask
 
 
 def group_advantages(
@@ -34,7 +36,7 @@ def group_advantages(
     return centred.reshape(-1)
 
 
-def token_logprobs(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-token log-probability of the next token for a right-padded batch.
     Returns ``[B, T-1]``: entry ``[b, j]`` is log p(input_ids[b, j+1] | input_ids[b, :j+1]).
     Entries whose target is padding are meaningless (mask them with ``attention_mask[:, 1:]``)."""
@@ -43,14 +45,14 @@ def token_logprobs(model: CausalLM, input_ids: torch.Tensor, attention_mask: tor
 
 
 def logprobs_and_logits(
-    model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like ``token_logprobs`` and also returns the logits ``[B, T-1, V]`` that produced them."""
     if input_ids.shape != attention_mask.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
     key_mask = attention_mask.to(torch.bool)
-    logits = model(input_ids, key_mask, positions_from_mask(key_mask))[:, :-1]
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logits = lm_logits(model, input_ids, key_mask, positions_from_mask(key_mask))[:, :-1]
+    logp = torch.log_softmax(logits, dim=-1)
     lp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return lp, logits
 

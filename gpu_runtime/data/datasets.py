@@ -11,10 +11,12 @@ final answer (``"68"``) followed by EOS. Rows whose question is not of the
 ``What is A<op>B?`` form (e.g. real GSM8K rows) get ``question + "\\nAnswer: "``
 as prompt and their full answer text as SFT target.
 
-Pure Python; every character used is in ``CharTokenizer``'s DEFAULT_CHARS.
+Pure Python.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import json
 import random
@@ -22,7 +24,9 @@ import re
 from pathlib import Path
 
 from gpu_runtime.store.artifacts import derive_seed
-from gpu_runtime.models.tokenizer import CharTokenizer
+
+if TYPE_CHECKING:  # the tokenizer pulls in transformers: not needed to read data
+    from gpu_runtime.models.tokenizer import Tokenizer
 
 REQUIRED_FIELDS = ("id", "question", "answer")
 _OPS = "+-*"
@@ -164,6 +168,6 @@ def prompts_for_step(n_rows: int, seed: int, cursor: int, count: int) -> list[in
     return out
 
 
-def encode_prompt(tokenizer: CharTokenizer, row: dict) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, row: dict) -> list[int]:
     """Token ids of ``prompt_text(row)`` with BOS first: what engines and SFT both feed the model."""
     return tokenizer.encode(prompt_text(row), add_bos=True)

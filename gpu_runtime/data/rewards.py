@@ -24,7 +24,6 @@ from pydantic import BaseModel, ConfigDict
 
 from gpu_runtime.store.artifacts import Sample, SampleReward
 from gpu_runtime.data.datasets import final_answer
-from gpu_runtime.models.tokenizer import CharTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +133,11 @@ def call_with_timeout(fn: RewardFn, name: str, timeout_s: float, prompt: str, re
 def score_samples(
     samples: Sequence[Sample],
     rows_by_index: Mapping[int, dict] | Sequence[dict],
-    tokenizer: CharTokenizer,
     reward_spec: RewardSettings,
 ) -> list[SampleReward]:
-    """One SampleReward per sample, in order. The response is decoded from the
-    sample's token ids (specials skipped). For ``custom`` rewards, ``correct`` is
-    ``reward > 0`` unless the row's answer can be checked by the math rule."""
+    """One SampleReward per sample, in order, scored on the sample's text (its ids
+    decoded by the model's tokenizer at rollout time). For ``custom`` rewards,
+    ``correct`` is ``reward > 0`` unless the row's answer can be checked by the math rule."""
     fn: RewardFn | None = None
     if reward_spec.kind == "custom":
         assert reward_spec.function is not None
@@ -150,14 +148,13 @@ def score_samples(
             row = rows_by_index[s.prompt_index]
         except (KeyError, IndexError):
             raise ValueError(f"sample {s.sample_id}: prompt_index {s.prompt_index} not in dataset") from None
-        response = tokenizer.decode(s.response_ids)
+        response = s.response_text
         if fn is None:
             reward, correct = math_answer_reward(response, row)
             detail = f"answer={extract_answer(response)!r} expected={final_answer(row)!r}"
         else:
-            prompt = tokenizer.decode(s.prompt_ids)
             assert reward_spec.function is not None
-            reward = call_with_timeout(fn, reward_spec.function, reward_spec.timeout_s, prompt, response, row)
+            reward = call_with_timeout(fn, reward_spec.function, reward_spec.timeout_s, s.prompt_text, response, row)
             try:
                 correct = math_answer_reward(response, row)[1]
             except ValueError:

@@ -1,7 +1,7 @@
-"""Batched, deterministic generation with the in-repo torch model.
+"""Batched, deterministic generation with a ``transformers`` causal LM.
 
 A batch is left-padded, prefilled once, then decoded one token per step with
-the model's ``KVCache``. Sample ``i`` draws its randomness from its own
+a KV cache. Sample ``i`` draws its randomness from its own
 ``torch.Generator`` seeded with ``derive_seed(seed, i)`` (Gumbel-max over the
 temperature / top-k / top-p filtered distribution), so its tokens depend only
 on (weights, its prompt, seed, i) for a given batch. Finished samples keep
@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_runtime.store.artifacts import derive_seed
-from gpu_runtime.models.causal_lm import CausalLM, KVCache, positions_from_mask
+from transformers import PreTrainedModel
+
+from gpu_runtime.models.causal_lm import lm_logits, new_cache, positions_from_mask
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ def sample_token(
 
 @torch.no_grad()
 def generate_batch(
-    model: CausalLM,
+    model: PreTrainedModel,
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
@@ -103,8 +105,8 @@ def generate_batch(
     positions = positions_from_mask(key_mask)
     next_pos = positions[:, -1] + 1
 
-    cache = KVCache(model.config.num_hidden_layers)
-    logits = model(ids, key_mask, positions, cache)[:, -1, :].float()
+    cache = new_cache(model)
+    logits = lm_logits(model, ids, key_mask, positions, cache)[:, -1, :]
     done = [False] * b
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits, dim=-1)
@@ -125,14 +127,14 @@ def generate_batch(
         if all(done) or step == max_new_tokens - 1:
             break
         key_mask = torch.cat([key_mask, torch.ones((b, 1), dtype=torch.bool)], dim=1)
-        logits = model(new_tokens[:, None], key_mask, next_pos[:, None], cache)[:, -1, :].float()
+        logits = lm_logits(model, new_tokens[:, None], key_mask, next_pos[:, None], cache)[:, -1, :]
         next_pos = next_pos + 1
     return results
 
 
 @torch.no_grad()
 def greedy_full_recompute(
-    model: CausalLM, prompt: list[int], *, max_new_tokens: int, eos_id: int | None = None
+    model: PreTrainedModel, prompt: list[int], *, max_new_tokens: int, eos_id: int | None = None
 ) -> GenResult:
     """Reference: greedy decoding of ONE prompt recomputing the whole sequence each
     token (no cache, no padding). Used by tests to check the cached path."""
@@ -141,7 +143,7 @@ def greedy_full_recompute(
     for _ in range(max_new_tokens):
         ids = torch.tensor([seq], dtype=torch.long)
         mask = torch.ones_like(ids, dtype=torch.bool)
-        logits = model(ids, mask, positions_from_mask(mask))[0, -1].float()
+        logits = lm_logits(model, ids, mask, positions_from_mask(mask))[0, -1]
         tok = int(torch.argmax(logits).item())
         out.output_ids.append(tok)
         out.logprobs.append(float(torch.log_softmax(logits, -1)[tok].item()))

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.data.datasets import encode_prompt, prompts_for_step
+from gpu_runtime.data.datasets import encode_prompt, prompt_text, prompts_for_step
 from gpu_runtime.store.object_store import ObjectStore
-from gpu_runtime.models.tokenizer import CharTokenizer
+from gpu_runtime.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def plan_chunks(req: RolloutRequest) -> list[ChunkPlan]:
 
 
 def generate_chunk(
-    req: RolloutRequest, plan: ChunkPlan, rows: list[dict], tokenizer: CharTokenizer, generate: ChunkGenerator
+    req: RolloutRequest, plan: ChunkPlan, rows: list[dict], tokenizer: Tokenizer, generate: ChunkGenerator
 ) -> art.RolloutChunk:
     prompts = [encode_prompt(tokenizer, rows[idx]) for idx, _ in plan.members]
     params = {
@@ -113,6 +113,8 @@ def generate_chunk(
                 logprobs=lps,
                 weight_version=req.policy_version,
                 finish_reason=finish.get("type", "stop") if isinstance(finish, dict) else str(finish),
+                prompt_text=prompt_text(rows[idx]),
+                response_text=tokenizer.decode(list(res["output_ids"])),
             )
         )
     return art.RolloutChunk(
@@ -125,7 +127,7 @@ def run_rollout(
     req: RolloutRequest,
     store: ObjectStore,
     rows: list[dict],
-    tokenizer: CharTokenizer,
+    tokenizer: Tokenizer,
     generate: ChunkGenerator,
     *,
     parallelism: int,

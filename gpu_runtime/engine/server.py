@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from gpu_runtime.engine.generate import GenResult, generate_batch
-from gpu_runtime.models.causal_lm import CausalLM
+from transformers import PreTrainedModel
+
 from gpu_runtime.node.proc import exit_when_parent_dies
 from gpu_runtime.node.rpc import send_json
 from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum
-from gpu_runtime.models.tokenizer import CharTokenizer
+from gpu_runtime.models.tokenizer import Tokenizer
 
 log = logging.getLogger("gpu_runtime.engine.server")
 
@@ -45,8 +46,8 @@ class EngineState:
         self.step_delay_s = step_delay_s
         self.model_path = str(Path(model_path).resolve())
         model, tok, meta = load_model_folder(self.model_path)
-        self.model: CausalLM = model
-        self.tokenizer: CharTokenizer = tok
+        self.model: PreTrainedModel = model
+        self.tokenizer: Tokenizer = tok
         self.weight_version = str(weight_version if weight_version is not None else meta.get("weight_version", 0))
         self.checksum = model_checksum(model)
         self.busy = False
@@ -115,7 +116,7 @@ class EngineState:
         if self.busy and time.monotonic() - self.last_progress < BUSY_PROGRESS_OK_S:
             return True
         with self.lock:
-            generate_batch(self.model, [[self.tokenizer.bos_token_id]], max_new_tokens=1, temperature=0.0)
+            generate_batch(self.model, [[self.tokenizer.eos_token_id]], max_new_tokens=1, temperature=0.0)
         return True
 
     def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +159,7 @@ class EngineState:
         }
 
 
-def _weights_by_name(model: CausalLM, body: dict[str, Any]) -> list:
+def _weights_by_name(model: PreTrainedModel, body: dict[str, Any]) -> list:
     """SGLang's ``/get_weights_by_name``: ``param[:truncate_size]`` as nested lists."""
     name = body.get("name")
     params = dict(model.named_parameters())

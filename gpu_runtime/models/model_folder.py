@@ -1,8 +1,9 @@
 """A model folder in Hugging Face ``save_pretrained`` layout.
 
-``config.json`` (Qwen2 config), ``model.safetensors``, tokenizer files and
-``milestone.json`` (weight version + checksum). Engines load it at start and on
-``/update_weights_from_disk``; the trainer writes one per policy version.
+``config.json`` (+ ``generation_config.json``), ``model.safetensors``, the
+tokenizer files and ``milestone.json`` (weight version + checksum). Engines load
+it at start and on ``/update_weights_from_disk``; the trainer writes one per
+policy version; ``transformers`` loads it as is.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
 
-from gpu_runtime.models.causal_lm import CausalLM, ModelConfig, load_exported_state_dict, state_dict_for_export
-from gpu_runtime.models.tokenizer import CharTokenizer
+from gpu_runtime.models.causal_lm import export_state_dict, load_causal_lm, load_exported_state_dict
+from gpu_runtime.models.tokenizer import Tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "milestone.json"
@@ -40,47 +41,34 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def model_checksum(model: CausalLM) -> str:
-    return weights_checksum(state_dict_for_export(model))
+def model_checksum(model: PreTrainedModel) -> str:
+    return weights_checksum(export_state_dict(model))
 
 
 def save_model_folder(
-    model: CausalLM, tokenizer: CharTokenizer, folder: str | Path, *, weight_version: int
+    model: PreTrainedModel, tokenizer: Tokenizer, folder: str | Path, *, weight_version: int
 ) -> str:
     """Write the folder atomically (temp dir + rename). Returns the weight checksum."""
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    sd = state_dict_for_export(model)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sd = export_state_dict(model)
     checksum = weights_checksum(sd)
-    save_file(sd, str(tmp / WEIGHTS_FILE))
-    cfg = model.config.to_hf_config(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(sd, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    model.config.save_pretrained(str(tmp))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(tmp))
     tokenizer.save(tmp)
     (tmp / META_FILE).write_text(json.dumps({"weight_version": weight_version, "checksum": checksum}))
     if folder.exists():
         old = folder.with_name(folder.name + ".old")
         os.replace(folder, old)
         os.replace(tmp, folder)
-        for p in old.iterdir():
-            p.unlink()
-        old.rmdir()
+        shutil.rmtree(old)
     else:
         os.replace(tmp, folder)
     return checksum
-
-
-def read_model_config(folder: str | Path) -> ModelConfig:
-    path = Path(folder) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"no config.json in model folder {folder}")
-    raw = json.loads(path.read_text())
-    names = {f.name for f in fields(ModelConfig)} - {"extra", "initializer_range"}
-    return ModelConfig(**{k: v for k, v in raw.items() if k in names})
 
 
 def read_meta(folder: str | Path) -> dict:
@@ -88,16 +76,12 @@ def read_meta(folder: str | Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def load_model_folder(folder: str | Path) -> tuple[CausalLM, CharTokenizer, dict]:
+def load_model_folder(folder: str | Path) -> tuple[PreTrainedModel, Tokenizer, dict]:
     folder = Path(folder)
-    cfg = read_model_config(folder)
-    model = CausalLM(cfg)
-    load_exported_state_dict(model, load_file(str(folder / WEIGHTS_FILE)))
-    model.eval()
-    return model, CharTokenizer.load(folder), read_meta(folder)
+    return load_causal_lm(folder), Tokenizer.load(folder), read_meta(folder)
 
 
-def load_weights_into(model: CausalLM, folder: str | Path) -> dict:
+def load_weights_into(model: PreTrainedModel, folder: str | Path) -> dict:
     """Replace the model's weights in place from a folder; returns its meta."""
     folder = Path(folder)
     sd = load_file(str(folder / WEIGHTS_FILE))

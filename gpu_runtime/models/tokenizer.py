@@ -1,103 +1,62 @@
-"""A character-level tokenizer built locally (no hub download).
+"""The model's own tokenizer (a Hugging Face fast tokenizer from the model folder),
+behind the few calls the engine, rollout, trainer and rewards make.
 
-Saved as ``milestone_tokenizer.json`` plus a Hugging Face ``tokenizer.json``
-(WordLevel over single characters) so a model folder is self-contained.
+Prompts are encoded without added special tokens (a BOS is prepended only when
+asked for and the tokenizer has one); ``messages`` go through the folder's chat
+template. EOS ends a response; PAD fills batches.
 """
 
 from __future__ import annotations
 
-import json
-import string
 from pathlib import Path
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
-DEFAULT_CHARS = string.digits + "+-*/=()., ?:#\n" + string.ascii_letters + "'$%"
-FILE_NAME = "milestone_tokenizer.json"
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from gpu_runtime.models.hf_factory import save_tokenizer
 
 
-class CharTokenizer:
-    def __init__(self, chars: str = DEFAULT_CHARS) -> None:
-        if len(set(chars)) != len(chars):
-            raise ValueError("tokenizer chars must be unique")
-        self.specials = [PAD, BOS, EOS]
-        self.chars = chars
-        self.itos: list[str] = self.specials + list(chars)
-        self.stoi = {s: i for i, s in enumerate(self.itos)}
+class Tokenizer:
+    def __init__(self, hf: PreTrainedTokenizerBase) -> None:
+        if hf.eos_token_id is None:
+            raise ValueError("tokenizer has no eos_token: set one in tokenizer_config.json")
+        self.hf = hf
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "Tokenizer":
+        folder = Path(folder)
+        if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise FileNotFoundError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
 
     @property
     def vocab_size(self) -> int:
-        return len(self.itos)
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.stoi[PAD]
-
-    @property
-    def bos_token_id(self) -> int:
-        return self.stoi[BOS]
+        return len(self.hf)
 
     @property
     def eos_token_id(self) -> int:
-        return self.stoi[EOS]
+        return int(self.hf.eos_token_id)
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.hf.pad_token_id if self.hf.pad_token_id is not None else self.hf.eos_token_id)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.hf.bos_token_id is None else int(self.hf.bos_token_id)
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        unknown = sorted({c for c in text if c not in self.stoi})
-        if unknown:
-            raise ValueError(f"characters not in tokenizer vocabulary: {unknown!r}")
-        ids = [self.stoi[c] for c in text]
-        return [self.bos_token_id, *ids] if add_bos else ids
+        ids = list(self.hf.encode(text, add_special_tokens=False))
+        return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat_template: messages prompts need one")
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
-        out = []
-        for i in ids:
-            if i < 0 or i >= len(self.itos):
-                raise ValueError(f"token id {i} out of range")
-            s = self.itos[i]
-            if skip_special and s in self.specials:
-                continue
-            out.append(s)
-        return "".join(out)
+        return self.hf.decode(ids, skip_special_tokens=skip_special)
 
     def save(self, folder: str | Path) -> None:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / FILE_NAME).write_text(json.dumps({"type": "char", "chars": self.chars}))
-        (folder / "tokenizer.json").write_text(json.dumps(self._hf_tokenizer_json()))
-        (folder / "tokenizer_config.json").write_text(
-            json.dumps(
-                {
-                    "tokenizer_class": "PreTrainedTokenizerFast",
-                    "bos_token": BOS,
-                    "eos_token": EOS,
-                    "pad_token": PAD,
-                    "model_max_length": 4096,
-                }
-            )
-        )
-
-    @classmethod
-    def load(cls, folder: str | Path) -> "CharTokenizer":
-        path = Path(folder) / FILE_NAME
-        if not path.exists():
-            raise FileNotFoundError(f"no tokenizer at {path}")
-        data = json.loads(path.read_text())
-        if data.get("type") != "char":
-            raise ValueError(f"{path}: unsupported tokenizer type {data.get('type')!r}")
-        return cls(data["chars"])
-
-    def _hf_tokenizer_json(self) -> dict:
-        return {
-            "version": "1.0",
-            "truncation": None,
-            "padding": None,
-            "added_tokens": [
-                {"id": self.stoi[s], "content": s, "single_word": False, "lstrip": False,
-                 "rstrip": False, "normalized": False, "special": True}
-                for s in self.specials
-            ],
-            "normalizer": None,
-            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
-            "post_processor": None,
-            "decoder": {"type": "Fuse"},
-            "model": {"type": "WordLevel", "vocab": dict(self.stoi), "unk_token": PAD},
-        }
+        save_tokenizer(self.hf, folder)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, Torc
 from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.model_folder import prune_version_folders
+from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.proc import free_port, free_port_block
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import NodeEvent, RunSetup
@@ -43,6 +44,7 @@ class NodeRuntime:
         self._fleet_settings: tuple | None = None
         self.run_id: str | None = None
         self.setups: dict[str, RunSetup] = {}  # run id -> what its trainer needs
+        self.tokenizer: Tokenizer | None = None  # the served model's (rollout encodes prompts with it)
         self._undrained: list[NodeEvent] = []
         self.engine_deaths = 0  # total, for per-activity deltas
         self._rows: dict[str, list[dict]] = {}
@@ -170,6 +172,7 @@ class NodeRuntime:
             else:
                 restarted = self.fleet.restart_empty_slots(model_path, version)
             self.fleet.update_weights(model_path, version)
+            self.tokenizer = Tokenizer.load(model_path)
             self._write_children()
             return restarted
 

@@ -78,6 +78,9 @@ class Sample(BaseModel):
     logprobs: list[float]  # one per response token, under the generating weights
     weight_version: int
     finish_reason: str  # "stop" | "length" | "abort"
+    # for rewards, never for training (token-in-token-out: training uses the ids above)
+    prompt_text: str = ""
+    response_text: str = ""  # response_ids decoded by the model's tokenizer, special tokens skipped
 
 
 class RolloutChunk(BaseModel):

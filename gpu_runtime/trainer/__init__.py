@@ -1,6 +1,6 @@
 """Trainer cell: the GRPO policy trainer, its process and its typed API."""
 
 from gpu_runtime.trainer.api import TrainerHParams
-from gpu_runtime.trainer.policy import PolicyTrainer, greedy_generate
+from gpu_runtime.trainer.policy import PolicyTrainer
 
-__all__ = ["PolicyTrainer", "TrainerHParams", "greedy_generate"]
+__all__ = ["PolicyTrainer", "TrainerHParams"]

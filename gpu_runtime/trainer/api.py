@@ -8,6 +8,8 @@ test keeps the mirrored field sets equal.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -38,17 +40,28 @@ class SFTSettings(Message):
     steps: int
     batch_size: int
     lr: float
+    grad_clip: float | None
 
 
-class ModelShape(Message):
-    """The decoder built from config (``model`` in the run config; vocab size from the tokenizer)."""
+class ModelInit(Message):
+    """A new model to build as the v0 folder (``model.init`` in the run config)."""
 
+    arch: Literal["qwen2", "llama"]
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+
+class ModelSource(Message):
+    """Where the run's base model comes from (``model`` in the run config)."""
+
+    path: str | None
+    init: ModelInit | None
 
 
 class RunSetup(Message):
@@ -58,7 +71,7 @@ class RunSetup(Message):
     run_id: str
     store_uri: str
     seed: int
-    model: ModelShape
+    model: ModelSource
     sft: SFTSettings
     hparams: TrainerHParams  # the run's initial settings (the optimizer is built from them)
     dataset_key: str

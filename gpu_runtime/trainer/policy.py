@@ -13,7 +13,6 @@ import math
 import logging
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,11 +20,20 @@ from safetensors.torch import load_file, save_file
 
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.data.datasets import encode_prompt, final_answer, sft_target
+from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.algorithms.grpo import entropy_from_logits, group_advantages, kl_k3, logprobs_and_logits, masked_mean, ppo_clip_loss
-from gpu_runtime.models.causal_lm import CausalLM, KVCache, ModelConfig, build_model, load_exported_state_dict, state_dict_for_export
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from gpu_runtime.models.causal_lm import (
+    ATTENTION,
+    export_state_dict,
+    load_causal_lm,
+    load_exported_state_dict,
+    shape_summary,
+)
 from gpu_runtime.models.model_folder import model_checksum, save_model_folder
 from gpu_runtime.data.rewards import extract_answer
-from gpu_runtime.models.tokenizer import CharTokenizer
+from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.trainer.api import TrainerHParams
 
 log = logging.getLogger(__name__)
@@ -60,11 +68,11 @@ def response_mask(prompt_lens: list[int], total_lens: list[int], width: int) -> 
 class PolicyTrainer:
     def __init__(
         self,
-        model: CausalLM,
-        tokenizer: CharTokenizer,
+        model: PreTrainedModel,
+        tokenizer: Tokenizer,
         hparams: TrainerHParams,
         seed: int,
-        ref_model: CausalLM | None,
+        ref_model: PreTrainedModel | None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -77,18 +85,20 @@ class PolicyTrainer:
 
     # ---------------------------------------------------------------- setup
     @classmethod
-    def create(cls, model_cfg: ModelConfig, tokenizer: CharTokenizer, hparams: TrainerHParams, seed: int) -> "PolicyTrainer":
-        if model_cfg.vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"model.vocab_size {model_cfg.vocab_size} < tokenizer vocab {tokenizer.vocab_size}")
+    def create(cls, base_folder: str | Path, hparams: TrainerHParams, seed: int) -> "PolicyTrainer":
+        """A trainer over the model and tokenizer of a Hugging Face folder (the run's base model)."""
+        tokenizer = Tokenizer.load(base_folder)
+        model = load_causal_lm(base_folder)
+        if model.config.vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"{base_folder}: config vocab_size {model.config.vocab_size} < tokenizer's {tokenizer.vocab_size}")
         torch.manual_seed(derive_seed("trainer", seed) % (1 << 63))
         random.seed(derive_seed("trainer-py", seed))
-        model = build_model(model_cfg, seed)
         model.train()
         ref = cls._frozen_copy(model) if hparams.kl_coef > 0 else None
         return cls(model, tokenizer, hparams, seed, ref)
 
     @staticmethod
-    def _frozen_copy(model: CausalLM) -> CausalLM:
+    def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
         ref = copy.deepcopy(model)
         ref.eval()
         for p in ref.parameters():
@@ -108,9 +118,12 @@ class PolicyTrainer:
         return hp.lr
 
     # ----------------------------------------------------------------- SFT
-    def sft_warmup(self, rows: list[dict], steps: int, batch_size: int, lr: float, seed: int) -> dict[str, float]:
+    def sft_warmup(
+        self, rows: list[dict], steps: int, batch_size: int, lr: float, seed: int, grad_clip: float | None = None
+    ) -> dict[str, float]:
         """Supervised warm-up on ``prompt -> sft_target + EOS`` (loss on the target
-        tokens only, token mean), constant LR, batches drawn from ``seed``. Afterwards
+        tokens only, token mean), constant LR, batches drawn from ``seed``, the grad
+        norm clipped only when ``grad_clip`` is given. Afterwards
         the RL optimizer/schedule are fresh, policy_version is 0 and the reference
         (if any) is a copy of the warmed-up weights."""
         if not rows:
@@ -134,7 +147,8 @@ class PolicyTrainer:
             loss = -masked_mean(lp, tmask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hparams.grad_clip)
+            if grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
             opt.step()
             last = float(loss.detach())
             if step == 0:
@@ -269,9 +283,11 @@ class PolicyTrainer:
         """Write the full trainer state into ``folder`` (meta file last)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(state_dict_for_export(self.model), str(folder / WEIGHTS_FILE))
+        save_file(export_state_dict(self.model), str(folder / WEIGHTS_FILE))
         if self.ref_model is not None:
-            save_file(state_dict_for_export(self.ref_model), str(folder / REF_FILE))
+            save_file(export_state_dict(self.ref_model), str(folder / REF_FILE))
+        self.model.config.save_pretrained(str(folder))  # architecture, so ``from_state`` can rebuild
+        self.tokenizer.save(folder)
         osd = self.optimizer.state_dict()
         tensors = {f"{idx}.{name}": t.detach().contiguous().clone()
                    for idx, st in osd["state"].items() for name, t in st.items() if isinstance(t, torch.Tensor)}
@@ -283,8 +299,7 @@ class PolicyTrainer:
             "policy_version": self.policy_version,
             "opt_steps": self.opt_steps,
             "seed": self.seed,
-            "model_config": asdict(self.model.config),
-            "tokenizer_chars": self.tokenizer.chars,
+            "model_config": shape_summary(self.model),
             "hparams": self.hparams.model_dump(mode="json"),
             "has_reference": self.ref_model is not None,
             "optimizer_param_groups": osd["param_groups"],
@@ -299,11 +314,11 @@ class PolicyTrainer:
     def from_state(cls, folder: str | Path) -> "PolicyTrainer":
         """Build a trainer from a folder written by ``save_state``."""
         meta = cls._read_meta(Path(folder))
-        cfg = ModelConfig(**meta["model_config"])
         hp = TrainerHParams.model_validate(meta["hparams"])
-        model = CausalLM(cfg)
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
         ref = cls._frozen_copy(model) if meta["has_reference"] else None
-        trainer = cls(model, CharTokenizer(meta["tokenizer_chars"]), hp, int(meta["seed"]), ref)
+        trainer = cls(model, Tokenizer.load(folder), hp, int(meta["seed"]), ref)
         trainer.load_state(folder)
         return trainer
 
@@ -321,7 +336,7 @@ class PolicyTrainer:
         """Restore weights, reference, optimizer, schedule, RNG and version from ``folder``."""
         folder = Path(folder)
         meta = self._read_meta(folder)
-        if asdict(self.model.config) != meta["model_config"]:
+        if shape_summary(self.model) != meta["model_config"]:
             raise ValueError(f"{folder / META_FILE}: field 'model_config' does not match this trainer's model")
         with torch.no_grad():
             load_exported_state_dict(self.model, load_file(str(folder / WEIGHTS_FILE)))
@@ -362,41 +377,13 @@ class PolicyTrainer:
         correct = 0
         for i in range(0, len(rows), batch_size):
             chunk = rows[i : i + batch_size]
-            outs = greedy_generate(self.model, self.tokenizer, [encode_prompt(self.tokenizer, r) for r in chunk], max_new_tokens)
-            correct += sum(extract_answer(self.tokenizer.decode(o)) == final_answer(r) for o, r in zip(outs, chunk))
+            outs = generate_batch(
+                self.model, [encode_prompt(self.tokenizer, r) for r in chunk], max_new_tokens=max_new_tokens,
+                temperature=0.0, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+            )
+            correct += sum(extract_answer(self.tokenizer.decode(o.output_ids)) == final_answer(r) for o, r in zip(outs, chunk))
         self.model.train()
         return correct / len(rows)
 
 
-@torch.no_grad()
-def greedy_generate(model: CausalLM, tokenizer: CharTokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Batched greedy decoding (left-padded prompts, KV cache). Returns response ids incl. EOS when emitted."""
-    model.eval()
-    b = len(prompts)
-    t = max(len(p) for p in prompts)
-    ids = torch.full((b, t), tokenizer.pad_token_id, dtype=torch.long)
-    key_mask = torch.zeros((b, t), dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, t - len(p):] = torch.tensor(p)
-        key_mask[i, t - len(p):] = True
-    pos = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
-    cache = KVCache(model.config.num_hidden_layers)
-    logits = model(ids, key_mask, pos, cache=cache)[:, -1]
-    next_pos = pos[:, -1:] + 1
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool)
-    for _ in range(max_new_tokens):
-        tok = logits.argmax(-1)
-        for i in range(b):
-            if not done[i]:
-                out[i].append(int(tok[i]))
-        done |= tok == tokenizer.eos_token_id
-        if bool(done.all()):
-            break
-        key_mask = torch.cat([key_mask, torch.ones((b, 1), dtype=torch.bool)], dim=1)
-        logits = model(tok[:, None], key_mask, next_pos, cache=cache)[:, -1]
-        next_pos = next_pos + 1
-    return out
-
-
-__all__ = ["PolicyTrainer", "greedy_generate", "pad_batch", "response_mask"]
+__all__ = ["PolicyTrainer", "pad_batch", "response_mask"]

@@ -17,11 +17,9 @@ from pathlib import Path
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.data.datasets import load_jsonl
-from gpu_runtime.models.causal_lm import ModelConfig
 from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
-from gpu_runtime.models.tokenizer import CharTokenizer
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
     CheckpointSaved,
@@ -32,6 +30,7 @@ from gpu_runtime.trainer.api import (
     TrainResult,
     VersionInfo,
 )
+from gpu_runtime.trainer.base_model import base_model_folder
 from gpu_runtime.trainer.policy import PolicyTrainer
 
 log = logging.getLogger(__name__)
@@ -57,7 +56,6 @@ class TrainerService:
         self.trainer: PolicyTrainer | None = None
         self.store: ObjectStore | None = None
         self.ckpts: CheckpointStore | None = None
-        self.tokenizer = CharTokenizer()
         self._events_seen = 0
 
     # ---- setup and versions -------------------------------------------------------
@@ -106,8 +104,8 @@ class TrainerService:
     def _new_trainer(self) -> PolicyTrainer:
         s = self.setup
         assert s is not None
-        cfg = ModelConfig(vocab_size=self.tokenizer.vocab_size, **s.model.model_dump())
-        return PolicyTrainer.create(cfg, self.tokenizer, s.hparams, s.seed)
+        base = base_model_folder(s.model, self._rows(), s.seed, self.work_dir / s.run_id)
+        return PolicyTrainer.create(base, s.hparams, s.seed)
 
     def _restore_at_or_below(self, target: int) -> tuple[int | None, dict[str, float]]:
         assert self.ckpts is not None and self.setup is not None and self.store is not None
@@ -129,7 +127,7 @@ class TrainerService:
         s = self.setup
         trainer = self._new_trainer()
         rows = self._rows()
-        metrics = trainer.sft_warmup(rows, s.sft.steps, s.sft.batch_size, s.sft.lr, s.seed)
+        metrics = trainer.sft_warmup(rows, s.sft.steps, s.sft.batch_size, s.sft.lr, s.seed, s.sft.grad_clip)
         self.trainer = trainer
         self.save_checkpoint(0, data_cursor=0, sync=True)
         return None, metrics

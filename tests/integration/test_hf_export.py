@@ -1,6 +1,6 @@
 """The model folder every policy version is published as is a real Hugging Face
-``save_pretrained`` folder: transformers loads it as Qwen2ForCausalLM with the same
-logits, and its tokenizer.json gives the same ids."""
+``save_pretrained`` folder: transformers loads it (Qwen2 and Llama) with identical
+logits, and its tokenizer gives the same ids."""
 
 from __future__ import annotations
 
@@ -8,29 +8,31 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-from gpu_runtime.models.causal_lm import ModelConfig, build_model, positions_from_mask
+from gpu_runtime.models.causal_lm import lm_logits, positions_from_mask
 from gpu_runtime.models.model_folder import save_model_folder
-from gpu_runtime.models.tokenizer import CharTokenizer
-
-transformers = pytest.importorskip("transformers")
+from tests.engine_fixtures import tiny_model
 
 
-def test_exported_folder_loads_in_transformers(tmp_path: Path) -> None:
-    tok = CharTokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    model = build_model(cfg, seed=3)
+@pytest.mark.parametrize("arch,cls", [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM")])
+@pytest.mark.parametrize("tie", [True, False])
+def test_exported_folder_loads_in_transformers(tmp_path: Path, arch: str, cls: str, tie: bool) -> None:
+    model, tok = tiny_model(seed=3, arch=arch, tie=tie)
+    with torch.no_grad():
+        for p in model.parameters():  # weights a trainer changed, not the init
+            p.add_(0.01 * torch.randn_like(p))
     save_model_folder(model, tok, tmp_path / "hf", weight_version=7)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
-    assert type(hf).__name__ == "Qwen2ForCausalLM"
-    ids = torch.tensor([tok.encode("12+34=", add_bos=True), tok.encode("99+1=5", add_bos=True)])
+    assert type(hf).__name__ == cls
+    ids = torch.tensor([tok.encode("12+34="), tok.encode("99+1=5")])
     mask = torch.ones_like(ids, dtype=torch.bool)
     with torch.no_grad():
-        ours = model(ids, mask, positions_from_mask(mask))
+        ours = lm_logits(model, ids, mask, positions_from_mask(mask))
         theirs = hf(ids).logits
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"))
-    assert hf_tok("What is 12+34?")["input_ids"] == tok.encode("What is 12+34?")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert hf_tok("What is 12+34?", add_special_tokens=False)["input_ids"] == tok.encode("What is 12+34?")
+    assert hf_tok.eos_token_id == tok.eos_token_id

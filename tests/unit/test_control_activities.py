@@ -11,7 +11,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.control import compute_rewards, prepare_data
-from gpu_runtime.models.tokenizer import CharTokenizer
+from tests.engine_fixtures import _tokenizer
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
 from workflows.config import DataSpec, RewardSpec
@@ -36,10 +36,11 @@ def step_inputs(tmp_path: Path) -> tuple[str, DatasetInfo, str]:
     data = ActivityEnvironment().run(
         prepare_data, PrepareDataInput(run_id="r", store_uri=uri, seed=1, data=DataSpec(num_train=4, max_operand=9))
     )
-    tok = CharTokenizer()
+    tok = _tokenizer()
     samples = [
-        art.Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=tok.encode("1+1=", add_bos=True),
-                   response_ids=tok.encode(text), logprobs=[0.0] * len(text), weight_version=0, finish_reason="stop")
+        art.Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=tok.encode("1+1="),
+                   response_ids=tok.encode(text), logprobs=[0.0] * len(text), weight_version=0, finish_reason="stop",
+                   prompt_text="1+1=", response_text=text)
         for g, text in enumerate(["2", "3"])
     ]
     key = art.rollout_chunk_key("r", 1, 0)

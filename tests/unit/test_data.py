@@ -11,7 +11,7 @@ from gpu_runtime.data.datasets import (
     encode_prompt, final_answer, generate_arithmetic, load_jsonl, prompt_order, prompt_text, prompts_for_step,
     sft_target, write_jsonl,
 )
-from gpu_runtime.models.tokenizer import DEFAULT_CHARS, CharTokenizer
+from tests.engine_fixtures import _tokenizer
 
 
 def test_generate_format_and_characters() -> None:
@@ -23,13 +23,11 @@ def test_generate_format_and_characters() -> None:
         assert r["answer"].endswith(f"#### {value}")
         assert final_answer(r) == str(value)
         assert sft_target(r) == str(value)
-        assert all(c in DEFAULT_CHARS for c in r["question"] + r["answer"] + prompt_text(r))
     row = {"id": "x", "question": "What is 23+45?", "answer": "23+45=68\n#### 68"}
     assert prompt_text(row) == "23+45="
     assert sft_target(row) == "68"
-    tok = CharTokenizer()
-    assert encode_prompt(tok, row)[0] == tok.bos_token_id
-    assert tok.decode(encode_prompt(tok, row)) == "23+45="
+    tok = _tokenizer()
+    assert tok.decode(encode_prompt(tok, row)) == "23+45="  # no BOS: the tokenizer has none
 
 
 def test_generate_is_deterministic_and_seed_dependent() -> None:

@@ -6,19 +6,17 @@ import pytest
 import torch
 
 from gpu_runtime.engine.generate import generate_batch, greedy_full_recompute
-from gpu_runtime.models.causal_lm import build_model
-from gpu_runtime.models.tokenizer import CharTokenizer
-from tests.engine_fixtures import tiny_config
+from tests.engine_fixtures import _tokenizer, tiny_model
 
-TOK = CharTokenizer()
-PROMPTS = [TOK.encode("12+7=", add_bos=True), TOK.encode("3*4=", add_bos=True),
-           TOK.encode("a", add_bos=True), TOK.encode("(9-2)*3=", add_bos=True)]
+TOK = _tokenizer()
+PROMPTS = [TOK.encode("12+7="), TOK.encode("3*4="), TOK.encode("a"), TOK.encode("(9-2)*3=")]
 
 
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    """Both architectures through the same generation code (transformers implementations)."""
     torch.set_num_threads(1)
-    return build_model(tiny_config(TOK.vocab_size), seed=3).eval()
+    return tiny_model(seed=3, arch=request.param)[0].eval()
 
 
 def _gen(model, prompts, **kw):  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_runtime.algorithms.grpo import entropy_from_logits, group_advantages, kl_k3, ppo_clip_loss, token_logprobs
-from gpu_runtime.models.causal_lm import ModelConfig, build_model, positions_from_mask
+from tests.engine_fixtures import tiny_model
 
 
 def test_group_advantages_two_groups() -> None:
@@ -82,7 +82,7 @@ def test_entropy_from_logits_uniform_and_peaked() -> None:
 
 def test_token_logprobs_right_padding_matches_unpadded() -> None:
     torch.manual_seed(0)
-    model = build_model(ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=1)
+    model = tiny_model(seed=1)[0]
     a = torch.tensor([[1, 5, 6, 7, 8]])
     b = torch.tensor([[1, 9, 4, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
@@ -91,5 +91,5 @@ def test_token_logprobs_right_padding_matches_unpadded() -> None:
     alone = token_logprobs(model, b[:, :3], mask[1:, :3])
     assert torch.allclose(lp[1, :2], alone[0], atol=1e-5)
     # direct check of the first entry
-    logits = model(a, torch.ones_like(a, dtype=torch.bool), positions_from_mask(torch.ones_like(a, dtype=torch.bool)))
+    logits = model(a).logits  # transformers' own forward, no mask or positions of ours
     assert lp[0, 0].item() == pytest.approx(torch.log_softmax(logits[0, 0], -1)[5].item(), abs=1e-5)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -11,17 +13,27 @@ import torch
 
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic
-from gpu_runtime.models.causal_lm import ModelConfig
 from gpu_runtime.models.model_folder import load_model_folder, model_checksum
-from gpu_runtime.models.tokenizer import CharTokenizer
+from gpu_runtime.models.tokenizer import Tokenizer
 from activities.translate import trainer_hparams
 from gpu_runtime.trainer import PolicyTrainer, TrainerHParams
-from workflows.config import TrainSpec
+from gpu_runtime.trainer.api import ModelInit, ModelSource
+from gpu_runtime.trainer.base_model import base_model_folder
+from workflows.config import ModelInitSpec, TrainSpec
 
-TOK = CharTokenizer()
-CFG = ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 ROWS = generate_arithmetic(32, seed=0, max_operand=20)
+INIT = ModelInitSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64)
+
+
+@cache
+def base(seed: int) -> Path:
+    """A real HF folder (BPE tokenizer trained on ROWS, seeded transformers init), as a run builds it."""
+    source = ModelSource(path=None, init=ModelInit.model_validate(INIT.model_dump()))
+    return base_model_folder(source, ROWS, seed, Path(tempfile.mkdtemp(prefix="trainer-base-")))
+
+
+TOK = Tokenizer.load(base(7))
 METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens", "tokens_per_s",
            "reward_mean", "reward_std", "response_len_mean")
 
@@ -56,7 +68,7 @@ def rollout(step: int, n_prompts: int = 2, group: int = 4) -> tuple[list[Sample]
 
 def new_trainer(seed: int = 7, **kw: object) -> PolicyTrainer:
     hp = hparams(**kw)
-    tr = PolicyTrainer.create(CFG, TOK, hp, seed)
+    tr = PolicyTrainer.create(base(seed), hp, seed)
     tr.sft_warmup(ROWS, steps=3, batch_size=8, lr=1e-3, seed=seed)
     return tr
 
@@ -150,7 +162,7 @@ def test_two_fresh_trainers_are_bitwise_identical() -> None:
 
 
 def test_sft_warmup_resets_rl_state() -> None:
-    tr = PolicyTrainer.create(CFG, TOK, hparams(), 1)
+    tr = PolicyTrainer.create(base(1), hparams(), 1)
     init = tr.checksum()
     m = tr.sft_warmup(ROWS, steps=4, batch_size=8, lr=1e-3, seed=1)
     assert m["sft_loss_last"] < m["sft_loss_first"]
@@ -166,7 +178,7 @@ def test_export_and_evaluate(tmp_path: Path) -> None:
     assert checksum == tr.checksum()
     model, tok, meta = load_model_folder(tmp_path / "m")
     assert meta == {"weight_version": 1, "checksum": checksum}
-    assert model_checksum(model) == checksum and tok.chars == TOK.chars
+    assert model_checksum(model) == checksum and tok.encode("12+7=") == TOK.encode("12+7=")
     acc = tr.evaluate_greedy(ROWS, limit=8, max_new_tokens=4)
     assert 0.0 <= acc <= 1.0
 

@@ -14,7 +14,7 @@ from gpu_runtime.data.rewards import (
     score_samples,
 )
 from workflows.config import RewardSpec
-from gpu_runtime.models.tokenizer import CharTokenizer
+from tests.engine_fixtures import _tokenizer
 
 ROW = {"id": "r0", "question": "What is 23+45?", "answer": "23+45=68\n#### 68"}
 _RELEASE = threading.Event()
@@ -71,19 +71,21 @@ def settings(**kw: object) -> RewardSettings:
     return reward_settings(RewardSpec(**kw))
 
 
-def _samples(tok: CharTokenizer) -> list[Sample]:
-    p = tok.encode("23+45=", add_bos=True)
+def _samples() -> list[Sample]:
+    """Samples as the rollout stores them: ids, and their text decoded by the model's tokenizer."""
+    tok = _tokenizer()
+    p = tok.encode("23+45=")
     out = []
     for g, text in enumerate(["68", "67", "6"]):
         r = tok.encode(text) + [tok.eos_token_id]
         out.append(Sample(sample_id=f"s0-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=p, response_ids=r,
-                          logprobs=[0.0] * len(r), weight_version=0, finish_reason="stop"))
+                          logprobs=[0.0] * len(r), weight_version=0, finish_reason="stop",
+                          prompt_text="23+45=", response_text=tok.decode(r)))
     return out
 
 
 def test_score_samples_math() -> None:
-    tok = CharTokenizer()
-    res = score_samples(_samples(tok), [ROW], tok, settings())
+    res = score_samples(_samples(), [ROW], settings())
     assert [r.reward for r in res] == [1.0, 0.0, 0.0]
     assert [r.correct for r in res] == [True, False, False]
     assert res[0].sample_id == "s0-p0-g0"
@@ -91,19 +93,17 @@ def test_score_samples_math() -> None:
 
 @pytest.mark.parametrize("sep", [":", "."])
 def test_score_samples_custom_by_dotted_path(sep: str) -> None:
-    tok = CharTokenizer()
     spec = settings(kind="custom", function=f"{__name__}{sep}length_reward")
-    res = score_samples(_samples(tok), {0: ROW}, tok, spec)
+    res = score_samples(_samples(), {0: ROW}, spec)
     assert [r.reward for r in res] == [2.5, 2.5, 1.5]
     assert [r.correct for r in res] == [True, False, False]
 
 
 def test_custom_errors_name_the_function() -> None:
-    tok = CharTokenizer()
     with pytest.raises(RewardError, match="failing_reward.*KeyError"):
-        score_samples(_samples(tok), [ROW], tok, settings(kind="custom", function=f"{__name__}:failing_reward"))
+        score_samples(_samples(), [ROW], settings(kind="custom", function=f"{__name__}:failing_reward"))
     with pytest.raises(RewardError, match="string_reward.*expected float"):
-        score_samples(_samples(tok), [ROW], tok, settings(kind="custom", function=f"{__name__}:string_reward"))
+        score_samples(_samples(), [ROW], settings(kind="custom", function=f"{__name__}:string_reward"))
     with pytest.raises(RewardError, match="no_such_module"):
         load_reward_function("no_such_module:fn")
     with pytest.raises(RewardError, match="no callable 'missing'"):
@@ -111,19 +111,17 @@ def test_custom_errors_name_the_function() -> None:
 
 
 def test_custom_timeout() -> None:
-    tok = CharTokenizer()
     spec = settings(kind="custom", function=f"{__name__}:blocking_reward", timeout_s=0.05)
     try:
         with pytest.raises(RewardError, match="blocking_reward.*timed out after 0.05 s"):
-            score_samples(_samples(tok), [ROW], tok, spec)
+            score_samples(_samples(), [ROW], spec)
     finally:
         _RELEASE.set()
 
 
 def test_unknown_prompt_index() -> None:
-    tok = CharTokenizer()
     with pytest.raises(ValueError, match="prompt_index 0 not in dataset"):
-        score_samples(_samples(tok), {}, tok, settings())
+        score_samples(_samples(), {}, settings())
 
 
 @pytest.mark.parametrize(
@@ -142,8 +140,7 @@ def test_function_not_found_is_its_own_type(path: str, needle: str) -> None:
 
 
 def test_function_that_raises_is_not_a_not_found() -> None:
-    tok = CharTokenizer()
     spec = settings(kind="custom", function=f"{__name__}:failing_reward")
     with pytest.raises(RewardError) as err:
-        score_samples(_samples(tok), [ROW], tok, spec)
+        score_samples(_samples(), [ROW], spec)
     assert not isinstance(err.value, RewardFunctionNotFound)

@@ -12,7 +12,7 @@ import pytest
 from activities import translate
 from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import CheckpointSaved, NodeEvent, Rebuild, TrainResult, VersionInfo
-from workflows.config import CheckpointSpec, HParamUpdate, ModelSpec, RolloutSpec, SFTSpec, TrainSpec
+from workflows.config import CheckpointSpec, HParamUpdate, ModelInitSpec, ModelSpec, RolloutSpec, SFTSpec, TrainSpec
 from workflows.contracts import DatasetInfo, InitPolicyInput, RolloutInput, RunEvent, TrainStepInput
 
 
@@ -49,8 +49,9 @@ def test_train_spec_arrives_whole() -> None:
 
 def test_run_setup_and_step_batch() -> None:
     inp = InitPolicyInput(
-        run_id="r", store_uri="file:///s", seed=5, model=ModelSpec(hidden_size=32, num_attention_heads=4),
-        sft=SFTSpec(steps=7, batch_size=3, lr=2e-3), train=TRAIN, dataset=DATASET,
+        run_id="r", store_uri="file:///s", seed=5,
+        model=ModelSpec(init=ModelInitSpec(arch="llama", hidden_size=32, num_attention_heads=4, vocab_size=300)),
+        sft=SFTSpec(steps=7, batch_size=3, lr=2e-3, grad_clip=0.5), train=TRAIN, dataset=DATASET,
         checkpoint=CheckpointSpec(every=2, keep_last=9), config_hash="abc", policy_version=4,
     )
     setup = translate.run_setup(inp)
