@@ -151,7 +151,7 @@ class EngineState:
             "model_path": self.model_path,
             "weight_version": self.weight_version,
             "checksum": self.checksum,
-            "model_config": {k: v for k, v in vars(self.model.config).items() if k != "extra"},
+            "model_config": self.model.config.to_diff_dict() | {"model_type": self.model.config.model_type},
             "torch_threads": torch.get_num_threads(),
             "busy": self.busy,
             "num_generate_requests": self.num_generate_requests,

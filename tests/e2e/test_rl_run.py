@@ -4,17 +4,20 @@ engine and router processes (the embedded CPU default)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
 from milestone_cli.report import render_report
 from tests.stack import Stack, tiny_config
 from workers.common import connect
@@ -99,6 +102,57 @@ def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
     assert v0.keys() == v3.keys()
     assert any(not torch.equal(v0[k], v3[k]) for k in v0)
     assert all(torch.isfinite(t).all() for t in v3.values())
+    gap = assert_token_in_token_out(store, "e2e-run", step=1)
+    print(f"max |engine logprob - transformers logprob| over step 1's response tokens: {gap:.2e}")
+
+
+def assert_token_in_token_out(store: Path, run_id: str, step: int) -> float:
+    """The trainer trains exactly the ids the engines produced, and the engines'
+    logprobs are those of the transformers model on those ids. Returns the max gap."""
+    run = store / "runs" / run_id
+    batch = json.loads((run / "steps" / f"{step:06d}" / "step_batch.json").read_text())
+    samples = [s for key in batch["chunk_keys"] for s in json.loads((store / key).read_text())["samples"]]
+    assert samples and all(s["weight_version"] == step - 1 for s in samples)
+    weights = run / "weights" / f"v{step - 1:06d}"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(weights), local_files_only=True).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(weights), local_files_only=True)
+    gap = 0.0
+    for s in samples:
+        assert tok.decode(s["response_ids"], skip_special_tokens=True) == s["response_text"]
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        n = len(s["prompt_ids"])
+        mine = [logp[n - 1 + j, t].item() for j, t in enumerate(s["response_ids"])]
+        assert len(s["logprobs"]) == len(mine)
+        gap = max(gap, *(abs(a - b) for a, b in zip(s["logprobs"], mine)))
+    assert gap < 1e-4, gap
+    return gap
+
+
+def test_run_trains_a_users_llama_folder(stack: Stack, tmp_path: Path) -> None:
+    """``model.path``: a Hugging Face folder the user brings (here a Llama made locally,
+    its own BPE tokenizer and chat template) is the model; the final folder is still a Llama
+    with the user's tokenizer."""
+    user = tmp_path / "my-llama"
+    texts = [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)]
+    init_model_folder(user, arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tokenizer=train_bpe_tokenizer(texts, 300), seed=5, tie_word_embeddings=False)
+    store = tmp_path / "store"
+    cfg = tiny_config(store, steps=2)
+    cfg["model"] = {"path": str(user)}
+
+    async def main() -> None:
+        summary = await run_to_end(await connect(stack.server.address), "llama-run", cfg)
+        assert summary.steps == 2
+
+    asyncio.run(main())
+    final = store / "runs" / "llama-run" / "weights" / "v000002"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(final), local_files_only=True)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (final / "tokenizer.json").read_bytes() == (user / "tokenizer.json").read_bytes()
+    assert_token_in_token_out(store, "llama-run", step=2)
 
 
 def test_engine_settings_follow_the_run(stack: Stack, tmp_path: Path) -> None:
