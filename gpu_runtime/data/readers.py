@@ -187,10 +187,10 @@ def _normalize(
     for target, name, what in required:
         if name not in record:
             problems.append(f"missing field {name!r} ({what})")
+        elif target is None:  # metadata: any JSON value, null included
+            candidate["metadata"][name] = record[name]
         elif record[name] is None:
             problems.append(f"field {name!r} is null ({what})")
-        elif target is None:
-            candidate["metadata"][name] = record[name]
         else:
             candidate[target] = _as_text(record[name]) if target == "answer" else record[name]
     if problems:
@@ -220,7 +220,9 @@ def _describe(e: Any, source: DataSource) -> str:
     path = name + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
     value = e.get("input")
     kind = e["type"]
-    if kind == "string_type":
+    if value is None and kind.endswith("_type"):
+        what = "is null"
+    elif kind == "string_type":
         allowed = "a string or an integer" if head in ("id", "answer") else "a string"
         what = f"must be {allowed}, got {type(value).__name__}"
     elif kind == "list_type":
