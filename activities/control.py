@@ -15,6 +15,7 @@ from activities.heartbeat import with_heartbeat
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.node import metrics
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
+from gpu_runtime.data.readers import iter_rows
 from gpu_runtime.data.rewards import RewardError, RewardFunctionNotFound, score_samples
 from gpu_runtime.store.uri import open_store
 from workflows.failures import Failure, failure
@@ -23,21 +24,24 @@ from workflows.contracts import DatasetInfo, PrepareDataInput, RewardInput, Rewa
 
 @activity.defn(name="prepare_data")
 def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
+    """Write the run's dataset once, as normalized rows (``gpu_runtime.data.rows``).
+    A bad row or a missing file fails the run (``InvalidInput``, not retried)."""
     store = open_store(inp.store_uri)
     key = art.dataset_key(inp.run_id, "train")
     if not store.exists(key):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "train.jsonl"
-            if inp.data.kind == "arithmetic":
-                rows = generate_arithmetic(inp.data.num_train, inp.seed, inp.data.max_operand, inp.data.ops)
-                write_jsonl(rows, path)
+            d = inp.data
+            if d.kind == "arithmetic":
+                write_jsonl(generate_arithmetic(d.num_train, inp.seed, d.max_operand, d.ops), path)
             else:
-                assert inp.data.path is not None
+                rows = iter_rows(translate.data_source(d), require_int_answer=inp.reward.kind == "math_answer")
                 try:
-                    rows = load_jsonl(inp.data.path)
-                except (ValueError, FileNotFoundError) as err:
+                    write_jsonl(rows, path)
+                except ValueError as err:  # a DatasetError: one line per bad row, naming file:line / file:row
                     raise failure(Failure.INVALID_INPUT, str(err)) from err
-                write_jsonl(rows, path)
+                except (FileNotFoundError, IsADirectoryError, PermissionError) as err:
+                    raise failure(Failure.INVALID_INPUT, f"data.path: {err}") from err
             store.put_file(key, path)
     data = store.get_bytes(key)
     return DatasetInfo(key=key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel
 
+from gpu_runtime.data.readers import DataSource
 from gpu_runtime.data.rewards import RewardSettings
 from gpu_runtime.engine.fleet_types import SlotInfo
 from gpu_runtime.engine.rollout import RolloutRequest
@@ -28,7 +29,7 @@ from gpu_runtime.trainer.api import (
     TrainResult,
     VersionInfo,
 )
-from workflows.config import ModelInitSpec, ModelSpec, RewardSpec, SFTSpec, TrainSpec
+from workflows.config import DataSpec, ModelInitSpec, ModelSpec, RewardSpec, SFTSpec, TrainSpec
 from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
@@ -48,6 +49,7 @@ MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
     (ModelSpec, ModelSource),
     (ModelInitSpec, ModelInit),
     (RewardSpec, RewardSettings),
+    (DataSpec, DataSource),
 ]
 
 
@@ -58,6 +60,11 @@ def trainer_hparams(train: TrainSpec) -> TrainerHParams:
 
 def reward_settings(reward: RewardSpec) -> RewardSettings:
     return RewardSettings.model_validate(reward.model_dump())
+
+
+def data_source(data: DataSpec) -> DataSource:
+    """(``milestone start``'s pre-flight does the same without importing this module, which imports torch.)"""
+    return DataSource.model_validate(data.model_dump())
 
 
 def run_setup(inp: InitPolicyInput) -> RunSetup:

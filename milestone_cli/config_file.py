@@ -53,7 +53,7 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
             return f"{path}:{_line_of(root, loc) or 1}"
 
         raise ConfigError(format_validation_error(err, where)) from None
-    return absolutize_store(cfg)
+    return absolutize_data_path(absolutize_store(cfg))
 
 
 def absolutize_store(cfg: RunConfig) -> RunConfig:
@@ -62,4 +62,13 @@ def absolutize_store(cfg: RunConfig) -> RunConfig:
         rest = cfg.store.removeprefix("file://")
         if not rest.startswith("/"):
             cfg = cfg.model_copy(update={"store": f"file://{Path(rest).resolve()}"})
+    return cfg
+
+
+def absolutize_data_path(cfg: RunConfig) -> RunConfig:
+    """A relative ``data.path`` is relative to where the run is started (the control
+    worker that reads it again in ``prepare_data`` may run elsewhere)."""
+    if cfg.data.path and not Path(cfg.data.path).is_absolute():
+        data = cfg.data.model_copy(update={"path": str(Path(cfg.data.path).expanduser().resolve())})
+        cfg = cfg.model_copy(update={"data": data})
     return cfg

@@ -84,7 +84,7 @@ def format_progress(p: RunProgress) -> str:
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
-    cfg = check_config(args.config)  # before connecting: config, jsonl rows, reward function
+    cfg = check_config(args.config)  # before connecting: config, jsonl / parquet rows, reward function
     state = None
     if args.resume_from:
         try:

@@ -1,6 +1,7 @@
 """What ``milestone start`` checks before it contacts Temporal.
 
-The config (file:line per bad key), a ``jsonl`` dataset (file:line per bad row),
+The config (file:line per bad key), a ``jsonl`` / ``parquet`` dataset (read whole:
+file:line / file:row N per bad row),
 a custom reward function (imported here, as the control worker will), and that a
 new run id names no run whose artifacts are already in the store.
 """
@@ -11,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpu_runtime.data.datasets import load_jsonl
+from gpu_runtime.data.readers import DataSource, DatasetError, check_source
 from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import StoreError
@@ -31,16 +32,24 @@ def check_config(path: str | Path) -> RunConfig:
         cfg = load_run_config(path)
     except ConfigError as err:
         raise PreflightError(str(err)) from None
-    if cfg.data.kind == "jsonl":
-        assert cfg.data.path is not None
-        try:
-            load_jsonl(cfg.data.path)
-        except (ValueError, OSError) as err:
-            raise PreflightError(f"data.path: {err}") from None
+    if cfg.data.kind != "arithmetic":
+        check_dataset(cfg)
     if cfg.reward.kind == "custom":
         assert cfg.reward.function is not None
         check_reward_function(cfg.reward.function)
     return cfg
+
+
+def check_dataset(cfg: RunConfig) -> int:
+    """Read and validate the whole dataset as ``prepare_data`` will; its row count."""
+    # activities.translate.data_source, without importing that module (it imports torch)
+    source = DataSource.model_validate(cfg.data.model_dump())
+    try:
+        return check_source(source, require_int_answer=cfg.reward.kind == "math_answer")
+    except DatasetError as err:  # one line per bad row, each naming its file:line / file:row
+        raise PreflightError(str(err)) from None
+    except (ValueError, OSError) as err:
+        raise PreflightError(f"data.path: {err}") from None
 
 
 def check_reward_function(path: str) -> None:

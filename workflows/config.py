@@ -71,19 +71,53 @@ class ModelSpec(Strict):
         return self
 
 
-class DataSpec(Strict):
-    """``arithmetic`` generates a GSM8K-format JSONL offline; ``jsonl`` reads ``path``."""
+_DATA_SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet", ".pq")}
 
-    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
-    path: str | None = None
-    num_train: int = Field(2000, ge=1)
-    max_operand: int = Field(99, ge=1)
-    ops: str = "+"
+
+class DataSpec(Strict):
+    """``arithmetic`` generates rows offline from the run seed; ``jsonl`` / ``parquet``
+    read ``path`` and map its keys onto the normalized row (``gpu_runtime.data.rows``).
+    The prompt comes from ``messages_key`` when it is set (a chat), else from
+    ``prompt_key``: ``messages_key`` wins, ``prompt_key`` is then unused."""
+
+    kind: Literal["arithmetic", "jsonl", "parquet"] = Field(
+        "arithmetic", description="arithmetic: generated offline; jsonl / parquet: read from path"
+    )
+    path: str | None = Field(
+        None, description="the dataset file (required for jsonl / parquet; suffix .jsonl/.ndjson/.json or .parquet/.pq)"
+    )
+    num_train: int = Field(2000, ge=1, description="rows to generate (arithmetic)")
+    max_operand: int = Field(99, ge=1, description="operands are drawn from 0..max_operand (arithmetic)")
+    ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic)")
+    prompt_key: str = Field("question", min_length=1, description="the key / column holding the plain-text prompt")
+    messages_key: str | None = Field(
+        None, min_length=1, description="the key / column holding a chat [{role, content}, ...]; wins over prompt_key"
+    )
+    label_key: str = Field("answer", min_length=1, description="the key / column holding the label (string or integer)")
+    id_key: str | None = Field(
+        "id", min_length=1, description="the key / column holding a unique id; absent, null or unset: row-<index>"
+    )
+    metadata_keys: list[str] = Field(
+        default_factory=list, description="keys / columns copied into the row's metadata (passed to reward functions)"
+    )
+
+    @field_validator("metadata_keys")
+    @classmethod
+    def _metadata_keys(cls, v: list[str]) -> list[str]:
+        if any(not k for k in v):
+            raise ValueError("keys must not be empty")
+        if len(set(v)) != len(v):
+            raise ValueError(f"keys must be unique, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _path(self) -> "DataSpec":
-        if self.kind == "jsonl" and not self.path:
-            raise ValueError("path is required when kind is 'jsonl'")
+        if self.kind != "arithmetic":
+            if not self.path:
+                raise ValueError(f"path is required when kind is {self.kind!r}")
+            suffixes = _DATA_SUFFIXES[self.kind]
+            if not self.path.lower().endswith(suffixes):
+                raise ValueError(f"path {self.path!r} must end with {' or '.join(suffixes)} for kind {self.kind!r}")
         return self
 
 

@@ -35,6 +35,7 @@ class PrepareDataInput(BaseModel):
     store_uri: str
     seed: int
     data: DataSpec
+    reward: RewardSpec = Field(default_factory=RewardSpec)  # math_answer: every label needs an integer answer
 
 
 class DatasetInfo(BaseModel):

@@ -77,7 +77,8 @@ class TrainingRun:
 
         if not st.initialized:
             st.dataset = await run_activity(
-                "prepare_data", PrepareDataInput(run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data),
+                "prepare_data",
+                PrepareDataInput(run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data, reward=cfg.reward),
                 DatasetInfo, task_queue=CONTROL_QUEUE, summary="prepare dataset",
             )
             await self._place_on_node(run_id, chash, init=True)

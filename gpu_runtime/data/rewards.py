@@ -2,7 +2,8 @@
 loaded by dotted path (``"pkg.module:fn"`` or ``"pkg.module.fn"``).
 
 A custom function has the signature ``fn(prompt: str, response: str, row: dict) -> float``
-and runs in a daemon thread with a timeout; a timeout, an exception or a
+(``row`` is the normalized row of ``gpu_runtime.data.rows``: ``id``, ``prompt`` or
+``messages``, ``answer``, ``metadata``) and runs in a daemon thread with a timeout; a timeout, an exception or a
 non-finite / non-numeric result raises ``RewardError`` naming the function.
 A function that cannot be found at all (bad path, module not importable,
 attribute missing or not callable) raises ``RewardFunctionNotFound``: that
@@ -23,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from gpu_runtime.store.artifacts import Sample, SampleReward
-from gpu_runtime.data.datasets import final_answer
+from gpu_runtime.data.rows import final_answer
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ def extract_answer(text: str) -> str | None:
 
 
 def math_answer_reward(response_text: str, row: dict) -> tuple[float, bool]:
-    """(1.0, True) when the extracted answer equals the row's final answer, else (0.0, False)."""
+    """(1.0, True) when the extracted answer equals the row's final answer, else (0.0, False).
+    ValueError naming the row when its label holds no integer answer."""
     got = extract_answer(response_text)
     correct = got is not None and got == final_answer(row)
     return (1.0 if correct else 0.0), correct

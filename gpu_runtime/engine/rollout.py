@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.data.datasets import encode_prompt, prompt_text, prompts_for_step
+from gpu_runtime.data.datasets import encode_prompt, prompts_for_step
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.models.tokenizer import Tokenizer
 
@@ -113,7 +113,7 @@ def generate_chunk(
                 logprobs=lps,
                 weight_version=req.policy_version,
                 finish_reason=finish.get("type", "stop") if isinstance(finish, dict) else str(finish),
-                prompt_text=prompt_text(rows[idx]),
+                prompt_text=tokenizer.decode(prompt_ids, skip_special=False),
                 response_text=tokenizer.decode(list(res["output_ids"])),
             )
         )

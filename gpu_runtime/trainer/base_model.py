@@ -9,7 +9,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from gpu_runtime.data.datasets import prompt_text, sft_target
+from gpu_runtime.data.datasets import prompt_messages, prompt_text, sft_target
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
 from gpu_runtime.store.artifacts import derive_seed
 from gpu_runtime.trainer.api import ModelSource
@@ -19,8 +19,14 @@ DONE = ".complete"
 
 
 def tokenizer_texts(rows: list[dict]) -> list[str]:
-    """What the tokenizer of a new model is trained on: each row's prompt and target."""
-    return [prompt_text(r) + sft_target(r) for r in rows]
+    """What the tokenizer of a new model is trained on: each row's prompt (or its
+    messages' contents) and its SFT target."""
+    out = []
+    for r in rows:
+        messages = prompt_messages(r)
+        prompt = "\n".join(m["content"] for m in messages) if messages is not None else prompt_text(r)
+        out.append(prompt + sft_target(r))
+    return out
 
 
 def base_model_folder(source: ModelSource, rows: list[dict], seed: int, work_dir: Path) -> Path:

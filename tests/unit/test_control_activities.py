@@ -1,16 +1,21 @@
-"""``compute_rewards`` on a real local store, run in Temporal's activity test
-environment: a reward function that cannot be loaded fails the run (InvalidInput,
-not retried); one that raises when called is a retried RewardError."""
+"""``compute_rewards`` and ``prepare_data`` on a real local store, run in Temporal's
+activity test environment: a reward function that cannot be loaded fails the run
+(InvalidInput, not retried); one that raises when called is a retried RewardError;
+a bad dataset row fails the run (InvalidInput, not retried)."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.control import compute_rewards, prepare_data
+from gpu_runtime.data.datasets import load_jsonl
 from tests.engine_fixtures import _tokenizer
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
@@ -83,3 +88,44 @@ def test_raising_reward_function_is_retried(step_inputs: tuple[str, DatasetInfo,
         rewards(step_inputs, f"{__name__}:raising_reward")
     assert err.value.type == Failure.REWARD_ERROR and not err.value.non_retryable
     assert "raised ZeroDivisionError: reward bug" in err.value.message
+
+
+# ---- prepare_data on a user's dataset ---------------------------------------------------------
+def prepare(tmp_path: Path, data: DataSpec, reward: RewardSpec | None = None) -> DatasetInfo:
+    inp = PrepareDataInput(run_id="u", store_uri=f"file://{tmp_path / 'store'}", seed=1, data=data,
+                           reward=reward or RewardSpec())
+    return ActivityEnvironment().run(prepare_data, inp)
+
+
+def test_prepare_data_writes_normalized_rows_from_parquet(tmp_path: Path) -> None:
+    src = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"uid": [3, 4], "text": ["Say 7", "Say 8"], "label": ["#### 7", "8"],
+                             "src": ["a", "b"]}), src)
+    info = prepare(tmp_path, DataSpec(kind="parquet", path=str(src), prompt_key="text", label_key="label",
+                                      id_key="uid", metadata_keys=["src"]))
+    assert info.n_rows == 2
+    with tempfile.TemporaryDirectory() as tmp:
+        open_store(f"file://{tmp_path / 'store'}").get_file(info.key, Path(tmp) / "d.jsonl")
+        rows = load_jsonl(Path(tmp) / "d.jsonl")
+    assert rows == [
+        {"id": "3", "prompt": "Say 7", "messages": None, "answer": "#### 7", "metadata": {"src": "a"}},
+        {"id": "4", "prompt": "Say 8", "messages": None, "answer": "8", "metadata": {"src": "b"}},
+    ]
+
+
+def test_prepare_data_bad_row_is_invalid_input_not_retried(tmp_path: Path) -> None:
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"id": "a", "question": "q", "answer": "#### 1"}\n{"id": "b", "question": "q", "answer": "x"}\n')
+    with pytest.raises(ApplicationError) as err:
+        prepare(tmp_path, DataSpec(kind="jsonl", path=str(src)))
+    assert err.value.type == Failure.INVALID_INPUT and err.value.non_retryable
+    assert err.value.message.startswith(f"{src}:2: field 'answer' has no integer answer")
+    assert not open_store(f"file://{tmp_path / 'store'}").exists(art.dataset_key("u", "train"))
+    # a custom reward takes any text label
+    assert prepare(tmp_path, DataSpec(kind="jsonl", path=str(src)), RewardSpec(kind="custom", function="m:f")).n_rows == 2
+
+
+def test_prepare_data_missing_file_is_invalid_input(tmp_path: Path) -> None:
+    with pytest.raises(ApplicationError) as err:
+        prepare(tmp_path, DataSpec(kind="parquet", path=str(tmp_path / "nope.parquet")))
+    assert err.value.type == Failure.INVALID_INPUT and err.value.message.startswith("data.path: ")

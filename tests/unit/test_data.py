@@ -1,7 +1,9 @@
-"""Arithmetic dataset format, validation errors and deterministic prompt order."""
+"""The built-in arithmetic rows (byte-identical to the generator before normalized
+rows), the run's dataset file, and the deterministic prompt order."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -11,23 +13,64 @@ from gpu_runtime.data.datasets import (
     encode_prompt, final_answer, generate_arithmetic, load_jsonl, prompt_order, prompt_text, prompts_for_step,
     sft_target, write_jsonl,
 )
+from gpu_runtime.data.rows import DataRow
 from tests.engine_fixtures import _tokenizer
+
+# captured from the generator before rows were normalized (rows were {"id", "question", "answer"}):
+# (id, old question, prompt_text, sft_target, answer)
+OLD_SEED1 = [
+    ("arith-1-000000", "What is 1+55?", "1+55=", "56", "1+55=56\n#### 56"),
+    ("arith-1-000001", "What is 0+47?", "0+47=", "47", "0+47=47\n#### 47"),
+    ("arith-1-000002", "What is 87+91?", "87+91=", "178", "87+91=178\n#### 178"),
+    ("arith-1-000003", "What is 16+10?", "16+10=", "26", "16+10=26\n#### 26"),
+    ("arith-1-000004", "What is 80+80?", "80+80=", "160", "80+80=160\n#### 160"),
+]
+OLD_SEED7_OPS = [
+    ("arith-7-000000", "What is 2-51?", "2-51=", "-49", "2-51=-49\n#### -49"),
+    ("arith-7-000001", "What is 52*89?", "52*89=", "4628", "52*89=4628\n#### 4628"),
+    ("arith-7-000002", "What is 47-58?", "47-58=", "-11", "47-58=-11\n#### -11"),
+    ("arith-7-000003", "What is 68+71?", "68+71=", "139", "68+71=139\n#### 139"),
+    ("arith-7-000004", "What is 73-48?", "73-48=", "25", "73-48=25\n#### 25"),
+    ("arith-7-000005", "What is 92*43?", "92*43=", "3956", "92*43=3956\n#### 3956"),
+]
+# sha256 of json.dumps([[id, prompt_text, sft_target, final_answer] ...]) over generate_arithmetic(2000, 1),
+# the demo config's dataset, computed with the old generator
+OLD_2000_SEED1_SHA = "ceae6f050ebb9530bc72cc87cec1ea1c25b80bea21f908b28aa5668f0d4f89be"
+OLD_500_SEED3_OPS_SHA = "b94e973d2abe55463f0e7903be6f34b02fa80522e415dfb06e9c4c08067cd346"
+
+
+def _digest(rows: list[dict]) -> str:
+    return hashlib.sha256(
+        json.dumps([[r["id"], prompt_text(r), sft_target(r), final_answer(r)] for r in rows]).encode()
+    ).hexdigest()
+
+
+@pytest.mark.parametrize(("rows", "old"), [
+    (generate_arithmetic(5, seed=1), OLD_SEED1),
+    (generate_arithmetic(6, seed=7, max_operand=99, ops="+-*"), OLD_SEED7_OPS),
+])
+def test_arithmetic_rows_are_byte_identical_to_before(rows: list[dict], old: list[tuple]) -> None:
+    for row, (rid, _question, prompt, target, answer) in zip(rows, old, strict=True):
+        assert row == {"id": rid, "prompt": prompt, "messages": None, "answer": answer, "metadata": {}}
+        assert (prompt_text(row), sft_target(row), final_answer(row)) == (prompt, target, target)
+        assert DataRow.model_validate(row).model_dump() == row
+
+
+def test_arithmetic_prompts_and_targets_match_the_old_generator_in_bulk() -> None:
+    assert _digest(generate_arithmetic(2000, seed=1)) == OLD_2000_SEED1_SHA
+    assert _digest(generate_arithmetic(500, seed=3, max_operand=50, ops="+-*")) == OLD_500_SEED3_OPS_SHA
 
 
 def test_generate_format_and_characters() -> None:
     rows = generate_arithmetic(50, seed=3, max_operand=99, ops="+-*")
     assert len({r["id"] for r in rows}) == 50
     for r in rows:
-        a_op_b = prompt_text(r)[:-1]
-        value = eval(a_op_b)  # noqa: S307 - our own generated "a+b"
+        value = eval(prompt_text(r)[:-1])  # noqa: S307 - our own generated "a+b"
         assert r["answer"].endswith(f"#### {value}")
-        assert final_answer(r) == str(value)
-        assert sft_target(r) == str(value)
-    row = {"id": "x", "question": "What is 23+45?", "answer": "23+45=68\n#### 68"}
-    assert prompt_text(row) == "23+45="
-    assert sft_target(row) == "68"
+        assert final_answer(r) == sft_target(r) == str(value)
     tok = _tokenizer()
-    assert tok.decode(encode_prompt(tok, row)) == "23+45="  # no BOS: the tokenizer has none
+    row = generate_arithmetic(1, seed=1)[0]
+    assert tok.decode(encode_prompt(tok, row)) == "1+55="  # no BOS: the tokenizer has none
 
 
 def test_generate_is_deterministic_and_seed_dependent() -> None:
@@ -35,33 +78,38 @@ def test_generate_is_deterministic_and_seed_dependent() -> None:
     assert generate_arithmetic(20, seed=1) != generate_arithmetic(20, seed=2)
 
 
-def test_non_arithmetic_rows_use_full_answer() -> None:
-    row = {"id": "g1", "question": "Tom has 3 apples and buys 2. How many?", "answer": "3+2=5\n#### 5"}
-    assert prompt_text(row) == "Tom has 3 apples and buys 2. How many?\nAnswer: "
-    assert sft_target(row) == "3+2=5\n#### 5"
-
-
-def test_jsonl_round_trip(tmp_path: Path) -> None:
+def test_dataset_file_round_trip(tmp_path: Path) -> None:
     rows = generate_arithmetic(10, seed=0)
     path = tmp_path / "d" / "train.jsonl"
-    write_jsonl(rows, path)
+    assert write_jsonl(iter(rows), path) == 10
     assert load_jsonl(path) == rows
+
+
+def test_dataset_file_of_an_older_run_reads_with_its_old_prompts(tmp_path: Path) -> None:
+    """A run prepared before normalized rows can still be resumed: same prompts and targets."""
+    path = tmp_path / "train.jsonl"
+    old = [{"id": rid, "question": q, "answer": a} for rid, q, _, _, a in OLD_SEED7_OPS]
+    old.append({"id": "g1", "question": "Tom has 3 apples and buys 2. How many? ", "answer": "3+2=5\n#### 5"})
+    write_jsonl(old, path)
+    rows = load_jsonl(path)
+    assert [(prompt_text(r), sft_target(r)) for r in rows[:-1]] == [(p, t) for _, _, p, t, _ in OLD_SEED7_OPS]
+    assert prompt_text(rows[-1]) == "Tom has 3 apples and buys 2. How many?\nAnswer: "
+    assert sft_target(rows[-1]) == "3+2=5\n#### 5"
 
 
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
         ("{not json", "invalid JSON"),
-        (json.dumps({"id": "b", "question": "q?"}), "missing field 'answer'"),
-        (json.dumps({"id": "b", "question": "q?", "answer": "x\n#### 1.5"}), "field 'answer'"),
-        (json.dumps({"id": "b", "question": "q?", "answer": 5}), "field 'answer' must be a string"),
-        (json.dumps({"id": "a0", "question": "q?", "answer": "#### 1"}), "duplicates line 1"),
-        (json.dumps([1, 2]), "JSON object"),
+        (json.dumps({"id": "b", "prompt": "q?"}), "answer: Field required"),
+        (json.dumps({"id": "b", "prompt": "q?", "answer": 5}), "answer: Input should be a valid string"),
+        (json.dumps({"id": "a0", "prompt": "q?", "answer": "1"}), "duplicates line 1"),
+        (json.dumps({"id": "b", "answer": "1"}), "exactly one of 'prompt' and 'messages'"),
     ],
 )
-def test_bad_row_names_path_and_line(tmp_path: Path, line: str, needle: str) -> None:
+def test_bad_dataset_file_names_path_and_line(tmp_path: Path, line: str, needle: str) -> None:
     path = tmp_path / "bad.jsonl"
-    good = json.dumps({"id": "a0", "question": "What is 1+1?", "answer": "1+1=2\n#### 2"})
+    good = json.dumps({"id": "a0", "prompt": "1+1=", "messages": None, "answer": "1+1=2\n#### 2", "metadata": {}})
     path.write_text(good + "\n\n" + line + "\n")
     with pytest.raises(ValueError, match=f"bad.jsonl:3: .*{needle}") as exc:
         load_jsonl(path)
@@ -104,3 +152,15 @@ def test_bad_arguments_name_the_field() -> None:
         prompts_for_step(5, 1, -1, 2)
     with pytest.raises(ValueError, match="ops"):
         generate_arithmetic(3, 0, ops="/")
+
+
+def test_messages_row_is_rendered_by_the_models_chat_template() -> None:
+    tok = _tokenizer()
+    row = {"id": "c0", "prompt": None, "messages": [{"role": "system", "content": "Add."},
+                                                    {"role": "user", "content": "23+45?"}],
+           "answer": "68", "metadata": {}}
+    ids = encode_prompt(tok, row)
+    assert tok.decode(ids, skip_special=False) == (
+        "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n23+45?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert ids[0] == tok.hf.convert_tokens_to_ids("<|im_start|>")  # a special token, not its characters

@@ -16,7 +16,7 @@ from gpu_runtime.data.rewards import (
 from workflows.config import RewardSpec
 from tests.engine_fixtures import _tokenizer
 
-ROW = {"id": "r0", "question": "What is 23+45?", "answer": "23+45=68\n#### 68"}
+ROW = {"id": "r0", "prompt": "23+45=", "messages": None, "answer": "23+45=68\n#### 68", "metadata": {}}
 _RELEASE = threading.Event()
 
 
@@ -54,6 +54,18 @@ def test_math_answer_reward() -> None:
     assert math_answer_reward("23+45=68\n#### 68", ROW) == (1.0, True)
     assert math_answer_reward("67", ROW) == (0.0, False)
     assert math_answer_reward("", ROW) == (0.0, False)
+
+
+@pytest.mark.parametrize("label", ["Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72", "72", " 072\n", "#### 72"])
+def test_math_answer_reads_gsm8k_and_integer_labels(label: str) -> None:
+    row = {**ROW, "answer": label}
+    assert math_answer_reward("so 72 in total", row) == (1.0, True)
+    assert math_answer_reward("#### 71", row) == (0.0, False)
+
+
+def test_math_answer_on_a_label_without_an_integer_names_the_row() -> None:
+    with pytest.raises(ValueError, match="row 'r0': field 'answer' has no integer answer"):
+        math_answer_reward("72", {**ROW, "answer": "seventy-two"})
 
 
 def test_reward_spec_validation() -> None:
@@ -97,6 +109,23 @@ def test_score_samples_custom_by_dotted_path(sep: str) -> None:
     res = score_samples(_samples(), {0: ROW}, spec)
     assert [r.reward for r in res] == [2.5, 2.5, 1.5]
     assert [r.correct for r in res] == [True, False, False]
+
+
+def row_echo_reward(prompt: str, response: str, row: dict) -> float:
+    """Sees the normalized row: messages, answer and metadata."""
+    assert row["messages"] == [{"role": "user", "content": "23+45?"}] and row["prompt"] is None
+    return float(row["metadata"]["weight"]) * (response == row["answer"])
+
+
+def test_custom_reward_gets_the_normalized_row_with_a_text_label() -> None:
+    row = {"id": "c0", "prompt": None, "messages": [{"role": "user", "content": "23+45?"}], "answer": "6",
+           "metadata": {"weight": 2}}
+    res = score_samples(_samples(), [row], settings(kind="custom", function=f"{__name__}:row_echo_reward"))
+    assert [r.reward for r in res] == [0.0, 0.0, 2.0]
+    assert [r.correct for r in res] == [False, False, True]  # "6" is an integer label: the math rule decides
+    res = score_samples(_samples(), [{**row, "answer": "six"}],
+                        settings(kind="custom", function=f"{__name__}:row_echo_reward"))
+    assert [r.correct for r in res] == [False, False, False]  # no integer label: correct = reward > 0
 
 
 def test_custom_errors_name_the_function() -> None:
