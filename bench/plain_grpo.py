@@ -9,8 +9,10 @@ Data: ``generate_arithmetic(n_train + more, seed=data_seed)`` is one seeded
 stream; the first ``n_train`` rows are the train set (the same rows Milestone's
 run of that seed trains on) and the held-out set is the next rows whose prompt
 is not in the train set, first occurrence only (a tail split, no shared prompt).
-Prompt = ``prompt_text(row)`` (``"23+45="``) tokenized raw, no chat template,
-nothing prepended; SFT target = ``sft_target(row)`` tokens + EOS.
+Prompt = ``prompt_text(row)`` (``"23+45="``) tokenized raw (no chat template)
+with the tokenizer's special tokens, i.e. BOS first when the tokenizer has one
+(the factory's does; ``--no-bos`` builds one without); SFT target =
+``sft_target(row)`` tokens + EOS.
 
 SFT: ``steps`` batches of ``batch_size`` rows drawn with replacement (seeded),
 loss = mean NLL over target tokens of the batch, AdamW at a constant lr.
@@ -70,7 +72,8 @@ def split_rows(n_train: int, n_heldout: int, data_seed: int, max_operand: int = 
 
 def make_model_folder(out_dir: Path, train_rows: list[dict], args: argparse.Namespace) -> Path:
     """A BPE tokenizer trained on the train rows' text and a random-init model."""
-    tok = train_bpe_tokenizer([r["question"] + "\n" + r["answer"] for r in train_rows], args.vocab_size)
+    tok = train_bpe_tokenizer([r["question"] + "\n" + r["answer"] for r in train_rows], args.vocab_size,
+                              add_bos=not args.no_bos)
     return init_model_folder(
         out_dir, arch=args.arch, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -85,7 +88,8 @@ def load_policy(folder: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenize
 
 
 def encode_prompt(tok: PreTrainedTokenizerBase, row: dict) -> list[int]:
-    return tok(prompt_text(row), add_special_tokens=False)["input_ids"]
+    """``prompt_text(row)`` tokens, after the BOS if the tokenizer adds one."""
+    return tok(prompt_text(row))["input_ids"]
 
 
 def answer_of(text: str) -> str | None:
@@ -267,6 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--kv-heads", type=int, default=4)
     a("--max-positions", type=int, default=64)
     a("--vocab-size", type=int, default=512, help="BPE vocab size cap (the arithmetic texts give fewer merges)")
+    a("--no-bos", action="store_true", help="build the tokenizer without BOS (prompts start with their first digit)")
     a("--seed", type=int, default=0, help="model init, SFT batches, prompt order, sampling")
     a("--data-seed", type=int, help="dataset stream (default: --seed, as in a Milestone run)")
     a("--n-train", type=int, default=2000)

@@ -64,10 +64,10 @@ def test_tokenizer_is_deterministic_across_processes(tok, tmp_path: Path) -> Non
 
 
 def test_vocab_layout_and_too_small_vocab(tok) -> None:
-    assert 259 < len(tok) <= 300
-    assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    with pytest.raises(ValueError, match="vocab_size must be >= 259"):
-        train_bpe_tokenizer(TEXTS, vocab_size=258)
+    assert 260 < len(tok) <= 300
+    assert tok.convert_ids_to_tokens([0, 1, 2, 3]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|startoftext|>"]
+    with pytest.raises(ValueError, match="vocab_size must be >= 260"):
+        train_bpe_tokenizer(TEXTS, vocab_size=259)
 
 
 def test_digits_are_single_tokens(tok) -> None:
@@ -87,27 +87,41 @@ def test_round_trip_is_exact_for_arbitrary_text(tok) -> None:
         "  What is 12+34?\n#### 46  ", "e\u0301 (decomposed) vs \u00e9", "",
     ] + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(200)]
     for text in texts:
-        ids = tok(text)["input_ids"]
+        ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.decode(ids) == text, repr(text)
+        assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
 
 
-def test_eos_pad_and_no_bos(tok) -> None:
+def test_eos_pad_and_bos(tok) -> None:
     assert tok.eos_token == tok.pad_token == "<|endoftext|>"
     assert tok.eos_token_id == tok.pad_token_id == 0
+    assert tok.bos_token == "<|startoftext|>" and tok.bos_token_id == 3
+    chars = tok.convert_tokens_to_ids(list("23+45="))
+    assert tok("23+45=")["input_ids"] == [3, *chars]  # BOS prepended, nothing appended
+    assert tok("23+45=", add_special_tokens=False)["input_ids"] == chars
+    assert tok.decode([3, *chars, 0], skip_special_tokens=True) == "23+45="
+
+
+def test_without_bos() -> None:
+    tok = train_bpe_tokenizer(TEXTS, vocab_size=300, add_bos=False)
     assert tok.bos_token is None and tok.bos_token_id is None
-    ids = tok("23+45=")["input_ids"]
-    assert ids == tok.convert_tokens_to_ids(list("23+45="))  # nothing prepended or appended
-    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "23+45="
+    assert tok("23+45=")["input_ids"] == tok.convert_tokens_to_ids(list("23+45="))
+    assert tok.convert_ids_to_tokens([3]) == ["<|startoftext|>"]  # same ids either way, unused here
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n")
 
 
 def test_chat_template(tok) -> None:
     messages = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
     text = tok.apply_chat_template(messages, tokenize=False)
-    assert text == "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n"
+    assert text == ("<|startoftext|><|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+                    "<|im_start|>assistant\n5<|im_end|>\n")
     prompt = tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
-    assert prompt == "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
-    ids = tok(prompt)["input_ids"]
-    assert ids[0] == 1 and ids.count(1) == 2 and ids.count(2) == 1  # the markers are single special tokens
+    assert prompt == "<|startoftext|><|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.apply_chat_template(messages[:1], tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert ids == tok(prompt, add_special_tokens=False)["input_ids"]
+    assert ids[:2] == [3, 1] and ids.count(3) == 1  # one BOS, from the template
+    assert ids.count(1) == 2 and ids.count(2) == 1  # the markers are single special tokens
     assert tok.chat_template == CHATML_TEMPLATE
 
 
@@ -125,14 +139,15 @@ def test_model_folder_round_trip(arch: str, cls: str, tok, tmp_path: Path) -> No
     assert type(model).__name__ == cls
     assert model.dtype == torch.float32
     assert model.config.vocab_size == len(tok) == len(loaded_tok)
-    assert (model.config.eos_token_id, model.config.pad_token_id, model.config.bos_token_id) == (0, 0, None)
+    assert (model.config.eos_token_id, model.config.pad_token_id, model.config.bos_token_id) == (0, 0, 3)
     gen = model.generation_config
-    assert (gen.eos_token_id, gen.pad_token_id, gen.bos_token_id) == (0, 0, None)
+    assert (gen.eos_token_id, gen.pad_token_id, gen.bos_token_id) == (0, 0, 3)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied by default
     assert loaded_tok.chat_template == CHATML_TEMPLATE
     assert loaded_tok.extra_special_tokens == ["<|im_start|>", "<|im_end|>"]
     text = "What is 23+45?\n#### 68"
     assert loaded_tok(text)["input_ids"] == tok(text)["input_ids"]
+    assert loaded_tok(text)["input_ids"][0] == loaded_tok.bos_token_id == 3
 
     raw = json.loads((folder / "config.json").read_text())  # what transformers 4.x (SGLang) reads
     assert raw["rope_theta"] == 10000.0 and raw["dtype"] == "float32"
@@ -156,11 +171,15 @@ def test_seed_determinism_and_rng_untouched(tok) -> None:
     assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"], c["model.layers.0.self_attn.q_proj.weight"])
 
 
-def test_untied_llama_and_shape_errors(tok, tmp_path: Path) -> None:
-    folder = init_model_folder(tmp_path / "untied", arch="llama", tokenizer=tok, seed=0, tie_word_embeddings=False,
+def test_untied_llama_without_bos_and_shape_errors(tok, tmp_path: Path) -> None:
+    no_bos = train_bpe_tokenizer(TEXTS, vocab_size=300, add_bos=False)
+    folder = init_model_folder(tmp_path / "untied", arch="llama", tokenizer=no_bos, seed=0, tie_word_embeddings=False,
                                **SHAPE)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert model.config.bos_token_id is None and model.generation_config.bos_token_id is None
+    loaded = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert loaded.bos_token_id is None and loaded("12")["input_ids"] == no_bos("12")["input_ids"]
     with pytest.raises(FileExistsError):
         init_model_folder(folder, arch="llama", tokenizer=tok, seed=0, **SHAPE)
     with pytest.raises(ValueError, match="num_key_value_heads"):

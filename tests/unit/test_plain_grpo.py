@@ -99,3 +99,13 @@ def test_sft_learns_a_few_rows(policy) -> None:
     model, tok = pg.load_policy(folder)
     stats = pg.sft(model, tok, train[:4], steps=30, batch_size=8, lr=3e-3, seed=0, log_every=0)
     assert stats["sft_loss_last"] < 0.5 * stats["sft_loss_first"]
+
+
+def test_prompt_starts_with_bos_unless_built_without(policy, tmp_path: Path) -> None:
+    folder, train = policy
+    _, tok = pg.load_policy(folder)
+    assert pg.encode_prompt(tok, train[0])[0] == tok.bos_token_id
+    no_bos = pg.make_model_folder(tmp_path / "nb", train, pg.parse_args([*TINY, "--no-bos"]))
+    _, tok = pg.load_policy(no_bos)
+    assert pg.encode_prompt(tok, train[0]) == tok(prompt_text(train[0]))["input_ids"]
+    assert tok.bos_token_id is None and tok.convert_ids_to_tokens(pg.encode_prompt(tok, train[0])[0]).isdigit()
