@@ -12,7 +12,12 @@ gives identical weights.
 The tokenizer follows Qwen2's conventions: byte-level BPE, every digit its own
 token (so ``"123"`` is ``1``, ``2``, ``3``; no multi-digit number tokens),
 ``<|endoftext|>`` as EOS and PAD, ``<|im_start|>`` / ``<|im_end|>`` for a
-ChatML chat template, and no BOS (nothing is prepended to an encoding).
+ChatML chat template. Unlike Qwen2 it has a BOS, ``<|startoftext|>``, that
+``tokenizer(text)`` prepends (``add_special_tokens=False`` leaves it out; the
+chat template writes it itself, as Llama 3's does): a randomly initialised model
+trained from scratch on short prompts learns far worse without one (measured on
+2-digit addition, see bench/plain_grpo.py: 6 % vs 58 % held-out accuracy after
+the same SFT). ``add_bos=False`` gives the Qwen2 behaviour.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ from transformers import (
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
+STARTOFTEXT = "<|startoftext|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, STARTOFTEXT)  # ids 0-3, also when BOS is off
 N_BYTES = 256  # the byte-level alphabet every tokenizer starts from
 
-# ChatML, as Qwen2 uses it (without Qwen's default system message).
+# ChatML, as Qwen2 uses it (without Qwen's default system message), after the BOS if any.
 CHATML_TEMPLATE = (
+    "{%- if bos_token %}{{- bos_token }}{%- endif %}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}"
@@ -54,15 +61,22 @@ def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
 
 
 def train_bpe_tokenizer(
-    texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, model_max_length: int = 2048
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    add_bos: bool = True,
+    min_frequency: int = 2,
+    model_max_length: int = 2048,
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on ``texts`` with at most ``vocab_size`` entries
     (fewer when the texts offer no more merges seen ``min_frequency`` times).
-    Ids 0-2 are the special tokens, then the 256 byte symbols, then merges.
-    Decoding an encoding gives back the exact text (any Unicode)."""
+    Ids 0-3 are the special tokens, then the 256 byte symbols, then merges.
+    Decoding an encoding gives back the exact text (any Unicode). With
+    ``add_bos`` the tokenizer's bos_token is ``<|startoftext|>`` and encoding
+    with special tokens prepends it; without, it has no bos_token."""
     minimum = len(SPECIAL_TOKENS) + N_BYTES
     if vocab_size < minimum:
-        raise ValueError(f"vocab_size must be >= {minimum} (3 special tokens + 256 bytes), got {vocab_size}")
+        raise ValueError(f"vocab_size must be >= {minimum} (4 special tokens + 256 bytes), got {vocab_size}")
     if min_frequency < 0:
         raise ValueError(f"min_frequency must be >= 0, got {min_frequency}")
     tok = Tokenizer(models.BPE())
@@ -76,8 +90,12 @@ def train_bpe_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
+    # add_bos_token=True makes transformers 5 write a TemplateProcessing post-processor
+    # ("<|startoftext|> $A") into tokenizer.json, which 4.x applies as it is.
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
+        bos_token=STARTOFTEXT if add_bos else None,
+        add_bos_token=add_bos,
         eos_token=ENDOFTEXT,
         pad_token=ENDOFTEXT,
         extra_special_tokens=[IM_START, IM_END],
@@ -91,7 +109,9 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> No
     load: the chat template inside tokenizer_config.json, ``tokenizer_class``
     ``PreTrainedTokenizerFast`` (5.x writes ``TokenizersBackend``, unknown to 4.x)
     and the extra special tokens under 4.x's key ``additional_special_tokens``
-    (4.x reads a list under 5.x's ``extra_special_tokens`` as an error)."""
+    (4.x reads a list under 5.x's ``extra_special_tokens`` as an error).
+    Tokenize a rendered chat with ``add_special_tokens=False``: the template
+    already starts with the BOS."""
     folder = Path(folder)
     tokenizer.save_pretrained(str(folder), save_jinja_files=False)
     path = folder / "tokenizer_config.json"
@@ -136,8 +156,8 @@ def build_hf_model(
     """A random-init float32 ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` from
     transformers' own config and init, seeded (same seed: identical weights;
     the caller's torch RNG is left as it was). The vocab size is
-    ``len(tokenizer)``; eos/pad/bos ids come from the tokenizer (bos is None
-    for ours: it has none) into the config and the generation config."""
+    ``len(tokenizer)``; eos/pad/bos ids come from the tokenizer (bos None for
+    a tokenizer without BOS) into the config and the generation config."""
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError("tokenizer must have an eos_token and a pad_token")
     for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),

@@ -161,6 +161,8 @@ def test_messages_row_is_rendered_by_the_models_chat_template() -> None:
            "answer": "68", "metadata": {}}
     ids = encode_prompt(tok, row)
     assert tok.decode(ids, skip_special=False) == (
-        "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n23+45?<|im_end|>\n<|im_start|>assistant\n"
+        "<|startoftext|><|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n23+45?<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
-    assert ids[0] == tok.hf.convert_tokens_to_ids("<|im_start|>")  # a special token, not its characters
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # the template's BOS, not a second one
+    assert ids[1] == tok.hf.convert_tokens_to_ids("<|im_start|>")  # a special token, not its characters
