@@ -21,7 +21,9 @@ from workflows.training_run import TrainingRun
 
 HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.json"))
 # the workflow ids they were recorded under (child ids derive from the parent's id)
-WORKFLOW_IDS = {"training_run": "e2e-run", "rl_step": "e2e-run/step-1"}
+# rl_step: a step recorded before the eval existed (replays without it, via the patch);
+# rl_step_eval: the last step of a run with its held-out eval
+WORKFLOW_IDS = {"training_run": "e2e-run", "rl_step": "e2e-run/step-1", "rl_step_eval": "e2e-run/step-3"}
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
