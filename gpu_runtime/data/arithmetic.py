@@ -41,7 +41,9 @@ def _draw(rng: random.Random, row_id: str, max_operand: int, ops: str) -> dict:
     b = rng.randint(0, max_operand)
     op = ops[rng.randrange(len(ops))]
     c = _apply(a, op, b)
-    return {"id": row_id, "prompt": f"{a}{op}{b}=", "messages": None, "answer": f"{a}{op}{b}={c}\n#### {c}", "metadata": {}}
+    return {
+        "id": row_id, "prompt": f"{a}{op}{b}=", "messages": None, "answer": f"{a}{op}{b}={c}\n#### {c}", "metadata": {},
+    }
 
 
 def generate_arithmetic(n: int, seed: int, max_operand: int = 99, ops: str = "+") -> list[dict]:

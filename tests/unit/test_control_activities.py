@@ -162,8 +162,9 @@ def test_prepare_data_eval_split_from_eval_path_or_none(tmp_path: Path) -> None:
     info = prepare(tmp_path, DataSpec(kind="jsonl", path=str(train), eval_path=str(held)), eval_spec=EvalSpec(n=3))
     assert info.n_eval == 3 and [r["id"] for r in stored_rows(tmp_path, info.eval_key)] == ["h0", "h1", "h2"]
     # no eval_path, or eval switched off: no split (the run records an eval_skipped event)
-    for run_id, data, spec in (("w", DataSpec(kind="jsonl", path=str(train)), EvalSpec()),
-                               ("x", DataSpec(kind="jsonl", path=str(train), eval_path=str(held)), EvalSpec(enabled=False))):
+    cases = [("w", DataSpec(kind="jsonl", path=str(train)), EvalSpec()),
+             ("x", DataSpec(kind="jsonl", path=str(train), eval_path=str(held)), EvalSpec(enabled=False))]
+    for run_id, data, spec in cases:
         info = ActivityEnvironment().run(prepare_data, PrepareDataInput(
             run_id=run_id, store_uri=f"file://{tmp_path / 'store'}", seed=1, data=data, eval=spec))
         assert (info.eval_key, info.n_eval) == (None, 0)
