@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -16,8 +18,10 @@ from temporalio.exceptions import ApplicationError
 from activities import translate
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.engine.backends import SGLangEngineBackend
-from gpu_runtime.engine.fleet import HealthConfig, NoHealthyEngine, WeightMismatch
+from gpu_runtime.engine.evaluate import run_eval
+from gpu_runtime.engine.fleet import EngineFleet, HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.rollout import NonFiniteLogprobs, StaleWeights, run_rollout
+from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node import metrics
 from gpu_runtime.node.rpc import RemoteError
 from gpu_runtime.node.runtime import NodeRuntime
@@ -28,6 +32,8 @@ from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
     ClaimNodeInput,
+    EvalInput,
+    EvalResult,
     InitPolicyInput,
     NodeClaim,
     PolicyInfo,
@@ -41,6 +47,7 @@ from workflows.contracts import (
 from workflows.failures import Failure, failure
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 EXCLUDED_NODE_ATTEMPTS = 4
 # errors raised inside the trainer process that retrying cannot fix
 FINAL_REMOTE = {"ValueError": Failure.INVALID_INPUT, "ValidationError": Failure.INVALID_INPUT,
@@ -82,29 +89,15 @@ class NodeActivities:
     # ---- the RL step --------------------------------------------------------------
     @activity.defn(name="rollout")
     def rollout(self, inp: RolloutInput) -> RolloutResult:
-        fleet, tokenizer = self.rt.fleet, self.rt.tokenizer
-        if fleet is None or tokenizer is None:
-            raise failure(Failure.NO_HEALTHY_ENGINE, "engines are not started on this node")
+        fleet, tokenizer = self._engines()
         rows = self.rt.rows(inp.store_uri, inp.dataset.key)
         req = translate.rollout_request(inp, len(rows))
         deaths_before = self.rt.engine_deaths
-        try:
-            stats = run_rollout(
-                req, open_store(inp.store_uri), rows, tokenizer, fleet.generate_chunk,
-                parallelism=max(1, len(fleet.slots)),
-                on_chunk=lambda done, total: activity.heartbeat({"chunks_done": done, "chunks": total}),
-            )
-        except NoHealthyEngine as err:
-            # nothing can generate: bring the slots back with the step's weights, then let
-            # Temporal retry the activity (chunks already stored are reused)
-            restarted = with_heartbeat(self.rt.recover_engines)
-            raise failure(
-                Failure.NO_HEALTHY_ENGINE, f"rollout step {inp.step}: {err}; restarted slots {restarted}"
-            ) from err
-        except NonFiniteLogprobs as err:
-            raise failure(Failure.DIVERGENCE, str(err)) from err
-        except StaleWeights as err:
-            raise failure(Failure.STALE_WEIGHTS, str(err)) from err
+        stats = self._generating(f"rollout step {inp.step}", lambda: run_rollout(
+            req, open_store(inp.store_uri), rows, tokenizer, fleet.generate_chunk,
+            parallelism=max(1, len(fleet.slots)),
+            on_chunk=lambda done, total: activity.heartbeat({"chunks_done": done, "chunks": total}),
+        ))
         metrics.ROLLOUT_TOKENS_PER_S.set(stats.tokens_per_s)
         metrics.RESPONSE_LENGTH.set(stats.response_len_mean)
         metrics.PHASE_SECONDS.labels("rollout").observe(stats.seconds)
@@ -116,6 +109,46 @@ class NodeActivities:
             seconds=stats.seconds,
             node_events=translate.run_events(self.rt.drain_events()),
         )
+
+    @activity.defn(name="evaluate")
+    def evaluate(self, inp: EvalInput) -> EvalResult:
+        """Held-out greedy accuracy and pass@k of the version the engines serve."""
+        fleet, tokenizer = self._engines()
+        rows = self.rt.rows(inp.store_uri, inp.eval_key)
+        progress = {"chunks_done": 0, "chunks": 0}
+        stats = self._generating(f"evaluate step {inp.step}", lambda: with_heartbeat(
+            lambda: run_eval(
+                translate.eval_request(inp), open_store(inp.store_uri), rows, tokenizer, fleet.generate_chunk,
+                parallelism=max(1, len(fleet.slots)),
+                on_chunk=lambda done, total: progress.update(chunks_done=done, chunks=total),
+            ),
+            detail=lambda: dict(progress),
+        ))
+        metrics.EVAL_GREEDY_ACCURACY.set(stats.greedy_accuracy)
+        metrics.EVAL_PASS_AT_K.set(stats.pass_at_k)
+        metrics.PHASE_SECONDS.labels("eval").observe(stats.seconds)
+        return translate.eval_result(inp, stats, self.rt.drain_events())
+
+    def _engines(self) -> tuple[EngineFleet, Tokenizer]:
+        fleet, tokenizer = self.rt.fleet, self.rt.tokenizer
+        if fleet is None or tokenizer is None:
+            raise failure(Failure.NO_HEALTHY_ENGINE, "engines are not started on this node")
+        return fleet, tokenizer
+
+    def _generating(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, generating through the engines, with its failures mapped: no engine
+        alive -> the slots are restarted with the served weights, then ``NoHealthyEngine``
+        (Temporal retries; chunks already stored are reused); non-finite logprobs ->
+        ``Divergence``; an answer from other weights -> ``StaleWeights``."""
+        try:
+            return fn()
+        except NoHealthyEngine as err:
+            restarted = with_heartbeat(self.rt.recover_engines)
+            raise failure(Failure.NO_HEALTHY_ENGINE, f"{what}: {err}; restarted slots {restarted}") from err
+        except NonFiniteLogprobs as err:
+            raise failure(Failure.DIVERGENCE, str(err)) from err
+        except StaleWeights as err:
+            raise failure(Failure.STALE_WEIGHTS, str(err)) from err
 
     @activity.defn(name="train_step")
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
@@ -192,5 +225,5 @@ class NodeActivities:
         return setup
 
     def all(self) -> list:
-        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint]
+        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate]
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from gpu_runtime.data.readers import DataSource
 from gpu_runtime.data.rewards import RewardSettings
+from gpu_runtime.engine.evaluate import EvalRequest, EvalStats
 from gpu_runtime.engine.fleet_types import SlotInfo
 from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
@@ -34,6 +35,8 @@ from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
     EngineSlotInfo,
+    EvalInput,
+    EvalResult,
     InitPolicyInput,
     PolicyInfo,
     RolloutInput,
@@ -99,6 +102,13 @@ def rollout_request(inp: RolloutInput, n_rows: int) -> RolloutRequest:
     )
 
 
+def eval_request(inp: EvalInput) -> EvalRequest:
+    return EvalRequest(
+        run_id=inp.run_id, step=inp.step, seed=inp.seed, policy_version=inp.policy_version, k=inp.k,
+        temperature=inp.temperature, max_new_tokens=inp.max_new_tokens, chunk_size=inp.chunk_size,
+    )
+
+
 # ---- runtime -> workflow -------------------------------------------------------------
 def run_events(events: list[NodeEvent]) -> list[RunEvent]:
     return [
@@ -151,6 +161,13 @@ def checkpoint_result(saved: CheckpointSaved, seconds: float, node_events: list[
     return CheckpointResult(
         step=saved.step, key=saved.key, durable=saved.durable, seconds=seconds,
         node_events=run_events([*node_events, *saved.events, *rebuild_event(saved.rebuild, saved.step)]),
+    )
+
+
+def eval_result(inp: EvalInput, stats: EvalStats, node_events: list[NodeEvent]) -> EvalResult:
+    return EvalResult(
+        step=inp.step, policy_version=inp.policy_version, greedy_accuracy=stats.greedy_accuracy,
+        pass_at_k=stats.pass_at_k, k=stats.k, n=stats.n, seconds=stats.seconds, node_events=run_events(node_events),
     )
 
 

@@ -66,9 +66,11 @@ def absolutize_store(cfg: RunConfig) -> RunConfig:
 
 
 def absolutize_data_path(cfg: RunConfig) -> RunConfig:
-    """A relative ``data.path`` is relative to where the run is started (the control
-    worker that reads it again in ``prepare_data`` may run elsewhere)."""
-    if cfg.data.path and not Path(cfg.data.path).is_absolute():
-        data = cfg.data.model_copy(update={"path": str(Path(cfg.data.path).expanduser().resolve())})
-        cfg = cfg.model_copy(update={"data": data})
+    """A relative ``data.path`` / ``data.eval_path`` is relative to where the run is started
+    (the control worker that reads it again in ``prepare_data`` may run elsewhere)."""
+    for field in ("path", "eval_path"):
+        value = getattr(cfg.data, field)
+        if value and not Path(value).is_absolute():
+            data = cfg.data.model_copy(update={field: str(Path(value).expanduser().resolve())})
+            cfg = cfg.model_copy(update={"data": data})
     return cfg

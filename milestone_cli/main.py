@@ -83,6 +83,17 @@ def format_progress(p: RunProgress) -> str:
     return line
 
 
+def format_eval(p: RunProgress) -> str | None:
+    """The newest held-out eval of the run, or None before the first."""
+    s = next((s for s in reversed(p.steps) if s.eval_greedy is not None), None)
+    if s is None:
+        return None
+    return (
+        f"  eval after step {s.step} (v{s.policy_version}, {s.eval_n} held-out prompts): "
+        f"greedy {s.eval_greedy:.3f}, pass@{s.eval_k} {s.eval_pass_at_k:.3f}"
+    )
+
+
 async def cmd_start(args: argparse.Namespace) -> int:
     cfg = check_config(args.config)  # before connecting: config, jsonl / parquet rows, reward function
     state = None
@@ -158,6 +169,11 @@ async def watch(client: Client, run_id: str, interval_s: float = 1.0) -> int:
                 f"done: {summary.steps} steps, policy v{summary.policy_version}, "
                 f"mean reward first steps {summary.first_reward_mean:.3f} -> last steps {summary.last_reward_mean:.3f}"
             )
+            if summary.eval_step is not None:
+                print(
+                    f"held-out eval after step {summary.eval_step}: greedy {summary.eval_greedy:.3f}, "
+                    f"pass@{summary.eval_k} {summary.eval_pass_at_k:.3f}"
+                )
             if summary.final_weights_key:
                 print(f"final model (Hugging Face folder): {summary.final_weights_key} in the run's store")
             return 0
@@ -187,6 +203,8 @@ async def cmd_status(client: Client, args: argparse.Namespace) -> int:
         return 0
     if p is not None:
         print(format_progress(p.model_copy(update={"state": state})))
+        if (line := format_eval(p)) is not None:
+            print(line)
     else:
         print(f"{args.run} {state} (progress unavailable, is a control worker running? {one_line(unavailable or '')})")
     if why:

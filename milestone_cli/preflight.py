@@ -1,7 +1,7 @@
 """What ``milestone start`` checks before it contacts Temporal.
 
-The config (file:line per bad key), a ``jsonl`` / ``parquet`` dataset (read whole:
-file:line / file:row N per bad row),
+The config (file:line per bad key), a ``jsonl`` / ``parquet`` dataset and its
+``eval_path`` (read whole: file:line / file:row N per bad row),
 a custom reward function (imported here, as the control worker will), and that a
 new run id names no run whose artifacts are already in the store.
 """
@@ -44,12 +44,20 @@ def check_dataset(cfg: RunConfig) -> int:
     """Read and validate the whole dataset as ``prepare_data`` will; its row count."""
     # activities.translate.data_source, without importing that module (it imports torch)
     source = DataSource.model_validate(cfg.data.model_dump())
+    n = _check(source, "data.path", require_int_answer=cfg.reward.kind == "math_answer")
+    held_out = source.eval_source()
+    if held_out is not None and cfg.eval.enabled:  # the eval scores with the math rule whatever the reward
+        _check(held_out, "data.eval_path", require_int_answer=True)
+    return n
+
+
+def _check(source: DataSource, field: str, *, require_int_answer: bool) -> int:
     try:
-        return check_source(source, require_int_answer=cfg.reward.kind == "math_answer")
+        return check_source(source, require_int_answer=require_int_answer)
     except DatasetError as err:  # one line per bad row, each naming its file:line / file:row
         raise PreflightError(str(err)) from None
     except (ValueError, OSError) as err:
-        raise PreflightError(f"data.path: {err}") from None
+        raise PreflightError(f"{field}: {err}") from None
 
 
 def check_reward_function(path: str) -> None:

@@ -1,13 +1,18 @@
 """``milestone report RUN``: a PNG of the run's curves (reward, loss, KL / grad norm,
-time per phase), from the run's ``progress`` query."""
+time per phase, and held-out eval accuracy when the run has evals), from the run's
+``progress`` query."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from workflows.contracts import RunProgress
+from workflows.contracts import RunProgress, StepSummary
 
-PHASES = ("rollout", "reward", "train", "update_weights", "checkpoint")
+if TYPE_CHECKING:
+    import matplotlib.axes
+
+PHASES = ("rollout", "reward", "train", "update_weights", "checkpoint", "eval")
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -29,7 +34,10 @@ def render_report(p: RunProgress, out: Path, window: int = 10) -> Path:
     if not p.steps:
         raise ValueError(f"run {p.run_id} has no committed step yet")
     steps = [s.step for s in p.steps]
-    fig, ax = plt.subplots(2, 2, figsize=(12, 7.5))
+    evals = [s for s in p.steps if s.eval_greedy is not None]
+    fig = plt.figure(figsize=(17 if evals else 12, 7.5))
+    grid = fig.add_gridspec(2, 3 if evals else 2)
+    ax = [[fig.add_subplot(grid[r, c]) for c in range(2)] for r in range(2)]
     rewards = [s.reward_mean for s in p.steps]
     ax[0][0].plot(steps, rewards, ".", alpha=0.4, label="reward (mean per step)")
     ax[0][0].plot(steps, moving_average(rewards, window), "-", label=f"{window}-step average")
@@ -45,7 +53,9 @@ def render_report(p: RunProgress, out: Path, window: int = 10) -> Path:
     ax[1][1].plot(steps, [s.step_seconds for s in p.steps], "k-", lw=1, label="step wall")
     ax[1][1].set_title("seconds per step")
     ax[1][1].legend(loc="upper right", fontsize=7)
-    for a in ax.flat:
+    if evals:  # a third column, both rows high
+        plot_eval(fig.add_subplot(grid[:, 2]), evals, steps, [s.accuracy for s in p.steps])
+    for a in fig.axes:
         a.set_xlabel("step")
         a.grid(alpha=0.3)
     fig.suptitle(f"{p.run_id}: {p.state}, step {p.step}/{p.total_steps}, policy v{p.policy_version}")
@@ -54,3 +64,15 @@ def render_report(p: RunProgress, out: Path, window: int = 10) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_eval(a: "matplotlib.axes.Axes", evals: list[StepSummary], steps: list[int], train_acc: list[float]) -> None:
+    """Held-out greedy accuracy and pass@k per evaluated step, with the rollout accuracy for reference."""
+    x = [s.step for s in evals]
+    a.plot(x, [s.eval_greedy for s in evals], "o-", label="held-out greedy (pass@1)")
+    ks = sorted({s.eval_k for s in evals})
+    a.plot(x, [s.eval_pass_at_k for s in evals], "s-", label=f"held-out pass@{'/'.join(map(str, ks))}")
+    a.plot(steps, train_acc, "-", lw=1, alpha=0.4, label="rollout accuracy")
+    a.set_ylim(-0.02, 1.02)
+    a.set_title(f"eval accuracy ({evals[-1].eval_n} held-out prompts)")
+    a.legend(loc="lower right")

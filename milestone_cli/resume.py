@@ -62,12 +62,16 @@ def resume_state(cfg: RunConfig, target: str) -> tuple[str, RunConfig, RunState]
         data = store.get_bytes(data_key)
     except KeyError:
         raise ResumeError(f"run {run_id}: its dataset {data_key} is missing from {root}") from None
+    dataset = DatasetInfo(key=data_key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())
+    eval_key = art.dataset_key(run_id, "eval")
+    if cfg.eval.enabled and store.exists(eval_key):  # the held-out split written when the run began
+        dataset = dataset.model_copy(update={"eval_key": eval_key, "n_eval": store.get_bytes(eval_key).count(b"\n")})
     state = RunState(
         next_step=info.step + 1,
         policy_version=int(meta.get("policy_version", info.step)),
         data_cursor=int(meta.get("data_cursor", 0)),
         initialized=True,
-        dataset=DatasetInfo(key=data_key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest()),
+        dataset=dataset,
         train=cfg.train,
     )
     return run_id, cfg, state

@@ -167,6 +167,7 @@ def tiny_config(store_dir: Path, **overrides: object) -> dict:
         "rollout": {"prompts_per_step": 4, "group_size": 4, "chunk_size": 8, "max_new_tokens": 4},
         "train": {"lr": 1e-4},
         "checkpoint": {"every": 1, "keep_last": 2},
+        "eval": {"n": 8, "k": 4},  # after the last step only; 11 prompts of 0..9 + 0..9 are not in the train set
         "engines": {"num_engines": 2, "health_check_interval_s": 1, "health_check_timeout_s": 5},
     }
     for key, value in overrides.items():

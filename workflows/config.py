@@ -100,6 +100,9 @@ class DataSpec(Strict):
     metadata_keys: list[str] = Field(
         default_factory=list, description="keys / columns copied into the row's metadata (passed to reward functions)"
     )
+    eval_path: str | None = Field(
+        None, description="held-out rows for the eval (jsonl / parquet, same keys and reader as path); unset: no eval"
+    )
 
     @field_validator("metadata_keys")
     @classmethod
@@ -112,12 +115,16 @@ class DataSpec(Strict):
 
     @model_validator(mode="after")
     def _path(self) -> "DataSpec":
-        if self.kind != "arithmetic":
-            if not self.path:
-                raise ValueError(f"path is required when kind is {self.kind!r}")
-            suffixes = _DATA_SUFFIXES[self.kind]
-            if not self.path.lower().endswith(suffixes):
-                raise ValueError(f"path {self.path!r} must end with {' or '.join(suffixes)} for kind {self.kind!r}")
+        if self.kind == "arithmetic":
+            if self.eval_path is not None:
+                raise ValueError("eval_path is for jsonl / parquet; arithmetic generates its held-out rows")
+            return self
+        if not self.path:
+            raise ValueError(f"path is required when kind is {self.kind!r}")
+        suffixes = _DATA_SUFFIXES[self.kind]
+        for name, value in (("path", self.path), ("eval_path", self.eval_path)):
+            if value is not None and not value.lower().endswith(suffixes):
+                raise ValueError(f"{name} {value!r} must end with {' or '.join(suffixes)} for kind {self.kind!r}")
         return self
 
 
@@ -197,6 +204,25 @@ class CheckpointSpec(Strict):
     keep_last: int = Field(3, ge=1)
 
 
+class EvalSpec(Strict):
+    """Held-out evaluation after a step: greedy pass@1 and sampled pass@k on the run's
+    eval split (``prepare_data`` writes it: generated for ``arithmetic``, read from
+    ``data.eval_path`` for jsonl / parquet). Scored with the math answer rule."""
+
+    enabled: bool = Field(True, description="false: never evaluate (no eval split is written)")
+    every: int = Field(
+        0, ge=0, description="evaluate after every k-th step, and always after the last step (0: only after the last)"
+    )
+    n: int = Field(100, ge=1, description="held-out prompts (fixed when the data is prepared)")
+    k: int = Field(4, ge=1, description="samples per prompt for pass@k")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the pass@k samples (greedy is separate)")
+    max_new_tokens: int | None = Field(None, ge=1, description="response length cap (unset: rollout.max_new_tokens)")
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether the eval runs after ``step`` of a run of ``last_step`` steps."""
+        return self.enabled and (step == last_step or (self.every > 0 and step % self.every == 0))
+
+
 class EngineSpec(Strict):
     """Rollout engines per node. Miles: --rollout-health-check-interval/timeout."""
 
@@ -223,6 +249,7 @@ class RunConfig(Strict):
     reward: RewardSpec = RewardSpec()
     train: TrainSpec = TrainSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    eval: EvalSpec = EvalSpec()
     engines: EngineSpec = EngineSpec()
     steps_per_workflow_run: int = Field(
         50, ge=1, description="continue-as-new after this many steps (keeps history small)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from workflows.config import CheckpointSpec, DataSpec, EngineSpec, ModelSpec, RewardSpec, RolloutSpec, RunConfig, SFTSpec, TrainSpec
+from workflows.config import CheckpointSpec, DataSpec, EngineSpec, EvalSpec, ModelSpec, RewardSpec, RolloutSpec, RunConfig, SFTSpec, TrainSpec
 
 CONTROL_QUEUE = "milestone-control"
 POOL_QUEUE = "milestone-gpu-pool"
@@ -36,12 +36,15 @@ class PrepareDataInput(BaseModel):
     seed: int
     data: DataSpec
     reward: RewardSpec = Field(default_factory=RewardSpec)  # math_answer: every label needs an integer answer
+    eval: EvalSpec = Field(default_factory=EvalSpec)  # enabled: also write the held-out split (n rows at most)
 
 
 class DatasetInfo(BaseModel):
     key: str
     n_rows: int
     sha256: str
+    eval_key: str | None = None  # the held-out split; None: no eval (disabled, no data.eval_path, or a run before evals)
+    n_eval: int = 0
 
 
 class InitPolicyInput(BaseModel):
@@ -173,6 +176,30 @@ class CheckpointResult(BaseModel):
     node_events: list[RunEvent] = []
 
 
+class EvalInput(BaseModel):
+    run_id: str
+    step: int
+    store_uri: str
+    seed: int
+    policy_version: int  # the version the engines serve (= step): a sample from another fails the eval
+    eval_key: str
+    k: int
+    temperature: float
+    max_new_tokens: int
+    chunk_size: int
+
+
+class EvalResult(BaseModel):
+    step: int
+    policy_version: int
+    greedy_accuracy: float  # pass@1 of the greedy (temperature 0) answers
+    pass_at_k: float  # unbiased pass@k estimate from k samples per prompt (= any of the k correct)
+    k: int
+    n: int  # held-out prompts
+    seconds: float
+    node_events: list[RunEvent] = []
+
+
 class RLStepInput(BaseModel):
     run_id: str
     step: int
@@ -206,6 +233,10 @@ class StepSummary(BaseModel):
     replayed_steps: list[int] = []  # ... and these steps were replayed from stored artifacts
     events: list[RunEvent] = []
     engines: list[EngineSlotInfo] = []
+    eval_greedy: float | None = None  # held-out greedy accuracy after this step (None: not evaluated)
+    eval_pass_at_k: float | None = None
+    eval_k: int | None = None
+    eval_n: int | None = None
 
 
 class RunState(BaseModel):
@@ -251,3 +282,7 @@ class RunSummary(BaseModel):
     first_reward_mean: float
     last_reward_mean: float
     final_weights_key: str = ""
+    eval_step: int | None = None  # the last evaluated step and its numbers (None: never evaluated)
+    eval_greedy: float | None = None
+    eval_pass_at_k: float | None = None
+    eval_k: int | None = None

@@ -1,6 +1,9 @@
 """``RLStep``: one RL step as a child workflow (id ``<run-id>/step-<n>``).
 
-rollout -> reward -> train_step -> update_weights -> checkpoint (every k steps).
+rollout -> reward -> train_step -> update_weights -> checkpoint (every k steps)
+-> evaluate (every k steps, on the held-out split, after the checkpoint: the
+step's durable state is saved before the observational eval, which cannot then
+delay or lose it).
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
@@ -17,21 +20,25 @@ with workflow.unsafe.imports_passed_through():
         CONTROL_QUEUE,
         CheckpointInput,
         CheckpointResult,
+        EvalInput,
+        EvalResult,
         RewardInput,
         RewardResult,
         RLStepInput,
         RolloutInput,
         RolloutResult,
+        RunEvent,
         StepSummary,
         TrainStepInput,
         TrainStepResult,
         UpdateWeightsInput,
         UpdateWeightsResult,
     )
-    from workflows.failures import Failure, failure
+    from workflows.failures import Failure, failure, failure_in
     from workflows.policies import TIMINGS
 
 R = TypeVar("R", bound=BaseModel)
+EVAL_PATCH = "eval-activity"  # steps recorded before the eval existed replay without it
 
 
 async def run_activity(name: str, arg: BaseModel, result_type: type[R], *, task_queue: str, summary: str) -> R:
@@ -110,12 +117,18 @@ class RLStep:
                 CheckpointResult, task_queue=node, summary=f"checkpoint step {inp.step}",
             )
 
+        evaluated: EvalResult | None = None
+        eval_events: list[RunEvent] = []
+        if inp.dataset.eval_key and cfg.eval.due(inp.step, cfg.steps) and workflow.patched(EVAL_PATCH):
+            evaluated, eval_events = await evaluate(inp, trained.policy_version)
+
         phases = {
             "rollout": rollout.seconds,
             "reward": rewards.seconds,
             "train": trained.seconds,
             "update_weights": synced.seconds,
             "checkpoint": ckpt.seconds if ckpt else 0.0,
+            **({"eval": evaluated.seconds} if evaluated else {}),
         }
         m = trained.metrics
         return StepSummary(
@@ -138,6 +151,45 @@ class RLStep:
             weights_key=trained.weights_key,
             restored_from_step=trained.restored_from_step,
             replayed_steps=trained.replayed_steps,
-            events=[*rollout.node_events, *trained.node_events, *synced.node_events, *(ckpt.node_events if ckpt else [])],
+            events=[
+                *rollout.node_events, *trained.node_events, *synced.node_events, *(ckpt.node_events if ckpt else []),
+                *(evaluated.node_events if evaluated else []), *eval_events,
+            ],
             engines=synced.engines,
+            eval_greedy=evaluated.greedy_accuracy if evaluated else None,
+            eval_pass_at_k=evaluated.pass_at_k if evaluated else None,
+            eval_k=evaluated.k if evaluated else None,
+            eval_n=evaluated.n if evaluated else None,
         )
+
+
+async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, list[RunEvent]]:
+    """The held-out eval of ``version`` (the engines serve it since ``update_weights``).
+    An eval that fails after its retries costs the step its eval numbers, not the run:
+    the step commits with an ``eval_failed`` event. A lost node still re-places the step."""
+    cfg = inp.config
+    assert inp.dataset.eval_key is not None
+    try:
+        result = await run_activity(
+            "evaluate",
+            EvalInput(
+                run_id=inp.run_id, step=inp.step, store_uri=cfg.store, seed=cfg.seed, policy_version=version,
+                eval_key=inp.dataset.eval_key, k=cfg.eval.k, temperature=cfg.eval.temperature,
+                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                chunk_size=cfg.rollout.chunk_size,
+            ),
+            EvalResult, task_queue=inp.node_queue,
+            summary=f"evaluate v{version}: {inp.dataset.n_eval} held-out prompts, greedy and pass@{cfg.eval.k}",
+        )
+        return result, []
+    except (ActivityError, ApplicationError) as err:
+        kind, message = failure_in(err)
+        if kind == Failure.NODE_LOST:
+            raise
+        if kind is None:  # not one of ours: the innermost cause says what happened
+            cause: BaseException = err
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            message = f"{getattr(cause, 'type', None) or type(cause).__name__}: {cause}"
+        workflow.logger.warning("eval of step %d failed: %s", inp.step, message)
+        return None, [RunEvent(at=workflow.now().isoformat(), kind="eval_failed", detail=f"step {inp.step}: {message}")]

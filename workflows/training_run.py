@@ -47,6 +47,11 @@ SUMMARY_STEPS = 5  # the summary compares the mean reward of the first and last 
 MAX_NODE_REPLACEMENTS = 10
 
 
+def last_eval(history: list[StepSummary]) -> StepSummary | None:
+    """The newest step that carries eval numbers."""
+    return next((s for s in reversed(history) if s.eval_greedy is not None), None)
+
+
 def config_hash(cfg: RunConfig) -> str:
     return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
 
@@ -78,9 +83,15 @@ class TrainingRun:
         if not st.initialized:
             st.dataset = await run_activity(
                 "prepare_data",
-                PrepareDataInput(run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data, reward=cfg.reward),
+                PrepareDataInput(
+                    run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data, reward=cfg.reward, eval=cfg.eval
+                ),
                 DatasetInfo, task_queue=CONTROL_QUEUE, summary="prepare dataset",
             )
+            if cfg.eval.enabled and st.dataset.eval_key is None:
+                arithmetic = cfg.data.kind == "arithmetic"
+                why = "every prompt is in the train set" if arithmetic else "data.eval_path is not set"
+                self._event("eval_skipped", f"no held-out split ({why}): the run is not evaluated")
             await self._place_on_node(run_id, chash, init=True)
             st.initialized = True
         elif st.node is None:
@@ -108,6 +119,7 @@ class TrainingRun:
         self.status = "completed"
         self._publish()
         last = st.history[-SUMMARY_STEPS:]
+        evaluated = last_eval(st.history)
         return RunSummary(
             run_id=run_id,
             steps=st.next_step - 1,
@@ -116,6 +128,10 @@ class TrainingRun:
             first_reward_mean=sum(st.first_rewards) / max(1, len(st.first_rewards)),
             last_reward_mean=sum(s.reward_mean for s in last) / max(1, len(last)),
             final_weights_key=st.history[-1].weights_key if st.history else "",
+            eval_step=evaluated.step if evaluated else None,
+            eval_greedy=evaluated.eval_greedy if evaluated else None,
+            eval_pass_at_k=evaluated.eval_pass_at_k if evaluated else None,
+            eval_k=evaluated.eval_k if evaluated else None,
         )
 
     async def _run_step(self, run_id: str, chash: str) -> StepSummary:
@@ -222,6 +238,12 @@ class TrainingRun:
             lines.append(
                 f"last step: reward {last.reward_mean:.3f} (acc {last.accuracy:.2f}), loss {last.loss:.4f}, "
                 f"{last.step_seconds:.1f}s"
+            )
+        evaluated = last_eval(st.history)
+        if evaluated:
+            lines.append(
+                f"held-out eval after step {evaluated.step}: greedy {evaluated.eval_greedy:.3f}, "
+                f"pass@{evaluated.eval_k} {evaluated.eval_pass_at_k:.3f} ({evaluated.eval_n} prompts)"
             )
         if st.node:
             lines.append(f"node: `{st.node.task_queue}`")

@@ -8,10 +8,13 @@ and, for SFT, learns the bare final answer (``"68"``) followed by EOS. Pure Pyth
 from __future__ import annotations
 
 import random
+import re
+from collections.abc import Iterable
 
 from gpu_runtime.store.artifacts import derive_seed
 
 _OPS = "+-*"
+_PROMPT = re.compile(r"(\d+)([+\-*])(\d+)=")
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -24,26 +27,50 @@ def _apply(a: int, op: str, b: int) -> int:
     raise ValueError(f"ops: unsupported operator {op!r} (use any of {_OPS!r})")
 
 
-def generate_arithmetic(n: int, seed: int, max_operand: int = 99, ops: str = "+") -> list[dict]:
-    """``n`` rows ``a<op>b=`` with 0 <= a, b <= max_operand, deterministic in ``seed``."""
+def _check(n: int, max_operand: int, ops: str) -> None:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if max_operand < 0:
         raise ValueError(f"max_operand must be >= 0, got {max_operand}")
     if not ops or any(o not in _OPS for o in ops):
         raise ValueError(f"ops must be a non-empty string of {_OPS!r}, got {ops!r}")
+
+
+def _draw(rng: random.Random, row_id: str, max_operand: int, ops: str) -> dict:
+    a = rng.randint(0, max_operand)
+    b = rng.randint(0, max_operand)
+    op = ops[rng.randrange(len(ops))]
+    c = _apply(a, op, b)
+    return {
+        "id": row_id, "prompt": f"{a}{op}{b}=", "messages": None, "answer": f"{a}{op}{b}={c}\n#### {c}", "metadata": {},
+    }
+
+
+def generate_arithmetic(n: int, seed: int, max_operand: int = 99, ops: str = "+") -> list[dict]:
+    """``n`` rows ``a<op>b=`` with 0 <= a, b <= max_operand, deterministic in ``seed``."""
+    _check(n, max_operand, ops)
     rng = random.Random(derive_seed("arithmetic", seed))
+    return [_draw(rng, f"arith-{seed}-{i:06d}", max_operand, ops) for i in range(n)]
+
+
+def generate_heldout_arithmetic(
+    n: int, seed: int, max_operand: int = 99, ops: str = "+", *, exclude: Iterable[str] = ()
+) -> list[dict]:
+    """Held-out rows: the same generator under a derived seed, keeping only prompts not
+    in ``exclude`` (the train prompts) and not drawn before. Fewer than ``n`` rows when
+    fewer unseen prompts exist ((max_operand+1)^2 per operator); none when there are none."""
+    _check(n, max_operand, ops)
+    seen = set(exclude)
+    in_space = sum(
+        1 for p in seen
+        if (m := _PROMPT.fullmatch(p)) and m.group(2) in ops and max(int(m.group(1)), int(m.group(3))) <= max_operand
+    )
+    want = min(n, (max_operand + 1) ** 2 * len(set(ops)) - in_space)
+    rng = random.Random(derive_seed("arithmetic-eval", seed))
     rows: list[dict] = []
-    for i in range(n):
-        a = rng.randint(0, max_operand)
-        b = rng.randint(0, max_operand)
-        op = ops[rng.randrange(len(ops))]
-        c = _apply(a, op, b)
-        rows.append({
-            "id": f"arith-{seed}-{i:06d}",
-            "prompt": f"{a}{op}{b}=",
-            "messages": None,
-            "answer": f"{a}{op}{b}={c}\n#### {c}",
-            "metadata": {},
-        })
+    while len(rows) < want:
+        row = _draw(rng, f"arith-eval-{seed}-{len(rows):06d}", max_operand, ops)
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            rows.append(row)
     return rows

@@ -46,6 +46,11 @@ class DataSource(BaseModel):
     label_key: str
     id_key: str | None
     metadata_keys: list[str]
+    eval_path: str | None  # the held-out rows: read like path (``eval_source``)
+
+    def eval_source(self) -> "DataSource | None":
+        """The same mapping over ``eval_path``; None when there is none."""
+        return self.model_copy(update={"path": self.eval_path}) if self.eval_path else None
 
 
 class DatasetError(ValueError):

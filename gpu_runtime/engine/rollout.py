@@ -68,7 +68,12 @@ class RolloutStats:
 def plan_chunks(req: RolloutRequest) -> list[ChunkPlan]:
     """The step's samples, in a fixed order, cut into fixed chunks (DESIGN §5-6)."""
     indices = prompts_for_step(req.n_rows, req.seed, req.data_cursor, req.prompts_per_step)
-    members = [(idx, g) for idx in indices for g in range(req.group_size)]
+    return cut_chunks([(idx, g) for idx in indices for g in range(req.group_size)], req)
+
+
+def cut_chunks(members: list[tuple[int, int]], req: RolloutRequest) -> list[ChunkPlan]:
+    """``members`` in order, ``req.chunk_size`` per chunk; chunk ``c`` samples with seed
+    ``derive_seed(req.seed, req.step, c)``."""
     return [
         ChunkPlan(
             chunk=c,
@@ -137,20 +142,9 @@ def run_rollout(
     t0 = time.perf_counter()
     plans = plan_chunks(req)
     keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk) for p in plans]
-    todo = [(p, k) for p, k in zip(plans, keys) if not store.exists(k)]
-    reused = len(plans) - len(todo)
-    done = reused
-
-    def work(item: tuple[ChunkPlan, str]) -> None:
-        plan, key = item
-        chunk = generate_chunk(req, plan, rows, tokenizer, generate)
-        art.put_model(store, key, chunk)
-
-    with ThreadPoolExecutor(max_workers=max(1, parallelism)) as pool:
-        for _ in pool.map(work, todo):
-            done += 1
-            if on_chunk:
-                on_chunk(done, len(plans))
+    reused = generate_chunks(
+        req, list(zip(plans, keys)), store, rows, tokenizer, generate, parallelism=parallelism, on_chunk=on_chunk
+    )
     n_tokens, n_samples = 0, 0
     for key in keys:
         chunk = art.get_model(store, key, art.RolloutChunk)
@@ -166,3 +160,31 @@ def run_rollout(
         chunks_reused=reused,
         seconds=seconds,
     )
+
+
+def generate_chunks(
+    req: RolloutRequest,
+    planned: list[tuple[ChunkPlan, str]],
+    store: ObjectStore,
+    rows: list[dict],
+    tokenizer: Tokenizer,
+    generate: ChunkGenerator,
+    *,
+    parallelism: int,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> int:
+    """Generate and store each (plan, key) whose key is not in the store yet,
+    ``parallelism`` in flight; the number of chunks found there (reused)."""
+    todo = [(p, k) for p, k in planned if not store.exists(k)]
+    done = reused = len(planned) - len(todo)
+
+    def work(item: tuple[ChunkPlan, str]) -> None:
+        plan, key = item
+        art.put_model(store, key, generate_chunk(req, plan, rows, tokenizer, generate))
+
+    with ThreadPoolExecutor(max_workers=max(1, parallelism)) as pool:
+        for _ in pool.map(work, todo):
+            done += 1
+            if on_chunk:
+                on_chunk(done, len(planned))
+    return reused

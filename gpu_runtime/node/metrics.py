@@ -13,6 +13,8 @@ ROLLOUT_TOKENS_PER_S = Gauge("milestone_rollout_tokens_per_second", "generated t
 RESPONSE_LENGTH = Gauge("milestone_response_length_mean", "mean response length (tokens), last rollout")
 REWARD_MEAN = Gauge("milestone_reward_mean", "mean reward, last step")
 REWARD_STD = Gauge("milestone_reward_std", "reward standard deviation, last step")
+EVAL_GREEDY_ACCURACY = Gauge("milestone_eval_greedy_accuracy", "held-out greedy accuracy (pass@1), last eval")
+EVAL_PASS_AT_K = Gauge("milestone_eval_pass_at_k", "held-out pass@k (k = eval.k samples per prompt), last eval")
 TRAIN_METRIC = Gauge("milestone_train", "last train step metric", ["metric"])  # loss, kl, entropy, grad_norm, ...
 POLICY_VERSION = Gauge("milestone_policy_version", "policy version held by this node's trainer")
 PHASE_SECONDS = Histogram("milestone_phase_seconds", "activity time per phase", ["phase"], buckets=PHASE_BUCKETS)

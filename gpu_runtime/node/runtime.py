@@ -107,12 +107,15 @@ class NodeRuntime:
 
     # ---- data and weights ---------------------------------------------------------
     def rows(self, store_uri: str, key: str) -> list[dict]:
+        """A dataset split's rows, cached with the other splits of the same run (train, eval)."""
         with self._lock:
             if key not in self._rows:
                 path = self.work_dir / "data" / key.replace("/", "_")
                 if not path.exists():
                     open_store(store_uri).get_file(key, path)
-                self._rows = {key: load_jsonl(path)}
+                folder = key.rpartition("/")[0]
+                self._rows = {k: v for k, v in self._rows.items() if k.rpartition("/")[0] == folder}
+                self._rows[key] = load_jsonl(path)
             return self._rows[key]
 
     def local_weights(self, store_uri: str, run_id: str, version: int, weights_key: str) -> Path:

@@ -39,6 +39,11 @@ def rollout_chunk_key(run_id: str, step: int, chunk: int) -> str:
     return f"{step_prefix(run_id, step)}/rollout/chunk-{chunk:04d}.json"
 
 
+def eval_chunk_key(run_id: str, step: int, sampling: str, chunk: int) -> str:
+    """A chunk of the held-out eval after ``step`` (``sampling``: greedy or sampled)."""
+    return f"{step_prefix(run_id, step)}/eval/{sampling}-chunk-{chunk:04d}.json"
+
+
 def rewards_key(run_id: str, step: int) -> str:
     return f"{step_prefix(run_id, step)}/rewards.json"
 

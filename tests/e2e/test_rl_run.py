@@ -29,6 +29,7 @@ from workflows.training_run import TrainingRun
 pytestmark = pytest.mark.e2e
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
 STEP_ACTIVITIES = ["rollout", "compute_rewards", "train_step", "update_weights", "checkpoint"]
+LAST_STEP_ACTIVITIES = [*STEP_ACTIVITIES, "evaluate"]  # eval.every 0: the held-out eval after the last step only
 
 
 async def run_to_end(client: Client, run_id: str, cfg: dict, timeout_s: float = 600) -> RunSummary:
@@ -72,6 +73,18 @@ def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
                 assert math.isfinite(value)
             assert s.grad_norm > 0  # a real optimizer step happened
 
+        # the held-out eval of the final policy (greedy pass@1, pass@4), on the last step only
+        last = progress.steps[-1]
+        assert all(s.eval_greedy is None for s in progress.steps[:-1])
+        assert (last.eval_k, last.eval_n) == (4, 8) and last.phase_seconds["eval"] > 0
+        for value in (last.eval_greedy, last.eval_pass_at_k):
+            assert value is not None and math.isfinite(value) and 0.0 <= value <= 1.0
+        assert (summary.eval_step, summary.eval_greedy, summary.eval_pass_at_k) == (3, last.eval_greedy, last.eval_pass_at_k)
+        gauges = stack.scrape("node0")
+        assert gauges["milestone_eval_greedy_accuracy"] == last.eval_greedy
+        assert gauges["milestone_eval_pass_at_k"] == last.eval_pass_at_k
+        print(f"held-out eval after step 3: greedy {last.eval_greedy:.3f}, pass@4 {last.eval_pass_at_k:.3f}")
+
         # the report CLI renders the curves from the same query
         png = render_report(progress, tmp_path / "report.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -82,7 +95,7 @@ def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
         histories = [run_history]
         for child in child_ids(run_history):
             h = await client.get_workflow_handle(child).fetch_history()
-            assert activity_names(h) == STEP_ACTIVITIES
+            assert activity_names(h) == (LAST_STEP_ACTIVITIES if child.endswith("step-3") else STEP_ACTIVITIES)
             histories.append(h)
 
         # replaying the recorded histories against the current workflow code is deterministic
@@ -93,6 +106,7 @@ def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
             HISTORY_DIR.mkdir(exist_ok=True)
             (HISTORY_DIR / "training_run.json").write_text(run_history.to_json())
             (HISTORY_DIR / "rl_step.json").write_text(histories[1].to_json())
+            (HISTORY_DIR / "rl_step_eval.json").write_text(histories[3].to_json())  # the last step: with its eval
 
     asyncio.run(main())
 

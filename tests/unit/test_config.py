@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from milestone_cli.config_file import ConfigError, load_run_config
-from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error
+from workflows.config import DataSpec, EvalSpec, HParamUpdate, RunConfig, TrainSpec, format_validation_error
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,3 +159,24 @@ def test_cli_start_good_reward_function_passes_preflight(tmp_path: Path) -> None
     assert out.returncode == 1
     assert out.stderr.startswith("error: cannot reach Temporal at 127.0.0.1:1") and len(out.stderr.splitlines()) == 1
     assert not (tmp_path / "store").exists()
+
+
+def test_eval_section_defaults_and_due_steps(tmp_path: Path) -> None:
+    ev = RunConfig().eval
+    assert (ev.enabled, ev.every, ev.n, ev.k, ev.temperature, ev.max_new_tokens) == (True, 0, 100, 4, 1.0, None)
+    assert [s for s in range(1, 8) if ev.due(s, 7)] == [7]  # every 0: only after the last step
+    every3 = EvalSpec(every=3)
+    assert [s for s in range(1, 8) if every3.due(s, 7)] == [3, 6, 7]
+    assert not any(EvalSpec(enabled=False, every=1).due(s, 7) for s in range(1, 8))
+    with pytest.raises(ConfigError, match=r"run.yaml:2: eval.k: Input should be greater than or equal to 1"):
+        load_run_config(write(tmp_path, "steps: 2\neval: {k: 0}\n"))
+    with pytest.raises(ConfigError, match=r"eval.temperature: Input should be greater than 0"):
+        load_run_config(write(tmp_path, "eval: {temperature: 0}\n"))
+
+
+def test_eval_path_rules() -> None:
+    with pytest.raises(ValidationError, match="eval_path is for jsonl / parquet"):
+        DataSpec(kind="arithmetic", eval_path="test.jsonl")
+    with pytest.raises(ValidationError, match="eval_path 'test.csv' must end with"):
+        DataSpec(kind="jsonl", path="train.jsonl", eval_path="test.csv")
+    assert DataSpec(kind="parquet", path="train.parquet", eval_path="test.pq").eval_path == "test.pq"

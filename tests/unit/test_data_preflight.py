@@ -72,6 +72,20 @@ def test_good_dataset_passes_preflight(tmp_path: Path) -> None:
 def test_relative_data_path_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The control worker reads the file again in prepare_data, from wherever it runs."""
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("data: {kind: jsonl, path: data/train.jsonl}\n")
+    cfg.write_text("data: {kind: jsonl, path: data/train.jsonl, eval_path: data/test.jsonl}\n")
     monkeypatch.chdir(tmp_path)
-    assert load_run_config(cfg).data.path == str(tmp_path / "data" / "train.jsonl")
+    data = load_run_config(cfg).data
+    assert (data.path, data.eval_path) == (str(tmp_path / "data" / "train.jsonl"), str(tmp_path / "data" / "test.jsonl"))
+
+
+def test_bad_eval_row_exits_2(tmp_path: Path) -> None:
+    """The eval split is checked like the train set, with integer answers whatever the reward."""
+    train, held = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text('{"id": "a", "question": "Capital of France?", "answer": "Paris"}\n')
+    held.write_text('{"id": "h", "question": "2+2?", "answer": "four"}\n')
+    reward = {"kind": "custom", "function": "tests.unit.test_rewards:length_reward"}
+    out = start_offline(tmp_path, {"kind": "jsonl", "path": str(train), "eval_path": str(held)}, reward)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"error: {held}:1: field 'answer' has no integer answer")
+    out = start_offline(tmp_path, {"kind": "jsonl", "path": str(train), "eval_path": str(tmp_path / "nope.jsonl")}, reward)
+    assert out.returncode == 2 and out.stderr.startswith("error: data.eval_path: ")

@@ -9,19 +9,26 @@ intended (and versioned with ``workflow.patched``).
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 from pathlib import Path
 
 import pytest
+from temporalio import workflow
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
+from temporalio.workflow import NondeterminismError
 
 from workflows.rl_step import RLStep
 from workflows.training_run import TrainingRun
 
-HISTORIES = sorted((Path(__file__).resolve().parents[1] / "histories").glob("*.json"))
+HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
+HISTORIES = sorted(HISTORY_DIR.glob("*.json"))
 # the workflow ids they were recorded under (child ids derive from the parent's id)
-WORKFLOW_IDS = {"training_run": "e2e-run", "rl_step": "e2e-run/step-1"}
+# rl_step: a step recorded before the eval existed (replays without it, via the patch);
+# rl_step_eval: the last step of a run with its held-out eval
+WORKFLOW_IDS = {"training_run": "e2e-run", "rl_step": "e2e-run/step-1", "rl_step_eval": "e2e-run/step-3"}
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
@@ -32,4 +39,26 @@ def test_recorded_history_replays(path: Path) -> None:
 
 
 def test_recordings_exist() -> None:
-    assert {p.stem for p in HISTORIES} >= {"training_run", "rl_step"}
+    assert {p.stem for p in HISTORIES} >= {"training_run", "rl_step", "rl_step_eval"}
+
+
+def _with_eval_due(history_json: str) -> str:
+    """The pre-eval step-1 history with an input on which the eval is due (every step,
+    a held-out split): what a step recorded before the change would look like to new code."""
+    doc = json.loads(history_json)
+    payload = doc["events"][0]["workflowExecutionStartedEventAttributes"]["input"]["payloads"][0]
+    inp = json.loads(base64.b64decode(payload["data"]))
+    inp["config"]["eval"] = {"every": 1}
+    inp["dataset"].update(eval_key="runs/e2e-run/data/eval.jsonl", n_eval=8)
+    payload["data"] = base64.b64encode(json.dumps(inp).encode()).decode()
+    return json.dumps(doc)
+
+
+def test_step_recorded_before_the_eval_replays_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``eval-activity`` patch is what keeps it deterministic: forced on, replay fails."""
+    history = WorkflowHistory.from_json("e2e-run/step-1", _with_eval_due((HISTORY_DIR / "rl_step.json").read_text()))
+    replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+    asyncio.run(replayer.replay_workflow(history))
+    monkeypatch.setattr(workflow, "patched", lambda patch_id: True)
+    with pytest.raises(NondeterminismError):
+        asyncio.run(replayer.replay_workflow(history))

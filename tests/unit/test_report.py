@@ -1,6 +1,31 @@
-from milestone_cli.report import moving_average
+from pathlib import Path
+
+from milestone_cli.main import format_eval
+from milestone_cli.report import moving_average, render_report
+from workflows.contracts import RunProgress, StepSummary
 
 
 def test_moving_average_window() -> None:
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert moving_average([], 3) == []
+
+
+def test_report_plots_eval_accuracy_when_present(tmp_path: Path) -> None:
+    steps = [
+        StepSummary(step=n, policy_version=n, data_cursor=4 * n, reward_mean=n / 10, reward_std=0.1, accuracy=n / 10,
+                    loss=1.0 / n, step_seconds=1.0, phase_seconds={"rollout": 0.5, **({"eval": 0.2} if n % 2 == 0 else {})},
+                    **({"eval_greedy": n / 20, "eval_pass_at_k": n / 10, "eval_k": 4, "eval_n": 8} if n % 2 == 0 else {}))
+        for n in range(1, 5)
+    ]
+    p = RunProgress(run_id="r", state="completed", step=4, total_steps=4, policy_version=4, data_cursor=16, steps=steps)
+    with_eval = render_report(p, tmp_path / "eval.png")
+    without = render_report(p.model_copy(update={"steps": [s.model_copy(update={"eval_greedy": None}) for s in steps]}),
+                            tmp_path / "plain.png")
+    for png in (with_eval, without):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    widths = [matplotlib.image.imread(str(png)).shape[1] for png in (with_eval, without)]
+    assert widths[0] > widths[1]  # the eval column
+    assert format_eval(p) == "  eval after step 4 (v4, 8 held-out prompts): greedy 0.200, pass@4 0.400"
+    assert format_eval(p.model_copy(update={"steps": steps[:1]})) is None

@@ -27,3 +27,9 @@ def test_missing_dataset_is_a_resume_error(tmp_path: Path) -> None:
     store.put_bytes(art.dataset_key("r", "train"), b'{"id": "0"}\n')
     run_id, _, state = resume_state(cfg, "r")
     assert run_id == "r" and state.next_step == 2 and state.data_cursor == 4 and state.dataset.n_rows == 1
+    assert state.dataset.eval_key is None  # a run without a held-out split is not evaluated
+    store.put_bytes(art.dataset_key("r", "eval"), b'{"id": "e0"}\n{"id": "e1"}\n')
+    _, _, state = resume_state(cfg, "r")
+    assert (state.dataset.eval_key, state.dataset.n_eval) == (art.dataset_key("r", "eval"), 2)
+    off = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"enabled": False})})
+    assert resume_state(off, "r")[2].dataset.eval_key is None

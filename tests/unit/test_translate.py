@@ -10,10 +10,11 @@ import dataclasses
 import pytest
 
 from activities import translate
+from gpu_runtime.engine.evaluate import EvalStats
 from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import CheckpointSaved, NodeEvent, Rebuild, TrainResult, VersionInfo
 from workflows.config import CheckpointSpec, HParamUpdate, ModelInitSpec, ModelSpec, RolloutSpec, SFTSpec, TrainSpec
-from workflows.contracts import DatasetInfo, InitPolicyInput, RolloutInput, RunEvent, TrainStepInput
+from workflows.contracts import DatasetInfo, EvalInput, InitPolicyInput, RolloutInput, RunEvent, TrainStepInput
 
 
 @pytest.mark.parametrize("workflow_side,runtime_side", translate.MIRRORS, ids=lambda m: m.__name__)
@@ -76,6 +77,17 @@ def test_rollout_request() -> None:
     req = translate.rollout_request(inp, n_rows=10)
     assert dataclasses.asdict(req) == {"run_id": "r", "step": 2, "seed": 8, "policy_version": 1, "data_cursor": 3,
                                        "n_rows": 10, **spec.model_dump()}
+
+
+def test_eval_request_and_result() -> None:
+    inp = EvalInput(run_id="r", step=4, store_uri="file:///s", seed=8, policy_version=4, eval_key="e", k=5,
+                    temperature=0.6, max_new_tokens=7, chunk_size=3)
+    req = translate.eval_request(inp)
+    assert dataclasses.asdict(req) == inp.model_dump(exclude={"store_uri", "eval_key"})
+    out = translate.eval_result(inp, EvalStats(greedy_accuracy=0.5, pass_at_k=0.75, k=5, n=8, seconds=1.5), [EVENT])
+    assert out.model_dump(exclude={"node_events"}) == {
+        "step": 4, "policy_version": 4, "greedy_accuracy": 0.5, "pass_at_k": 0.75, "k": 5, "n": 8, "seconds": 1.5}
+    assert [e.kind for e in out.node_events] == ["engine_dead"]
 
 
 EVENT = NodeEvent(at=0.0, kind="engine_dead", detail="slot 1: killed")

@@ -43,6 +43,8 @@ from workflows.contracts import (
     ClaimNodeInput,
     DatasetInfo,
     EngineSlotInfo,
+    EvalInput,
+    EvalResult,
     InitPolicyInput,
     NodeClaim,
     PolicyInfo,
@@ -91,6 +93,11 @@ def reward_of(step: int) -> float:
     return step / 10
 
 
+def eval_of(step: int) -> tuple[float, float]:
+    """The stand-in (greedy accuracy, pass@k) of the eval after a step."""
+    return step / 20, step / 10
+
+
 @dataclass
 class Call:
     queue: str
@@ -128,6 +135,7 @@ class Cluster:
         self.trainer_version: dict[str, int] = {}
         self.init_inputs: list[tuple[str, InitPolicyInput]] = []
         self.train_inputs: list[TrainStepInput] = []
+        self.eval_inputs: list[EvalInput] = []
         self.hooks: dict[tuple[str, int | None], Hook] = {}  # (activity, step or None)
         self.rollout_extra: dict[int, dict] = {}  # step -> RolloutResult fields (chunks_reused, engine_retries)
         self.nodes = [StandInNode(self, q) for q in self.queues]
@@ -151,7 +159,10 @@ class Cluster:
     @activity.defn(name="prepare_data")
     async def prepare_data(self, inp: PrepareDataInput) -> DatasetInfo:
         await self.record(CONTROL_QUEUE, "prepare_data", None, None)
-        return DatasetInfo(key=f"runs/{inp.run_id}/data/train.jsonl", n_rows=inp.data.num_train, sha256="0" * 64)
+        info = DatasetInfo(key=f"runs/{inp.run_id}/data/train.jsonl", n_rows=inp.data.num_train, sha256="0" * 64)
+        if inp.eval.enabled and (inp.data.kind == "arithmetic" or inp.data.eval_path):
+            info = info.model_copy(update={"eval_key": f"runs/{inp.run_id}/data/eval.jsonl", "n_eval": inp.eval.n})
+        return info
 
     @activity.defn(name="compute_rewards")
     async def compute_rewards(self, inp: RewardInput) -> RewardResult:
@@ -181,7 +192,7 @@ class StandInNode:
         self.queue = queue
 
     def activities(self) -> list[Callable]:
-        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint]
+        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate]
 
     @activity.defn(name="init_policy")
     async def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
@@ -226,6 +237,18 @@ class StandInNode:
     async def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:
         await self.cluster.record(self.queue, "checkpoint", inp.step, inp.step)  # a checkpoint saves version = step
         return CheckpointResult(step=inp.step, key=f"runs/{inp.run_id}/checkpoints/{inp.step}", seconds=0.3, durable=True)
+
+    @activity.defn(name="evaluate")
+    async def evaluate(self, inp: EvalInput) -> EvalResult:
+        await self.cluster.record(self.queue, "evaluate", inp.step, inp.policy_version)
+        self.cluster.eval_inputs.append(inp)
+        if inp.policy_version != inp.step:  # the engines serve the step's new version
+            raise failure(Failure.INVALID_INPUT, f"evaluate step {inp.step} asked for v{inp.policy_version}")
+        greedy, pass_k = eval_of(inp.step)
+        return EvalResult(
+            step=inp.step, policy_version=inp.policy_version, greedy_accuracy=greedy, pass_at_k=pass_k, k=inp.k,
+            n=3, seconds=0.4,
+        )
 
     def _check_version(self, version: int, what: str, step: int) -> None:
         held = self.cluster.trainer_version.get(self.queue)
