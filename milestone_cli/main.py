@@ -170,8 +170,11 @@ async def watch(client: Client, run_id: str, interval_s: float = 1.0) -> int:
                 f"mean reward first steps {summary.first_reward_mean:.3f} -> last steps {summary.last_reward_mean:.3f}"
             )
             if summary.eval_step is not None:
+                before = (
+                    f"after SFT {summary.eval_before_greedy:.3f} -> " if summary.eval_before_greedy is not None else ""
+                )
                 print(
-                    f"held-out eval after step {summary.eval_step}: greedy {summary.eval_greedy:.3f}, "
+                    f"held-out greedy accuracy {before}after step {summary.eval_step} {summary.eval_greedy:.3f}; "
                     f"pass@{summary.eval_k} {summary.eval_pass_at_k:.3f}"
                 )
             if summary.final_weights_key:

@@ -254,6 +254,7 @@ class RunState(BaseModel):
     events: list[RunEvent] = []
     engines: list[EngineSlotInfo] = []
     first_rewards: list[float] = []
+    eval_before: EvalResult | None = None  # the post-SFT policy (v0) on the held-out split
 
 
 class TrainingRunInput(BaseModel):
@@ -282,6 +283,8 @@ class RunSummary(BaseModel):
     first_reward_mean: float
     last_reward_mean: float
     final_weights_key: str = ""
+    eval_before_greedy: float | None = None  # the post-SFT policy (v0), before any RL step
+    eval_before_pass_at_k: float | None = None
     eval_step: int | None = None  # the last evaluated step and its numbers (None: never evaluated)
     eval_greedy: float | None = None
     eval_pass_at_k: float | None = None

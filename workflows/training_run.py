@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
         POOL_QUEUE,
         ClaimNodeInput,
         DatasetInfo,
+        EvalResult,
         InitPolicyInput,
         NodeClaim,
         PolicyInfo,
@@ -36,13 +37,14 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsResult,
     )
     from workflows.failures import Failure, failure, failure_in
-    from workflows.rl_step import RLStep, run_activity
+    from workflows.rl_step import RLStep, evaluate, run_activity
 
 SA_STEP = SearchAttributeKey.for_int("RlStep")
 SA_REWARD = SearchAttributeKey.for_float("RlReward")
 SA_VERSION = SearchAttributeKey.for_int("RlPolicyVersion")
 SA_STATUS = SearchAttributeKey.for_keyword("RlStatus")
 HISTORY_KEEP = 200
+EVAL_BEFORE_PATCH = "eval-before-rl"  # runs recorded before it replay without the v0 eval
 SUMMARY_STEPS = 5  # the summary compares the mean reward of the first and last 5 steps
 MAX_NODE_REPLACEMENTS = 10
 
@@ -94,6 +96,8 @@ class TrainingRun:
                 self._event("eval_skipped", f"no held-out split ({why}): the run is not evaluated")
             await self._place_on_node(run_id, chash, init=True)
             st.initialized = True
+            if cfg.eval.enabled and st.dataset.eval_key and workflow.patched(EVAL_BEFORE_PATCH):
+                st.eval_before = await self._eval_before_rl(run_id)
         elif st.node is None:
             await self._place_on_node(run_id, chash, init=False)
 
@@ -128,11 +132,31 @@ class TrainingRun:
             first_reward_mean=sum(st.first_rewards) / max(1, len(st.first_rewards)),
             last_reward_mean=sum(s.reward_mean for s in last) / max(1, len(last)),
             final_weights_key=st.history[-1].weights_key if st.history else "",
+            eval_before_greedy=st.eval_before.greedy_accuracy if st.eval_before else None,
+            eval_before_pass_at_k=st.eval_before.pass_at_k if st.eval_before else None,
             eval_step=evaluated.step if evaluated else None,
             eval_greedy=evaluated.eval_greedy if evaluated else None,
             eval_pass_at_k=evaluated.eval_pass_at_k if evaluated else None,
             eval_k=evaluated.eval_k if evaluated else None,
         )
+
+    async def _eval_before_rl(self, run_id: str) -> EvalResult | None:
+        """The post-SFT policy (v0, served since placement) on the held-out split, so the
+        summary shows before -> after. Observational: a failure is an event, and a lost
+        node is found and replaced by the first step."""
+        cfg, st = self.cfg, self.st
+        assert cfg is not None and st.dataset is not None and st.node is not None and st.train is not None
+        inp = RLStepInput(
+            run_id=run_id, step=0, config=cfg, train=st.train, policy_version=0, data_cursor=0,
+            dataset=st.dataset, node_queue=st.node.task_queue,
+        )
+        try:
+            result, events = await evaluate(inp, 0)
+        except (ActivityError, ApplicationError) as err:
+            result, events = None, [RunEvent(at=workflow.now().isoformat(), kind="eval_failed",
+                                             detail=f"step 0: {failure_in(err)[1]}")]
+        st.events = [*st.events, *events][-100:]
+        return result
 
     async def _run_step(self, run_id: str, chash: str) -> StepSummary:
         """Run the step as a child. A lost node is replaced and the step re-run; a

@@ -18,8 +18,9 @@ def test_eval_runs_on_due_steps_and_after_the_last() -> None:
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=5, eval={"every": 2, "k": 3, "max_new_tokens": 5}))
         summary = await finish(handle)
-        assert [(c.step, c.version) for c in cluster.served("evaluate")] == [(2, 2), (4, 4), (5, 5)]
-        inp = cluster.eval_inputs[0]
+        # the post-SFT policy once before RL (step 0, v0), then the due steps
+        assert [(c.step, c.version) for c in cluster.served("evaluate")] == [(0, 0), (2, 2), (4, 4), (5, 5)]
+        inp = cluster.eval_inputs[1]
         assert (inp.k, inp.temperature, inp.max_new_tokens, inp.chunk_size) == (3, 1.0, 5, 4)
         assert inp.eval_key == f"runs/{handle.id}/data/eval.jsonl"
         # after the step's checkpoint (steps 2 and 4 checkpoint: checkpoint.every is 2)
@@ -31,6 +32,7 @@ def test_eval_runs_on_due_steps_and_after_the_last() -> None:
                          5: (*eval_of(5), 3, 3)}
         assert p.steps[1].phase_seconds["eval"] == 0.4 and "eval" not in p.steps[0].phase_seconds
         assert (summary.eval_step, summary.eval_greedy, summary.eval_pass_at_k, summary.eval_k) == (5, *eval_of(5), 3)
+        assert (summary.eval_before_greedy, summary.eval_before_pass_at_k) == eval_of(0)
 
     scenario(cluster, body)
 
@@ -40,7 +42,7 @@ def test_eval_every_0_evaluates_only_after_the_last_step() -> None:
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         summary = await finish(await start_run(env, run_config(steps=3)))  # the default: every 0
-        assert [c.step for c in cluster.served("evaluate")] == [3]
+        assert [c.step for c in cluster.served("evaluate")] == [0, 3]
         assert (summary.eval_step, summary.eval_greedy, summary.eval_pass_at_k) == (3, *eval_of(3))
 
     scenario(cluster, body)
@@ -79,7 +81,7 @@ def test_failed_eval_costs_its_numbers_not_the_run() -> None:
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3, eval={"every": 1}))
         summary = await finish(handle)
-        assert [(c.step, c.attempt) for c in cluster.served("evaluate")] == [(1, 1), (1, 2), (2, 1), (3, 1)]
+        assert [(c.step, c.attempt) for c in cluster.served("evaluate")] == [(0, 1), (1, 1), (1, 2), (2, 1), (3, 1)]
         p = await progress(handle)
         assert p.state == "completed" and [s.step for s in p.steps] == [1, 2, 3]
         assert p.steps[0].eval_greedy == eval_of(1)[0] and p.steps[2].eval_greedy is None
@@ -102,8 +104,26 @@ def test_node_lost_during_eval_reruns_the_step_elsewhere() -> None:
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         summary = await finish(await start_run(env, run_config(steps=2)))
-        assert [(c.queue, c.step) for c in cluster.served("evaluate")] == [(node_a, 2), (node_b, 2)]
+        assert [(c.queue, c.step) for c in cluster.served("evaluate")] == [(node_a, 0), (node_a, 2), (node_b, 2)]
         assert [(c.queue, c.step) for c in cluster.served("train_step")] == [(node_a, 1), (node_a, 2), (node_b, 2)]
         assert (summary.steps, summary.eval_step) == (2, 2)
+
+    scenario(cluster, body)
+
+
+def test_failed_eval_before_rl_is_an_event_not_a_failure() -> None:
+    cluster = Cluster()
+
+    async def broken(queue: str, attempt: int) -> None:
+        raise failure(Failure.INVALID_INPUT, "eval split unreadable")
+
+    cluster.hooks[("evaluate", 0)] = broken
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=2))
+        summary = await finish(handle)
+        assert summary.eval_before_greedy is None and summary.eval_step == 2
+        p = await progress(handle)
+        assert [e.detail for e in p.events if e.kind == "eval_failed"] == ["step 0: eval split unreadable"]
 
     scenario(cluster, body)
