@@ -39,6 +39,7 @@ from gpu_runtime.engine.fleet_types import (  # noqa: F401  (re-exported)
 from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
 from gpu_runtime.models.model_folder import read_meta
+from gpu_runtime.node.proc import free_port, port_free
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,10 @@ class EngineFleet:
             return self._clients[url]
 
     def _spawn(self, s: _Slot, model_path: str, version: str | None) -> None:
+        if not port_free(s.port):  # another process took it since the fleet chose it: move the slot
+            old_url, s.port = s.url, free_port()
+            s.url = f"http://{self._host}:{s.port}"
+            log.warning("slot %d: port of %s is taken; the slot moves to %s", s.index, old_url, s.url)
         cmd = self.backend.command(model_path=model_path, port=s.port, host=self._host, weight_version=version)
         logf = open(self.log_dir / f"engine-{s.index}.log", "ab")
         try:

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -131,6 +132,28 @@ def test_all_engines_dead_then_recovery(fleet, model_dirs) -> None:  # type: ign
     assert sorted(fleet.restart_empty_slots()) == [0, 1]
     out, url = fleet.generate_chunk(BATCH, SP)
     assert url == fleet.router.url and _tokens(out) == _tokens(reference)
+
+
+def test_restarted_slot_whose_port_was_taken_moves_to_a_free_port(fleet) -> None:  # type: ignore[no-untyped-def]
+    """Another process binds a dead engine's port before the restart: the slot moves
+    (new port, new router member) instead of failing to start forever."""
+    reference, _ = fleet.generate_chunk(BATCH, SP)
+    victim = fleet.snapshot()[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_for(lambda: fleet.snapshot()[0].state == "empty", 30, "dead slot to be empty")
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the dead engine's port may be in TIME_WAIT
+    squatter.bind(("127.0.0.1", int(victim.url.rsplit(":", 1)[1])))
+    squatter.listen()
+    try:
+        assert fleet.restart_empty_slots() == [0]
+        moved = fleet.snapshot()[0]
+        assert moved.state == "healthy" and moved.url != victim.url
+        assert fleet.router.worker_urls() == {s.url for s in fleet.snapshot()}
+        out, _ = fleet.generate_chunk(BATCH, SP)
+        assert _tokens(out) == _tokens(reference)
+    finally:
+        squatter.close()
 
 
 def test_update_weights_reports_checksum_mismatch(fleet, model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
