@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -203,36 +203,13 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, o
     return out
 
 
-def init_model_folder(
-    out_dir: str | Path,
-    *,
-    arch: Arch,
-    hidden_size: int,
-    intermediate_size: int,
-    num_hidden_layers: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    max_position_embeddings: int,
-    tokenizer: PreTrainedTokenizerFast,
-    seed: int,
-    tie_word_embeddings: bool = True,
-    rope_theta: float = 10000.0,
-    rms_norm_eps: float = 1e-6,
-    initializer_range: float = 0.02,
-) -> Path:
-    """``build_hf_model`` with these arguments, saved with ``tokenizer`` into
-    ``out_dir`` (new or empty): config.json, generation_config.json,
-    model.safetensors, tokenizer.json, tokenizer_config.json. Returns the folder,
-    which ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``
-    load offline."""
+def init_model_folder(out_dir: str | Path, **model_args: Any) -> Path:
+    """``build_hf_model(**model_args)`` (arch, shape, tokenizer, seed, ...) saved with
+    its tokenizer into ``out_dir`` (new or empty): config.json,
+    generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json.
+    Returns the folder, which ``AutoModelForCausalLM.from_pretrained`` /
+    ``AutoTokenizer.from_pretrained`` load offline."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"out_dir {out} exists and is not empty")
-    model = build_hf_model(
-        arch=arch, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=max_position_embeddings, tokenizer=tokenizer, seed=seed,
-        tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
-        initializer_range=initializer_range,
-    )
-    return save_hf_folder(model, tokenizer, out)
+    return save_hf_folder(build_hf_model(**model_args), model_args["tokenizer"], out)
