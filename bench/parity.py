@@ -10,7 +10,9 @@ of that seed prepares) and the same held-out rows go through
   with its trainer and 2 engine processes) with ``model.path`` = that folder and the
   same settings.
 
-Held-out greedy accuracy is measured on both sides by the same function
+With ``--rl-only`` the plain loop's SFT runs once and both sides start GRPO from
+those weights (SFT 0 steps on each side), which isolates the RL part from the SFT
+part's seed-to-seed variance. Held-out greedy accuracy is measured on both sides by the same function
 (``plain_grpo.greedy_accuracy``) on the post-SFT and final weights (Milestone's are
 read from its store). Prints per seed: seconds per RL step and their ratio, the
 mean reward of the first and last 20 RL steps, held-out accuracy after SFT and after RL.
@@ -40,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import plain_grpo  # noqa: E402
+from gpu_runtime.models.hf_factory import save_hf_folder  # noqa: E402
 from tests.e2e.faults import progress, run_to_end  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 from workers.common import connect  # noqa: E402
@@ -97,12 +100,23 @@ def run_milestone(seed: int, folder: Path, heldout: list[dict], work: Path, a: a
     }
 
 
+def shared_sft_folder(folder: Path, train: list[dict], seed: int, a: argparse.Namespace, out: Path) -> Path:
+    """``--rl-only``: one post-SFT model (the plain loop's SFT) that both sides start RL from."""
+    model, tok = plain_grpo.load_policy(folder)
+    plain_grpo.sft(model, tok, train, steps=a.sft_steps, batch_size=64, lr=3e-4, seed=seed)
+    return save_hf_folder(model.eval(), tok, out)
+
+
 def run_seed(seed: int, a: argparse.Namespace, root: Path) -> dict:
     work = root / f"seed-{seed}"
     train, heldout = plain_grpo.split_rows(N_TRAIN, N_HELDOUT, seed)
     plain_args = ["--seed", str(seed), "--rl-steps", str(a.rl_steps), "--sft-steps", str(a.sft_steps),
                   "--n-train", str(N_TRAIN), "--n-heldout", str(N_HELDOUT), "--log-every", "50"]
     folder = plain_grpo.make_model_folder(work / "model", train, plain_grpo.parse_args(plain_args))
+    if a.rl_only:  # both sides: GRPO from the same post-SFT weights, no SFT of their own
+        folder = shared_sft_folder(folder, train, seed, a, work / "sft")
+        plain_args[plain_args.index("--sft-steps") + 1] = "0"
+        a = argparse.Namespace(**{**vars(a), "sft_steps": 0})
     print(f"\n=== seed {seed}: plain loop", flush=True)
     plain = plain_grpo.main([*plain_args, "--model", str(folder)])
     print(f"=== seed {seed}: Milestone run", flush=True)
@@ -128,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--rl-steps", type=int, default=150)
     ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--rl-only", action="store_true",
+                    help="run the plain loop's SFT once and start both sides' GRPO from those weights")
     ap.add_argument("--json", type=Path, help="write every number here")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

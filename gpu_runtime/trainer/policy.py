@@ -160,8 +160,10 @@ class PolicyTrainer:
         if self.ref_model is not None:
             self.ref_model = self._frozen_copy(self.model)
         log.info("sft warm-up: %d steps in %.1f s, loss %.3f -> %.3f", steps, secs, first, last)
-        return {"sft_steps": float(steps), "sft_seconds": secs, "sft_loss_first": first, "sft_loss_last": last,
-                "sft_s_per_step": secs / max(steps, 1)}
+        out = {"sft_steps": float(steps), "sft_seconds": secs, "sft_s_per_step": secs / max(steps, 1)}
+        if steps:  # no losses to report when the warm-up is skipped (NaN would not survive JSON)
+            out.update(sft_loss_first=first, sft_loss_last=last)
+        return out
 
     # ------------------------------------------------------------------ RL
     def _check_groups(self, samples: list[Sample], rewards: list[float], group_size: int) -> None:

@@ -17,7 +17,7 @@ from gpu_runtime.models.model_folder import load_model_folder, model_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from activities.translate import trainer_hparams
 from gpu_runtime.trainer import PolicyTrainer, TrainerHParams
-from gpu_runtime.trainer.api import ModelInit, ModelSource
+from gpu_runtime.trainer.api import ModelInit, ModelSource, VersionInfo
 from gpu_runtime.trainer.base_model import base_model_folder
 from workflows.config import ModelInitSpec, TrainSpec
 
@@ -192,3 +192,15 @@ def test_bad_inputs_are_rejected() -> None:
         tr.train_step(samples, rewards[:-1], group_size=4, hparams=tr.hparams)
     with pytest.raises(ValueError, match="share one prompt"):
         tr.train_step(samples, rewards, group_size=8, hparams=tr.hparams)
+
+
+def test_sft_with_zero_steps_keeps_the_folder_weights_and_reports_finite_numbers() -> None:
+    """``sft.steps: 0`` skips the warm-up: v0 is the base folder's weights, and every
+    reported number survives the JSON of the trainer RPC and the Temporal payload."""
+    tr = PolicyTrainer.create(base(1), hparams(), 1)
+    before = tr.checksum()
+    m = tr.sft_warmup(ROWS, steps=0, batch_size=8, lr=1e-3, seed=1)
+    assert tr.checksum() == before and tr.policy_version == 0
+    assert all(math.isfinite(v) for v in m.values()) and "sft_loss_first" not in m
+    info = VersionInfo(policy_version=0, checksum=before, weights_key="w", model_path="p", sft_metrics=m)
+    assert VersionInfo.model_validate_json(info.model_dump_json()) == info
