@@ -125,7 +125,7 @@ def main() -> None:
         cfg = demo_config(work / "store", steps=args.steps, sft_steps=args.sft_steps, every=1, keep_last=1000,
                           name=RUN_ID)
         setup = run_setup(cfg, RUN_ID)
-        print(f"building the run: demo model {cfg.model.hidden_size}h x {cfg.model.num_hidden_layers}L, "
+        print(f"building the run: demo model {cfg.model.init.hidden_size}h x {cfg.model.init.num_hidden_layers}L, "
               f"{cfg.samples_per_step} samples/step, SFT {cfg.sft.steps} steps, {cfg.steps} RL steps, "
               f"checkpoint after every step", flush=True)
         t = time.monotonic()

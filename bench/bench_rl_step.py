@@ -145,7 +145,7 @@ def main() -> None:
         work = Path(tmp)
         cfg = demo_config(work / "store", steps=args.steps, sft_steps=args.sft_steps, every=args.every,
                           keep_last=3, name=RUN_ID)
-        print(f"demo model {cfg.model.hidden_size}h x {cfg.model.num_hidden_layers}L, "
+        print(f"demo model {cfg.model.init.hidden_size}h x {cfg.model.init.num_hidden_layers}L, "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples/step, "
               f"{cfg.engines.num_engines} engines, SFT {cfg.sft.steps} steps, {cfg.steps} RL steps, "
               f"checkpoint every {cfg.checkpoint.every}", flush=True)
