@@ -39,7 +39,7 @@ from gpu_runtime.store import artifacts as art  # noqa: E402
 from activities.translate import reward_settings  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
-from gpu_runtime.trainer.api import RunSetup, VersionInfo  # noqa: E402
+from gpu_runtime.trainer.api import Rebuild, RunSetup, VersionInfo  # noqa: E402
 from gpu_runtime.trainer.service import TrainerService  # noqa: E402
 
 log = logging.getLogger("bench_restore")
@@ -144,13 +144,13 @@ def main() -> None:
             restore_s, total_s, ok = [], [], True
             for _ in range(args.repeats):
                 info_r, svc_r = fresh_ensure(setup, meas, k, c, "restore")
-                assert info_r.restored_from_step == c and info_r.replayed_steps == [], info_r
+                assert info_r.rebuild == Rebuild(restored_from_step=c, replayed_steps=[]), info_r
                 restore_s.append(info_r.seconds)
                 if c == v:  # nothing to replay: the same call, not measured twice
                     info_t, svc = info_r, svc_r
                 else:
                     info_t, svc = fresh_ensure(setup, meas, k, v, "replay")
-                assert info_t.restored_from_step == c and info_t.replayed_steps == list(range(c + 1, v + 1)), info_t
+                assert info_t.rebuild == Rebuild(restored_from_step=c, replayed_steps=list(range(c + 1, v + 1))), info_t
                 total_s.append(info_t.seconds)
                 ok = ok and info_t.checksum == checksums[v] and same_state(svc, uninterrupted)
             rows.append((k, c, v - c, statistics.median(restore_s), statistics.median(total_s), ok, info_t.checksum))
