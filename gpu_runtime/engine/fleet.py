@@ -142,7 +142,9 @@ class EngineFleet:
             return self._clients[url]
 
     def _spawn(self, s: _Slot, model_path: str, version: str | None) -> None:
-        if not port_free(s.port):  # another process took it since the fleet chose it: move the slot
+        # another process listens there since the fleet chose it: move the slot (the engine
+        # binds with SO_REUSEADDR, so its own predecessor's TIME_WAIT is no reason to move)
+        if not port_free(s.port, reuse_address=True):
             old_url, s.port = s.url, free_port()
             s.url = f"http://{self._host}:{s.port}"
             log.warning("slot %d: port of %s is taken; the slot moves to %s", s.index, old_url, s.url)

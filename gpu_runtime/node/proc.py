@@ -70,9 +70,13 @@ def spawn(cmd: list[str], log_path: Path, *, env: dict | None = None, stdout_pip
     return proc
 
 
-def port_free(port: int) -> bool:
-    """Whether ``127.0.0.1:port`` can be bound now (it may be taken later)."""
+def port_free(port: int, *, reuse_address: bool = False) -> bool:
+    """Whether ``127.0.0.1:port`` can be bound now (it may be taken later). With
+    ``reuse_address`` the check binds as a server with SO_REUSEADDR does, so a port
+    left in TIME_WAIT by a killed server counts as free; a listening one never does."""
     with socket.socket() as s:
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
