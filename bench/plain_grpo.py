@@ -78,6 +78,7 @@ def make_model_folder(out_dir: Path, train_rows: list[dict], args: argparse.Name
         out_dir, arch=args.arch, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.max_positions, tokenizer=tok, seed=args.seed,
+        tie_word_embeddings=not args.untied,
     )
 
 
@@ -271,6 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--kv-heads", type=int, default=4)
     a("--max-positions", type=int, default=64)
     a("--vocab-size", type=int, default=512, help="BPE vocab size cap (the arithmetic texts give fewer merges)")
+    a("--untied", action="store_true", help="separate input embedding and LM head (Qwen2's default)")
     a("--no-bos", action="store_true", help="build the tokenizer without BOS (prompts start with their first digit)")
     a("--seed", type=int, default=0, help="model init, SFT batches, prompt order, sampling")
     a("--data-seed", type=int, help="dataset stream (default: --seed, as in a Milestone run)")
