@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import random
 import re
 import statistics
@@ -148,9 +149,25 @@ def generate(
 
 
 # ---------------------------------------------------------------- SFT
+def lr_factor(step: int, steps: int, schedule: str, warmup: int) -> float:
+    """The lr multiplier of optimizer step ``step`` (0-based) of ``steps``: linear
+    warm-up over ``warmup`` steps, then constant, linear or cosine decay to 0."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    frac = (step - warmup) / max(steps - warmup, 1)
+    if schedule == "linear":
+        return 1.0 - frac
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise ValueError(f"schedule must be constant, linear or cosine, got {schedule!r}")
+
+
 def sft(
     model: PreTrainedModel, tok: PreTrainedTokenizerBase, rows: list[dict], *, steps: int, batch_size: int,
     lr: float, seed: int, grad_clip: float | None = None, weight_decay: float = 0.0, log_every: int = 50,
+    schedule: str = "constant", warmup: int = 0,
 ) -> dict:
     """Supervised warm-up on prompt -> answer + EOS; loss on the answer tokens only."""
     eos = tok.eos_token_id
@@ -160,6 +177,8 @@ def sft(
     model.train()
     losses, t0 = [], time.perf_counter()
     for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr * lr_factor(step, steps, schedule, warmup)
         batch = [data[rng.randrange(len(data))] for _ in range(batch_size)]
         logp, mask = completion_logprobs(model, [p for p, _ in batch], [c for _, c in batch], eos)
         loss = -(logp * mask).sum() / mask.sum()
@@ -281,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--sft-steps", type=int, default=300)
     a("--sft-batch", type=int, default=64)
     a("--sft-lr", type=float, default=3e-4)
+    a("--sft-schedule", choices=["constant", "linear", "cosine"], default="constant", help="SFT lr schedule")
+    a("--sft-warmup", type=int, default=0, help="SFT linear lr warm-up steps")
     a("--sft-grad-clip", type=float, help="max grad norm in SFT (default: no clipping)")
     a("--rl-steps", type=int, default=150)
     a("--prompts", type=int, default=16)
@@ -313,7 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{len(heldout)} held-out rows, seed {args.seed}, {args.threads} thread(s)", flush=True)
 
     sft_stats = sft(model, tok, train, steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr, seed=args.seed,
-                    grad_clip=args.sft_grad_clip, weight_decay=args.weight_decay)
+                    grad_clip=args.sft_grad_clip, weight_decay=args.weight_decay,
+                    schedule=args.sft_schedule, warmup=args.sft_warmup)
     acc_sft = greedy_accuracy(model, tok, heldout, max_new_tokens=args.max_new_tokens)
     print(f"after SFT: held-out greedy accuracy {acc_sft:.3f}  ({sft_stats['sft_s_per_step']:.3f} s/step)", flush=True)
 
