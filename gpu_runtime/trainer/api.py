@@ -2,7 +2,7 @@
 
 Hyper-parameters have no defaults here: each value comes from the run config
 (``workflows/config.py`` declares the knob, its default and its validation once)
-through one translation function in ``activities/trainer_seam.py``, and a unit
+through one translation function in ``activities/translate.py``, and a unit
 test keeps the mirrored field sets equal.
 """
 
@@ -26,9 +26,17 @@ class TrainerHParams(Message):
     weight_decay: float
     warmup_steps: int
     grad_clip: float
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo"]
     clip_eps: float
     clip_eps_high: float | None
+    dual_clip_c: float | None
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+    loss_agg_norm_len: int | None
     kl_coef: float
+    kl_estimator: Literal["k1", "k2", "k3"]
+    kl_in_reward: bool
+    entropy_coef: float
+    tis_cap: float | None
     scale_adv_by_std: bool
     ppo_epochs: int
     micro_batch_size: int
