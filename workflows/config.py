@@ -206,12 +206,19 @@ class TrainSpec(Strict):
     )
     kl_coef: float = Field(0.0, ge=0, description="KL to the post-SFT reference; > 0 keeps a reference model")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="the per-token KL estimator (Schulman)")
-    kl_in_reward: bool = Field(False, description="KL as a reward penalty (kl_coef * KL per token) instead of a loss term")
-    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: entropy_coef * entropy is subtracted from the loss")
-    tis_cap: float | None = Field(
-        None, ge=1, description="truncated IS against the engine's logprobs: weight min(exp(trainer - engine), cap) (unset: off)"
+    kl_in_reward: bool = Field(
+        False, description="KL as a reward penalty (kl_coef * KL per token) instead of a loss term"
     )
-    scale_adv_by_std: bool = Field(True, description="grpo/gspo/cispo: divide group advantages by the group std (false: Dr.GRPO)")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="entropy bonus: entropy_coef * entropy is subtracted from the loss"
+    )
+    tis_cap: float | None = Field(
+        None, ge=1,
+        description="truncated IS against the engine's logprobs: weight min(exp(trainer - engine), cap) (unset: off)",
+    )
+    scale_adv_by_std: bool = Field(
+        True, description="grpo/gspo/cispo: divide group advantages by the group std (false: Dr.GRPO)"
+    )
     ppo_epochs: int = Field(1, ge=1, description="optimizer steps per rollout batch")
     micro_batch_size: int = Field(128, ge=1, description="sequences per forward/backward (gradients accumulate)")
 
@@ -227,13 +234,18 @@ class TrainSpec(Strict):
     def _combinations(self) -> "TrainSpec":
         est = self.estimator
         if self.dual_clip_c is not None and est in ("gspo", "cispo"):
-            raise ValueError(f"dual_clip_c applies to the PPO-clip loss; estimator {est} has its own (leave dual_clip_c unset)")
+            raise ValueError(
+                f"dual_clip_c applies to the PPO-clip loss; estimator {est} has its own (leave dual_clip_c unset)"
+            )
         if est == "gspo" and self.loss_agg != "seq_mean_token_mean":
             raise ValueError(
-                f"estimator gspo needs loss_agg seq_mean_token_mean (its objective is a mean over sequences), got {self.loss_agg}"
+                "estimator gspo needs loss_agg seq_mean_token_mean (its objective is a mean over sequences), "
+                f"got {self.loss_agg}"
             )
         if self.loss_agg == "seq_mean_token_sum_norm" and self.loss_agg_norm_len is None:
-            raise ValueError("loss_agg seq_mean_token_sum_norm needs loss_agg_norm_len (the constant length, e.g. rollout.max_new_tokens)")
+            raise ValueError(
+                "loss_agg seq_mean_token_sum_norm needs loss_agg_norm_len (the constant length, e.g. rollout.max_new_tokens)"
+            )
         if self.kl_in_reward and self.kl_coef == 0:
             raise ValueError("kl_in_reward needs kl_coef > 0 (the penalty's weight)")
         if not self.scale_adv_by_std and est not in ("grpo", "gspo", "cispo"):

@@ -31,7 +31,9 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if group_size <= 0:
         raise ValueError(f"group_size must be > 0, got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}"
+        )
     return rewards.to(torch.float32).view(-1, group_size)
 
 

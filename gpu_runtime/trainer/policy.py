@@ -200,7 +200,7 @@ class PolicyTrainer:
         if hp.kl_in_reward and hp.kl_coef > 0:
             with torch.no_grad():
                 old_lps = [logprobs_and_logits(self.model, b.ids, b.mask)[0] for b in batches]
-            reward_kl = [kl_per_token(old, ref, hp.kl_estimator) for old, ref in zip(old_lps, ref_lps)]  # type: ignore[arg-type]
+            reward_kl = [kl_per_token(old, ref, hp.kl_estimator) for old, ref in zip(old_lps, ref_lps) if ref is not None]
         advs = micro_batch_advantages(batches, r, group_size, hp, reward_kl)
         tis: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model.train()
@@ -264,7 +264,8 @@ class PolicyTrainer:
         metrics = dict(sums)
         if tis:
             shares = [float(b.tmask.sum()) / max(n_tokens, 1) for b in batches]
-            metrics["tis_weight_mean"] = sum(float(masked_mean(wt, b.tmask)) * f for (wt, _), b, f in zip(tis, batches, shares))
+            metrics["tis_weight_mean"] = sum(
+                float(masked_mean(wt, b.tmask)) * f for (wt, _), b, f in zip(tis, batches, shares))
             metrics["tis_clip_fraction"] = sum(
                 float(masked_mean(c.to(torch.float32), b.tmask)) * f for (_, c), b, f in zip(tis, batches, shares))
         lens = [float(len(s.response_ids)) for s in samples]

@@ -184,8 +184,10 @@ def test_eval_path_rules() -> None:
 
 def test_estimator_and_loss_defaults_are_todays_grpo() -> None:
     t = TrainSpec()
-    assert (t.estimator, t.loss_agg, t.kl_estimator, t.kl_in_reward, t.entropy_coef) == ("grpo", "token_mean", "k3", False, 0)
-    assert (t.dual_clip_c, t.tis_cap, t.loss_agg_norm_len, t.clip_eps_high, t.scale_adv_by_std) == (None, None, None, None, True)
+    assert (t.estimator, t.loss_agg, t.kl_estimator, t.kl_in_reward, t.entropy_coef) == (
+        "grpo", "token_mean", "k3", False, 0)
+    assert (t.dual_clip_c, t.tis_cap, t.loss_agg_norm_len, t.clip_eps_high, t.scale_adv_by_std) == (
+        None, None, None, None, True)
 
 
 @pytest.mark.parametrize("train,needle", [
