@@ -43,7 +43,7 @@ from gpu_runtime.models.causal_lm import (
 from gpu_runtime.models.model_folder import model_checksum, save_model_folder
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.trainer.api import TrainerHParams
+from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class PolicyTrainer:
     def from_state(cls, folder: str | Path) -> "PolicyTrainer":
         """Build a trainer from a folder written by ``save_state``."""
         meta = cls._read_meta(Path(folder))
-        hp = TrainerHParams.model_validate(meta["hparams"])
+        hp = stored_hparams(meta["hparams"])
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
         ref = cls._frozen_copy(model) if meta["has_reference"] else None
@@ -354,7 +354,7 @@ class PolicyTrainer:
                 load_exported_state_dict(self.ref_model, load_file(str(folder / REF_FILE)))
             else:
                 self.ref_model = None
-        self.hparams = TrainerHParams.model_validate(meta["hparams"])
+        self.hparams = stored_hparams(meta["hparams"])
         self.optimizer = self._new_optimizer(self.hparams)
         flat = load_file(str(folder / OPTIM_FILE))
         state: dict[int, dict[str, torch.Tensor]] = {}
