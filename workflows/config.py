@@ -173,9 +173,10 @@ class RewardSpec(Strict):
 
 
 class TrainSpec(Strict):
-    """The RL update (GRPO advantages, PPO-clip loss, AdamW): the one place each trainer
-    knob is declared, with its default. Every field can change between steps with
-    ``milestone set`` (each step's values are stored with it, so replay reuses them)."""
+    """The RL update (an advantage estimator, a clipped policy loss, AdamW): the one place
+    each trainer knob is declared, with its default. Every field can change between steps
+    with ``milestone set`` (each step's values are stored with it, so replay reuses them).
+    ``docs/algorithms.md`` gives each knob's formula."""
 
     lr: float = Field(3e-5, gt=0, description="AdamW learning rate (after warm-up)")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
@@ -183,10 +184,41 @@ class TrainSpec(Strict):
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="linear lr warm-up over this many optimizer steps, then constant")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo"] = Field(
+        "grpo",
+        description="grpo: group-normalised advantages, PPO-clip loss; rloo: leave-one-out baseline; "
+        "reinforce_pp(_baseline): token returns (minus the group mean) whitened over the batch; "
+        "gspo: GRPO advantages, sequence-ratio clip; cispo: GRPO advantages, clipped stop-gradient IS weight",
+    )
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip (low side; also the high side unless clip_eps_high)")
-    clip_eps_high: float | None = Field(None, gt=0, lt=1, description="DAPO clip-higher: the ratio's upper clip")
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the post-SFT reference; > 0 keeps a reference model")
-    scale_adv_by_std: bool = Field(True, description="GRPO: divide group advantages by the group std (false: Dr.GRPO)")
+    # no upper bound: CISPO's truncation 1 + clip_eps_high is typically well above 2
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="the ratio's upper clip 1 + clip_eps_high (DAPO clip-higher; cispo's IS weight cap)"
+    )
+    dual_clip_c: float | None = Field(
+        None, gt=1, description="dual-clip PPO: for A < 0 the per-token loss is capped at -A * c (unset: off)"
+    )
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="how per-token losses become the batch loss (the last divides by loss_agg_norm_len)"
+    )
+    loss_agg_norm_len: int | None = Field(
+        None, ge=1, description="the constant seq_mean_token_sum_norm divides by (Dr.GRPO; e.g. rollout.max_new_tokens)"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL to the post-SFT reference; > 0 keeps a reference model")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="the per-token KL estimator (Schulman)")
+    kl_in_reward: bool = Field(
+        False, description="KL as a reward penalty (kl_coef * KL per token) instead of a loss term"
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="entropy bonus: entropy_coef * entropy is subtracted from the loss"
+    )
+    tis_cap: float | None = Field(
+        None, ge=1,
+        description="truncated IS against the engine's logprobs: weight min(exp(trainer - engine), cap) (unset: off)",
+    )
+    scale_adv_by_std: bool = Field(
+        True, description="grpo/gspo/cispo: divide group advantages by the group std (false: Dr.GRPO)"
+    )
     ppo_epochs: int = Field(1, ge=1, description="optimizer steps per rollout batch")
     micro_batch_size: int = Field(128, ge=1, description="sequences per forward/backward (gradients accumulate)")
 
@@ -197,6 +229,31 @@ class TrainSpec(Strict):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
         return v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "TrainSpec":
+        est = self.estimator
+        if self.dual_clip_c is not None and est in ("gspo", "cispo"):
+            raise ValueError(
+                f"dual_clip_c applies to the PPO-clip loss; estimator {est} has its own (leave dual_clip_c unset)"
+            )
+        if est == "gspo" and self.loss_agg != "seq_mean_token_mean":
+            raise ValueError(
+                "estimator gspo needs loss_agg seq_mean_token_mean (its objective is a mean over sequences), "
+                f"got {self.loss_agg}"
+            )
+        if self.loss_agg == "seq_mean_token_sum_norm" and self.loss_agg_norm_len is None:
+            raise ValueError(
+                "loss_agg seq_mean_token_sum_norm needs loss_agg_norm_len (the constant length, e.g. rollout.max_new_tokens)"
+            )
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ValueError("kl_in_reward needs kl_coef > 0 (the penalty's weight)")
+        if not self.scale_adv_by_std and est not in ("grpo", "gspo", "cispo"):
+            raise ValueError(
+                f"scale_adv_by_std false applies to grpo, gspo and cispo; estimator {est} never divides by the group std "
+                "(set scale_adv_by_std true)"
+            )
+        return self
 
 
 class CheckpointSpec(Strict):

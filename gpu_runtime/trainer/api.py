@@ -2,12 +2,13 @@
 
 Hyper-parameters have no defaults here: each value comes from the run config
 (``workflows/config.py`` declares the knob, its default and its validation once)
-through one translation function in ``activities/trainer_seam.py``, and a unit
+through one translation function in ``activities/translate.py``, and a unit
 test keeps the mirrored field sets equal.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -26,12 +27,34 @@ class TrainerHParams(Message):
     weight_decay: float
     warmup_steps: int
     grad_clip: float
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo"]
     clip_eps: float
     clip_eps_high: float | None
+    dual_clip_c: float | None
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+    loss_agg_norm_len: int | None
     kl_coef: float
+    kl_estimator: Literal["k1", "k2", "k3"]
+    kl_in_reward: bool
+    entropy_coef: float
+    tis_cap: float | None
     scale_adv_by_std: bool
     ppo_epochs: int
     micro_batch_size: int
+
+
+# Knobs added after runs were first stored, each with the value that reproduces the
+# trainer from before it existed. Only for reading stored records (a step batch, a
+# checkpoint's meta) written by an older version; live messages carry every field.
+HPARAMS_ADDED_LATER: dict[str, object] = {
+    "estimator": "grpo", "dual_clip_c": None, "loss_agg": "token_mean", "loss_agg_norm_len": None,
+    "kl_estimator": "k3", "kl_in_reward": False, "entropy_coef": 0.0, "tis_cap": None,
+}
+
+
+def stored_hparams(raw: dict) -> TrainerHParams:
+    """``TrainerHParams`` from a stored record, which may predate some knobs."""
+    return TrainerHParams.model_validate({**HPARAMS_ADDED_LATER, **raw})
 
 
 class SFTSettings(Message):
@@ -88,6 +111,12 @@ class StepBatch(Message):
     rewards_key: str
     group_size: int
     hparams: TrainerHParams
+
+
+def stored_step_batch(raw: str | bytes) -> "StepBatch":
+    """A ``StepBatch`` stored before training, possibly by an older version."""
+    data = json.loads(raw)
+    return StepBatch.model_validate({**data, "hparams": stored_hparams(data["hparams"])})
 
 
 class NodeEvent(Message):

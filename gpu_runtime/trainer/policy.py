@@ -21,7 +21,16 @@ from safetensors.torch import load_file, save_file
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.data.datasets import encode_prompt, final_answer, sft_target
 from gpu_runtime.engine.generate import generate_batch
-from gpu_runtime.algorithms.grpo import entropy_from_logits, group_advantages, kl_k3, logprobs_and_logits, masked_mean, ppo_clip_loss
+from gpu_runtime.algorithms.logprobs import logprobs_and_logits
+from gpu_runtime.algorithms.losses import (
+    Aggregation,
+    entropy_from_logits,
+    kl_per_token,
+    masked_mean,
+    policy_loss_per_token,
+    tis_weights,
+)
+from gpu_runtime.trainer.batches import logprob_gap, micro_batch_advantages, micro_batches, pad_batch, response_mask
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from gpu_runtime.models.causal_lm import (
@@ -34,7 +43,7 @@ from gpu_runtime.models.causal_lm import (
 from gpu_runtime.models.model_folder import model_checksum, save_model_folder
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.trainer.api import TrainerHParams
+from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
 
 log = logging.getLogger(__name__)
 
@@ -44,25 +53,6 @@ REF_FILE = "reference.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 FORMAT_VERSION = 1
-
-
-def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists -> (input_ids [B, T] int64, attention_mask [B, T] bool)."""
-    t = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), t), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = True
-    return ids, mask
-
-
-def response_mask(prompt_lens: list[int], total_lens: list[int], width: int) -> torch.Tensor:
-    """[B, width] bool over next-token targets: target j (token j+1) is a response token."""
-    j = torch.arange(width)[None, :] + 1
-    p = torch.tensor(prompt_lens)[:, None]
-    n = torch.tensor(total_lens)[:, None]
-    return (j >= p) & (j < n)
 
 
 class PolicyTrainer:
@@ -184,63 +174,86 @@ class PolicyTrainer:
     def train_step(
         self, samples: list[Sample], rewards: list[float], group_size: int, hparams: TrainerHParams
     ) -> dict[str, float]:
-        """One GRPO update from one rollout; increments ``policy_version`` by 1.
+        """One RL update from one rollout; increments ``policy_version`` by 1.
 
         ``ppo_epochs`` optimizer steps over the whole batch, each accumulated over
-        micro-batches so the loss is the token mean over the full batch. The
-        "old" logprobs are those of the current weights (taken, without grad,
-        from the first epoch's forward), so the first epoch's ratio is exactly 1."""
+        micro-batches whose shares add up to the batch's loss (``hparams.loss_agg``).
+        The "old" logprobs are those of the current weights (taken, without grad,
+        from the first epoch's forward, or from a forward of their own when the KL
+        is part of the reward), so the first epoch's ratio is 1."""
         self._check_groups(samples, rewards, group_size)
         t0 = time.perf_counter()
-        self.hparams = hparams
-        if hparams.kl_coef > 0 and self.ref_model is None:
+        self.hparams = hp = hparams
+        if hp.kl_coef > 0 and self.ref_model is None:
             raise ValueError("trainer.kl_coef > 0 needs a reference model: create the trainer with kl_coef > 0")
         r = torch.tensor(rewards, dtype=torch.float32)
-        adv_all = group_advantages(r, group_size, scale_by_std=hparams.scale_adv_by_std)
-        mbs = hparams.micro_batch_size
-        batches = []
-        for i in range(0, len(samples), mbs):
-            chunk = samples[i : i + mbs]
-            ids, mask = pad_batch([s.prompt_ids + s.response_ids for s in chunk], self.tokenizer.pad_token_id)
-            tmask = response_mask([len(s.prompt_ids) for s in chunk],
-                                  [len(s.prompt_ids) + len(s.response_ids) for s in chunk], ids.shape[1] - 1)
-            batches.append((ids, mask, tmask, adv_all[i : i + mbs]))
-        n_tokens = int(sum(int(b[2].sum()) for b in batches))
+        batches = micro_batches(samples, hp.micro_batch_size, self.tokenizer.pad_token_id)
+        agg = Aggregation.over([b.tmask for b in batches], hp.loss_agg, hp.loss_agg_norm_len)
+        n_tokens = agg.n_tokens
         ref_lps: list[torch.Tensor | None] = [None] * len(batches)
-        if hparams.kl_coef > 0:
+        if hp.kl_coef > 0:
             assert self.ref_model is not None
             with torch.no_grad():
-                ref_lps = [logprobs_and_logits(self.ref_model, ids, mask)[0] for ids, mask, _, _ in batches]
+                ref_lps = [logprobs_and_logits(self.ref_model, b.ids, b.mask)[0] for b in batches]
         old_lps: list[torch.Tensor] = []
+        reward_kl: list[torch.Tensor] | None = None  # the KL penalty of the reward, per micro-batch
+        if hp.kl_in_reward and hp.kl_coef > 0:
+            with torch.no_grad():
+                old_lps = [logprobs_and_logits(self.model, b.ids, b.mask)[0] for b in batches]
+            reward_kl = [kl_per_token(old, ref, hp.kl_estimator) for old, ref in zip(old_lps, ref_lps) if ref is not None]
+        advs = micro_batch_advantages(batches, r, group_size, hp, reward_kl)
+        tis: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model.train()
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0}
+        if hp.dual_clip_c is not None:
+            sums["dual_clip_fraction"] = 0.0
+        if reward_kl is not None:
+            sums["kl"] = sum(float(agg(kl, b.tmask)) for kl, b in zip(reward_kl, batches))
         grad_norm = 0.0
-        lr = self.lr_at(self.opt_steps, hparams)
-        for epoch in range(hparams.ppo_epochs):
-            lr = self.lr_at(self.opt_steps, hparams)
+        lr = self.lr_at(self.opt_steps, hp)
+        for epoch in range(hp.ppo_epochs):
+            lr = self.lr_at(self.opt_steps, hp)
             for group in self.optimizer.param_groups:
-                group.update(lr=lr, betas=hparams.betas, eps=hparams.eps, weight_decay=hparams.weight_decay)
+                group.update(lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
             self.optimizer.zero_grad(set_to_none=True)
-            last = epoch == hparams.ppo_epochs - 1
-            for k, (ids, mask, tmask, adv) in enumerate(batches):
-                lp, logits = logprobs_and_logits(self.model, ids, mask)
-                if epoch == 0:
+            last = epoch == hp.ppo_epochs - 1
+            for k, b in enumerate(batches):
+                tmask = b.tmask
+                lp, logits = logprobs_and_logits(self.model, b.ids, b.mask)
+                if len(old_lps) == k:
                     old_lps.append(lp.detach())
-                pg, clip_frac = ppo_clip_loss(lp, old_lps[k], adv, tmask, hparams.clip_eps, hparams.clip_eps_high)
+                if hp.tis_cap is not None and len(tis) == k:
+                    tis.append(tis_weights(old_lps[k], b.engine_logprobs(), hp.tis_cap))
+                terms = policy_loss_per_token(hp.estimator, lp, old_lps[k], advs[k], tmask, clip_eps=hp.clip_eps,
+                                              clip_eps_high=hp.clip_eps_high, dual_clip_c=hp.dual_clip_c)
+                per_token = terms.loss * tis[k][0] if tis else terms.loss
+                pg = agg.value(per_token, tmask)
                 loss = pg
                 kl = torch.zeros(())
                 ref = ref_lps[k]
-                if ref is not None:
-                    kl = kl_k3(lp, ref, tmask)
-                    loss = loss + hparams.kl_coef * kl
-                w = float(tmask.sum()) / max(n_tokens, 1)
+                if ref is not None and reward_kl is None:
+                    kl = agg.value(kl_per_token(lp, ref, hp.kl_estimator), tmask)
+                    loss = loss + hp.kl_coef * kl
+                ent: torch.Tensor | None = None
+                if hp.entropy_coef > 0:
+                    ent = agg.value(entropy_from_logits(logits), tmask)
+                    loss = loss - hp.entropy_coef * ent
+                w = agg.weight(tmask)
                 (loss * w).backward()
                 if last:
-                    with torch.no_grad():
-                        ent = masked_mean(entropy_from_logits(logits.detach()), tmask)
-                    for name, v in (("loss", loss), ("pg_loss", pg), ("kl", kl), ("entropy", ent), ("clip_fraction", clip_frac)):
-                        sums[name] += float(v.detach()) * w
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), hparams.grad_clip))
+                    if ent is None:
+                        with torch.no_grad():
+                            ent = agg.value(entropy_from_logits(logits.detach()), tmask)
+                    share = float(tmask.sum()) / max(n_tokens, 1)  # fractions are token shares
+                    values = [("loss", loss, w), ("pg_loss", pg, w), ("entropy", ent, w),
+                              ("clip_fraction", masked_mean(terms.clipped.to(lp.dtype), tmask), share)]
+                    if reward_kl is None:
+                        values.append(("kl", kl, w))
+                    if terms.dual_clipped is not None:
+                        values.append(("dual_clip_fraction", masked_mean(terms.dual_clipped.to(lp.dtype), tmask), share))
+                    for name, v, weight in values:
+                        sums[name] += float(v.detach()) * weight
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), hp.grad_clip))
             if not math.isfinite(grad_norm):  # never step on NaN/inf: the weights stay the last good ones
                 self.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(f"train_step: grad norm is not finite ({grad_norm})")
@@ -249,30 +262,23 @@ class PolicyTrainer:
         self.policy_version += 1
         secs = time.perf_counter() - t0
         metrics = dict(sums)
+        if tis:
+            shares = [float(b.tmask.sum()) / max(n_tokens, 1) for b in batches]
+            metrics["tis_weight_mean"] = sum(
+                float(masked_mean(wt, b.tmask)) * f for (wt, _), b, f in zip(tis, batches, shares))
+            metrics["tis_clip_fraction"] = sum(
+                float(masked_mean(c.to(torch.float32), b.tmask)) * f for (_, c), b, f in zip(tis, batches, shares))
         lens = [float(len(s.response_ids)) for s in samples]
         metrics.update(
-            grad_norm=grad_norm, lr=lr, tokens=float(n_tokens), tokens_per_s=n_tokens * hparams.ppo_epochs / max(secs, 1e-9),
+            grad_norm=grad_norm, lr=lr, tokens=float(n_tokens), tokens_per_s=n_tokens * hp.ppo_epochs / max(secs, 1e-9),
             reward_mean=float(r.mean()), reward_std=float(r.std(unbiased=False)), response_len_mean=sum(lens) / len(lens),
             step_seconds=secs, policy_version=float(self.policy_version),
-            rollout_logprob_abs_diff=self._logprob_gap(samples, batches, old_lps, mbs),
+            rollout_logprob_abs_diff=logprob_gap(batches, old_lps),
         )
         for k, v in metrics.items():
             if v != v or v in (float("inf"), float("-inf")):
                 raise FloatingPointError(f"train_step: metric {k} is not finite ({v})")
         return metrics
-
-    @staticmethod
-    def _logprob_gap(samples: list[Sample], batches: list, old_lps: list[torch.Tensor], mbs: int) -> float:
-        """Mean |engine logprob - trainer logprob| over response tokens (0 when the samples carry none)."""
-        total, count = 0.0, 0
-        for k, (_, _, tmask, _) in enumerate(batches):
-            for b, s in enumerate(samples[k * mbs : (k + 1) * mbs]):
-                if len(s.logprobs) != len(s.response_ids):
-                    continue
-                mine = old_lps[k][b][tmask[b]]
-                total += float((mine - torch.tensor(s.logprobs, dtype=mine.dtype)).abs().sum())
-                count += len(s.logprobs)
-        return total / count if count else 0.0
 
     # --------------------------------------------------------------- state
     def checksum(self) -> str:
@@ -316,7 +322,7 @@ class PolicyTrainer:
     def from_state(cls, folder: str | Path) -> "PolicyTrainer":
         """Build a trainer from a folder written by ``save_state``."""
         meta = cls._read_meta(Path(folder))
-        hp = TrainerHParams.model_validate(meta["hparams"])
+        hp = stored_hparams(meta["hparams"])
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
         ref = cls._frozen_copy(model) if meta["has_reference"] else None
@@ -348,7 +354,7 @@ class PolicyTrainer:
                 load_exported_state_dict(self.ref_model, load_file(str(folder / REF_FILE)))
             else:
                 self.ref_model = None
-        self.hparams = TrainerHParams.model_validate(meta["hparams"])
+        self.hparams = stored_hparams(meta["hparams"])
         self.optimizer = self._new_optimizer(self.hparams)
         flat = load_file(str(folder / OPTIM_FILE))
         state: dict[int, dict[str, torch.Tensor]] = {}

@@ -29,6 +29,7 @@ from gpu_runtime.trainer.api import (
     StepBatch,
     TrainResult,
     VersionInfo,
+    stored_step_batch,
 )
 from gpu_runtime.trainer.base_model import base_model_folder
 from gpu_runtime.trainer.policy import PolicyTrainer
@@ -147,7 +148,7 @@ class TrainerService:
             key = art.step_batch_key(self.setup.run_id, step)
             if not self.store.exists(key):
                 raise RuntimeError(f"cannot replay step {step}: {key} missing from the store")
-            self._train(art.get_model(self.store, key, StepBatch))
+            self._train(stored_step_batch(self.store.get_bytes(key)))
             replayed.append(step)
         if self.trainer.policy_version != target:
             raise RuntimeError(f"trainer at v{self.trainer.policy_version} is ahead of target v{target}")

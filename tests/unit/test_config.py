@@ -180,3 +180,41 @@ def test_eval_path_rules() -> None:
     with pytest.raises(ValidationError, match="eval_path 'test.csv' must end with"):
         DataSpec(kind="jsonl", path="train.jsonl", eval_path="test.csv")
     assert DataSpec(kind="parquet", path="train.parquet", eval_path="test.pq").eval_path == "test.pq"
+
+
+def test_estimator_and_loss_defaults_are_todays_grpo() -> None:
+    t = TrainSpec()
+    assert (t.estimator, t.loss_agg, t.kl_estimator, t.kl_in_reward, t.entropy_coef) == (
+        "grpo", "token_mean", "k3", False, 0)
+    assert (t.dual_clip_c, t.tis_cap, t.loss_agg_norm_len, t.clip_eps_high, t.scale_adv_by_std) == (
+        None, None, None, None, True)
+
+
+@pytest.mark.parametrize("train,needle", [
+    ({"dual_clip_c": 1.0}, "dual_clip_c: Input should be greater than 1"),
+    ({"estimator": "cispo", "dual_clip_c": 3.0}, "dual_clip_c applies to the PPO-clip loss; estimator cispo"),
+    ({"estimator": "gspo"}, "estimator gspo needs loss_agg seq_mean_token_mean"),
+    ({"loss_agg": "seq_mean_token_sum_norm"}, "needs loss_agg_norm_len"),
+    ({"kl_in_reward": True}, "kl_in_reward needs kl_coef > 0"),
+    ({"estimator": "rloo", "scale_adv_by_std": False}, "estimator rloo never divides by the group std"),
+    ({"tis_cap": 0.5}, "tis_cap: Input should be greater than or equal to 1"),
+    ({"entropy_coef": -0.1}, "entropy_coef: Input should be greater than or equal to 0"),
+    ({"estimator": "ppo"}, "estimator: Input should be 'grpo'"),
+    ({"kl_estimator": "k4"}, "kl_estimator: Input should be 'k1', 'k2' or 'k3'"),
+])
+def test_estimator_and_loss_combinations_are_validated(tmp_path: Path, train: dict, needle: str) -> None:
+    p = write(tmp_path, "steps: 3\ntrain: " + json.dumps(train) + "\n")
+    with pytest.raises(ConfigError, match=needle):
+        load_run_config(p)
+
+
+def test_estimator_combinations_that_are_valid() -> None:
+    TrainSpec(estimator="gspo", loss_agg="seq_mean_token_mean", clip_eps=3e-4, clip_eps_high=4e-4)
+    TrainSpec(estimator="cispo", clip_eps_high=4.0)  # CISPO's cap is well above PPO's clip range
+    TrainSpec(scale_adv_by_std=False, loss_agg="seq_mean_token_sum_norm", loss_agg_norm_len=512)  # Dr.GRPO
+    TrainSpec(estimator="reinforce_pp", kl_coef=0.01, kl_in_reward=True, kl_estimator="k1")
+    # milestone set: switching to gspo takes its loss_agg in the same update
+    new = HParamUpdate(estimator="gspo", loss_agg="seq_mean_token_mean").apply(TrainSpec())
+    assert (new.estimator, new.loss_agg) == ("gspo", "seq_mean_token_mean")
+    with pytest.raises(ValueError, match="estimator gspo needs"):
+        HParamUpdate(estimator="gspo").apply(TrainSpec())

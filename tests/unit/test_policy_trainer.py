@@ -139,6 +139,23 @@ def test_save_load_continues_bitwise(tmp_path: Path) -> None:
     assert meta["policy_version"] == 2
 
 
+def test_checkpoint_from_before_the_estimator_knobs_still_loads(tmp_path: Path) -> None:
+    a = new_trainer()
+    a.train_step(*rollout(0), group_size=4, hparams=a.hparams)
+    a.save_state(tmp_path / "state")
+    meta_path = tmp_path / "state" / "trainer_meta.json"
+    meta = json.loads(meta_path.read_text())
+    for key in ("estimator", "dual_clip_c", "loss_agg", "loss_agg_norm_len", "kl_estimator", "kl_in_reward",
+                "entropy_coef", "tis_cap"):
+        del meta["hparams"][key]
+    meta_path.write_text(json.dumps(meta))
+    b = PolicyTrainer.from_state(tmp_path / "state")
+    assert b.hparams == a.hparams
+    a.train_step(*rollout(1), group_size=4, hparams=a.hparams)
+    b.train_step(*rollout(1), group_size=4, hparams=b.hparams)
+    assert_same_state(a, b)
+
+
 def test_load_state_rejects_corrupt_weights(tmp_path: Path) -> None:
     a = new_trainer()
     a.save_state(tmp_path / "s")

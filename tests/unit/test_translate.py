@@ -6,13 +6,17 @@ every field across (a non-default value in, the same value out)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from activities import translate
 from gpu_runtime.engine.evaluate import EvalStats
 from gpu_runtime.engine.rollout import RolloutRequest
-from gpu_runtime.trainer.api import CheckpointSaved, NodeEvent, Rebuild, TrainResult, VersionInfo
+from gpu_runtime.trainer.api import (
+    HPARAMS_ADDED_LATER, CheckpointSaved, NodeEvent, Rebuild, TrainerHParams, TrainResult, VersionInfo,
+    stored_hparams, stored_step_batch,
+)
 from workflows.config import CheckpointSpec, HParamUpdate, ModelInitSpec, ModelSpec, RolloutSpec, SFTSpec, TrainSpec
 from workflows.contracts import DatasetInfo, EvalInput, InitPolicyInput, RolloutInput, RunEvent, TrainStepInput
 
@@ -39,8 +43,9 @@ def test_every_train_knob_can_be_set_mid_run() -> None:
 
 # non-default values everywhere, so a dropped field shows
 TRAIN = TrainSpec(lr=1.5e-5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, warmup_steps=3, grad_clip=0.5,
-                  clip_eps=0.1, clip_eps_high=0.28, kl_coef=0.05, scale_adv_by_std=False, ppo_epochs=3,
-                  micro_batch_size=7)
+                  estimator="cispo", clip_eps=0.1, clip_eps_high=0.28, loss_agg="seq_mean_token_sum_norm",
+                  loss_agg_norm_len=16, kl_coef=0.05, kl_estimator="k2", kl_in_reward=True, entropy_coef=0.01,
+                  tis_cap=2.0, scale_adv_by_std=False, ppo_epochs=3, micro_batch_size=7)
 DATASET = DatasetInfo(key="runs/r/data/train.jsonl", n_rows=10, sha256="x")
 
 
@@ -67,6 +72,24 @@ def test_run_setup_and_step_batch() -> None:
     assert (batch.step, batch.policy_version, batch.chunk_keys, batch.rewards_key, batch.group_size) == (
         3, 2, ["a", "b"], "rw", 4)
     assert batch.hparams.lr == 9e-6  # the step's own settings (set_hparams), not the run's initial ones
+
+
+def test_stored_records_from_before_a_knob_existed_read_as_the_old_trainer() -> None:
+    """A step batch or checkpoint stored by an older version lacks the later knobs: they
+    read as the values that reproduce that version (the run config's defaults)."""
+    assert set(HPARAMS_ADDED_LATER) < set(TrainerHParams.model_fields)
+    assert HPARAMS_ADDED_LATER == {k: TrainSpec().model_dump()[k] for k in HPARAMS_ADDED_LATER}
+    step = TrainStepInput(run_id="r", step=3, store_uri="file:///s", policy_version=2, chunk_keys=["a"],
+                          rewards_key="rw", group_size=4, train=TrainSpec(lr=2e-5))
+    batch = translate.step_batch(step)
+    old = json.loads(batch.model_dump_json())
+    for key in HPARAMS_ADDED_LATER:
+        del old["hparams"][key]
+    assert stored_step_batch(json.dumps(old)) == batch
+    assert stored_step_batch(batch.model_dump_json()) == batch
+    assert stored_hparams(old["hparams"]) == batch.hparams
+    with pytest.raises(ValueError):  # a live message must carry every field
+        TrainerHParams.model_validate(old["hparams"])
 
 
 def test_rollout_request() -> None:

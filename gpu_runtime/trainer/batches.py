@@ -1,0 +1,127 @@
+"""Samples as padded training tensors, and the two token layouts the trainer uses.
+
+A micro-batch is right-padded ``prompt + response`` ids; its per-token tensors are
+``[B, T-1]`` over next-token targets (``tmask`` marks the response tokens). The
+advantage estimators work **response-aligned** instead: ``[N, L]`` with column
+``t`` the ``t``-th response token of a sample, the same for every micro-batch
+split. ``MicroBatch`` converts between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_runtime.algorithms.advantages import compute_advantages
+from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.trainer.api import TrainerHParams
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists -> (input_ids [B, T] int64, attention_mask [B, T] bool)."""
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), t), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = True
+    return ids, mask
+
+
+def response_mask(prompt_lens: list[int], total_lens: list[int], width: int) -> torch.Tensor:
+    """[B, width] bool over next-token targets: target j (token j+1) is a response token."""
+    j = torch.arange(width)[None, :] + 1
+    p = torch.tensor(prompt_lens)[:, None]
+    n = torch.tensor(total_lens)[:, None]
+    return (j >= p) & (j < n)
+
+
+def response_aligned_mask(samples: list[Sample]) -> torch.Tensor:
+    """[N, L] bool, L the longest response: ``mask[i, :len(response_i)]`` is true."""
+    lens = torch.tensor([len(s.response_ids) for s in samples])
+    return torch.arange(int(lens.max()))[None, :] < lens[:, None]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    samples: list[Sample]
+    ids: torch.Tensor  # [B, T] int64
+    mask: torch.Tensor  # [B, T] bool attention mask
+    tmask: torch.Tensor  # [B, T-1] bool: the target is a response token
+
+    @classmethod
+    def of(cls, samples: list[Sample], pad_id: int) -> "MicroBatch":
+        ids, mask = pad_batch([s.prompt_ids + s.response_ids for s in samples], pad_id)
+        tmask = response_mask([len(s.prompt_ids) for s in samples],
+                              [len(s.prompt_ids) + len(s.response_ids) for s in samples], ids.shape[1] - 1)
+        return cls(samples, ids, mask, tmask)
+
+    def _spans(self) -> list[tuple[int, int]]:
+        """(first target position, response length) per sample."""
+        return [(len(s.prompt_ids) - 1, len(s.response_ids)) for s in self.samples]
+
+    def from_response(self, x: torch.Tensor) -> torch.Tensor:
+        """Response-aligned ``x [B, L]`` in this micro-batch's layout ``[B, T-1]`` (0 off the response)."""
+        out = torch.zeros(self.tmask.shape, dtype=x.dtype)
+        for b, (start, n) in enumerate(self._spans()):
+            out[b, start : start + n] = x[b, :n]
+        return out
+
+    def to_response(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """``x [B, T-1]`` in this layout as response-aligned ``[B, width]`` (0 past each response)."""
+        out = torch.zeros((len(self.samples), width), dtype=x.dtype)
+        for b, (start, n) in enumerate(self._spans()):
+            out[b, :n] = x[b, start : start + n]
+        return out
+
+    def engine_logprobs(self) -> torch.Tensor:
+        """The engine's logprobs of the response tokens in this layout (needs one per token)."""
+        for s in self.samples:
+            if len(s.logprobs) != len(s.response_ids):
+                raise ValueError(
+                    f"sample {s.sample_id}: tis_cap needs the engine's logprob of every response token, "
+                    f"got {len(s.logprobs)} for {len(s.response_ids)} tokens"
+                )
+        width = max(len(s.response_ids) for s in self.samples)
+        aligned = torch.zeros((len(self.samples), width), dtype=torch.float32)
+        for b, s in enumerate(self.samples):
+            aligned[b, : len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
+        return self.from_response(aligned)
+
+
+def micro_batches(samples: list[Sample], size: int, pad_id: int) -> list[MicroBatch]:
+    return [MicroBatch.of(samples[i : i + size], pad_id) for i in range(0, len(samples), size)]
+
+
+def micro_batch_advantages(
+    batches: list[MicroBatch], rewards: torch.Tensor, group_size: int, hp: TrainerHParams,
+    reward_kl: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """``hp.estimator``'s advantages for the whole batch, per micro-batch in its
+    ``[B, T-1]`` layout. ``reward_kl``: the per-token KL of each micro-batch when
+    the KL is part of the reward."""
+    samples = [s for b in batches for s in b.samples]
+    rmask = response_aligned_mask(samples)
+    width = rmask.shape[1]
+    token_kl = None if reward_kl is None else torch.cat([b.to_response(kl, width) for b, kl in zip(batches, reward_kl)])
+    adv = compute_advantages(hp.estimator, rewards, group_size, rmask, scale_by_std=hp.scale_adv_by_std,
+                             token_kl=token_kl, kl_coef=hp.kl_coef)
+    out, i = [], 0
+    for b in batches:
+        out.append(b.from_response(adv[i : i + len(b.samples)]))
+        i += len(b.samples)
+    return out
+
+
+def logprob_gap(batches: list[MicroBatch], old_lps: list[torch.Tensor]) -> float:
+    """Mean |engine logprob - trainer logprob| over response tokens (0 when the samples carry none)."""
+    total, count = 0.0, 0
+    for k, batch in enumerate(batches):
+        for b, s in enumerate(batch.samples):
+            if len(s.logprobs) != len(s.response_ids):
+                continue
+            mine = old_lps[k][b][batch.tmask[b]]
+            total += float((mine - torch.tensor(s.logprobs, dtype=mine.dtype)).abs().sum())
+            count += len(s.logprobs)
+    return total / count if count else 0.0
