@@ -37,7 +37,8 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
     key = art.dataset_key(inp.run_id, "train")
     d = inp.data
     if d.kind == "arithmetic":
-        _put_once(store, key, "data.path", lambda: generate_arithmetic(d.num_train, inp.seed, d.max_operand, d.ops))
+        _put_once(store, key, "data.path", lambda: generate_arithmetic(
+            d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
     else:
         require_int = inp.reward.kind == "math_answer"
         _put_once(store, key, "data.path", lambda: iter_rows(translate.data_source(d), require_int_answer=require_int))
@@ -49,7 +50,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
     if d.kind == "arithmetic":
         train_prompts = {json.loads(line).get("prompt") for line in data.splitlines() if line.strip()}
         _put_once(store, eval_key, "eval.n", lambda: generate_heldout_arithmetic(
-            inp.eval.n, inp.seed, d.max_operand, d.ops, exclude=train_prompts))
+            inp.eval.n, inp.seed, d.max_operand, d.ops, exclude=train_prompts, min_operand=d.min_operand))
     else:
         source = translate.data_source(d).eval_source()
         if source is None:

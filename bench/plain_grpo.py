@@ -55,12 +55,14 @@ _INT = re.compile(r"-?\d+")
 
 
 # ---------------------------------------------------------------- inputs
-def split_rows(n_train: int, n_heldout: int, data_seed: int, max_operand: int = 99) -> tuple[list[dict], list[dict]]:
+def split_rows(
+    n_train: int, n_heldout: int, data_seed: int, max_operand: int = 99, min_operand: int = 0
+) -> tuple[list[dict], list[dict]]:
     """Train rows = the first ``n_train`` rows of the seeded stream; held-out =
     the following rows with a prompt unseen in train (and not repeated)."""
     n = n_train + 2 * n_heldout
     while True:
-        rows = generate_arithmetic(n, data_seed, max_operand, "+")
+        rows = generate_arithmetic(n, data_seed, max_operand, "+", min_operand=min_operand)
         train, seen, heldout = rows[:n_train], {prompt_text(r) for r in rows[:n_train]}, []
         for r in rows[n_train:]:
             if prompt_text(r) not in seen and len(heldout) < n_heldout:
@@ -296,6 +298,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=0, help="model init, SFT batches, prompt order, sampling")
     a("--data-seed", type=int, help="dataset stream (default: --seed, as in a Milestone run)")
     a("--n-train", type=int, default=2000)
+    a("--min-operand", type=int, default=0, help="operands from min..max (10..99: 2-digit addition)")
+    a("--max-operand", type=int, default=99)
     a("--n-heldout", type=int, default=500)
     a("--sft-steps", type=int, default=300)
     a("--sft-batch", type=int, default=64)
@@ -325,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.utils.logging.disable_progress_bar()
     t_start = time.perf_counter()
     data_seed = args.seed if args.data_seed is None else args.data_seed
-    train, heldout = split_rows(args.n_train, args.n_heldout, data_seed)
+    train, heldout = split_rows(args.n_train, args.n_heldout, data_seed, args.max_operand, args.min_operand)
     with tempfile.TemporaryDirectory(prefix="plain-grpo-") as tmp:
         folder = args.model or make_model_folder(args.save_model or Path(tmp) / "model", train, args)
         model, tok = load_policy(folder)

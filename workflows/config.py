@@ -87,7 +87,8 @@ class DataSpec(Strict):
         None, description="the dataset file (required for jsonl / parquet; suffix .jsonl/.ndjson/.json or .parquet/.pq)"
     )
     num_train: int = Field(2000, ge=1, description="rows to generate (arithmetic)")
-    max_operand: int = Field(99, ge=1, description="operands are drawn from 0..max_operand (arithmetic)")
+    min_operand: int = Field(0, ge=0, description="operands are drawn from min_operand..max_operand (arithmetic)")
+    max_operand: int = Field(99, ge=1, description="operands are drawn from min_operand..max_operand (arithmetic)")
     ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic)")
     prompt_key: str = Field("question", min_length=1, description="the key / column holding the plain-text prompt")
     messages_key: str | None = Field(
@@ -116,6 +117,8 @@ class DataSpec(Strict):
     @model_validator(mode="after")
     def _path(self) -> "DataSpec":
         if self.kind == "arithmetic":
+            if self.min_operand > self.max_operand:
+                raise ValueError(f"min_operand {self.min_operand} must be <= max_operand {self.max_operand}")
             if self.eval_path is not None:
                 raise ValueError("eval_path is for jsonl / parquet; arithmetic generates its held-out rows")
             return self

@@ -218,3 +218,10 @@ def test_estimator_combinations_that_are_valid() -> None:
     assert (new.estimator, new.loss_agg) == ("gspo", "seq_mean_token_mean")
     with pytest.raises(ValueError, match="estimator gspo needs"):
         HParamUpdate(estimator="gspo").apply(TrainSpec())
+
+
+def test_operand_range_rules() -> None:
+    assert DataSpec(min_operand=10, max_operand=99).min_operand == 10
+    assert DataSpec().min_operand == 0  # recorded runs without the field keep their data
+    with pytest.raises(ValidationError, match="min_operand 50 must be <= max_operand 20"):
+        DataSpec(min_operand=50, max_operand=20)
