@@ -13,8 +13,12 @@ ROLLOUT_TOKENS_PER_S = Gauge("milestone_rollout_tokens_per_second", "generated t
 RESPONSE_LENGTH = Gauge("milestone_response_length_mean", "mean response length (tokens), last rollout")
 REWARD_MEAN = Gauge("milestone_reward_mean", "mean reward, last step")
 REWARD_STD = Gauge("milestone_reward_std", "reward standard deviation, last step")
-REWARD_ERRORS = Counter("milestone_reward_errors_total", "samples scored 0 after a failed reward call (error_policy zero)")
-REWARD_JUDGE_CALLS = Counter("milestone_reward_judge_calls_total", "samples sent to a judge endpoint (recorded results are not)")
+REWARD_ERRORS = Counter(
+    "milestone_reward_errors_total", "samples scored 0 after a failed reward call (error_policy zero)"
+)
+REWARD_JUDGE_CALLS = Counter(
+    "milestone_reward_judge_calls_total", "samples judged by a judge endpoint (recorded results are not asked again)"
+)
 DYNAMIC_SAMPLING = Gauge(
     "milestone_dynamic_sampling", "dynamic sampling in the last step (groups by fate, rounds)", ["metric"]
 )

@@ -81,7 +81,8 @@ def test_dynamic_filter_trains_only_groups_whose_rewards_vary(shared_stack: Stac
         filtered = d.groups_filtered_all_correct + d.groups_filtered_all_wrong + d.groups_filtered_other
         assert d.groups_kept + filtered == d.groups_generated
         assert d.rounds == 3 or d.groups_kept >= PPS  # a round more only while too few groups varied
-        assert d.groups_trained == (min(d.groups_kept, PPS) if d.groups_kept else PPS) and d.fallback == (d.groups_kept == 0)
+        assert d.groups_trained == (min(d.groups_kept, PPS) if d.groups_kept else PPS)
+        assert d.fallback == (d.groups_kept == 0)
         cursor += d.prompts_drawn
         assert s.data_cursor == cursor  # every drawn prompt counts as used, filtered or not
         assert set(s.phase_seconds) >= {"rollout", "reward", "assemble", "train"}

@@ -105,3 +105,16 @@ def test_a_round_has_its_own_seeds_and_keys() -> None:
     assert art.rollout_chunk_key("run", 4, 1, 0) == "runs/run/steps/000004/rollout/chunk-0001.json"
     assert art.rollout_chunk_key("run", 4, 1, 2) == "runs/run/steps/000004/rollout/round-02/chunk-0001.json"
     assert art.judge_prefix("run", 4, 2) == "runs/run/steps/000004/round-02/judge"
+
+
+def test_the_progress_line_shows_the_filter_and_reward_errors() -> None:
+    from milestone_cli.main import format_progress
+    from workflows.contracts import RunProgress, StepSummary
+
+    stats = SamplingStats(rounds=2, prompts_drawn=12, groups_generated=12, groups_kept=5, groups_filtered_all_correct=4,
+                          groups_filtered_all_wrong=3, groups_filtered_other=0, groups_trained=4, trained_reward_mean=0.5)
+    step = StepSummary(step=1, policy_version=1, data_cursor=12, reward_mean=0.5, reward_std=0.1, accuracy=0.5, loss=0.1,
+                       step_seconds=1.0, sampling=stats, reward_errors=2)
+    line = format_progress(RunProgress(run_id="r", state="running", step=1, total_steps=3, policy_version=1,
+                                       data_cursor=12, steps=[step]))
+    assert line.endswith("| kept 5/12 groups in 2 rounds | 2 reward errors")

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, as_completed
@@ -90,9 +91,8 @@ def score_http(items: Sequence[RemoteItem], term: RewardTermSettings, *, backoff
                              what=what, backoff_s=backoff_s)
             values = [_number(v) for v in body] if isinstance(body, list) else None
             if values is None or len(values) != len(batch) or any(v is None for v in values):
-                raise RewardFatal(
-                    f"{what}: {term.url} must answer a JSON list of {len(batch)} finite numbers, got {str(body)[:200]!r}"
-                )
+                raise RewardFatal(f"{what}: {term.url} must answer a JSON list of {len(batch)} finite numbers, "
+                                  f"got {str(body)[:200]!r}")
             out.extend(v for v in values if v is not None)
     return out
 
@@ -105,6 +105,8 @@ class JudgeRecords:
         self.store = store
         self.prefix = prefix.rstrip("/")
         self._existing = set(store.list(self.prefix + "/"))
+        self.written = 0  # results recorded by this pass (judged now)
+        self._lock = threading.Lock()  # put() runs in the request threads
 
     def key(self, item: RemoteItem) -> str:
         return f"{self.prefix}/{item.index:06d}.json"
@@ -126,16 +128,18 @@ class JudgeRecords:
     def put(self, item: RemoteItem, score: float) -> None:
         rec = {"sample_id": item.sample_id, "response_sha256": self._digest(item), "score": score}
         self.store.put_bytes(self.key(item), json.dumps(rec, sort_keys=True).encode())
+        with self._lock:
+            self.written += 1
 
 
 def score_judge(
     items: Sequence[RemoteItem], term: RewardTermSettings, records: JudgeRecords, *,
     backoff_s: float = BACKOFF_S,
-) -> tuple[list[float], int]:
-    """Each sample's judge score and how many were judged now (the rest were recorded by an
-    earlier attempt). A sample's result is written to ``records`` as soon as its answer
-    arrives, before anything else uses it; on a failure the requests in flight finish and
-    are recorded, the ones not started are dropped, and the error is raised. Each request
+) -> list[float]:
+    """Each sample's judge score: recorded by an earlier attempt, else asked now. A sample's
+    result is written to ``records`` as soon as its answer arrives, before anything else
+    uses it; on a failure the requests in flight finish and are recorded, the ones not
+    started are dropped, and the error is raised. Each request
     carries an ``Idempotency-Key`` header (the record's key) so an endpoint can tell a
     repeat of a call whose answer was lost (a timeout, a crash before the record)."""
     assert term.url and term.concurrency and term.max_retries is not None
@@ -148,7 +152,7 @@ def score_judge(
         else:
             scores[item.index] = recorded
     if not todo:
-        return [scores[i.index] for i in items], 0
+        return [scores[i.index] for i in items]
 
     def judge(client: httpx.Client, item: RemoteItem) -> float:
         what = f"reward.kind judge, sample {item.sample_id}"
@@ -178,4 +182,4 @@ def score_judge(
                         other.cancel()
     if first_error is not None:
         raise first_error
-    return [scores[i.index] for i in items], len(todo)
+    return [scores[i.index] for i in items]

@@ -21,7 +21,7 @@ from gpu_runtime.store.artifacts import Sample, SampleReward
 from gpu_runtime.store.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
-MATH_VERIFY_FN = "gpu_runtime.data.rewards.mathverify:math_verify_reward"
+MATH_VERIFY_FN = mathverify.CALL
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ def score_samples(
             sample_id=item.sample_id,
             reward=reward,
             correct=_correct(scores, item, reward),
-            detail="; ".join(sc.detail if len(terms) == 1 else f"{t.name}: {sc.detail}" for t, sc in zip(terms, scores)),
+            detail="; ".join(sc.detail if len(terms) == 1 else f"{t.name}: {sc.detail}"
+                             for t, sc in zip(terms, scores)),
             terms={t.name: sc.value for t, sc in zip(terms, scores)} if spec.kind == "weighted" else {},
             error="; ".join(errors),
         ))
@@ -131,13 +132,16 @@ def _score_term(
     remote_items = [remote.RemoteItem(i.index, i.sample_id, i.prompt, i.response, i.row.get("answer"),
                                       i.row.get("metadata") or {}) for i in items]
     if kind == "http":
-        return [TermScore(v, detail=f"http={v:g}") for v in remote.score_http(remote_items, term, backoff_s=ctx.backoff_s)]
+        values = remote.score_http(remote_items, term, backoff_s=ctx.backoff_s)
+        return [TermScore(v, detail=f"http={v:g}") for v in values]
     if kind == "judge":
         if ctx.store is None or ctx.judge_prefix is None:
             raise RewardFatal("reward.kind judge needs a store to record its results in (ScoreContext)")
         records = remote.JudgeRecords(ctx.store, f"{ctx.judge_prefix}/{term.name}")
-        values, judged = remote.score_judge(remote_items, term, records, backoff_s=ctx.backoff_s)
-        stats.judged += judged
+        try:
+            values = remote.score_judge(remote_items, term, records, backoff_s=ctx.backoff_s)
+        finally:  # judged now, also by a pass that failed: the next one will not ask for them
+            stats.judged += records.written
         return [TermScore(v, detail=f"judge={v:g}") for v in values]
     raise RewardFatal(f"reward.kind {kind!r} has no scorer")
 
