@@ -302,3 +302,11 @@ def test_math_verify_missing_package_is_a_clear_error(monkeypatch: pytest.Monkey
     with pytest.raises(RewardFatal, match="reward.kind: math_verify needs the math-verify package"):
         score_samples(samples(["72"]), [ROW], settings(kind="math_verify"))
     assert scoring.MATH_VERIFY_FN.endswith(":math_verify_reward")
+
+
+def test_rewards_stored_before_the_terms_field_still_load() -> None:
+    from gpu_runtime.store.artifacts import SampleReward, StepRewards
+
+    old = '{"run_id": "r", "step": 3, "rewards": [{"sample_id": "s3-p0-g0", "reward": 1.0, "correct": true, "detail": ""}]}'
+    (r,) = StepRewards.model_validate_json(old).rewards
+    assert (r.terms, r.error) == ({}, "") and isinstance(r, SampleReward)
