@@ -1,8 +1,10 @@
 """The plain reference: SFT -> GRPO on a transformers model in one process.
 
 No Temporal, no subprocesses, nothing from Milestone's trainer / engine /
-algorithms: only torch, transformers, the arithmetic data generator and the
-model-folder factory (both sides of a parity check must use the same inputs).
+algorithms: only torch, transformers, the arithmetic data generator, the
+model-folder factory and the data order (``derive_seed`` for the SFT batches,
+``prompts_for_step`` for the RL prompts), so both sides of a parity check see the
+same inputs in the same order.
 Meant to be read top to bottom and checked by eye.
 
 Data: ``generate_arithmetic(n_train + more, seed=data_seed)`` is one seeded
@@ -14,7 +16,7 @@ with the tokenizer's special tokens, i.e. BOS first when the tokenizer has one
 (the factory's does; ``--no-bos`` builds one without); SFT target =
 ``sft_target(row)`` tokens + EOS.
 
-SFT: ``steps`` batches of ``batch_size`` rows drawn with replacement (seeded),
+SFT: ``steps`` batches of ``batch_size`` rows drawn with replacement (seeded per step),
 loss = mean NLL over target tokens of the batch, AdamW at a constant lr.
 GRPO: per step ``prompts`` prompts (a seeded permutation of the train rows,
 epoch after epoch) x ``group`` samples at ``temperature`` (top_p 1, no top_k) up
@@ -48,7 +50,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_runtime.data.datasets import final_answer, generate_arithmetic, prompt_text, sft_target  # noqa: E402
+from gpu_runtime.data.datasets import (  # noqa: E402
+    final_answer, generate_arithmetic, prompt_text, prompts_for_step, sft_target,
+)
+from gpu_runtime.store.artifacts import derive_seed  # noqa: E402
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer  # noqa: E402
 
 _INT = re.compile(r"-?\d+")
@@ -175,12 +180,12 @@ def sft(
     eos = tok.eos_token_id
     data = [(encode_prompt(tok, r), tok(sft_target(r), add_special_tokens=False)["input_ids"] + [eos]) for r in rows]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
-    rng = random.Random(f"sft:{seed}")
     model.train()
     losses, t0 = [], time.perf_counter()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr * lr_factor(step, steps, schedule, warmup)
+        rng = random.Random(derive_seed("sft", seed, step))  # the rows a Milestone run of this seed draws
         batch = [data[rng.randrange(len(data))] for _ in range(batch_size)]
         logp, mask = completion_logprobs(model, [p for p, _ in batch], [c for _, c in batch], eos)
         loss = -(logp * mask).sum() / mask.sum()
@@ -254,14 +259,9 @@ def grpo_step(
 
 
 def prompt_rows(train: list[dict], step: int, count: int, seed: int) -> list[dict]:
-    """Rows at positions ``step*count ..`` of a seeded permutation, re-shuffled each epoch."""
-    out = []
-    for pos in range(step * count, (step + 1) * count):
-        epoch, i = divmod(pos, len(train))
-        order = list(range(len(train)))
-        random.Random(f"prompts:{seed}:{epoch}").shuffle(order)
-        out.append(train[order[i]])
-    return out
+    """Rows at positions ``step*count ..`` of the seeded permutation (re-shuffled each
+    epoch) that a Milestone run of this seed walks through."""
+    return [train[i] for i in prompts_for_step(len(train), seed, step * count, count)]
 
 
 @torch.no_grad()
