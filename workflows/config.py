@@ -135,6 +135,17 @@ class SFTSpec(Strict):
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-4, gt=0)
     grad_clip: float | None = Field(None, gt=0, description="max grad norm during SFT (unset: no clipping)")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.95), description="AdamW betas of the warm-up, each in [0, 1). beta2 0.95, not 0.999: see docs/config.md"
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(v):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+        return v
 
 
 class DynamicFilterSpec(Strict):
