@@ -19,6 +19,7 @@ from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
     CheckpointSaved,
+    LoraSettings,
     ModelInit,
     ModelSource,
     NodeEvent,
@@ -30,7 +31,7 @@ from gpu_runtime.trainer.api import (
     TrainResult,
     VersionInfo,
 )
-from workflows.config import DataSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
+from workflows.config import DataSpec, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
 from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
@@ -51,6 +52,7 @@ MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
     (SFTSpec, SFTSettings),
     (ModelSpec, ModelSource),
     (ModelInitSpec, ModelInit),
+    (LoraSpec, LoraSettings),
     (RewardSpec, RewardSettings),
     (RewardTerm, RewardTermSettings),
     (DataSpec, DataSource),

@@ -13,59 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from workflows.model_config import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec  # noqa: F401  (sections; re-exported)
 from workflows.reward_config import RewardSpec, RewardTerm  # noqa: F401  (a section of RunConfig; re-exported)
 from workflows.strict import Strict
-
-
-class ModelInitSpec(Strict):
-    """A new model written as a v0 Hugging Face folder before the run trains it: a
-    byte-level BPE tokenizer trained on the run's dataset text, and a random-init
-    ``transformers`` model seeded by the run's seed."""
-
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    hidden_size: int = Field(128, ge=8)
-    intermediate_size: int = Field(256, ge=8)
-    num_hidden_layers: int = Field(2, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    max_position_embeddings: int = Field(256, ge=16)
-    vocab_size: int = Field(512, ge=259, description="BPE vocabulary (3 special tokens + 256 bytes + merges)")
-    tie_word_embeddings: bool = True
-
-    @model_validator(mode="after")
-    def _heads(self) -> "ModelInitSpec":
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be divisible by num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
-        return self
-
-
-class ModelSpec(Strict):
-    """The model to train: ``path`` to a Hugging Face folder (config.json, safetensors,
-    tokenizer files; any causal LM ``transformers`` implements), or ``init`` to build
-    a new one. Neither given: ``init`` with its defaults."""
-
-    path: str | None = Field(None, description="local folder readable by every node")
-    init: ModelInitSpec | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _flat_init(cls, v: Any) -> Any:
-        """``model: {hidden_size: ..}`` (the form before ``init`` existed, and in recorded
-        histories) is shorthand for ``model: {init: {hidden_size: ..}}``."""
-        if isinstance(v, dict) and set(v) & set(ModelInitSpec.model_fields) and "init" not in v:
-            flat = {k: x for k, x in v.items() if k in ModelInitSpec.model_fields}
-            return {**{k: x for k, x in v.items() if k not in flat}, "init": flat}
-        return v
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "ModelSpec":
-        if self.path is not None and self.init is not None:
-            raise ValueError("give model.path or model.init, not both")
-        if self.path is None and self.init is None:
-            self.init = ModelInitSpec()
-        return self
 
 
 _DATA_SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet", ".pq")}

@@ -80,11 +80,22 @@ class ModelInit(Message):
     tie_word_embeddings: bool
 
 
+class LoraSettings(Message):
+    """LoRA adapters on the base model (``model.lora`` in the run config)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: Literal["all-linear"] | list[str]
+    export: Literal["merged", "adapter"]
+
+
 class ModelSource(Message):
     """Where the run's base model comes from (``model`` in the run config)."""
 
     path: str | None
     init: ModelInit | None
+    lora: LoraSettings | None
 
 
 class RunSetup(Message):

@@ -40,10 +40,11 @@ from gpu_runtime.models.causal_lm import (
     load_exported_state_dict,
     shape_summary,
 )
-from gpu_runtime.models.model_folder import model_checksum, save_model_folder
+from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
+from gpu_runtime.trainer import lora as lora_lib
+from gpu_runtime.trainer.api import LoraSettings, TrainerHParams, stored_hparams
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,10 @@ class PolicyTrainer:
         hparams: TrainerHParams,
         seed: int,
         ref_model: PreTrainedModel | None,
+        lora: LoraSettings | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # set: ``model`` is peft-wrapped and only its adapters train
         self.tokenizer = tokenizer
         self.hparams = hparams
         self.seed = seed
@@ -75,17 +78,22 @@ class PolicyTrainer:
 
     # ---------------------------------------------------------------- setup
     @classmethod
-    def create(cls, base_folder: str | Path, hparams: TrainerHParams, seed: int) -> "PolicyTrainer":
-        """A trainer over the model and tokenizer of a Hugging Face folder (the run's base model)."""
+    def create(
+        cls, base_folder: str | Path, hparams: TrainerHParams, seed: int, lora: LoraSettings | None = None
+    ) -> "PolicyTrainer":
+        """A trainer over the model and tokenizer of a Hugging Face folder (the run's base model),
+        with fresh LoRA adapters (seeded) when ``lora`` is given."""
         tokenizer = Tokenizer.load(base_folder)
         model = load_causal_lm(base_folder)
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"{base_folder}: config vocab_size {model.config.vocab_size} < tokenizer's {tokenizer.vocab_size}")
         torch.manual_seed(derive_seed("trainer", seed) % (1 << 63))
         random.seed(derive_seed("trainer-py", seed))
+        if lora is not None:
+            model = lora_lib.apply_lora(model, lora, seed)
         model.train()
         ref = cls._frozen_copy(model) if hparams.kl_coef > 0 else None
-        return cls(model, tokenizer, hparams, seed, ref)
+        return cls(model, tokenizer, hparams, seed, ref, lora)
 
     @staticmethod
     def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -97,7 +105,7 @@ class PolicyTrainer:
 
     def _new_optimizer(self, hp: TrainerHParams, lr: float | None = None) -> torch.optim.AdamW:
         return torch.optim.AdamW(
-            self.model.parameters(), lr=hp.lr if lr is None else lr, betas=hp.betas, eps=hp.eps,
+            lora_lib.trainable_parameters(self.model), lr=hp.lr if lr is None else lr, betas=hp.betas, eps=hp.eps,
             weight_decay=hp.weight_decay, foreach=False,
         )
 
@@ -138,7 +146,7 @@ class PolicyTrainer:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+                torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), grad_clip)
             opt.step()
             last = float(loss.detach())
             if step == 0:
@@ -253,7 +261,7 @@ class PolicyTrainer:
                         values.append(("dual_clip_fraction", masked_mean(terms.dual_clipped.to(lp.dtype), tmask), share))
                     for name, v, weight in values:
                         sums[name] += float(v.detach()) * weight
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), hp.grad_clip))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), hp.grad_clip))
             if not math.isfinite(grad_norm):  # never step on NaN/inf: the weights stay the last good ones
                 self.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(f"train_step: grad norm is not finite ({grad_norm})")
@@ -281,19 +289,42 @@ class PolicyTrainer:
         return metrics
 
     # --------------------------------------------------------------- state
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """The weights engines load for this version (merged with the adapters under LoRA)."""
+        return lora_lib.merged_state_dict(self.model) if self.lora else export_state_dict(self.model)
+
+    def _trained_state(self, model: PreTrainedModel) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds of ``model``: every weight, or the adapters only under LoRA."""
+        return lora_lib.adapter_state_dict(model) if self.lora else export_state_dict(model)
+
+    def _load_trained_state(self, model: PreTrainedModel, sd: dict[str, torch.Tensor]) -> None:
+        if self.lora:
+            lora_lib.load_adapter_state_dict(model, sd)
+        else:
+            load_exported_state_dict(model, sd)
+
     def checksum(self) -> str:
-        return model_checksum(self.model)
+        return weights_checksum(self.published_state())
 
     def export_model_folder(self, folder: str | Path) -> str:
-        return save_model_folder(self.model, self.tokenizer, folder, weight_version=self.policy_version)
+        """This version as a plain model folder (merged weights under LoRA)."""
+        plain = self.model.get_base_model() if self.lora else self.model
+        return save_model_folder(plain, self.tokenizer, folder, weight_version=self.policy_version,
+                                 weights=self.published_state() if self.lora else None)
+
+    def export_adapter_folder(self, folder: str | Path, base_model: str) -> None:
+        """The adapters as a peft adapter folder over ``base_model`` (LoRA only)."""
+        if not self.lora:
+            raise ValueError("export_adapter_folder: the trainer has no LoRA adapters")
+        lora_lib.save_adapter_folder(self.model, folder, base_model)
 
     def save_state(self, folder: str | Path) -> None:
         """Write the full trainer state into ``folder`` (meta file last)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(export_state_dict(self.model), str(folder / WEIGHTS_FILE))
+        save_file(self._trained_state(self.model), str(folder / WEIGHTS_FILE))
         if self.ref_model is not None:
-            save_file(export_state_dict(self.ref_model), str(folder / REF_FILE))
+            save_file(self._trained_state(self.ref_model), str(folder / REF_FILE))
         self.model.config.save_pretrained(str(folder))  # architecture, so ``from_state`` can rebuild
         self.tokenizer.save(folder)
         osd = self.optimizer.state_dict()
@@ -310,6 +341,7 @@ class PolicyTrainer:
             "model_config": shape_summary(self.model),
             "hparams": self.hparams.model_dump(mode="json"),
             "has_reference": self.ref_model is not None,
+            "lora": self.lora.model_dump(mode="json") if self.lora else None,
             "optimizer_param_groups": osd["param_groups"],
             "python_random": [py_state[0], list(py_state[1]), py_state[2]],
             "checksum": self.checksum(),
@@ -322,6 +354,8 @@ class PolicyTrainer:
     def from_state(cls, folder: str | Path) -> "PolicyTrainer":
         """Build a trainer from a folder written by ``save_state``."""
         meta = cls._read_meta(Path(folder))
+        if meta.get("lora"):
+            raise ValueError(f"{folder}: a LoRA checkpoint holds adapters only: build the trainer from its base model")
         hp = stored_hparams(meta["hparams"])
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
@@ -346,12 +380,15 @@ class PolicyTrainer:
         meta = self._read_meta(folder)
         if shape_summary(self.model) != meta["model_config"]:
             raise ValueError(f"{folder / META_FILE}: field 'model_config' does not match this trainer's model")
+        mine = self.lora.model_dump(mode="json") if self.lora else None
+        if meta.get("lora") != mine:
+            raise ValueError(f"{folder / META_FILE}: field 'lora' is {meta.get('lora')}, the run's model.lora is {mine}")
         with torch.no_grad():
-            load_exported_state_dict(self.model, load_file(str(folder / WEIGHTS_FILE)))
+            self._load_trained_state(self.model, load_file(str(folder / WEIGHTS_FILE)))
             if meta["has_reference"]:
                 if self.ref_model is None:
                     self.ref_model = self._frozen_copy(self.model)
-                load_exported_state_dict(self.ref_model, load_file(str(folder / REF_FILE)))
+                self._load_trained_state(self.ref_model, load_file(str(folder / REF_FILE)))
             else:
                 self.ref_model = None
         self.hparams = stored_hparams(meta["hparams"])
