@@ -8,7 +8,6 @@ Deterministic: given the same state and the same samples in the same order,
 from __future__ import annotations
 
 import copy
-import json
 import math
 import logging
 import random
@@ -16,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.data.datasets import encode_prompt, final_answer, sft_target
@@ -38,22 +36,16 @@ from gpu_runtime.models.causal_lm import (
     export_state_dict,
     load_causal_lm,
     load_exported_state_dict,
-    shape_summary,
 )
 from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.trainer import lora as lora_lib
+from gpu_runtime.trainer import state as trainer_state
 from gpu_runtime.trainer.api import LoraSettings, TrainerHParams, stored_hparams
 
 log = logging.getLogger(__name__)
 
-META_FILE = "trainer_meta.json"
-WEIGHTS_FILE = "policy.safetensors"
-REF_FILE = "reference.safetensors"
-OPTIM_FILE = "optimizer.safetensors"
-RNG_FILE = "rng.safetensors"
-FORMAT_VERSION = 1
 
 
 class PolicyTrainer:
@@ -320,98 +312,24 @@ class PolicyTrainer:
 
     def save_state(self, folder: str | Path) -> None:
         """Write the full trainer state into ``folder`` (meta file last)."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(self._trained_state(self.model), str(folder / WEIGHTS_FILE))
-        if self.ref_model is not None:
-            save_file(self._trained_state(self.ref_model), str(folder / REF_FILE))
-        self.model.config.save_pretrained(str(folder))  # architecture, so ``from_state`` can rebuild
-        self.tokenizer.save(folder)
-        osd = self.optimizer.state_dict()
-        tensors = {f"{idx}.{name}": t.detach().contiguous().clone()
-                   for idx, st in osd["state"].items() for name, t in st.items() if isinstance(t, torch.Tensor)}
-        save_file(tensors, str(folder / OPTIM_FILE))
-        save_file({"torch_cpu": torch.get_rng_state()}, str(folder / RNG_FILE))
-        py_state = random.getstate()
-        meta = {
-            "format": FORMAT_VERSION,
-            "policy_version": self.policy_version,
-            "opt_steps": self.opt_steps,
-            "seed": self.seed,
-            "model_config": shape_summary(self.model),
-            "hparams": self.hparams.model_dump(mode="json"),
-            "has_reference": self.ref_model is not None,
-            "lora": self.lora.model_dump(mode="json") if self.lora else None,
-            "optimizer_param_groups": osd["param_groups"],
-            "python_random": [py_state[0], list(py_state[1]), py_state[2]],
-            "checksum": self.checksum(),
-        }
-        tmp = folder / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=1))
-        tmp.replace(folder / META_FILE)
+        trainer_state.save(self, folder)
 
     @classmethod
     def from_state(cls, folder: str | Path) -> "PolicyTrainer":
-        """Build a trainer from a folder written by ``save_state``."""
-        meta = cls._read_meta(Path(folder))
+        """Build a trainer from a folder written by ``save_state`` (full fine-tuning only)."""
+        meta = trainer_state.read_meta(Path(folder))
         if meta.get("lora"):
             raise ValueError(f"{folder}: a LoRA checkpoint holds adapters only: build the trainer from its base model")
-        hp = stored_hparams(meta["hparams"])
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
         ref = cls._frozen_copy(model) if meta["has_reference"] else None
-        trainer = cls(model, Tokenizer.load(folder), hp, int(meta["seed"]), ref)
+        trainer = cls(model, Tokenizer.load(folder), stored_hparams(meta["hparams"]), int(meta["seed"]), ref)
         trainer.load_state(folder)
         return trainer
 
-    @staticmethod
-    def _read_meta(folder: Path) -> dict:
-        path = folder / META_FILE
-        if not path.exists():
-            raise FileNotFoundError(f"no {META_FILE} in trainer state folder {folder}")
-        meta = json.loads(path.read_text())
-        if meta.get("format") != FORMAT_VERSION:
-            raise ValueError(f"{path}: field 'format' must be {FORMAT_VERSION}, got {meta.get('format')!r}")
-        return meta
-
     def load_state(self, folder: str | Path) -> None:
         """Restore weights, reference, optimizer, schedule, RNG and version from ``folder``."""
-        folder = Path(folder)
-        meta = self._read_meta(folder)
-        if shape_summary(self.model) != meta["model_config"]:
-            raise ValueError(f"{folder / META_FILE}: field 'model_config' does not match this trainer's model")
-        mine = self.lora.model_dump(mode="json") if self.lora else None
-        if meta.get("lora") != mine:
-            raise ValueError(f"{folder / META_FILE}: field 'lora' is {meta.get('lora')}, the run's model.lora is {mine}")
-        with torch.no_grad():
-            self._load_trained_state(self.model, load_file(str(folder / WEIGHTS_FILE)))
-            if meta["has_reference"]:
-                if self.ref_model is None:
-                    self.ref_model = self._frozen_copy(self.model)
-                self._load_trained_state(self.ref_model, load_file(str(folder / REF_FILE)))
-            else:
-                self.ref_model = None
-        self.hparams = stored_hparams(meta["hparams"])
-        self.optimizer = self._new_optimizer(self.hparams)
-        flat = load_file(str(folder / OPTIM_FILE))
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, t in flat.items():
-            idx, _, name = key.partition(".")
-            state.setdefault(int(idx), {})[name] = t
-        groups = meta["optimizer_param_groups"]
-        for g in groups:
-            g["betas"] = tuple(g["betas"])
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        torch.set_rng_state(load_file(str(folder / RNG_FILE))["torch_cpu"])
-        v, internal, gauss = meta["python_random"]
-        random.setstate((v, tuple(internal), gauss))
-        self.policy_version = int(meta["policy_version"])
-        self.opt_steps = int(meta["opt_steps"])
-        self.seed = int(meta["seed"])
-        got = self.checksum()
-        if got != meta["checksum"]:
-            raise ValueError(f"{folder / WEIGHTS_FILE}: weights checksum {got} != recorded {meta['checksum']}")
-        self.model.train()
+        trainer_state.load(self, folder)
 
     # ---------------------------------------------------------------- eval
     def evaluate_greedy(self, rows: list[dict], limit: int = 200, max_new_tokens: int = 8, batch_size: int = 128) -> float:
