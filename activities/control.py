@@ -46,7 +46,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
         _put_once(store, key, "data.path", lambda: generate_arithmetic(
             d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
     else:
-        require_int = "math_answer" in inp.reward.kinds()
+        require_int = inp.mode == "rl" and "math_answer" in inp.reward.kinds()
         _put_once(store, key, "data.path", lambda: iter_rows(translate.data_source(d), require_int_answer=require_int))
     data = store.get_bytes(key)
     info = DatasetInfo(key=key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())

@@ -25,6 +25,7 @@ from gpu_runtime.trainer.api import (
     NodeEvent,
     Rebuild,
     RunSetup,
+    SFTRows,
     SFTSettings,
     StepBatch,
     TrainerHParams,
@@ -89,9 +90,11 @@ def run_setup(inp: InitPolicyInput) -> RunSetup:
 
 
 def step_batch(inp: TrainStepInput) -> StepBatch:
+    rows = inp.sft_rows
     return StepBatch(
         step=inp.step, policy_version=inp.policy_version, chunk_keys=inp.chunk_keys,
         rewards_key=inp.rewards_key, group_size=inp.group_size, hparams=trainer_hparams(inp.train),
+        sft=None if rows is None else SFTRows(data_cursor=rows.data_cursor, n_rows=rows.n_rows),
     )
 
 

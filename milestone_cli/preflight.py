@@ -35,7 +35,8 @@ def check_config(path: str | Path) -> RunConfig:
         raise PreflightError(str(err)) from None
     if cfg.data.kind != "arithmetic":
         check_dataset(cfg)
-    check_reward(cfg)
+    if cfg.mode == "rl":
+        check_reward(cfg)
     return cfg
 
 
@@ -55,7 +56,7 @@ def check_dataset(cfg: RunConfig) -> int:
     """Read and validate the whole dataset as ``prepare_data`` will; its row count."""
     # activities.translate.data_source, without importing that module (it imports torch)
     source = DataSource.model_validate(cfg.data.model_dump())
-    n = _check(source, "data.path", require_int_answer="math_answer" in cfg.reward.kinds())
+    n = _check(source, "data.path", require_int_answer=cfg.mode == "rl" and "math_answer" in cfg.reward.kinds())
     held_out = source.eval_source()
     if held_out is not None and cfg.eval.enabled:  # the eval scores with the math rule whatever the reward
         _check(held_out, "data.eval_path", require_int_answer=True)

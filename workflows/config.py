@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from workflows.model_config import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec  # noqa: F401  (sections; re-exported)
@@ -249,17 +249,36 @@ class EngineSpec(Strict):
     health_check_failure_threshold: int = Field(1, ge=1)
 
 
+# ``train`` knobs only the RL loss reads: in mode sft each must keep its default
+RL_ONLY_TRAIN_FIELDS = ("estimator", "clip_eps", "clip_eps_high", "dual_clip_c", "kl_coef", "kl_estimator",
+                        "kl_in_reward", "entropy_coef", "tis_cap", "scale_adv_by_std")
+
+
+def mode_conflicts(mode: str, train: TrainSpec) -> list[str]:
+    """The ``train`` fields set away from their default that ``mode`` does not use."""
+    if mode != "sft":
+        return []
+    default = TrainSpec()
+    return [f for f in RL_ONLY_TRAIN_FIELDS if getattr(train, f) != getattr(default, f)]
+
+
 class RunConfig(Strict):
     name: str = "milestone-run"
     seed: int = 1
-    steps: int = Field(30, ge=1, description="RL steps to run in total")
+    steps: int = Field(30, ge=1, description="steps to run in total (RL steps; SFT steps in mode sft)")
     store: str = Field("file://.milestone/store", description="file:// or s3:// root for artifacts and checkpoints")
+    # before the sections it constrains (their validators read it)
+    mode: Literal["rl", "sft"] = Field(
+        "rl",
+        description="rl: each step samples, scores and takes an RL update; sft: each step trains on sft.batch_size "
+        "dataset rows (prompt -> label, loss on the label tokens), no rollout or reward",
+    )
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
-    sft: SFTSpec = SFTSpec()
-    rollout: RolloutSpec = RolloutSpec()
-    reward: RewardSpec = RewardSpec()
-    train: TrainSpec = TrainSpec()
+    sft: SFTSpec = Field(SFTSpec(), validate_default=True)  # checked against mode also when omitted
+    rollout: RolloutSpec = Field(RolloutSpec(), validate_default=True)  # checked against mode also when omitted
+    reward: RewardSpec = Field(RewardSpec(), validate_default=True)  # checked against mode also when omitted
+    train: TrainSpec = Field(TrainSpec(), validate_default=True)  # checked against mode also when omitted
     checkpoint: CheckpointSpec = CheckpointSpec()
     eval: EvalSpec = EvalSpec()
     engines: EngineSpec = EngineSpec()
@@ -272,6 +291,40 @@ class RunConfig(Strict):
     def _store(cls, v: str) -> str:
         if not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError("store must start with file:// or s3://")
+        return v
+
+    @field_validator("sft")
+    @classmethod
+    def _sft_mode(cls, v: SFTSpec, info: ValidationInfo) -> SFTSpec:
+        if info.data.get("mode") == "sft" and v.steps:
+            raise ValueError(
+                "steps is the warm-up before RL: set it to 0 in mode sft, where the run's own steps train on the labels"
+            )
+        return v
+
+    @field_validator("rollout")
+    @classmethod
+    def _rollout_mode(cls, v: RolloutSpec, info: ValidationInfo) -> RolloutSpec:
+        if info.data.get("mode") == "sft" and v.dynamic_filter.enabled:
+            raise ValueError("dynamic_filter applies to mode rl (mode sft samples nothing)")
+        return v
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_mode(cls, v: RewardSpec, info: ValidationInfo) -> RewardSpec:
+        if info.data.get("mode") == "sft" and v != RewardSpec():
+            raise ValueError("the reward applies to mode rl (mode sft scores nothing): remove the section")
+        return v
+
+    @field_validator("train")
+    @classmethod
+    def _train_mode(cls, v: TrainSpec, info: ValidationInfo) -> TrainSpec:
+        bad = mode_conflicts(str(info.data.get("mode")), v)
+        if bad:
+            raise ValueError(
+                f"{', '.join(bad)}: RL loss knobs, unused in mode sft (which minimises the labels' negative "
+                "log-likelihood): leave them at their defaults"
+            )
         return v
 
     @property

@@ -41,6 +41,7 @@ from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.trainer import lora as lora_lib
+from gpu_runtime.trainer import sft as sft_lib
 from gpu_runtime.trainer import state as trainer_state
 from gpu_runtime.trainer.api import LoraSettings, TrainerHParams, stored_hparams
 
@@ -155,6 +156,30 @@ class PolicyTrainer:
             out.update(sft_loss_first=first, sft_loss_last=last)
         return out
 
+    # ------------------------------------------------------- optimizer steps
+    def start_optimizer_step(self, hp: TrainerHParams) -> float:
+        """Set the step's LR (schedule position ``opt_steps``) and AdamW knobs, clear the grads."""
+        lr = self.lr_at(self.opt_steps, hp)
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def take_optimizer_step(self, hp: TrainerHParams, what: str) -> float:
+        """Clip the accumulated grads to ``hp.grad_clip`` and step; the grad norm before clipping.
+        A non-finite norm is a FloatingPointError and the weights stay the last good ones."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), hp.grad_clip))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"{what}: grad norm is not finite ({grad_norm})")
+        self.optimizer.step()
+        self.opt_steps += 1
+        return grad_norm
+
+    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+        """One supervised update (SFT mode); increments ``policy_version`` by 1 (``trainer.sft``)."""
+        return sft_lib.sft_step(self, rows, hparams)
+
     # ------------------------------------------------------------------ RL
     def _check_groups(self, samples: list[Sample], rewards: list[float], group_size: int) -> None:
         if not samples:
@@ -212,10 +237,7 @@ class PolicyTrainer:
         grad_norm = 0.0
         lr = self.lr_at(self.opt_steps, hp)
         for epoch in range(hp.ppo_epochs):
-            lr = self.lr_at(self.opt_steps, hp)
-            for group in self.optimizer.param_groups:
-                group.update(lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-            self.optimizer.zero_grad(set_to_none=True)
+            lr = self.start_optimizer_step(hp)
             last = epoch == hp.ppo_epochs - 1
             for k, b in enumerate(batches):
                 tmask = b.tmask
@@ -253,12 +275,7 @@ class PolicyTrainer:
                         values.append(("dual_clip_fraction", masked_mean(terms.dual_clipped.to(lp.dtype), tmask), share))
                     for name, v, weight in values:
                         sums[name] += float(v.detach()) * weight
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), hp.grad_clip))
-            if not math.isfinite(grad_norm):  # never step on NaN/inf: the weights stay the last good ones
-                self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"train_step: grad norm is not finite ({grad_norm})")
-            self.optimizer.step()
-            self.opt_steps += 1
+            grad_norm = self.take_optimizer_step(hp, "train_step")
         self.policy_version += 1
         secs = time.perf_counter() - t0
         metrics = dict(sums)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
-from gpu_runtime.data.datasets import load_jsonl
+from gpu_runtime.data.datasets import load_jsonl, prompts_for_step
 from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.store.object_store import LocalStore, ObjectStore
 from gpu_runtime.store.uri import open_store
@@ -200,7 +200,11 @@ class TrainerService:
 
     # ---- training -----------------------------------------------------------------
     def _train(self, batch: StepBatch) -> dict[str, float]:
-        assert self.trainer is not None and self.store is not None
+        assert self.trainer is not None and self.store is not None and self.setup is not None
+        if batch.sft is not None:  # SFT mode: the rows at the step's data positions
+            rows = self._rows()
+            picked = prompts_for_step(len(rows), self.setup.seed, batch.sft.data_cursor, batch.sft.n_rows)
+            return self.trainer.sft_step([rows[i] for i in picked], batch.hparams)
         samples: list[art.Sample] = []
         for key in batch.chunk_keys:
             samples.extend(art.get_model(self.store, key, art.RolloutChunk).samples)
