@@ -19,6 +19,7 @@ from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
     CheckpointSaved,
+    DistillSettings,
     LoraSettings,
     ModelInit,
     ModelSource,
@@ -32,7 +33,7 @@ from gpu_runtime.trainer.api import (
     TrainResult,
     VersionInfo,
 )
-from workflows.config import DataSpec, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
+from workflows.config import DataSpec, DistillSpec, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
 from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
@@ -54,6 +55,7 @@ MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
     (ModelSpec, ModelSource),
     (ModelInitSpec, ModelInit),
     (LoraSpec, LoraSettings),
+    (DistillSpec, DistillSettings),
     (RewardSpec, RewardSettings),
     (RewardTerm, RewardTermSettings),
     (DataSpec, DataSource),
@@ -86,6 +88,7 @@ def run_setup(inp: InitPolicyInput) -> RunSetup:
         dataset_key=inp.dataset.key,
         keep_last=inp.checkpoint.keep_last,
         config_hash=inp.config_hash,
+        distill=None if inp.distill is None else DistillSettings.model_validate(inp.distill.model_dump()),
     )
 
 

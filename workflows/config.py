@@ -273,6 +273,9 @@ class RunConfig(Strict):
         description="rl: each step samples, scores and takes an RL update; sft: each step trains on sft.batch_size "
         "dataset rows (prompt -> label, loss on the label tokens), no rollout or reward",
     )
+    distill: DistillSpec | None = Field(
+        None, description="on-policy distillation: a per-token reverse-KL advantage against a teacher folder"
+    )
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
     sft: SFTSpec = Field(SFTSpec(), validate_default=True)  # checked against mode also when omitted
@@ -291,6 +294,13 @@ class RunConfig(Strict):
     def _store(cls, v: str) -> str:
         if not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError("store must start with file:// or s3://")
+        return v
+
+    @field_validator("distill")
+    @classmethod
+    def _distill_mode(cls, v: DistillSpec | None, info: ValidationInfo) -> DistillSpec | None:
+        if v is not None and info.data.get("mode") == "sft":
+            raise ValueError("on-policy distillation needs the student's samples: it applies to mode rl")
         return v
 
     @field_validator("sft")

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from workflows.config import CheckpointSpec, DataSpec, EngineSpec, EvalSpec, ModelSpec, RewardSpec, RolloutSpec, RunConfig, SFTSpec, TrainSpec
+from workflows.config import CheckpointSpec, DataSpec, DistillSpec, EngineSpec, EvalSpec, ModelSpec, RewardSpec, RolloutSpec, RunConfig, SFTSpec, TrainSpec
 
 CONTROL_QUEUE = "milestone-control"
 POOL_QUEUE = "milestone-gpu-pool"
@@ -61,6 +61,7 @@ class InitPolicyInput(BaseModel):
     checkpoint: CheckpointSpec
     config_hash: str
     policy_version: int = 0  # bring the trainer to this version (0 on a fresh run: SFT warm-up)
+    distill: DistillSpec | None = None  # on-policy distillation: the trainer loads the teacher
 
 
 class PolicyInfo(BaseModel):

@@ -214,7 +214,7 @@ class TrainingRun:
                     InitPolicyInput(
                         run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
                         train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
-                        policy_version=st.policy_version,
+                        policy_version=st.policy_version, distill=cfg.distill,
                     ),
                     PolicyInfo, task_queue=st.node.task_queue,
                     summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",

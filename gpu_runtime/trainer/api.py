@@ -98,6 +98,13 @@ class ModelSource(Message):
     lora: LoraSettings | None
 
 
+class DistillSettings(Message):
+    """On-policy distillation from a teacher model folder (``distill`` in the run config)."""
+
+    teacher_path: str
+    coef: float
+
+
 class RunSetup(Message):
     """What a trainer needs to serve a run; sent with every call, so a restarted
     trainer can rebuild the run's state without a separate bind."""
@@ -111,6 +118,7 @@ class RunSetup(Message):
     dataset_key: str
     keep_last: int
     config_hash: str
+    distill: DistillSettings | None
 
 
 class SFTRows(Message):

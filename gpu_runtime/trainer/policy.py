@@ -40,10 +40,11 @@ from gpu_runtime.models.causal_lm import (
 from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.trainer import distill as distill_lib
 from gpu_runtime.trainer import lora as lora_lib
 from gpu_runtime.trainer import sft as sft_lib
 from gpu_runtime.trainer import state as trainer_state
-from gpu_runtime.trainer.api import LoraSettings, TrainerHParams, stored_hparams
+from gpu_runtime.trainer.api import DistillSettings, LoraSettings, TrainerHParams, stored_hparams
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class PolicyTrainer:
     ) -> None:
         self.model = model
         self.lora = lora  # set: ``model`` is peft-wrapped and only its adapters train
+        self.distill: DistillSettings | None = None  # on-policy distillation from ``teacher``
+        self.teacher: PreTrainedModel | None = None
         self.tokenizer = tokenizer
         self.hparams = hparams
         self.seed = seed
@@ -72,10 +75,12 @@ class PolicyTrainer:
     # ---------------------------------------------------------------- setup
     @classmethod
     def create(
-        cls, base_folder: str | Path, hparams: TrainerHParams, seed: int, lora: LoraSettings | None = None
+        cls, base_folder: str | Path, hparams: TrainerHParams, seed: int, lora: LoraSettings | None = None,
+        distill: DistillSettings | None = None,
     ) -> "PolicyTrainer":
         """A trainer over the model and tokenizer of a Hugging Face folder (the run's base model),
-        with fresh LoRA adapters (seeded) when ``lora`` is given."""
+        with fresh LoRA adapters (seeded) when ``lora`` is given, and the frozen teacher of
+        ``distill``."""
         tokenizer = Tokenizer.load(base_folder)
         model = load_causal_lm(base_folder)
         if model.config.vocab_size < tokenizer.vocab_size:
@@ -86,7 +91,10 @@ class PolicyTrainer:
             model = lora_lib.apply_lora(model, lora, seed)
         model.train()
         ref = cls._frozen_copy(model) if hparams.kl_coef > 0 else None
-        return cls(model, tokenizer, hparams, seed, ref, lora)
+        trainer = cls(model, tokenizer, hparams, seed, ref, lora)
+        if distill is not None:
+            trainer.distill, trainer.teacher = distill, distill_lib.load_teacher(distill, tokenizer)
+        return trainer
 
     @staticmethod
     def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -222,11 +230,18 @@ class PolicyTrainer:
                 ref_lps = [logprobs_and_logits(self.ref_model, b.ids, b.mask)[0] for b in batches]
         old_lps: list[torch.Tensor] = []
         reward_kl: list[torch.Tensor] | None = None  # the KL penalty of the reward, per micro-batch
-        if hp.kl_in_reward and hp.kl_coef > 0:
+        kl_in_reward = hp.kl_in_reward and hp.kl_coef > 0
+        if kl_in_reward or self.distill is not None:  # advantages that need the old logprobs first
             with torch.no_grad():
                 old_lps = [logprobs_and_logits(self.model, b.ids, b.mask)[0] for b in batches]
+        if kl_in_reward:
             reward_kl = [kl_per_token(old, ref, hp.kl_estimator) for old, ref in zip(old_lps, ref_lps) if ref is not None]
         advs = micro_batch_advantages(batches, r, group_size, hp, reward_kl)
+        distill_kl: float | None = None
+        if self.distill is not None:
+            assert self.teacher is not None
+            terms, distill_kl = distill_lib.distill_terms(self.teacher, batches, old_lps, self.distill.coef)
+            advs = [a + t for a, t in zip(advs, terms)]
         tis: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model.train()
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0}
@@ -279,6 +294,8 @@ class PolicyTrainer:
         self.policy_version += 1
         secs = time.perf_counter() - t0
         metrics = dict(sums)
+        if distill_kl is not None:
+            metrics["distill_kl"] = distill_kl
         if tis:
             shares = [float(b.tmask.sum()) / max(n_tokens, 1) for b in batches]
             metrics["tis_weight_mean"] = sum(

@@ -106,7 +106,7 @@ class TrainerService:
     def _new_trainer(self) -> PolicyTrainer:
         s = self.setup
         assert s is not None
-        return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora)
+        return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
 
     def _base_folder(self) -> Path:
         s = self.setup
