@@ -86,3 +86,28 @@ def test_sft_mode_run(sd_stack: Stack, store: Path, sft_run: tuple[RunSummary, R
             (HISTORY_DIR / "rl_step_sft.json").write_text(history.to_json())  # step 2: with its checkpoint
 
     asyncio.run(replay())
+
+
+def test_distillation_run_from_the_sft_runs_weights(sd_stack: Stack, store: Path,
+                                                    sft_run: tuple[RunSummary, RunProgress]) -> None:
+    """The SFT-mode run's final version (a plain model folder in the store, same tokenizer:
+    the same model.init, data and seed) teaches a student with a short warm-up, for 2 steps."""
+    teacher = store / sft_run[0].final_weights_key
+    cfg = tiny_config(store, steps=2, sft={"steps": 20}, distill={"teacher_path": str(teacher), "coef": 1.0},
+                      checkpoint={"every": 2, "keep_last": 1}, eval={"enabled": False}, engines={"num_engines": 1})
+
+    async def main() -> RunProgress:
+        client = await connect(sd_stack.server.address)
+        summary = await run_to_end(client, "distill", cfg)
+        assert summary.steps == 2 and summary.policy_version == 2
+        return await progress(client, "distill")
+
+    p = asyncio.run(main())
+    assert all(math.isfinite(s.loss) and s.grad_norm > 0 for s in p.steps)
+    kls = []
+    for step in (1, 2):
+        metrics = json.loads((store / "runs" / "distill" / "steps" / f"{step:06d}" / "train_result.json").read_text())["metrics"]
+        assert math.isfinite(metrics["distill_kl"]) and metrics["distill_kl"] > 0, metrics
+        kls.append(metrics["distill_kl"])
+    assert sd_stack.scrape("node0")['milestone_train{metric="distill_kl"}'] == kls[-1]
+    print(f"distillation: reverse KL to the teacher per step {[round(k, 3) for k in kls]}")
