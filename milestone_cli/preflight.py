@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.readers import DataSource, DatasetError, check_source
 from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function, mathverify
 from gpu_runtime.store import artifacts as art
@@ -33,7 +34,9 @@ def check_config(path: str | Path) -> RunConfig:
         cfg = load_run_config(path)
     except ConfigError as err:
         raise PreflightError(str(err)) from None
-    if cfg.data.kind != "arithmetic":
+    if cfg.data.kind == "reasoning_gym":
+        check_reasoning_gym(cfg)
+    elif cfg.data.kind != "arithmetic":
         check_dataset(cfg)
     if cfg.mode == "rl":
         check_reward(cfg)
@@ -50,6 +53,15 @@ def check_reward(cfg: RunConfig) -> None:
             check_reward_function(spec.function, f"{where}.function")
         if spec.kind == "math_verify" and not mathverify.available():
             raise PreflightError(f"{where}.kind: {mathverify.MISSING}")
+
+
+def check_reasoning_gym(cfg: RunConfig) -> None:
+    """The package is installed and the generator makes a row with the given settings."""
+    assert cfg.data.dataset is not None
+    try:
+        reasoning_gym.generate_rows(cfg.data.dataset, cfg.data.dataset_config, 1, cfg.seed)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
 
 
 def check_dataset(cfg: RunConfig) -> int:

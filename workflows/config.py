@@ -27,13 +27,20 @@ class DataSpec(Strict):
     The prompt comes from ``messages_key`` when it is set (a chat), else from
     ``prompt_key``: ``messages_key`` wins, ``prompt_key`` is then unused."""
 
-    kind: Literal["arithmetic", "jsonl", "parquet"] = Field(
-        "arithmetic", description="arithmetic: generated offline; jsonl / parquet: read from path"
+    kind: Literal["arithmetic", "jsonl", "parquet", "reasoning_gym"] = Field(
+        "arithmetic",
+        description="arithmetic / reasoning_gym: generated offline at data preparation; jsonl / parquet: read from path",
     )
     path: str | None = Field(
         None, description="the dataset file (required for jsonl / parquet; suffix .jsonl/.ndjson/.json or .parquet/.pq)"
     )
-    num_train: int = Field(2000, ge=1, description="rows to generate (arithmetic)")
+    num_train: int = Field(2000, ge=1, description="rows to generate (arithmetic, reasoning_gym)")
+    dataset: str | None = Field(
+        None, min_length=1, description="reasoning_gym: the generator's name (e.g. chain_sum, basic_arithmetic)"
+    )
+    dataset_config: dict[str, Any] = Field(
+        default_factory=dict, description="reasoning_gym: the generator's own settings (e.g. {min_terms: 2})"
+    )
     min_operand: int = Field(0, ge=0, description="operands are drawn from min_operand..max_operand (arithmetic)")
     max_operand: int = Field(99, ge=1, description="operands are drawn from min_operand..max_operand (arithmetic)")
     ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic)")
@@ -63,6 +70,14 @@ class DataSpec(Strict):
 
     @model_validator(mode="after")
     def _path(self) -> "DataSpec":
+        if self.kind != "reasoning_gym" and (self.dataset is not None or self.dataset_config):
+            raise ValueError(f"dataset / dataset_config apply to kind reasoning_gym, not {self.kind!r} (remove them)")
+        if self.kind == "reasoning_gym":
+            if not self.dataset:
+                raise ValueError("dataset (the reasoning-gym generator's name) is required when kind is 'reasoning_gym'")
+            if self.path is not None or self.eval_path is not None:
+                raise ValueError("path / eval_path are for jsonl / parquet; reasoning_gym generates its rows")
+            return self
         if self.kind == "arithmetic":
             if self.min_operand > self.max_operand:
                 raise ValueError(f"min_operand {self.min_operand} must be <= max_operand {self.max_operand}")
@@ -324,6 +339,9 @@ class RunConfig(Strict):
     def _reward_mode(cls, v: RewardSpec, info: ValidationInfo) -> RewardSpec:
         if info.data.get("mode") == "sft" and v != RewardSpec():
             raise ValueError("the reward applies to mode rl (mode sft scores nothing): remove the section")
+        data = info.data.get("data")
+        if "reasoning_gym" in v.kinds() and data is not None and data.kind != "reasoning_gym":
+            raise ValueError(f"kind reasoning_gym scores rows of data.kind reasoning_gym, not {data.kind!r}")
         return v
 
     @field_validator("train")

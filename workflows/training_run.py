@@ -92,7 +92,7 @@ class TrainingRun:
                 DatasetInfo, task_queue=CONTROL_QUEUE, summary="prepare dataset",
             )
             if cfg.eval.enabled and st.dataset.eval_key is None:
-                arithmetic = cfg.data.kind == "arithmetic"
+                arithmetic = cfg.data.kind in ("arithmetic", "reasoning_gym")  # generated
                 why = "every prompt is in the train set" if arithmetic else "data.eval_path is not set"
                 self._event("eval_skipped", f"no held-out split ({why}): the run is not evaluated")
             await self._place_on_node(run_id, chash, init=True)
