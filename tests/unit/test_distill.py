@@ -137,3 +137,12 @@ def test_distill_config() -> None:
                         ({"mode": "sft", "sft": {"steps": 0}, "distill": {"teacher_path": "/t"}}, "applies to mode rl")]:
         with pytest.raises(ValidationError, match=needle):
             RunConfig.model_validate(raw)
+
+
+def test_cli_resolves_a_relative_teacher_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from milestone_cli.config_file import load_run_config
+
+    (tmp_path / "run.yaml").write_text("distill: {teacher_path: models/teacher, coef: 0.5}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(tmp_path / "run.yaml")
+    assert cfg.distill is not None and cfg.distill.teacher_path == str(tmp_path / "models" / "teacher")
