@@ -213,7 +213,9 @@ class PolicyTrainer:
         micro-batches whose shares add up to the batch's loss (``hparams.loss_agg``).
         The "old" logprobs are those of the current weights (taken, without grad,
         from the first epoch's forward, or from a forward of their own when the KL
-        is part of the reward), so the first epoch's ratio is 1."""
+        is part of the reward or the run distills), so the first epoch's ratio is 1.
+        With ``distill`` the teacher's per-token term is added to the estimator's
+        advantages (``trainer.distill``)."""
         self._check_groups(samples, rewards, group_size)
         t0 = time.perf_counter()
         self.hparams = hp = hparams
