@@ -17,6 +17,7 @@ from activities import translate
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.node import metrics
+from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.arithmetic import generate_heldout_arithmetic
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
 from gpu_runtime.data.readers import iter_rows, read_rows
@@ -45,18 +46,27 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
     if d.kind == "arithmetic":
         _put_once(store, key, "data.path", lambda: generate_arithmetic(
             d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
+    elif d.kind == "reasoning_gym":
+        assert d.dataset is not None
+        _put_once(store, key, "data.dataset", lambda: reasoning_gym.generate_rows(
+            d.dataset, d.dataset_config, d.num_train, inp.seed))
     else:
-        require_int = "math_answer" in inp.reward.kinds()
+        require_int = inp.mode == "rl" and "math_answer" in inp.reward.kinds()
         _put_once(store, key, "data.path", lambda: iter_rows(translate.data_source(d), require_int_answer=require_int))
     data = store.get_bytes(key)
     info = DatasetInfo(key=key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())
     if not inp.eval.enabled:
         return info
     eval_key = art.dataset_key(inp.run_id, "eval")
-    if d.kind == "arithmetic":
+    if d.kind in ("arithmetic", "reasoning_gym"):
         train_prompts = {json.loads(line).get("prompt") for line in data.splitlines() if line.strip()}
-        _put_once(store, eval_key, "eval.n", lambda: generate_heldout_arithmetic(
-            inp.eval.n, inp.seed, d.max_operand, d.ops, exclude=train_prompts, min_operand=d.min_operand))
+        if d.kind == "arithmetic":
+            _put_once(store, eval_key, "eval.n", lambda: generate_heldout_arithmetic(
+                inp.eval.n, inp.seed, d.max_operand, d.ops, exclude=train_prompts, min_operand=d.min_operand))
+        else:
+            assert d.dataset is not None
+            _put_once(store, eval_key, "data.dataset", lambda: reasoning_gym.generate_heldout(
+                d.dataset, d.dataset_config, inp.eval.n, inp.seed, exclude=train_prompts))
     else:
         source = translate.data_source(d).eval_source()
         if source is None:

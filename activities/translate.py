@@ -19,18 +19,21 @@ from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
     CheckpointSaved,
+    DistillSettings,
+    LoraSettings,
     ModelInit,
     ModelSource,
     NodeEvent,
     Rebuild,
     RunSetup,
+    SFTRows,
     SFTSettings,
     StepBatch,
     TrainerHParams,
     TrainResult,
     VersionInfo,
 )
-from workflows.config import DataSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
+from workflows.config import DataSpec, DistillSpec, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
 from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
@@ -51,6 +54,8 @@ MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
     (SFTSpec, SFTSettings),
     (ModelSpec, ModelSource),
     (ModelInitSpec, ModelInit),
+    (LoraSpec, LoraSettings),
+    (DistillSpec, DistillSettings),
     (RewardSpec, RewardSettings),
     (RewardTerm, RewardTermSettings),
     (DataSpec, DataSource),
@@ -83,13 +88,16 @@ def run_setup(inp: InitPolicyInput) -> RunSetup:
         dataset_key=inp.dataset.key,
         keep_last=inp.checkpoint.keep_last,
         config_hash=inp.config_hash,
+        distill=None if inp.distill is None else DistillSettings.model_validate(inp.distill.model_dump()),
     )
 
 
 def step_batch(inp: TrainStepInput) -> StepBatch:
+    rows = inp.sft_rows
     return StepBatch(
         step=inp.step, policy_version=inp.policy_version, chunk_keys=inp.chunk_keys,
         rewards_key=inp.rewards_key, group_size=inp.group_size, hparams=trainer_hparams(inp.train),
+        sft=None if rows is None else SFTRows(data_cursor=rows.data_cursor, n_rows=rows.n_rows),
     )
 
 

@@ -53,7 +53,7 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
             return f"{path}:{_line_of(root, loc) or 1}"
 
         raise ConfigError(format_validation_error(err, where)) from None
-    return absolutize_data_path(absolutize_store(cfg))
+    return absolutize_teacher_path(absolutize_data_path(absolutize_store(cfg)))
 
 
 def absolutize_store(cfg: RunConfig) -> RunConfig:
@@ -73,4 +73,14 @@ def absolutize_data_path(cfg: RunConfig) -> RunConfig:
         if value and not Path(value).is_absolute():
             data = cfg.data.model_copy(update={field: str(Path(value).expanduser().resolve())})
             cfg = cfg.model_copy(update={"data": data})
+    return cfg
+
+
+def absolutize_teacher_path(cfg: RunConfig) -> RunConfig:
+    """A relative ``distill.teacher_path`` is relative to where the run is started (the
+    trainer that loads it runs elsewhere)."""
+    d = cfg.distill
+    if d is not None and not Path(d.teacher_path).expanduser().is_absolute():
+        d = d.model_copy(update={"teacher_path": str(Path(d.teacher_path).expanduser().resolve())})
+        cfg = cfg.model_copy(update={"distill": d})
     return cfg

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.readers import DataSource, DatasetError, check_source
 from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function, mathverify
 from gpu_runtime.store import artifacts as art
@@ -33,9 +34,12 @@ def check_config(path: str | Path) -> RunConfig:
         cfg = load_run_config(path)
     except ConfigError as err:
         raise PreflightError(str(err)) from None
-    if cfg.data.kind != "arithmetic":
+    if cfg.data.kind == "reasoning_gym":
+        check_reasoning_gym(cfg)
+    elif cfg.data.kind != "arithmetic":
         check_dataset(cfg)
-    check_reward(cfg)
+    if cfg.mode == "rl":
+        check_reward(cfg)
     return cfg
 
 
@@ -51,11 +55,20 @@ def check_reward(cfg: RunConfig) -> None:
             raise PreflightError(f"{where}.kind: {mathverify.MISSING}")
 
 
+def check_reasoning_gym(cfg: RunConfig) -> None:
+    """The package is installed and the generator makes a row with the given settings."""
+    assert cfg.data.dataset is not None
+    try:
+        reasoning_gym.generate_rows(cfg.data.dataset, cfg.data.dataset_config, 1, cfg.seed)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
+
+
 def check_dataset(cfg: RunConfig) -> int:
     """Read and validate the whole dataset as ``prepare_data`` will; its row count."""
     # activities.translate.data_source, without importing that module (it imports torch)
     source = DataSource.model_validate(cfg.data.model_dump())
-    n = _check(source, "data.path", require_int_answer="math_answer" in cfg.reward.kinds())
+    n = _check(source, "data.path", require_int_answer=cfg.mode == "rl" and "math_answer" in cfg.reward.kinds())
     held_out = source.eval_source()
     if held_out is not None and cfg.eval.enabled:  # the eval scores with the math rule whatever the reward
         _check(held_out, "data.eval_path", require_int_answer=True)

@@ -10,62 +10,12 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from workflows.model_config import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec  # noqa: F401  (sections; re-exported)
 from workflows.reward_config import RewardSpec, RewardTerm  # noqa: F401  (a section of RunConfig; re-exported)
 from workflows.strict import Strict
-
-
-class ModelInitSpec(Strict):
-    """A new model written as a v0 Hugging Face folder before the run trains it: a
-    byte-level BPE tokenizer trained on the run's dataset text, and a random-init
-    ``transformers`` model seeded by the run's seed."""
-
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    hidden_size: int = Field(128, ge=8)
-    intermediate_size: int = Field(256, ge=8)
-    num_hidden_layers: int = Field(2, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    max_position_embeddings: int = Field(256, ge=16)
-    vocab_size: int = Field(512, ge=259, description="BPE vocabulary (3 special tokens + 256 bytes + merges)")
-    tie_word_embeddings: bool = True
-
-    @model_validator(mode="after")
-    def _heads(self) -> "ModelInitSpec":
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be divisible by num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
-        return self
-
-
-class ModelSpec(Strict):
-    """The model to train: ``path`` to a Hugging Face folder (config.json, safetensors,
-    tokenizer files; any causal LM ``transformers`` implements), or ``init`` to build
-    a new one. Neither given: ``init`` with its defaults."""
-
-    path: str | None = Field(None, description="local folder readable by every node")
-    init: ModelInitSpec | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _flat_init(cls, v: Any) -> Any:
-        """``model: {hidden_size: ..}`` (the form before ``init`` existed, and in recorded
-        histories) is shorthand for ``model: {init: {hidden_size: ..}}``."""
-        if isinstance(v, dict) and set(v) & set(ModelInitSpec.model_fields) and "init" not in v:
-            flat = {k: x for k, x in v.items() if k in ModelInitSpec.model_fields}
-            return {**{k: x for k, x in v.items() if k not in flat}, "init": flat}
-        return v
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "ModelSpec":
-        if self.path is not None and self.init is not None:
-            raise ValueError("give model.path or model.init, not both")
-        if self.path is None and self.init is None:
-            self.init = ModelInitSpec()
-        return self
 
 
 _DATA_SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet", ".pq")}
@@ -77,13 +27,20 @@ class DataSpec(Strict):
     The prompt comes from ``messages_key`` when it is set (a chat), else from
     ``prompt_key``: ``messages_key`` wins, ``prompt_key`` is then unused."""
 
-    kind: Literal["arithmetic", "jsonl", "parquet"] = Field(
-        "arithmetic", description="arithmetic: generated offline; jsonl / parquet: read from path"
+    kind: Literal["arithmetic", "jsonl", "parquet", "reasoning_gym"] = Field(
+        "arithmetic",
+        description="arithmetic / reasoning_gym: generated offline at data preparation; jsonl / parquet: read from path",
     )
     path: str | None = Field(
         None, description="the dataset file (required for jsonl / parquet; suffix .jsonl/.ndjson/.json or .parquet/.pq)"
     )
-    num_train: int = Field(2000, ge=1, description="rows to generate (arithmetic)")
+    num_train: int = Field(2000, ge=1, description="rows to generate (arithmetic, reasoning_gym)")
+    dataset: str | None = Field(
+        None, min_length=1, description="reasoning_gym: the generator's name (e.g. chain_sum, basic_arithmetic)"
+    )
+    dataset_config: dict[str, Any] = Field(
+        default_factory=dict, description="reasoning_gym: the generator's own settings (e.g. {min_terms: 2})"
+    )
     min_operand: int = Field(0, ge=0, description="operands are drawn from min_operand..max_operand (arithmetic)")
     max_operand: int = Field(99, ge=1, description="operands are drawn from min_operand..max_operand (arithmetic)")
     ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic)")
@@ -113,6 +70,14 @@ class DataSpec(Strict):
 
     @model_validator(mode="after")
     def _path(self) -> "DataSpec":
+        if self.kind != "reasoning_gym" and (self.dataset is not None or self.dataset_config):
+            raise ValueError(f"dataset / dataset_config apply to kind reasoning_gym, not {self.kind!r} (remove them)")
+        if self.kind == "reasoning_gym":
+            if not self.dataset:
+                raise ValueError("dataset (the reasoning-gym generator's name) is required when kind is 'reasoning_gym'")
+            if self.path is not None or self.eval_path is not None:
+                raise ValueError("path / eval_path are for jsonl / parquet; reasoning_gym generates its rows")
+            return self
         if self.kind == "arithmetic":
             if self.min_operand > self.max_operand:
                 raise ValueError(f"min_operand {self.min_operand} must be <= max_operand {self.max_operand}")
@@ -310,17 +275,39 @@ class EngineSpec(Strict):
     health_check_failure_threshold: int = Field(1, ge=1)
 
 
+# ``train`` knobs only the RL loss reads: in mode sft each must keep its default
+RL_ONLY_TRAIN_FIELDS = ("estimator", "clip_eps", "clip_eps_high", "dual_clip_c", "kl_coef", "kl_estimator",
+                        "kl_in_reward", "entropy_coef", "tis_cap", "scale_adv_by_std")
+
+
+def mode_conflicts(mode: str, train: TrainSpec) -> list[str]:
+    """The ``train`` fields set away from their default that ``mode`` does not use."""
+    if mode != "sft":
+        return []
+    default = TrainSpec()
+    return [f for f in RL_ONLY_TRAIN_FIELDS if getattr(train, f) != getattr(default, f)]
+
+
 class RunConfig(Strict):
     name: str = "milestone-run"
     seed: int = 1
-    steps: int = Field(30, ge=1, description="RL steps to run in total")
+    steps: int = Field(30, ge=1, description="steps to run in total (RL steps; SFT steps in mode sft)")
     store: str = Field("file://.milestone/store", description="file:// or s3:// root for artifacts and checkpoints")
+    # before the sections it constrains (their validators read it)
+    mode: Literal["rl", "sft"] = Field(
+        "rl",
+        description="rl: each step samples, scores and takes an RL update; sft: each step trains on sft.batch_size "
+        "dataset rows (prompt -> label, loss on the label tokens), no rollout or reward",
+    )
+    distill: DistillSpec | None = Field(
+        None, description="on-policy distillation: a per-token reverse-KL advantage against a teacher folder"
+    )
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
-    sft: SFTSpec = SFTSpec()
-    rollout: RolloutSpec = RolloutSpec()
-    reward: RewardSpec = RewardSpec()
-    train: TrainSpec = TrainSpec()
+    sft: SFTSpec = Field(SFTSpec(), validate_default=True)  # checked against mode also when omitted
+    rollout: RolloutSpec = Field(RolloutSpec(), validate_default=True)  # checked against mode also when omitted
+    reward: RewardSpec = Field(RewardSpec(), validate_default=True)  # checked against mode also when omitted
+    train: TrainSpec = Field(TrainSpec(), validate_default=True)  # checked against mode also when omitted
     checkpoint: CheckpointSpec = CheckpointSpec()
     eval: EvalSpec = EvalSpec()
     engines: EngineSpec = EngineSpec()
@@ -333,6 +320,50 @@ class RunConfig(Strict):
     def _store(cls, v: str) -> str:
         if not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError("store must start with file:// or s3://")
+        return v
+
+    @field_validator("distill")
+    @classmethod
+    def _distill_mode(cls, v: DistillSpec | None, info: ValidationInfo) -> DistillSpec | None:
+        if v is not None and info.data.get("mode") == "sft":
+            raise ValueError("on-policy distillation needs the student's samples: it applies to mode rl")
+        return v
+
+    @field_validator("sft")
+    @classmethod
+    def _sft_mode(cls, v: SFTSpec, info: ValidationInfo) -> SFTSpec:
+        if info.data.get("mode") == "sft" and v.steps:
+            raise ValueError(
+                "steps is the warm-up before RL: set it to 0 in mode sft, where the run's own steps train on the labels"
+            )
+        return v
+
+    @field_validator("rollout")
+    @classmethod
+    def _rollout_mode(cls, v: RolloutSpec, info: ValidationInfo) -> RolloutSpec:
+        if info.data.get("mode") == "sft" and v.dynamic_filter.enabled:
+            raise ValueError("dynamic_filter applies to mode rl (mode sft samples nothing)")
+        return v
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_mode(cls, v: RewardSpec, info: ValidationInfo) -> RewardSpec:
+        if info.data.get("mode") == "sft" and v != RewardSpec():
+            raise ValueError("the reward applies to mode rl (mode sft scores nothing): remove the section")
+        data = info.data.get("data")
+        if "reasoning_gym" in v.kinds() and data is not None and data.kind != "reasoning_gym":
+            raise ValueError(f"kind reasoning_gym scores rows of data.kind reasoning_gym, not {data.kind!r}")
+        return v
+
+    @field_validator("train")
+    @classmethod
+    def _train_mode(cls, v: TrainSpec, info: ValidationInfo) -> TrainSpec:
+        bad = mode_conflicts(str(info.data.get("mode")), v)
+        if bad:
+            raise ValueError(
+                f"{', '.join(bad)}: RL loss knobs, unused in mode sft (which minimises the labels' negative "
+                "log-likelihood): leave them at their defaults"
+            )
         return v
 
     @property

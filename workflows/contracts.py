@@ -5,9 +5,11 @@ No tensor, token list or sample list ever travels here (DESIGN §2).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
-from workflows.config import CheckpointSpec, DataSpec, EngineSpec, EvalSpec, ModelSpec, RewardSpec, RolloutSpec, RunConfig, SFTSpec, TrainSpec
+from workflows.config import CheckpointSpec, DataSpec, DistillSpec, EngineSpec, EvalSpec, ModelSpec, RewardSpec, RolloutSpec, RunConfig, SFTSpec, TrainSpec
 
 CONTROL_QUEUE = "milestone-control"
 POOL_QUEUE = "milestone-gpu-pool"
@@ -35,6 +37,7 @@ class PrepareDataInput(BaseModel):
     store_uri: str
     seed: int
     data: DataSpec
+    mode: Literal["rl", "sft"] = "rl"  # sft: no reward, so labels need no integer answer
     reward: RewardSpec = Field(default_factory=RewardSpec)  # math_answer: every label needs an integer answer
     eval: EvalSpec = Field(default_factory=EvalSpec)  # enabled: also write the held-out split (n rows at most)
 
@@ -58,6 +61,7 @@ class InitPolicyInput(BaseModel):
     checkpoint: CheckpointSpec
     config_hash: str
     policy_version: int = 0  # bring the trainer to this version (0 on a fresh run: SFT warm-up)
+    distill: DistillSpec | None = None  # on-policy distillation: the trainer loads the teacher
 
 
 class PolicyInfo(BaseModel):
@@ -167,6 +171,13 @@ class BatchResult(BaseModel):
     seconds: float
 
 
+class SFTRowsInput(BaseModel):
+    """An SFT-mode step's rows: positions ``data_cursor .. data_cursor + n_rows - 1`` of the prompt order."""
+
+    data_cursor: int
+    n_rows: int
+
+
 class TrainStepInput(BaseModel):
     run_id: str
     step: int
@@ -176,6 +187,7 @@ class TrainStepInput(BaseModel):
     rewards_key: str
     group_size: int
     train: TrainSpec
+    sft_rows: SFTRowsInput | None = None  # mode sft: train on these rows' labels (no chunks, no rewards)
 
 
 class TrainStepResult(BaseModel):

@@ -37,7 +37,9 @@ class _RewardFields(Strict):
     take their default (``_REWARD_DEFAULTS``) for their own kind, so a stored config of an
     older version (which had none of them) reads unchanged."""
 
-    kind: Literal["math_answer", "math_verify", "gsm8k", "format", "weighted", "custom", "http", "judge"] = Field(
+    kind: Literal[
+        "math_answer", "math_verify", "gsm8k", "format", "weighted", "custom", "http", "judge", "reasoning_gym"
+    ] = Field(
         "math_answer", description="which reward; see docs/rewards.md"
     )
     function: str | None = Field(

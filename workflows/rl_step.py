@@ -1,4 +1,5 @@
-"""``RLStep``: one RL step as a child workflow (id ``<run-id>/step-<n>``).
+"""``RLStep``: one RL step as a child workflow (id ``<run-id>/step-<n>``); in mode sft
+one SFT step (no rollout or reward: train_step on ``sft.batch_size`` dataset rows).
 
 rollout -> reward (``workflows.sampling``: rounds of both with dynamic sampling, then
 the kept groups as the step's batch) -> train_step -> update_weights -> checkpoint
@@ -21,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
         EvalResult,
         RLStepInput,
         RunEvent,
+        SFTRowsInput,
         StepSummary,
         TrainStepInput,
         TrainStepResult,
@@ -28,9 +30,10 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsResult,
     )
     from workflows.failures import Failure, failure_in
-    from workflows.sampling import sample, sample_with_filter
+    from workflows.sampling import Sampled, sample, sample_with_filter
 
 EVAL_PATCH = "eval-activity"  # steps recorded before the eval existed replay without it
+SFT_MODE_PATCH = "sft-mode"  # mode sft: the step trains on dataset rows, without rollout and reward
 
 
 @workflow.defn(name="RLStep")
@@ -40,14 +43,21 @@ class RLStep:
         cfg, node, store = inp.config, inp.node_queue, inp.config.store
         started = workflow.now()
 
-        sampled = await (sample_with_filter(inp) if cfg.rollout.dynamic_filter.enabled else sample(inp))
+        sft_rows: SFTRowsInput | None = None
+        if cfg.mode == "sft" and workflow.patched(SFT_MODE_PATCH):  # no sampling: the rows' labels
+            sft_rows = SFTRowsInput(data_cursor=inp.data_cursor, n_rows=cfg.sft.batch_size)
+            sampled = Sampled(chunk_keys=[], rewards_key="", prompts=cfg.sft.batch_size, reward_mean=0.0,
+                              reward_std=0.0, accuracy=0.0, reward_errors=0, response_len_mean=0.0,
+                              chunks_reused=0, engine_retries=0, phases={})
+        else:
+            sampled = await (sample_with_filter(inp) if cfg.rollout.dynamic_filter.enabled else sample(inp))
         cursor = inp.data_cursor + sampled.prompts
         trained = await run_activity(
             "train_step",
             TrainStepInput(
                 run_id=inp.run_id, step=inp.step, store_uri=store, policy_version=inp.policy_version,
                 chunk_keys=sampled.chunk_keys, rewards_key=sampled.rewards_key,
-                group_size=cfg.rollout.group_size, train=inp.train,
+                group_size=cfg.rollout.group_size, train=inp.train, sft_rows=sft_rows,
             ),
             TrainStepResult, task_queue=node, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
         )

@@ -15,7 +15,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error
+    from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error, mode_conflicts
     from workflows.contracts import (
         CONTROL_QUEUE,
         POOL_QUEUE,
@@ -86,12 +86,13 @@ class TrainingRun:
             st.dataset = await run_activity(
                 "prepare_data",
                 PrepareDataInput(
-                    run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data, reward=cfg.reward, eval=cfg.eval
+                    run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data, reward=cfg.reward, eval=cfg.eval,
+                    mode=cfg.mode,
                 ),
                 DatasetInfo, task_queue=CONTROL_QUEUE, summary="prepare dataset",
             )
             if cfg.eval.enabled and st.dataset.eval_key is None:
-                arithmetic = cfg.data.kind == "arithmetic"
+                arithmetic = cfg.data.kind in ("arithmetic", "reasoning_gym")  # generated
                 why = "every prompt is in the train set" if arithmetic else "data.eval_path is not set"
                 self._event("eval_skipped", f"no held-out split ({why}): the run is not evaluated")
             await self._place_on_node(run_id, chash, init=True)
@@ -213,7 +214,7 @@ class TrainingRun:
                     InitPolicyInput(
                         run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
                         train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
-                        policy_version=st.policy_version,
+                        policy_version=st.policy_version, distill=cfg.distill,
                     ),
                     PolicyInfo, task_queue=st.node.task_queue,
                     summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
@@ -313,7 +314,10 @@ class TrainingRun:
             raise ValueError("set_hparams: kl_coef: the run started with kl_coef 0 and keeps no reference model")
         assert self.st.train is not None
         try:
-            update.apply(self.st.train)
+            train = update.apply(self.st.train)
         except ValidationError as err:
             raise ValueError(f"set_hparams: {err}") from None
+        bad = mode_conflicts(self.cfg.mode, train) if self.cfg is not None else []
+        if bad:
+            raise ValueError(f"set_hparams: {', '.join(bad)}: RL loss knobs, unused in mode {self.cfg.mode}")
 

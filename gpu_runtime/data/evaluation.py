@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.rewards import math_answer_reward
 
 
 def is_correct(response_text: str, row: dict) -> bool:
-    """The math answer rule (``reward.kind: math_answer``) on one response."""
+    """The math answer rule (``reward.kind: math_answer``) on one response; a row made by
+    ``data.kind: reasoning_gym`` is scored by its generator (correct: score 1)."""
+    if reasoning_gym.is_gym_row(row):
+        return reasoning_gym.score(response_text, row) >= 1.0
     return math_answer_reward(response_text, row)[1]
 
 

@@ -36,9 +36,11 @@ class DataSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["arithmetic", "jsonl", "parquet"]
+    kind: Literal["arithmetic", "jsonl", "parquet", "reasoning_gym"]
     path: str | None
     num_train: int
+    dataset: str | None
+    dataset_config: dict[str, Any]
     min_operand: int
     max_operand: int
     ops: str

@@ -46,14 +46,17 @@ def model_checksum(model: PreTrainedModel) -> str:
 
 
 def save_model_folder(
-    model: PreTrainedModel, tokenizer: Tokenizer, folder: str | Path, *, weight_version: int
+    model: PreTrainedModel, tokenizer: Tokenizer, folder: str | Path, *, weight_version: int,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> str:
-    """Write the folder atomically (temp dir + rename). Returns the weight checksum."""
+    """Write the folder atomically (temp dir + rename). Returns the weight checksum.
+    ``weights``: the tensors to save instead of ``model``'s own (``export_state_dict``
+    naming; ``model`` still gives the config)."""
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    sd = export_state_dict(model)
+    sd = export_state_dict(model) if weights is None else weights
     checksum = weights_checksum(sd)
     save_file(sd, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     model.config.save_pretrained(str(tmp))

@@ -33,7 +33,7 @@ ENGINES_HEALTHY = Gauge("milestone_engines_healthy", "healthy engines on this no
 TRAINER_RESTARTS = Counter("milestone_trainer_restarts_total", "trainer process restarts")
 REPLAYED_STEPS = Counter("milestone_replayed_steps_total", "steps replayed to rebuild trainer state")
 
-TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens_per_s")
+TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens_per_s", "distill_kl")
 
 
 def serve(port: int) -> None:

@@ -124,8 +124,8 @@ class NodeRuntime:
         if not (folder / "model.safetensors").exists():
             store = open_store(store_uri)
             tmp = folder.with_name(folder.name + ".download")
-            for key in store.list(weights_key + "/"):
-                store.get_file(key, tmp / key.rsplit("/", 1)[1])
+            for key in store.list(weights_key + "/"):  # nested files (a LoRA adapter/ folder) keep their place
+                store.get_file(key, tmp / key.removeprefix(weights_key + "/"))
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
         prune_version_folders(folder.parent, version)

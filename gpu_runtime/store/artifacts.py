@@ -76,6 +76,11 @@ def weights_prefix(run_id: str, version: int) -> str:
     return f"{_run(run_id)}/weights/v{version:06d}"
 
 
+def base_model_prefix(run_id: str) -> str:
+    """The run's base model folder (``model.init``), published once for LoRA adapter exports."""
+    return f"{_run(run_id)}/base"
+
+
 def checkpoints_prefix(run_id: str) -> str:
     return f"{_run(run_id)}/checkpoints"
 

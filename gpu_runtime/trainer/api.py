@@ -81,11 +81,29 @@ class ModelInit(Message):
     tie_word_embeddings: bool
 
 
+class LoraSettings(Message):
+    """LoRA adapters on the base model (``model.lora`` in the run config)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: Literal["all-linear"] | list[str]
+    export: Literal["merged", "adapter"]
+
+
 class ModelSource(Message):
     """Where the run's base model comes from (``model`` in the run config)."""
 
     path: str | None
     init: ModelInit | None
+    lora: LoraSettings | None
+
+
+class DistillSettings(Message):
+    """On-policy distillation from a teacher model folder (``distill`` in the run config)."""
+
+    teacher_path: str
+    coef: float
 
 
 class RunSetup(Message):
@@ -101,10 +119,20 @@ class RunSetup(Message):
     dataset_key: str
     keep_last: int
     config_hash: str
+    distill: DistillSettings | None
+
+
+class SFTRows(Message):
+    """The dataset rows an SFT-mode step trains on: positions ``data_cursor ..
+    data_cursor + n_rows - 1`` of the run's prompt order (``prompts_for_step``)."""
+
+    data_cursor: int
+    n_rows: int
 
 
 class StepBatch(Message):
-    """One step's training input, stored before training so replay uses exactly it."""
+    """One step's training input, stored before training so replay uses exactly it:
+    the rollout's chunks and rewards (RL), or the rows of an SFT-mode step (``sft``)."""
 
     step: int
     policy_version: int  # the version the trainer holds before the step
@@ -112,12 +140,13 @@ class StepBatch(Message):
     rewards_key: str
     group_size: int
     hparams: TrainerHParams
+    sft: SFTRows | None
 
 
 def stored_step_batch(raw: str | bytes) -> "StepBatch":
-    """A ``StepBatch`` stored before training, possibly by an older version."""
+    """A ``StepBatch`` stored before training, possibly by an older version (before SFT mode: RL)."""
     data = json.loads(raw)
-    return StepBatch.model_validate({**data, "hparams": stored_hparams(data["hparams"])})
+    return StepBatch.model_validate({"sft": None, **data, "hparams": stored_hparams(data["hparams"])})
 
 
 class NodeEvent(Message):

@@ -8,7 +8,6 @@ Deterministic: given the same state and the same samples in the same order,
 from __future__ import annotations
 
 import copy
-import json
 import math
 import logging
 import random
@@ -16,7 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.data.datasets import encode_prompt, final_answer, sft_target
@@ -38,21 +36,18 @@ from gpu_runtime.models.causal_lm import (
     export_state_dict,
     load_causal_lm,
     load_exported_state_dict,
-    shape_summary,
 )
-from gpu_runtime.models.model_folder import model_checksum, save_model_folder
+from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
+from gpu_runtime.trainer import distill as distill_lib
+from gpu_runtime.trainer import lora as lora_lib
+from gpu_runtime.trainer import sft as sft_lib
+from gpu_runtime.trainer import state as trainer_state
+from gpu_runtime.trainer.api import DistillSettings, LoraSettings, TrainerHParams, stored_hparams
 
 log = logging.getLogger(__name__)
 
-META_FILE = "trainer_meta.json"
-WEIGHTS_FILE = "policy.safetensors"
-REF_FILE = "reference.safetensors"
-OPTIM_FILE = "optimizer.safetensors"
-RNG_FILE = "rng.safetensors"
-FORMAT_VERSION = 1
 
 
 class PolicyTrainer:
@@ -63,8 +58,12 @@ class PolicyTrainer:
         hparams: TrainerHParams,
         seed: int,
         ref_model: PreTrainedModel | None,
+        lora: LoraSettings | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # set: ``model`` is peft-wrapped and only its adapters train
+        self.distill: DistillSettings | None = None  # on-policy distillation from ``teacher``
+        self.teacher: PreTrainedModel | None = None
         self.tokenizer = tokenizer
         self.hparams = hparams
         self.seed = seed
@@ -75,17 +74,27 @@ class PolicyTrainer:
 
     # ---------------------------------------------------------------- setup
     @classmethod
-    def create(cls, base_folder: str | Path, hparams: TrainerHParams, seed: int) -> "PolicyTrainer":
-        """A trainer over the model and tokenizer of a Hugging Face folder (the run's base model)."""
+    def create(
+        cls, base_folder: str | Path, hparams: TrainerHParams, seed: int, lora: LoraSettings | None = None,
+        distill: DistillSettings | None = None,
+    ) -> "PolicyTrainer":
+        """A trainer over the model and tokenizer of a Hugging Face folder (the run's base model),
+        with fresh LoRA adapters (seeded) when ``lora`` is given, and the frozen teacher of
+        ``distill``."""
         tokenizer = Tokenizer.load(base_folder)
         model = load_causal_lm(base_folder)
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"{base_folder}: config vocab_size {model.config.vocab_size} < tokenizer's {tokenizer.vocab_size}")
         torch.manual_seed(derive_seed("trainer", seed) % (1 << 63))
         random.seed(derive_seed("trainer-py", seed))
+        if lora is not None:
+            model = lora_lib.apply_lora(model, lora, seed)
         model.train()
         ref = cls._frozen_copy(model) if hparams.kl_coef > 0 else None
-        return cls(model, tokenizer, hparams, seed, ref)
+        trainer = cls(model, tokenizer, hparams, seed, ref, lora)
+        if distill is not None:
+            trainer.distill, trainer.teacher = distill, distill_lib.load_teacher(distill, tokenizer)
+        return trainer
 
     @staticmethod
     def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -97,7 +106,7 @@ class PolicyTrainer:
 
     def _new_optimizer(self, hp: TrainerHParams, lr: float | None = None) -> torch.optim.AdamW:
         return torch.optim.AdamW(
-            self.model.parameters(), lr=hp.lr if lr is None else lr, betas=hp.betas, eps=hp.eps,
+            lora_lib.trainable_parameters(self.model), lr=hp.lr if lr is None else lr, betas=hp.betas, eps=hp.eps,
             weight_decay=hp.weight_decay, foreach=False,
         )
 
@@ -139,7 +148,7 @@ class PolicyTrainer:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+                torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), grad_clip)
             opt.step()
             last = float(loss.detach())
             if step == 0:
@@ -155,6 +164,30 @@ class PolicyTrainer:
         if steps:  # no losses to report when the warm-up is skipped (NaN would not survive JSON)
             out.update(sft_loss_first=first, sft_loss_last=last)
         return out
+
+    # ------------------------------------------------------- optimizer steps
+    def start_optimizer_step(self, hp: TrainerHParams) -> float:
+        """Set the step's LR (schedule position ``opt_steps``) and AdamW knobs, clear the grads."""
+        lr = self.lr_at(self.opt_steps, hp)
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def take_optimizer_step(self, hp: TrainerHParams, what: str) -> float:
+        """Clip the accumulated grads to ``hp.grad_clip`` and step; the grad norm before clipping.
+        A non-finite norm is a FloatingPointError and the weights stay the last good ones."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), hp.grad_clip))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"{what}: grad norm is not finite ({grad_norm})")
+        self.optimizer.step()
+        self.opt_steps += 1
+        return grad_norm
+
+    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+        """One supervised update (SFT mode); increments ``policy_version`` by 1 (``trainer.sft``)."""
+        return sft_lib.sft_step(self, rows, hparams)
 
     # ------------------------------------------------------------------ RL
     def _check_groups(self, samples: list[Sample], rewards: list[float], group_size: int) -> None:
@@ -181,7 +214,9 @@ class PolicyTrainer:
         micro-batches whose shares add up to the batch's loss (``hparams.loss_agg``).
         The "old" logprobs are those of the current weights (taken, without grad,
         from the first epoch's forward, or from a forward of their own when the KL
-        is part of the reward), so the first epoch's ratio is 1."""
+        is part of the reward or the run distills), so the first epoch's ratio is 1.
+        With ``distill`` the teacher's per-token term is added to the estimator's
+        advantages (``trainer.distill``)."""
         self._check_groups(samples, rewards, group_size)
         t0 = time.perf_counter()
         self.hparams = hp = hparams
@@ -198,11 +233,18 @@ class PolicyTrainer:
                 ref_lps = [logprobs_and_logits(self.ref_model, b.ids, b.mask)[0] for b in batches]
         old_lps: list[torch.Tensor] = []
         reward_kl: list[torch.Tensor] | None = None  # the KL penalty of the reward, per micro-batch
-        if hp.kl_in_reward and hp.kl_coef > 0:
+        kl_in_reward = hp.kl_in_reward and hp.kl_coef > 0
+        if kl_in_reward or self.distill is not None:  # advantages that need the old logprobs first
             with torch.no_grad():
                 old_lps = [logprobs_and_logits(self.model, b.ids, b.mask)[0] for b in batches]
+        if kl_in_reward:
             reward_kl = [kl_per_token(old, ref, hp.kl_estimator) for old, ref in zip(old_lps, ref_lps) if ref is not None]
         advs = micro_batch_advantages(batches, r, group_size, hp, reward_kl)
+        distill_kl: float | None = None
+        if self.distill is not None:
+            assert self.teacher is not None
+            terms, distill_kl = distill_lib.distill_terms(self.teacher, batches, old_lps, self.distill.coef)
+            advs = [a + t for a, t in zip(advs, terms)]
         tis: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model.train()
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0}
@@ -213,10 +255,7 @@ class PolicyTrainer:
         grad_norm = 0.0
         lr = self.lr_at(self.opt_steps, hp)
         for epoch in range(hp.ppo_epochs):
-            lr = self.lr_at(self.opt_steps, hp)
-            for group in self.optimizer.param_groups:
-                group.update(lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-            self.optimizer.zero_grad(set_to_none=True)
+            lr = self.start_optimizer_step(hp)
             last = epoch == hp.ppo_epochs - 1
             for k, b in enumerate(batches):
                 tmask = b.tmask
@@ -254,15 +293,12 @@ class PolicyTrainer:
                         values.append(("dual_clip_fraction", masked_mean(terms.dual_clipped.to(lp.dtype), tmask), share))
                     for name, v, weight in values:
                         sums[name] += float(v.detach()) * weight
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), hp.grad_clip))
-            if not math.isfinite(grad_norm):  # never step on NaN/inf: the weights stay the last good ones
-                self.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"train_step: grad norm is not finite ({grad_norm})")
-            self.optimizer.step()
-            self.opt_steps += 1
+            grad_norm = self.take_optimizer_step(hp, "train_step")
         self.policy_version += 1
         secs = time.perf_counter() - t0
         metrics = dict(sums)
+        if distill_kl is not None:
+            metrics["distill_kl"] = distill_kl
         if tis:
             shares = [float(b.tmask.sum()) / max(n_tokens, 1) for b in batches]
             metrics["tis_weight_mean"] = sum(
@@ -282,100 +318,55 @@ class PolicyTrainer:
         return metrics
 
     # --------------------------------------------------------------- state
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """The weights engines load for this version (merged with the adapters under LoRA)."""
+        return lora_lib.merged_state_dict(self.model) if self.lora else export_state_dict(self.model)
+
+    def _trained_state(self, model: PreTrainedModel) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds of ``model``: every weight, or the adapters only under LoRA."""
+        return lora_lib.adapter_state_dict(model) if self.lora else export_state_dict(model)
+
+    def _load_trained_state(self, model: PreTrainedModel, sd: dict[str, torch.Tensor]) -> None:
+        if self.lora:
+            lora_lib.load_adapter_state_dict(model, sd)
+        else:
+            load_exported_state_dict(model, sd)
+
     def checksum(self) -> str:
-        return model_checksum(self.model)
+        return weights_checksum(self.published_state())
 
     def export_model_folder(self, folder: str | Path) -> str:
-        return save_model_folder(self.model, self.tokenizer, folder, weight_version=self.policy_version)
+        """This version as a plain model folder (merged weights under LoRA)."""
+        plain = self.model.get_base_model() if self.lora else self.model
+        return save_model_folder(plain, self.tokenizer, folder, weight_version=self.policy_version,
+                                 weights=self.published_state() if self.lora else None)
+
+    def export_adapter_folder(self, folder: str | Path, base_model: str) -> None:
+        """The adapters as a peft adapter folder over ``base_model`` (LoRA only)."""
+        if not self.lora:
+            raise ValueError("export_adapter_folder: the trainer has no LoRA adapters")
+        lora_lib.save_adapter_folder(self.model, folder, base_model)
 
     def save_state(self, folder: str | Path) -> None:
         """Write the full trainer state into ``folder`` (meta file last)."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(export_state_dict(self.model), str(folder / WEIGHTS_FILE))
-        if self.ref_model is not None:
-            save_file(export_state_dict(self.ref_model), str(folder / REF_FILE))
-        self.model.config.save_pretrained(str(folder))  # architecture, so ``from_state`` can rebuild
-        self.tokenizer.save(folder)
-        osd = self.optimizer.state_dict()
-        tensors = {f"{idx}.{name}": t.detach().contiguous().clone()
-                   for idx, st in osd["state"].items() for name, t in st.items() if isinstance(t, torch.Tensor)}
-        save_file(tensors, str(folder / OPTIM_FILE))
-        save_file({"torch_cpu": torch.get_rng_state()}, str(folder / RNG_FILE))
-        py_state = random.getstate()
-        meta = {
-            "format": FORMAT_VERSION,
-            "policy_version": self.policy_version,
-            "opt_steps": self.opt_steps,
-            "seed": self.seed,
-            "model_config": shape_summary(self.model),
-            "hparams": self.hparams.model_dump(mode="json"),
-            "has_reference": self.ref_model is not None,
-            "optimizer_param_groups": osd["param_groups"],
-            "python_random": [py_state[0], list(py_state[1]), py_state[2]],
-            "checksum": self.checksum(),
-        }
-        tmp = folder / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=1))
-        tmp.replace(folder / META_FILE)
+        trainer_state.save(self, folder)
 
     @classmethod
     def from_state(cls, folder: str | Path) -> "PolicyTrainer":
-        """Build a trainer from a folder written by ``save_state``."""
-        meta = cls._read_meta(Path(folder))
-        hp = stored_hparams(meta["hparams"])
+        """Build a trainer from a folder written by ``save_state`` (full fine-tuning only)."""
+        meta = trainer_state.read_meta(Path(folder))
+        if meta.get("lora"):
+            raise ValueError(f"{folder}: a LoRA checkpoint holds adapters only: build the trainer from its base model")
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
         ref = cls._frozen_copy(model) if meta["has_reference"] else None
-        trainer = cls(model, Tokenizer.load(folder), hp, int(meta["seed"]), ref)
+        trainer = cls(model, Tokenizer.load(folder), stored_hparams(meta["hparams"]), int(meta["seed"]), ref)
         trainer.load_state(folder)
         return trainer
 
-    @staticmethod
-    def _read_meta(folder: Path) -> dict:
-        path = folder / META_FILE
-        if not path.exists():
-            raise FileNotFoundError(f"no {META_FILE} in trainer state folder {folder}")
-        meta = json.loads(path.read_text())
-        if meta.get("format") != FORMAT_VERSION:
-            raise ValueError(f"{path}: field 'format' must be {FORMAT_VERSION}, got {meta.get('format')!r}")
-        return meta
-
     def load_state(self, folder: str | Path) -> None:
         """Restore weights, reference, optimizer, schedule, RNG and version from ``folder``."""
-        folder = Path(folder)
-        meta = self._read_meta(folder)
-        if shape_summary(self.model) != meta["model_config"]:
-            raise ValueError(f"{folder / META_FILE}: field 'model_config' does not match this trainer's model")
-        with torch.no_grad():
-            load_exported_state_dict(self.model, load_file(str(folder / WEIGHTS_FILE)))
-            if meta["has_reference"]:
-                if self.ref_model is None:
-                    self.ref_model = self._frozen_copy(self.model)
-                load_exported_state_dict(self.ref_model, load_file(str(folder / REF_FILE)))
-            else:
-                self.ref_model = None
-        self.hparams = stored_hparams(meta["hparams"])
-        self.optimizer = self._new_optimizer(self.hparams)
-        flat = load_file(str(folder / OPTIM_FILE))
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, t in flat.items():
-            idx, _, name = key.partition(".")
-            state.setdefault(int(idx), {})[name] = t
-        groups = meta["optimizer_param_groups"]
-        for g in groups:
-            g["betas"] = tuple(g["betas"])
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        torch.set_rng_state(load_file(str(folder / RNG_FILE))["torch_cpu"])
-        v, internal, gauss = meta["python_random"]
-        random.setstate((v, tuple(internal), gauss))
-        self.policy_version = int(meta["policy_version"])
-        self.opt_steps = int(meta["opt_steps"])
-        self.seed = int(meta["seed"])
-        got = self.checksum()
-        if got != meta["checksum"]:
-            raise ValueError(f"{folder / WEIGHTS_FILE}: weights checksum {got} != recorded {meta['checksum']}")
-        self.model.train()
+        trainer_state.load(self, folder)
 
     # ---------------------------------------------------------------- eval
     def evaluate_greedy(self, rows: list[dict], limit: int = 200, max_new_tokens: int = 8, batch_size: int = 128) -> float:

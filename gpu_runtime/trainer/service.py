@@ -16,9 +16,9 @@ from pathlib import Path
 
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
-from gpu_runtime.data.datasets import load_jsonl
+from gpu_runtime.data.datasets import load_jsonl, prompts_for_step
 from gpu_runtime.models.model_folder import prune_version_folders
-from gpu_runtime.store.object_store import ObjectStore
+from gpu_runtime.store.object_store import LocalStore, ObjectStore
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
@@ -31,10 +31,11 @@ from gpu_runtime.trainer.api import (
     VersionInfo,
     stored_step_batch,
 )
-from gpu_runtime.trainer.base_model import base_model_folder
+from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.policy import PolicyTrainer
 
 log = logging.getLogger(__name__)
+ADAPTER_DIR = "adapter"  # an adapter export's folder inside each published version
 
 
 class Divergence(RuntimeError):
@@ -105,8 +106,12 @@ class TrainerService:
     def _new_trainer(self) -> PolicyTrainer:
         s = self.setup
         assert s is not None
-        base = base_model_folder(s.model, self._rows(), s.seed, self.work_dir / s.run_id)
-        return PolicyTrainer.create(base, s.hparams, s.seed)
+        return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
+
+    def _base_folder(self) -> Path:
+        s = self.setup
+        assert s is not None
+        return base_model_folder(s.model, self._rows(), s.seed, self.work_dir / s.run_id)
 
     def _restore_at_or_below(self, target: int) -> tuple[int | None, dict[str, float]]:
         assert self.ckpts is not None and self.setup is not None and self.store is not None
@@ -165,9 +170,12 @@ class TrainerService:
         v = self.trainer.policy_version
         folder = self._weights_dir(v)
         checksum = self.trainer.export_model_folder(folder)
+        lora = self.setup.model.lora
+        if lora is not None and lora.export == "adapter":
+            self.trainer.export_adapter_folder(folder / ADAPTER_DIR, self._published_base())
         prefix = art.weights_prefix(self.setup.run_id, v)
-        for f in sorted(folder.iterdir()):
-            self.store.put_file(f"{prefix}/{f.name}", f)
+        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+            self.store.put_file(f"{prefix}/{f.relative_to(folder).as_posix()}", f)
         # the store keeps v0 (the post-SFT policy) and the newest two versions: a new node
         # restores from checkpoints, engines only ever load the newest
         if v - 2 > 0:
@@ -176,9 +184,28 @@ class TrainerService:
         prune_version_folders(folder.parent, v)
         return VersionInfo(policy_version=v, checksum=checksum, weights_key=prefix, model_path=str(folder))
 
+    def _published_base(self) -> str:
+        """Where an adapter export's base model is: the user's ``model.path``, or a built
+        base folder published once to ``runs/<run>/base/`` (its local path for a file:// store,
+        its URI otherwise)."""
+        assert self.store is not None and self.setup is not None
+        if self.setup.model.path is not None:
+            return str(Path(self.setup.model.path).expanduser().resolve())
+        prefix = art.base_model_prefix(self.setup.run_id)
+        if not self.store.exists(f"{prefix}/{DONE}"):
+            base = self._base_folder()
+            for f in sorted(p for p in base.iterdir() if p.is_file() and p.name != DONE):
+                self.store.put_file(f"{prefix}/{f.name}", f)
+            self.store.put_bytes(f"{prefix}/{DONE}", b"")  # last: the folder is complete
+        return str(self.store.root / prefix) if isinstance(self.store, LocalStore) else self.store.uri(prefix)
+
     # ---- training -----------------------------------------------------------------
     def _train(self, batch: StepBatch) -> dict[str, float]:
-        assert self.trainer is not None and self.store is not None
+        assert self.trainer is not None and self.store is not None and self.setup is not None
+        if batch.sft is not None:  # SFT mode: the rows at the step's data positions
+            rows = self._rows()
+            picked = prompts_for_step(len(rows), self.setup.seed, batch.sft.data_cursor, batch.sft.n_rows)
+            return self.trainer.sft_step([rows[i] for i in picked], batch.hparams)
         samples: list[art.Sample] = []
         for key in batch.chunk_keys:
             samples.extend(art.get_model(self.store, key, art.RolloutChunk).samples)

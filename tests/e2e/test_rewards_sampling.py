@@ -143,3 +143,28 @@ def test_judge_reward_is_asked_once_per_sample_across_a_failed_attempt(shared_st
         assert r.reward == pytest.approx(r.terms["math_answer"] + 0.5 * want)
     records = sorted((store / art.judge_prefix("e2e-judge", 1) / "judge").glob("*.json"))
     assert len(records) == len(samples)
+
+
+def test_reasoning_gym_dataset_and_reward(shared_stack: Stack) -> None:
+    """``data.kind: reasoning_gym`` (generated at data preparation into the run's store) and
+    ``reward.kind: reasoning_gym`` (the generator's own scorer), also in the held-out eval."""
+    pytest.importorskip("reasoning_gym")
+    store = shared_stack.workdir / "store"
+    gym = {"kind": "reasoning_gym", "dataset": "chain_sum", "num_train": 200,
+           "dataset_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
+    cfg = tiny_config(store, steps=2, data=gym, reward={"kind": "reasoning_gym"}, eval={"n": 8, "k": 2},
+                      checkpoint={"every": 2, "keep_last": 1}, engines={"num_engines": 1})
+    cfg["data"] = gym  # not merged with tiny_config's arithmetic fields
+
+    async def main() -> tuple[RunSummary, RunProgress]:
+        return await run(await connect(shared_stack.server.address), "e2e-gym", cfg)
+
+    summary, progress = asyncio.run(main())
+    assert summary.steps == 2 and summary.eval_greedy is not None and summary.eval_before_greedy is not None
+    rows = [json.loads(line) for line in (store / art.dataset_key("e2e-gym", "train")).read_text().splitlines()]
+    assert len(rows) == 200 and all(r["metadata"]["reasoning_gym"]["dataset"] == "chain_sum" for r in rows)
+    rewards = stored(store, art.rewards_key("e2e-gym", 1), art.StepRewards).rewards  # type: ignore[attr-defined]
+    assert rewards and all("reasoning_gym answer=" in r.detail for r in rewards)
+    assert all(0.0 <= s.reward_mean <= 1.0 and 0.0 <= s.accuracy <= s.reward_mean + 1e-9 for s in progress.steps)
+    print(f"reasoning_gym chain_sum: reward per step {[round(s.reward_mean, 3) for s in progress.steps]}, "
+          f"held-out greedy {summary.eval_before_greedy:.3f} -> {summary.eval_greedy:.3f}")

@@ -29,7 +29,7 @@ INIT = ModelInitSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, 
 @cache
 def base(seed: int) -> Path:
     """A real HF folder (BPE tokenizer trained on ROWS, seeded transformers init), as a run builds it."""
-    source = ModelSource(path=None, init=ModelInit.model_validate(INIT.model_dump()))
+    source = ModelSource(path=None, init=ModelInit.model_validate(INIT.model_dump()), lora=None)
     return base_model_folder(source, ROWS, seed, Path(tempfile.mkdtemp(prefix="trainer-base-")))
 
 

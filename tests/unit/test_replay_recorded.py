@@ -28,9 +28,10 @@ HISTORIES = sorted(HISTORY_DIR.glob("*.json"))
 # the workflow ids they were recorded under (child ids derive from the parent's id)
 # rl_step: a step recorded before the eval existed (replays without it, via the patch);
 # rl_step_eval: the last step of a run with its held-out eval; rl_step_dynamic: a step with dynamic
-# sampling that drew two rounds (recorded by tests/e2e/test_rewards_sampling.py)
+# sampling that drew two rounds (recorded by tests/e2e/test_rewards_sampling.py); rl_step_sft: an
+# SFT-mode step with its checkpoint (tests/e2e/test_sft_distill.py)
 WORKFLOW_IDS = {"training_run": "e2e-run", "rl_step": "e2e-run/step-1", "rl_step_eval": "e2e-run/step-3",
-                "rl_step_dynamic": "e2e-dyn/step-2"}
+                "rl_step_dynamic": "e2e-dyn/step-2", "rl_step_sft": "sft/step-2"}
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
@@ -41,7 +42,7 @@ def test_recorded_history_replays(path: Path) -> None:
 
 
 def test_recordings_exist() -> None:
-    assert {p.stem for p in HISTORIES} >= {"training_run", "rl_step", "rl_step_eval", "rl_step_dynamic"}
+    assert {p.stem for p in HISTORIES} >= {"training_run", "rl_step", "rl_step_eval", "rl_step_dynamic", "rl_step_sft"}
 
 
 def _with_eval_due(history_json: str) -> str:

@@ -18,9 +18,11 @@ from gpu_runtime.trainer.api import (
     stored_hparams, stored_step_batch,
 )
 from workflows.config import (
-    CheckpointSpec, HParamUpdate, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, RolloutSpec, SFTSpec, TrainSpec,
+    CheckpointSpec, DistillSpec, HParamUpdate, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, RolloutSpec, SFTSpec, TrainSpec,
 )
-from workflows.contracts import DatasetInfo, EvalInput, InitPolicyInput, RolloutInput, RunEvent, TrainStepInput
+from workflows.contracts import (
+    DatasetInfo, EvalInput, InitPolicyInput, RolloutInput, RunEvent, SFTRowsInput, TrainStepInput,
+)
 
 
 @pytest.mark.parametrize("workflow_side,runtime_side", translate.MIRRORS, ids=lambda m: m.__name__)
@@ -173,3 +175,23 @@ def test_checkpoint_after_a_trainer_restart_reports_the_restore() -> None:
     out = translate.checkpoint_result(saved, 0.5, [NodeEvent(at=2.0, kind="trainer_restarted", detail="pid 1")])
     assert (out.step, out.key, out.durable, out.seconds) == (4, "k", True, 0.5)
     assert [e.kind for e in out.node_events] == ["trainer_restarted", "trainer_restored"]
+
+
+def test_run_setup_carries_lora_and_distill() -> None:
+    inp = InitPolicyInput(
+        run_id="r", store_uri="file:///s", seed=5,
+        model=ModelSpec(path="/m", lora=LoraSpec(r=4, alpha=3.0, dropout=0.1, target_modules=["q_proj"], export="adapter")),
+        sft=SFTSpec(), train=TRAIN, dataset=DATASET, checkpoint=CheckpointSpec(), config_hash="abc",
+        distill=DistillSpec(teacher_path="/t", coef=0.5),
+    )
+    setup = translate.run_setup(inp)
+    assert setup.model.lora is not None and setup.model.lora.model_dump() == inp.model.lora.model_dump()
+    assert setup.distill is not None and setup.distill.model_dump() == {"teacher_path": "/t", "coef": 0.5}
+    assert translate.run_setup(inp.model_copy(update={"distill": None})).distill is None
+    step = TrainStepInput(run_id="r", step=3, store_uri="file:///s", policy_version=2, chunk_keys=[], rewards_key="",
+                          group_size=4, train=TRAIN, sft_rows=SFTRowsInput(data_cursor=64, n_rows=32))
+    batch = translate.step_batch(step)
+    assert batch.sft is not None and (batch.sft.data_cursor, batch.sft.n_rows) == (64, 32)
+    old = json.loads(batch.model_dump_json())
+    del old["sft"]  # a step batch stored before SFT mode is an RL step
+    assert stored_step_batch(json.dumps(old)).sft is None

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
+from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.rewards import mathverify, remote, rules
 from gpu_runtime.data.rewards.sandbox import CallFailed, CallTimeout, RewardSandbox
 from gpu_runtime.data.rewards.settings import ANSWER_KINDS, RewardFatal, RewardSettings, RewardTermSettings
@@ -124,6 +125,8 @@ def _score_term(
         if kind == "format":
             assert term.pattern is not None and term.format_score is not None
             return [_format(i, term.pattern, term.format_score) for i in items]
+        if kind == "reasoning_gym":
+            return [_reasoning_gym(i) for i in items]
     except ValueError as err:  # a label the rule cannot read: the dataset, not a retry, must change
         raise RewardFatal(f"reward.kind {kind}: {err}") from err
     if kind in ("custom", "math_verify"):
@@ -150,6 +153,12 @@ def _math_answer(item: ScoreItem) -> TermScore:
     reward, correct = rules.math_answer_reward(item.response, item.row)
     detail = f"answer={rules.extract_answer(item.response)!r} expected={rules.final_answer(item.row)!r}"
     return TermScore(reward, correct, detail)
+
+
+def _reasoning_gym(item: ScoreItem) -> TermScore:
+    value = reasoning_gym.score(item.response, item.row)
+    return TermScore(value, value >= 1.0, f"reasoning_gym answer={reasoning_gym.extract(item.response)!r} "
+                                          f"expected={item.row.get('answer')!r} score={value:g}")
 
 
 def _gsm8k(item: ScoreItem, mode: str, format_score: float) -> TermScore:

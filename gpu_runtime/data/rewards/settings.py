@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-Kind = Literal["math_answer", "math_verify", "gsm8k", "format", "weighted", "custom", "http", "judge"]
-ANSWER_KINDS = ("math_answer", "math_verify", "gsm8k")  # kinds that decide whether a sample is correct
+Kind = Literal["math_answer", "math_verify", "gsm8k", "format", "weighted", "custom", "http", "judge", "reasoning_gym"]
+ANSWER_KINDS = ("math_answer", "math_verify", "gsm8k", "reasoning_gym")  # kinds that decide a sample is correct
 
 
 class RewardError(RuntimeError):
