@@ -30,7 +30,7 @@ def pretrained_folder(out: Path, cfg: dict, sft_steps: int = 100, lr: float = 3e
     torch.set_num_threads(1)
     try:
         trainer = PolicyTrainer.create(base, trainer_hparams(run.train), run.seed)
-        trainer.sft_warmup(rows, sft_steps, run.sft.batch_size, lr, run.seed)
+        trainer.sft_warmup(rows, sft_steps, run.sft.batch_size, lr, run.seed, betas=run.sft.betas)
         trainer.export_model_folder(out)
     finally:
         torch.set_num_threads(threads)

@@ -37,7 +37,7 @@ def _threads() -> None:
 def teacher_folder() -> Path:
     """The student's base after a longer warm-up: it answers the arithmetic far better."""
     tr = PolicyTrainer.create(base(7), hparams(**HP), 7)
-    tr.sft_warmup(ROWS, steps=60, batch_size=16, lr=3e-3, seed=1)
+    tr.sft_warmup(ROWS, steps=60, batch_size=16, lr=3e-3, seed=1, betas=(0.9, 0.999))
     folder = Path(tempfile.mkdtemp(prefix="teacher-")) / "t"
     tr.export_model_folder(folder)
     return folder
@@ -45,7 +45,7 @@ def teacher_folder() -> Path:
 
 def student(coef: float = 1.0, warmup: int = 3) -> PolicyTrainer:
     tr = PolicyTrainer.create(base(7), hparams(**HP), 7, distill=DistillSettings(teacher_path=str(teacher_folder()), coef=coef))
-    tr.sft_warmup(ROWS, steps=warmup, batch_size=16, lr=3e-3, seed=7)
+    tr.sft_warmup(ROWS, steps=warmup, batch_size=16, lr=3e-3, seed=7, betas=(0.9, 0.999))
     return tr
 
 

@@ -30,7 +30,7 @@ def _threads() -> None:
 
 def lora_trainer(seed: int = 7, lora: LoraSettings = LORA, **kw: object) -> PolicyTrainer:
     tr = PolicyTrainer.create(base(seed), hparams(**kw), seed, lora)
-    tr.sft_warmup(ROWS, steps=3, batch_size=8, lr=1e-2, seed=seed)
+    tr.sft_warmup(ROWS, steps=3, batch_size=8, lr=1e-2, seed=seed, betas=(0.9, 0.999))
     return tr
 
 
