@@ -17,6 +17,7 @@ from gpu_runtime.engine.evaluate import EvalRequest, EvalStats
 from gpu_runtime.engine.fleet_types import SlotInfo
 from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
+    Ancestor,
     CheckpointRequest,
     CheckpointSaved,
     ModelInit,
@@ -81,6 +82,7 @@ def run_setup(inp: InitPolicyInput) -> RunSetup:
         dataset_key=inp.dataset.key,
         keep_last=inp.checkpoint.keep_last,
         config_hash=inp.config_hash,
+        lineage=[Ancestor(run_id=a.run_id, step=a.step) for a in inp.lineage],
     )
 
 

@@ -19,6 +19,14 @@ class RunEvent(BaseModel):
     detail: str = ""
 
 
+class ForkPoint(BaseModel):
+    """A forked run's ancestor: the steps up to ``step`` (after the previous ancestor's)
+    are that run's, and their artifacts live, read-only, under ``runs/<run_id>/``."""
+
+    run_id: str
+    step: int
+
+
 class NodeClaim(BaseModel):
     node_id: str
     boot_id: str
@@ -58,6 +66,7 @@ class InitPolicyInput(BaseModel):
     checkpoint: CheckpointSpec
     config_hash: str
     policy_version: int = 0  # bring the trainer to this version (0 on a fresh run: SFT warm-up)
+    lineage: list[ForkPoint] = []  # a fork: where the steps before its own live (oldest first)
 
 
 class PolicyInfo(BaseModel):
@@ -260,6 +269,7 @@ class RunState(BaseModel):
 class TrainingRunInput(BaseModel):
     config: RunConfig
     state: RunState | None = None
+    lineage: list[ForkPoint] = []  # a fork (``milestone fork``): its ancestors, oldest first; the last is its parent
 
 
 class RunProgress(BaseModel):
@@ -270,6 +280,7 @@ class RunProgress(BaseModel):
     policy_version: int
     data_cursor: int
     node_queue: str | None = None
+    lineage: list[ForkPoint] = Field(default_factory=list)  # a fork: its ancestors, the last is its parent
     steps: list[StepSummary] = Field(default_factory=list)
     events: list[RunEvent] = Field(default_factory=list)
     engines: list[EngineSlotInfo] = Field(default_factory=list)

@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
         ClaimNodeInput,
         DatasetInfo,
         EvalResult,
+        ForkPoint,
         InitPolicyInput,
         NodeClaim,
         PolicyInfo,
@@ -63,6 +64,7 @@ class TrainingRun:
     def __init__(self) -> None:
         self.cfg: RunConfig | None = None
         self.st = RunState()
+        self.lineage: list[ForkPoint] = []
         self.status = "initializing"
 
     # ---- the RL loop -------------------------------------------------------------
@@ -78,6 +80,7 @@ class TrainingRun:
             raise failure(Failure.INVALID_INPUT, "invalid TrainingRun input:\n" + format_validation_error(err)) from None
         self.cfg = cfg = inp.config
         self.st = st = inp.state or RunState(train=cfg.train)
+        self.lineage = inp.lineage
         run_id = workflow.info().workflow_id
         chash = config_hash(cfg)
         steps_this_run = 0
@@ -107,7 +110,7 @@ class TrainingRun:
             await workflow.wait_condition(lambda: not self.st.paused)
             self.status = "running"
             if steps_this_run >= cfg.steps_per_workflow_run or workflow.info().is_continue_as_new_suggested():
-                workflow.continue_as_new(TrainingRunInput(config=cfg, state=st))
+                workflow.continue_as_new(TrainingRunInput(config=cfg, state=st, lineage=self.lineage))
             summary = await self._run_step(run_id, chash)
             # commit: the only place the cursor and the version move
             st.policy_version = summary.policy_version
@@ -213,7 +216,7 @@ class TrainingRun:
                     InitPolicyInput(
                         run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
                         train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
-                        policy_version=st.policy_version,
+                        policy_version=st.policy_version, lineage=self.lineage,
                     ),
                     PolicyInfo, task_queue=st.node.task_queue,
                     summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
@@ -271,6 +274,8 @@ class TrainingRun:
             )
         if st.node:
             lines.append(f"node: `{st.node.task_queue}`")
+        if self.lineage:
+            lines.append(f"forked from `{self.lineage[-1].run_id}` at step {self.lineage[-1].step}")
         workflow.set_current_details("\n\n".join(lines))
 
     # ---- control -----------------------------------------------------------------
@@ -285,6 +290,7 @@ class TrainingRun:
             policy_version=st.policy_version,
             data_cursor=st.data_cursor,
             node_queue=st.node.task_queue if st.node else None,
+            lineage=self.lineage,
             steps=st.history,
             events=st.events,
             engines=st.engines,

@@ -87,6 +87,13 @@ class ModelSource(Message):
     init: ModelInit | None
 
 
+class Ancestor(Message):
+    """A forked run's ancestor: steps up to ``step`` are read from ``run_id``'s prefix."""
+
+    run_id: str
+    step: int
+
+
 class RunSetup(Message):
     """What a trainer needs to serve a run; sent with every call, so a restarted
     trainer can rebuild the run's state without a separate bind."""
@@ -100,6 +107,7 @@ class RunSetup(Message):
     dataset_key: str
     keep_last: int
     config_hash: str
+    lineage: list[Ancestor] = []  # a fork: its ancestors, oldest first (gpu_runtime.store.lineage)
 
 
 class StepBatch(Message):

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 from gpu_runtime.store import artifacts as art
+from gpu_runtime.store import lineage
+from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.models.model_folder import prune_version_folders
@@ -57,6 +59,7 @@ class TrainerService:
         self.trainer: PolicyTrainer | None = None
         self.store: ObjectStore | None = None
         self.ckpts: CheckpointStore | None = None
+        self.ancestors: list[tuple[int, CheckpointStore]] = []  # a fork: (last step, the ancestor's checkpoints)
         self._events_seen = 0
 
     # ---- setup and versions -------------------------------------------------------
@@ -74,6 +77,24 @@ class TrainerService:
             local_dir=self.work_dir / setup.run_id / "checkpoints",
             keep_last=setup.keep_last,
         )
+        # read-only: a fork restores its ancestors' checkpoints but never saves or prunes there
+        self.ancestors = [
+            (a.step, CheckpointStore(self.store, art.checkpoints_prefix(a.run_id),
+                                     local_dir=self.work_dir / setup.run_id / "ancestors" / a.run_id))
+            for a in setup.lineage
+        ]
+
+    def _owner(self, step: int) -> str:
+        assert self.setup is not None
+        return lineage.owner([(a.run_id, a.step) for a in self.setup.lineage], self.setup.run_id, step)
+
+    def _durable_at_or_below(self, target: int) -> list[tuple[CheckpointInfo, CheckpointStore]]:
+        """The run's checkpoints and (a fork) its ancestors' up to their last step, oldest
+        first; at equal steps the run's own comes last (it is tried first)."""
+        assert self.ckpts is not None
+        found = [(c, anc) for last, anc in self.ancestors for c in anc.list_durable() if c.step <= min(last, target)]
+        found += [(c, self.ckpts) for c in self.ckpts.list_durable() if c.step <= target]
+        return sorted(found, key=lambda x: (x[0].step, x[1] is self.ckpts))
 
     def ensure_version(self, setup: RunSetup, target: int) -> VersionInfo:
         """Bring the trainer to ``target``: keep, or restore + replay, or SFT from scratch."""
@@ -110,11 +131,10 @@ class TrainerService:
 
     def _restore_at_or_below(self, target: int) -> tuple[int | None, dict[str, float]]:
         assert self.ckpts is not None and self.setup is not None and self.store is not None
-        usable = [c for c in self.ckpts.list_durable() if c.step <= target]
-        for info in reversed(usable):
+        for info, ckpts in reversed(self._durable_at_or_below(target)):
             folder = Path(tempfile.mkdtemp(dir=self.work_dir, prefix="restore-"))
             try:
-                got = self.ckpts.restore(folder, step=info.step)
+                got = ckpts.restore(folder, step=info.step)
                 trainer = self._new_trainer()
                 trainer.load_state(folder)
                 self.trainer = trainer
@@ -124,6 +144,9 @@ class TrainerService:
                 log.warning("checkpoint step %d unusable: %s", info.step, err)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
+                if ckpts is not self.ckpts:  # an ancestor's corrupt checkpoint is this run's event too
+                    self.ckpts.events.extend(ckpts.events)
+                    ckpts.events.clear()
         # nothing durable: deterministic SFT warm-up from the seed -> version 0
         s = self.setup
         trainer = self._new_trainer()
@@ -145,7 +168,7 @@ class TrainerService:
         replayed = []
         while self.trainer.policy_version < target:
             step = self.trainer.policy_version + 1
-            key = art.step_batch_key(self.setup.run_id, step)
+            key = art.step_batch_key(self._owner(step), step)
             if not self.store.exists(key):
                 raise RuntimeError(f"cannot replay step {step}: {key} missing from the store")
             self._train(stored_step_batch(self.store.get_bytes(key)))
