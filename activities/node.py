@@ -6,6 +6,7 @@ retryable / non-retryable errors.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities import translate
 from activities.heartbeat import with_heartbeat
@@ -36,6 +37,7 @@ from workflows.contracts import (
     EvalResult,
     InitPolicyInput,
     NodeClaim,
+    NodeLivenessInput,
     PolicyInfo,
     RolloutInput,
     RolloutResult,
@@ -75,6 +77,22 @@ class NodeActivities:
             raise failure(Failure.NODE_EXCLUDED, f"{self.rt.task_queue} is excluded for {inp.run_id}")
         self.rt.set_run(inp.run_id)
         return NodeClaim(node_id=self.rt.node_id, boot_id=self.rt.boot_id, task_queue=self.rt.task_queue)
+
+    @activity.defn(name="node_liveness")
+    async def node_liveness(self, inp: NodeLivenessInput) -> None:
+        """Heartbeat until the step cancels it. On the worker's event loop, not in the
+        activity thread pool, so busy activities cannot delay it; a dead, stopped or
+        partitioned agent stops heartbeating and the step fails over (``RLStep``)."""
+        try:
+            while True:
+                activity.heartbeat()
+                await asyncio.sleep(inp.interval_s)
+        except asyncio.CancelledError:
+            why = activity.cancellation_details()
+            if why is not None and (why.not_found or why.timed_out):  # the run ended or moved on: not an error
+                raise ApplicationError("liveness watch ended", type="WatchEnded",
+                                       category=ApplicationErrorCategory.BENIGN) from None
+            raise
 
     @activity.defn(name="init_policy")
     def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
@@ -225,5 +243,6 @@ class NodeActivities:
         return setup
 
     def all(self) -> list:
-        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate]
+        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate,
+                self.node_liveness]
 

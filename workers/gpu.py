@@ -26,6 +26,7 @@ from workers.common import connect, install_shutdown, setup_logging
 from workflows.contracts import POOL_QUEUE
 
 log = logging.getLogger("workers.gpu")
+LIVENESS_THROTTLE = timedelta(seconds=0.5)
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -44,6 +45,9 @@ async def run(args: argparse.Namespace) -> None:
             node_worker = Worker(
                 client, task_queue=runtime.task_queue, activities=acts.all(), activity_executor=pool,
                 graceful_shutdown_timeout=timedelta(seconds=5),
+                # node_liveness heartbeats must reach the server as often as they are sent
+                # (by default the SDK holds them back for 80% of the heartbeat timeout)
+                max_heartbeat_throttle_interval=LIVENESS_THROTTLE,
             )
             pool_worker = Worker(
                 client, task_queue=POOL_QUEUE, activities=[acts.claim_node], activity_executor=pool,

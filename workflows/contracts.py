@@ -170,6 +170,11 @@ class UpdateWeightsResult(BaseModel):
     node_events: list[RunEvent] = []
 
 
+class NodeLivenessInput(BaseModel):
+    run_id: str
+    interval_s: float  # heartbeat this often until cancelled
+
+
 class CheckpointInput(BaseModel):
     run_id: str
     step: int  # = the policy version to save

@@ -38,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsResult,
     )
     from workflows.failures import Failure, failure, failure_in
+    from workflows.node_watch import NodeWatch
     from workflows.rl_step import RLStep, evaluate, run_activity
 
 SA_STEP = SearchAttributeKey.for_int("RlStep")
@@ -65,6 +66,7 @@ class TrainingRun:
         self.cfg: RunConfig | None = None
         self.st = RunState()
         self.lineage: list[ForkPoint] = []
+        self.watch = NodeWatch()
         self.status = "initializing"
 
     # ---- the RL loop -------------------------------------------------------------
@@ -123,6 +125,7 @@ class TrainingRun:
             st.next_step += 1
             steps_this_run += 1
 
+        self.watch.stop()
         self.status = "completed"
         self._publish()
         last = st.history[-SUMMARY_STEPS:]
@@ -169,19 +172,20 @@ class TrainingRun:
         replacements = 0
         while True:
             assert st.node is not None
+            child = workflow.execute_child_workflow(
+                RLStep.run,
+                RLStepInput(
+                    run_id=run_id, step=st.next_step, config=cfg, train=st.train,
+                    policy_version=st.policy_version, data_cursor=st.data_cursor,
+                    dataset=st.dataset, node_queue=st.node.task_queue,
+                ),
+                id=f"{run_id}/step-{st.next_step}",
+                task_queue=CONTROL_QUEUE,
+                static_summary=f"RL step {st.next_step} of {cfg.steps}",
+            )
             try:
-                return await workflow.execute_child_workflow(
-                    RLStep.run,
-                    RLStepInput(
-                        run_id=run_id, step=st.next_step, config=cfg, train=st.train,
-                        policy_version=st.policy_version, data_cursor=st.data_cursor,
-                        dataset=st.dataset, node_queue=st.node.task_queue,
-                    ),
-                    id=f"{run_id}/step-{st.next_step}",
-                    task_queue=CONTROL_QUEUE,
-                    static_summary=f"RL step {st.next_step} of {cfg.steps}",
-                )
-            except ChildWorkflowError as err:
+                return await self.watch.on_live_node(run_id, st.node.task_queue, cfg.node, child)
+            except (ChildWorkflowError, ApplicationError) as err:  # ApplicationError: NodeLost from the watch
                 kind, message = failure_in(err)
                 if kind == Failure.DIVERGENCE:
                     self._event("divergence", f"step {st.next_step}: {message}; paused (fix with `milestone set`, then resume)")
@@ -194,7 +198,7 @@ class TrainingRun:
                 if kind != Failure.NODE_LOST:
                     raise
                 replacements += 1
-                self._event("node_lost", f"{st.node.task_queue} during step {st.next_step}")
+                self._event("node_lost", f"{st.node.task_queue} during step {st.next_step}: {message}")
                 if replacements > MAX_NODE_REPLACEMENTS:
                     raise failure(Failure.NODE_LOST, f"gave up after {MAX_NODE_REPLACEMENTS} node replacements") from err
                 await self._place_on_node(run_id, chash, init=False)
@@ -211,34 +215,40 @@ class TrainingRun:
             )
             self._event("node_claimed", st.node.task_queue)
             try:
-                policy = await run_activity(
-                    "init_policy",
-                    InitPolicyInput(
-                        run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
-                        train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
-                        policy_version=st.policy_version, lineage=self.lineage,
-                    ),
-                    PolicyInfo, task_queue=st.node.task_queue,
-                    summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
-                )
-                st.events = [*st.events, *policy.node_events][-100:]
-                synced = await run_activity(
-                    "update_weights",
-                    UpdateWeightsInput(
-                        run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
-                        weights_key=policy.weights_key, checksum=policy.checksum, engines=cfg.engines,
-                    ),
-                    UpdateWeightsResult, task_queue=st.node.task_queue,
-                    summary=f"start engines @ v{policy.policy_version}",
-                )
-                st.events = [*st.events, *synced.node_events][-100:]
-                st.engines = synced.engines
+                await self.watch.on_live_node(run_id, st.node.task_queue, cfg.node, self._init_node(run_id, chash, init))
                 return
-            except (ActivityError, ApplicationError) as err:  # NodeLost: a timeout, or said by the activity
+            except (ActivityError, ApplicationError) as err:  # NodeLost: a timeout, said by the activity or the watch
                 if failure_in(err)[0] != Failure.NODE_LOST:
                     raise
                 exclude = [st.node.task_queue]
-                self._event("node_lost", st.node.task_queue)
+                self._event("node_lost", f"{st.node.task_queue}: {failure_in(err)[1]}")
+
+    async def _init_node(self, run_id: str, chash: str, init: bool) -> None:
+        """The claimed node's trainer to the committed version, its engines up."""
+        cfg, st = self.cfg, self.st
+        assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
+        policy = await run_activity(
+            "init_policy",
+            InitPolicyInput(
+                run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
+                train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
+                policy_version=st.policy_version, lineage=self.lineage,
+            ),
+            PolicyInfo, task_queue=st.node.task_queue,
+            summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
+        )
+        st.events = [*st.events, *policy.node_events][-100:]
+        synced = await run_activity(
+            "update_weights",
+            UpdateWeightsInput(
+                run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
+                weights_key=policy.weights_key, checksum=policy.checksum, engines=cfg.engines,
+            ),
+            UpdateWeightsResult, task_queue=st.node.task_queue,
+            summary=f"start engines @ v{policy.policy_version}",
+        )
+        st.events = [*st.events, *synced.node_events][-100:]
+        st.engines = synced.engines
 
     # ---- observability -----------------------------------------------------------
     def _event(self, kind: str, detail: str) -> None:

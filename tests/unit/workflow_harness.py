@@ -47,6 +47,7 @@ from workflows.contracts import (
     EvalResult,
     InitPolicyInput,
     NodeClaim,
+    NodeLivenessInput,
     PolicyInfo,
     PrepareDataInput,
     RewardInput,
@@ -136,6 +137,8 @@ class Cluster:
         self.init_inputs: list[tuple[str, InitPolicyInput]] = []
         self.train_inputs: list[TrainStepInput] = []
         self.eval_inputs: list[EvalInput] = []
+        self.liveness_started: list[str] = []  # the queue of each node_liveness watch
+        self.silent: set[str] = set()  # node queues whose liveness watch stops heartbeating (a stopped agent)
         self.hooks: dict[tuple[str, int | None], Hook] = {}  # (activity, step or None)
         self.rollout_extra: dict[int, dict] = {}  # step -> RolloutResult fields (chunks_reused, engine_retries)
         self.nodes = [StandInNode(self, q) for q in self.queues]
@@ -192,7 +195,16 @@ class StandInNode:
         self.queue = queue
 
     def activities(self) -> list[Callable]:
-        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate]
+        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate,
+                self.node_liveness]
+
+    @activity.defn(name="node_liveness")
+    async def node_liveness(self, inp: NodeLivenessInput) -> None:
+        self.cluster.liveness_started.append(self.queue)
+        while True:
+            if self.queue not in self.cluster.silent:
+                activity.heartbeat()
+            await asyncio.sleep(inp.interval_s)
 
     @activity.defn(name="init_policy")
     async def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
