@@ -20,6 +20,7 @@ from gpu_runtime.data.arithmetic import generate_heldout_arithmetic
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
 from gpu_runtime.data.readers import iter_rows, read_rows
 from gpu_runtime.data.rewards import RewardError, RewardFunctionNotFound, score_samples
+from gpu_runtime.store.fence import FencedStore, StaleEpoch
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.failures import Failure, failure
@@ -104,7 +105,11 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
     except RewardError as err:  # the function raised, timed out or returned junk: retried
         raise failure(Failure.REWARD_ERROR, str(err)) from err
     key = art.rewards_key(inp.run_id, inp.step)
-    art.put_model(store, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+    try:  # at the step's placement epoch: a step the run has left behind writes nothing
+        art.put_model(FencedStore(store, inp.run_id, inp.epoch, "control"), key,
+                      art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+    except StaleEpoch as err:
+        raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
     values = [r.reward for r in rewards]
     result = RewardResult(
         rewards_key=key,

@@ -71,7 +71,7 @@ def data_source(data: DataSpec) -> DataSource:
     return DataSource.model_validate(data.model_dump())
 
 
-def run_setup(inp: InitPolicyInput) -> RunSetup:
+def run_setup(inp: InitPolicyInput, node_id: str = "") -> RunSetup:
     return RunSetup(
         run_id=inp.run_id,
         store_uri=inp.store_uri,
@@ -83,6 +83,8 @@ def run_setup(inp: InitPolicyInput) -> RunSetup:
         keep_last=inp.checkpoint.keep_last,
         config_hash=inp.config_hash,
         lineage=[Ancestor(run_id=a.run_id, step=a.step) for a in inp.lineage],
+        epoch=inp.epoch,
+        node_id=node_id,
     )
 
 

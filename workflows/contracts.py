@@ -31,11 +31,13 @@ class NodeClaim(BaseModel):
     node_id: str
     boot_id: str
     task_queue: str
+    epoch: int = 0  # this placement's epoch (gpu_runtime/store/fence.py); 0: a claim from before fencing
 
 
 class ClaimNodeInput(BaseModel):
     run_id: str
     exclude_queues: list[str] = []
+    store_uri: str = ""  # where the run's fence is (empty: no epoch)
 
 
 class PrepareDataInput(BaseModel):
@@ -67,6 +69,7 @@ class InitPolicyInput(BaseModel):
     config_hash: str
     policy_version: int = 0  # bring the trainer to this version (0 on a fresh run: SFT warm-up)
     lineage: list[ForkPoint] = []  # a fork: where the steps before its own live (oldest first)
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class PolicyInfo(BaseModel):
@@ -89,6 +92,7 @@ class RolloutInput(BaseModel):
     data_cursor: int
     dataset: DatasetInfo
     rollout: RolloutSpec
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class RolloutResult(BaseModel):
@@ -110,6 +114,7 @@ class RewardInput(BaseModel):
     chunk_keys: list[str]
     dataset: DatasetInfo
     reward: RewardSpec
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class RewardResult(BaseModel):
@@ -130,6 +135,7 @@ class TrainStepInput(BaseModel):
     rewards_key: str
     group_size: int
     train: TrainSpec
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class TrainStepResult(BaseModel):
@@ -180,6 +186,7 @@ class CheckpointInput(BaseModel):
     step: int  # = the policy version to save
     store_uri: str
     data_cursor: int
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class CheckpointResult(BaseModel):
@@ -201,6 +208,7 @@ class EvalInput(BaseModel):
     temperature: float
     max_new_tokens: int
     chunk_size: int
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class EvalResult(BaseModel):
@@ -223,6 +231,7 @@ class RLStepInput(BaseModel):
     data_cursor: int
     dataset: DatasetInfo
     node_queue: str
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class StepSummary(BaseModel):

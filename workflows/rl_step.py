@@ -77,7 +77,7 @@ class RLStep:
             RolloutInput(
                 run_id=inp.run_id, step=inp.step, store_uri=store, seed=cfg.seed,
                 policy_version=inp.policy_version, data_cursor=inp.data_cursor,
-                dataset=inp.dataset, rollout=cfg.rollout,
+                dataset=inp.dataset, rollout=cfg.rollout, epoch=inp.epoch,
             ),
             RolloutResult, task_queue=node, summary=f"rollout step {inp.step} @ v{inp.policy_version}",
         )
@@ -85,7 +85,7 @@ class RLStep:
             "compute_rewards",
             RewardInput(
                 run_id=inp.run_id, step=inp.step, store_uri=store, chunk_keys=rollout.chunk_keys,
-                dataset=inp.dataset, reward=cfg.reward,
+                dataset=inp.dataset, reward=cfg.reward, epoch=inp.epoch,
             ),
             RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step}",
         )
@@ -94,7 +94,7 @@ class RLStep:
             TrainStepInput(
                 run_id=inp.run_id, step=inp.step, store_uri=store, policy_version=inp.policy_version,
                 chunk_keys=rollout.chunk_keys, rewards_key=rewards.rewards_key,
-                group_size=cfg.rollout.group_size, train=inp.train,
+                group_size=cfg.rollout.group_size, train=inp.train, epoch=inp.epoch,
             ),
             TrainStepResult, task_queue=node, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
         )
@@ -112,7 +112,7 @@ class RLStep:
                 "checkpoint",
                 CheckpointInput(
                     run_id=inp.run_id, step=inp.step, store_uri=store,
-                    data_cursor=inp.data_cursor + cfg.rollout.prompts_per_step,
+                    data_cursor=inp.data_cursor + cfg.rollout.prompts_per_step, epoch=inp.epoch,
                 ),
                 CheckpointResult, task_queue=node, summary=f"checkpoint step {inp.step}",
             )
@@ -176,7 +176,7 @@ async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, l
                 run_id=inp.run_id, step=inp.step, store_uri=cfg.store, seed=cfg.seed, policy_version=version,
                 eval_key=inp.dataset.eval_key, k=cfg.eval.k, temperature=cfg.eval.temperature,
                 max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                chunk_size=cfg.rollout.chunk_size,
+                chunk_size=cfg.rollout.chunk_size, epoch=inp.epoch,
             ),
             EvalResult, task_queue=inp.node_queue,
             summary=f"evaluate v{version}: {inp.dataset.n_eval} held-out prompts, greedy and pass@{cfg.eval.k}",

@@ -112,6 +112,7 @@ class TrainingRun:
             await workflow.wait_condition(lambda: not self.st.paused)
             self.status = "running"
             if steps_this_run >= cfg.steps_per_workflow_run or workflow.info().is_continue_as_new_suggested():
+                self.watch.stop()  # the next execution watches the node again
                 workflow.continue_as_new(TrainingRunInput(config=cfg, state=st, lineage=self.lineage))
             summary = await self._run_step(run_id, chash)
             # commit: the only place the cursor and the version move
@@ -154,7 +155,7 @@ class TrainingRun:
         assert cfg is not None and st.dataset is not None and st.node is not None and st.train is not None
         inp = RLStepInput(
             run_id=run_id, step=0, config=cfg, train=st.train, policy_version=0, data_cursor=0,
-            dataset=st.dataset, node_queue=st.node.task_queue,
+            dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
         )
         try:
             result, events = await evaluate(inp, 0)
@@ -177,7 +178,7 @@ class TrainingRun:
                 RLStepInput(
                     run_id=run_id, step=st.next_step, config=cfg, train=st.train,
                     policy_version=st.policy_version, data_cursor=st.data_cursor,
-                    dataset=st.dataset, node_queue=st.node.task_queue,
+                    dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
                 ),
                 id=f"{run_id}/step-{st.next_step}",
                 task_queue=CONTROL_QUEUE,
@@ -210,7 +211,7 @@ class TrainingRun:
         exclude = [st.node.task_queue] if st.node else []
         while True:
             st.node = await run_activity(
-                "claim_node", ClaimNodeInput(run_id=run_id, exclude_queues=exclude), NodeClaim,
+                "claim_node", ClaimNodeInput(run_id=run_id, exclude_queues=exclude, store_uri=cfg.store), NodeClaim,
                 task_queue=POOL_QUEUE, summary="claim a node",
             )
             self._event("node_claimed", st.node.task_queue)
@@ -232,7 +233,7 @@ class TrainingRun:
             InitPolicyInput(
                 run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
                 train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
-                policy_version=st.policy_version, lineage=self.lineage,
+                policy_version=st.policy_version, lineage=self.lineage, epoch=st.node.epoch,
             ),
             PolicyInfo, task_queue=st.node.task_queue,
             summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
@@ -305,6 +306,13 @@ class TrainingRun:
             events=st.events,
             engines=st.engines,
         )
+
+    @workflow.signal
+    def node_event(self, event: RunEvent) -> None:
+        """An event a node reports outside any activity result (``stale_write_refused``
+        from a node the run has left behind: its results are no longer awaited)."""
+        self.st.events = [*self.st.events, event][-100:]
+        workflow.logger.warning("node event %s: %s", event.kind, event.detail)
 
     @workflow.signal
     def pause(self) -> None:

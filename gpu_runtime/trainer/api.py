@@ -108,6 +108,8 @@ class RunSetup(Message):
     keep_last: int
     config_hash: str
     lineage: list[Ancestor] = []  # a fork: its ancestors, oldest first (gpu_runtime.store.lineage)
+    epoch: int = 0  # the placement epoch every store write of this call carries (0: unfenced)
+    node_id: str = ""  # the node the trainer runs on (named in refused writes)
 
 
 class StepBatch(Message):

@@ -12,15 +12,16 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store import lineage
 from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
 from gpu_runtime.store.checkpoint_store import CheckpointStore
+from gpu_runtime.store.fence import FencedStore, StaleEpoch, read_fence
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.models.model_folder import prune_version_folders
-from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
@@ -57,32 +58,50 @@ class TrainerService:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.setup: RunSetup | None = None
         self.trainer: PolicyTrainer | None = None
-        self.store: ObjectStore | None = None
+        self.store: FencedStore | None = None
         self.ckpts: CheckpointStore | None = None
         self.ancestors: list[tuple[int, CheckpointStore]] = []  # a fork: (last step, the ancestor's checkpoints)
         self._events_seen = 0
+        self._refused: list[dict] = []  # writes the run's fence refused (reported with the checkpoint events)
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup
+            self.store.epoch, self.store.node = setup.epoch, setup.node_id  # this call's placement
             return
         self.setup = setup
         self.trainer = None
-        self.store = open_store(setup.store_uri)
+        # writes only under the run's own prefix, refused once the run's fence is past this call's epoch
+        self.store = FencedStore(open_store(setup.store_uri), setup.run_id, setup.epoch, setup.node_id,
+                                 on_refused=self._on_refused)
         self._events_seen = 0
         self.ckpts = CheckpointStore(
             self.store,
             art.checkpoints_prefix(setup.run_id),
             local_dir=self.work_dir / setup.run_id / "checkpoints",
             keep_last=setup.keep_last,
+            accept=self._fenced_accept(setup.run_id),
         )
         # read-only: a fork restores its ancestors' checkpoints but never saves or prunes there
         self.ancestors = [
             (a.step, CheckpointStore(self.store, art.checkpoints_prefix(a.run_id),
-                                     local_dir=self.work_dir / setup.run_id / "ancestors" / a.run_id))
+                                     local_dir=self.work_dir / setup.run_id / "ancestors" / a.run_id,
+                                     accept=self._fenced_accept(a.run_id)))
             for a in setup.lineage
         ]
+
+    def _fenced_accept(self, run_id: str) -> Callable[[CheckpointInfo], bool]:
+        """A checkpoint of ``run_id`` is durable state unless its writer's epoch was left
+        behind by a placement that took over at or before its step."""
+        def accept(info: CheckpointInfo) -> bool:
+            assert self.store is not None
+            return read_fence(self.store, run_id).accepts(info.step, int(info.meta.get("epoch", 0)))
+        return accept
+
+    def _on_refused(self, err: StaleEpoch) -> None:
+        self._refused.append({"kind": "stale_write_refused", "node": self.store.node if self.store else "",
+                              "epoch": err.epoch, "error": str(err)})
 
     def _owner(self, step: int) -> str:
         assert self.setup is not None
@@ -117,6 +136,7 @@ class TrainerService:
             return []
         events = self.ckpts.events[self._events_seen :]
         self._events_seen += len(events)
+        events, self._refused = [*events, *self._refused], []
         now = time.time()
         return [
             NodeEvent(at=now, kind=str(e["kind"]), detail=", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
@@ -265,6 +285,7 @@ class TrainerService:
                 "policy_version": self.trainer.policy_version,
                 "data_cursor": data_cursor,
                 "config_hash": self.setup.config_hash,
+                "epoch": self.setup.epoch,  # the placement that wrote it (fencing: Fence.accepts)
             }
             handle = self.ckpts.save(step, folder, meta, sync=sync)
         finally:

@@ -54,6 +54,9 @@ async def assert_replaced(handle: WorkflowHandle, cluster: Cluster, node_a: str,
     trained = [(c.queue, c.step) for c in cluster.served("train_step") if c.queue == node_b or c.step < lost_at_step]
     assert trained == [(node_a, n) for n in range(1, lost_at_step)] + [(node_b, n) for n in range(lost_at_step, 4)]
     assert [(q, i.policy_version) for q, i in cluster.init_inputs] == [(node_a, 0), (node_b, lost_at_step - 1)]
+    # each placement has its epoch, and every step's node work carries the epoch it ran under
+    assert [i.epoch for _, i in cluster.init_inputs] == [1, 2]
+    assert [t.epoch for t in cluster.train_inputs] == [1] * (lost_at_step - 1) + [2] * (4 - lost_at_step)
     assert len(cluster.served("claim_node")) == 2
     p = await progress(handle)
     assert p.state == "completed" and p.node_queue == node_b

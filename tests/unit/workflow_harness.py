@@ -138,6 +138,7 @@ class Cluster:
         self.train_inputs: list[TrainStepInput] = []
         self.eval_inputs: list[EvalInput] = []
         self.liveness_started: list[str] = []  # the queue of each node_liveness watch
+        self.epoch = 0  # the placement epoch of the last claim
         self.silent: set[str] = set()  # node queues whose liveness watch stops heartbeating (a stopped agent)
         self.hooks: dict[tuple[str, int | None], Hook] = {}  # (activity, step or None)
         self.rollout_extra: dict[int, dict] = {}  # step -> RolloutResult fields (chunks_reused, engine_retries)
@@ -183,7 +184,8 @@ class Cluster:
         for q in self.queues:
             if q not in inp.exclude_queues:
                 node_id, boot_id = q.split("-")[1:3]
-                return NodeClaim(node_id=node_id, boot_id=boot_id, task_queue=q)
+                self.epoch += 1  # the real claim reads the next epoch from the run's fence
+                return NodeClaim(node_id=node_id, boot_id=boot_id, task_queue=q, epoch=self.epoch)
         raise ApplicationError(f"every node is excluded for {inp.run_id}", type=Failure.NODE_EXCLUDED.value)
 
 
