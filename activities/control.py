@@ -1,4 +1,5 @@
-"""Light CPU activities on the control queue: dataset preparation and rule rewards."""
+"""Light CPU activities on the control queue: dataset preparation, rewards, and the
+trained batch of a step with dynamic sampling."""
 
 from __future__ import annotations
 
@@ -19,12 +20,17 @@ from gpu_runtime.node import metrics
 from gpu_runtime.data.arithmetic import generate_heldout_arithmetic
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
 from gpu_runtime.data.readers import iter_rows, read_rows
-from gpu_runtime.data.rewards import RewardError, RewardFunctionNotFound, score_samples
+from gpu_runtime.data.dynamic_sampling import assemble_groups, group_stats
+from gpu_runtime.data.rewards import (
+    RewardError, RewardFatal, RewardFunctionNotFound, ScoreContext, ScoreStats, score_samples,
+)
 from gpu_runtime.store.fence import FencedStore, StaleEpoch
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.failures import Failure, failure
-from workflows.contracts import DatasetInfo, PrepareDataInput, RewardInput, RewardResult
+from workflows.contracts import (
+    AssembleBatchInput, BatchResult, DatasetInfo, PrepareDataInput, RewardInput, RewardResult,
+)
 
 
 @activity.defn(name="prepare_data")
@@ -38,9 +44,10 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
     key = art.dataset_key(inp.run_id, "train")
     d = inp.data
     if d.kind == "arithmetic":
-        _put_once(store, key, "data.path", lambda: generate_arithmetic(d.num_train, inp.seed, d.max_operand, d.ops))
+        _put_once(store, key, "data.path", lambda: generate_arithmetic(
+            d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
     else:
-        require_int = inp.reward.kind == "math_answer"
+        require_int = "math_answer" in inp.reward.kinds()
         _put_once(store, key, "data.path", lambda: iter_rows(translate.data_source(d), require_int_answer=require_int))
     data = store.get_bytes(key)
     info = DatasetInfo(key=key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())
@@ -50,7 +57,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
     if d.kind == "arithmetic":
         train_prompts = {json.loads(line).get("prompt") for line in data.splitlines() if line.strip()}
         _put_once(store, eval_key, "eval.n", lambda: generate_heldout_arithmetic(
-            inp.eval.n, inp.seed, d.max_operand, d.ops, exclude=train_prompts))
+            inp.eval.n, inp.seed, d.max_operand, d.ops, exclude=train_prompts, min_operand=d.min_operand))
     else:
         source = translate.data_source(d).eval_source()
         if source is None:
@@ -89,25 +96,33 @@ def _load_rows(store_uri: str, key: str) -> list[dict]:
 
 @activity.defn(name="compute_rewards")
 def compute_rewards(inp: RewardInput) -> RewardResult:
+    """Score the chunks' samples with the run's reward and store them (``rewards.json`` of the
+    step, or of the dynamic-sampling round). A ``judge`` reward records each sample's result in
+    the store first, so a retry never asks the endpoint again for a sample it judged."""
     t0 = time.perf_counter()
     store = open_store(inp.store_uri)
     rows = _load_rows(inp.store_uri, inp.dataset.key)
-    samples: list[art.Sample] = []
-    for key in inp.chunk_keys:
-        samples.extend(art.get_model(store, key, art.RolloutChunk).samples)
+    samples = _samples(store, inp.chunk_keys)
     spec = translate.reward_settings(inp.reward)
+    # every write (the judge's records as well) at the step's placement epoch
+    fenced = FencedStore(store, inp.run_id, inp.epoch, "control")
+    ctx = ScoreContext(store=fenced, judge_prefix=art.judge_prefix(inp.run_id, inp.step, inp.round))
+    stats = ScoreStats()
     try:
-        rewards = with_heartbeat(
-            lambda: score_samples(samples, dict(enumerate(rows)), spec)
-        )
+        rewards = with_heartbeat(lambda: score_samples(samples, dict(enumerate(rows)), spec, ctx, stats))
     except RewardFunctionNotFound as err:  # the same on every attempt: fail the run, naming the field
         raise failure(Failure.INVALID_INPUT, f"reward.function: {err}") from err
-    except RewardError as err:  # the function raised, timed out or returned junk: retried
+    except RewardFatal as err:  # a 4xx, junk from an endpoint, error_policy fail, an unreadable label
+        raise failure(Failure.REWARD_ERROR, str(err), final=True) from err
+    except RewardError as err:  # an endpoint down, a dead reward process: retried
         raise failure(Failure.REWARD_ERROR, str(err)) from err
-    key = art.rewards_key(inp.run_id, inp.step)
+    except StaleEpoch as err:  # a judge record refused: the run has moved to a newer placement
+        raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
+    finally:
+        metrics.REWARD_JUDGE_CALLS.inc(stats.judged)
+    key = art.rewards_key(inp.run_id, inp.step, inp.round)
     try:  # at the step's placement epoch: a step the run has left behind writes nothing
-        art.put_model(FencedStore(store, inp.run_id, inp.epoch, "control"), key,
-                      art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+        art.put_model(fenced, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
     except StaleEpoch as err:
         raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
     values = [r.reward for r in rewards]
@@ -118,8 +133,65 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
         accuracy=sum(r.correct for r in rewards) / max(1, len(rewards)),
         n=len(rewards),
         seconds=time.perf_counter() - t0,
+        errors=stats.errors,
     )
+    if inp.group_size:
+        try:
+            groups = group_stats(rewards, inp.group_size)
+        except ValueError as err:
+            raise failure(Failure.INVALID_INPUT, f"step {inp.step} round {inp.round}: {err}") from err
+        result = result.model_copy(update={
+            "groups": groups.groups, "varied_groups": groups.varied, "groups_all_correct": groups.all_correct,
+            "groups_all_wrong": groups.all_wrong, "groups_all_equal_other": groups.all_equal_other,
+        })
     metrics.REWARD_MEAN.set(result.reward_mean)
     metrics.REWARD_STD.set(result.reward_std)
+    metrics.REWARD_ERRORS.inc(stats.errors)
     metrics.PHASE_SECONDS.labels("reward").observe(result.seconds)
     return result
+
+
+@activity.defn(name="assemble_batch")
+def assemble_batch(inp: AssembleBatchInput) -> BatchResult:
+    """Write the trained batch of a step with dynamic sampling: the samples and rewards of the
+    groups the workflow kept, in its order, under the step's ``batch/`` keys (the same bytes
+    on every attempt)."""
+    t0 = time.perf_counter()
+    store = open_store(inp.store_uri)
+    rounds = [
+        (_samples(store, r.chunk_keys), art.get_model(store, r.rewards_key, art.StepRewards).rewards)
+        for r in inp.rounds
+    ]
+    try:
+        samples, rewards = assemble_groups(rounds, inp.groups, inp.group_size)
+    except ValueError as err:
+        raise failure(Failure.INVALID_INPUT, f"assemble_batch step {inp.step}: {err}") from err
+    fenced = FencedStore(store, inp.run_id, inp.epoch, "control")  # at the step's placement epoch
+    keys = []
+    try:  # a step the run has left behind writes no batch
+        for c, start in enumerate(range(0, len(samples), inp.chunk_size)):
+            part = samples[start : start + inp.chunk_size]
+            key = art.batch_chunk_key(inp.run_id, inp.step, c)
+            art.put_model(fenced, key, art.RolloutChunk(
+                run_id=inp.run_id, step=inp.step, chunk=c, seed=0, weight_version=part[0].weight_version,
+                engine_url="", samples=part,
+            ))
+            keys.append(key)
+        rewards_key = art.batch_rewards_key(inp.run_id, inp.step)
+        art.put_model(fenced, rewards_key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+    except StaleEpoch as err:
+        raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
+    metrics.record_sampling(inp.sampling.model_dump())
+    return BatchResult(
+        chunk_keys=keys, rewards_key=rewards_key, n_samples=len(samples),
+        reward_mean=statistics.fmean(r.reward for r in rewards) if rewards else 0.0,
+        accuracy=sum(r.correct for r in rewards) / max(1, len(rewards)),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _samples(store: ObjectStore, chunk_keys: list[str]) -> list[art.Sample]:
+    out: list[art.Sample] = []
+    for key in chunk_keys:
+        out.extend(art.get_model(store, key, art.RolloutChunk).samples)
+    return out

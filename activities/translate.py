@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pydantic import BaseModel
 
 from gpu_runtime.data.readers import DataSource
-from gpu_runtime.data.rewards import RewardSettings
+from gpu_runtime.data.rewards import RewardSettings, RewardTermSettings
 from gpu_runtime.engine.evaluate import EvalRequest, EvalStats
 from gpu_runtime.engine.fleet_types import SlotInfo
 from gpu_runtime.engine.rollout import RolloutRequest
@@ -31,7 +31,7 @@ from gpu_runtime.trainer.api import (
     TrainResult,
     VersionInfo,
 )
-from workflows.config import DataSpec, ModelInitSpec, ModelSpec, RewardSpec, SFTSpec, TrainSpec
+from workflows.config import DataSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
 from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
@@ -53,6 +53,7 @@ MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
     (ModelSpec, ModelSource),
     (ModelInitSpec, ModelInit),
     (RewardSpec, RewardSettings),
+    (RewardTerm, RewardTermSettings),
     (DataSpec, DataSource),
 ]
 
@@ -63,7 +64,8 @@ def trainer_hparams(train: TrainSpec) -> TrainerHParams:
 
 
 def reward_settings(reward: RewardSpec) -> RewardSettings:
-    return RewardSettings.model_validate(reward.model_dump())
+    """Field for field, with each kind-specific field at its default for the kind."""
+    return RewardSettings.model_validate(reward.resolved())
 
 
 def data_source(data: DataSpec) -> DataSource:
@@ -99,10 +101,17 @@ def checkpoint_request(inp: CheckpointInput) -> CheckpointRequest:
     return CheckpointRequest(step=inp.step, data_cursor=inp.data_cursor)
 
 
+# rollout fields the workflow acts on (dynamic sampling rounds), not the rollout activity
+ROLLOUT_WORKFLOW_ONLY = {"oversample", "dynamic_filter"}
+
+
 def rollout_request(inp: RolloutInput, n_rows: int) -> RolloutRequest:
+    spec = inp.rollout.model_dump(exclude=ROLLOUT_WORKFLOW_ONLY)
+    if inp.n_prompts is not None:
+        spec["prompts_per_step"] = inp.n_prompts
     return RolloutRequest(
         run_id=inp.run_id, step=inp.step, seed=inp.seed, policy_version=inp.policy_version,
-        data_cursor=inp.data_cursor, n_rows=n_rows, **inp.rollout.model_dump(),
+        data_cursor=inp.data_cursor, n_rows=n_rows, round=inp.round, **spec,
     )
 
 

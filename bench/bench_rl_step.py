@@ -93,7 +93,8 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
     setup = run_setup(cfg, "plain")
     trainer = PolicyTrainer.create(base_model_folder(setup.model, rows, cfg.seed, work), setup.hparams, cfg.seed)
     tok = trainer.tokenizer
-    trainer.sft_warmup(rows, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, cfg.sft.grad_clip)
+    trainer.sft_warmup(rows, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, cfg.sft.grad_clip,
+                        betas=cfg.sft.betas)
     gen_model = copy.deepcopy(trainer.model).eval()  # the "engine": a second copy of the weights
     spec = reward_settings(cfg.reward)
     ckpts = CheckpointStore(LocalStore(work / "plain-store"), "plain/checkpoints", local_dir=work / "plain-ckpt",

@@ -49,13 +49,15 @@ from workers.common import connect  # noqa: E402
 
 log = logging.getLogger("parity")
 N_TRAIN, N_HELDOUT = 2000, 500
+MIN_OPERAND, MAX_OPERAND = 10, 99  # 2-digit addition: every prompt is DD+DD=
 
 
 def milestone_config(seed: int, folder: Path, store: Path, a: argparse.Namespace) -> dict:
     return {
         "name": f"parity-s{seed}", "seed": seed, "steps": a.rl_steps, "store": f"file://{store}",
         "model": {"path": str(folder)},
-        "data": {"kind": "arithmetic", "num_train": N_TRAIN, "max_operand": 99, "ops": "+"},
+        "data": {"kind": "arithmetic", "num_train": N_TRAIN, "min_operand": MIN_OPERAND,
+                 "max_operand": MAX_OPERAND, "ops": "+"},
         "sft": {"steps": a.sft_steps, "batch_size": 64, "lr": 3e-4},
         "rollout": {"prompts_per_step": 16, "group_size": 8, "chunk_size": 32, "max_new_tokens": 6,
                     "temperature": 1.0},
@@ -109,9 +111,10 @@ def shared_sft_folder(folder: Path, train: list[dict], seed: int, a: argparse.Na
 
 def run_seed(seed: int, a: argparse.Namespace, root: Path) -> dict:
     work = root / f"seed-{seed}"
-    train, heldout = plain_grpo.split_rows(N_TRAIN, N_HELDOUT, seed)
+    train, heldout = plain_grpo.split_rows(N_TRAIN, N_HELDOUT, seed, MAX_OPERAND, MIN_OPERAND)
     plain_args = ["--seed", str(seed), "--rl-steps", str(a.rl_steps), "--sft-steps", str(a.sft_steps),
-                  "--n-train", str(N_TRAIN), "--n-heldout", str(N_HELDOUT), "--log-every", "50"]
+                  "--n-train", str(N_TRAIN), "--n-heldout", str(N_HELDOUT), "--min-operand", str(MIN_OPERAND),
+                  "--max-operand", str(MAX_OPERAND), "--log-every", "50"]
     folder = plain_grpo.make_model_folder(work / "model", train, plain_grpo.parse_args(plain_args))
     if a.rl_only:  # both sides: GRPO from the same post-SFT weights, no SFT of their own
         folder = shared_sft_folder(folder, train, seed, a, work / "sft")

@@ -1,8 +1,10 @@
 """The plain reference: SFT -> GRPO on a transformers model in one process.
 
 No Temporal, no subprocesses, nothing from Milestone's trainer / engine /
-algorithms: only torch, transformers, the arithmetic data generator and the
-model-folder factory (both sides of a parity check must use the same inputs).
+algorithms: only torch, transformers, the arithmetic data generator, the
+model-folder factory and the data order (``derive_seed`` for the SFT batches,
+``prompts_for_step`` for the RL prompts), so both sides of a parity check see the
+same inputs in the same order.
 Meant to be read top to bottom and checked by eye.
 
 Data: ``generate_arithmetic(n_train + more, seed=data_seed)`` is one seeded
@@ -14,7 +16,7 @@ with the tokenizer's special tokens, i.e. BOS first when the tokenizer has one
 (the factory's does; ``--no-bos`` builds one without); SFT target =
 ``sft_target(row)`` tokens + EOS.
 
-SFT: ``steps`` batches of ``batch_size`` rows drawn with replacement (seeded),
+SFT: ``steps`` batches of ``batch_size`` rows drawn with replacement (seeded per step),
 loss = mean NLL over target tokens of the batch, AdamW at a constant lr.
 GRPO: per step ``prompts`` prompts (a seeded permutation of the train rows,
 epoch after epoch) x ``group`` samples at ``temperature`` (top_p 1, no top_k) up
@@ -48,19 +50,24 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_runtime.data.datasets import final_answer, generate_arithmetic, prompt_text, sft_target  # noqa: E402
+from gpu_runtime.data.datasets import (  # noqa: E402
+    final_answer, generate_arithmetic, prompt_text, prompts_for_step, sft_target,
+)
+from gpu_runtime.store.artifacts import derive_seed  # noqa: E402
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer  # noqa: E402
 
 _INT = re.compile(r"-?\d+")
 
 
 # ---------------------------------------------------------------- inputs
-def split_rows(n_train: int, n_heldout: int, data_seed: int, max_operand: int = 99) -> tuple[list[dict], list[dict]]:
+def split_rows(
+    n_train: int, n_heldout: int, data_seed: int, max_operand: int = 99, min_operand: int = 0
+) -> tuple[list[dict], list[dict]]:
     """Train rows = the first ``n_train`` rows of the seeded stream; held-out =
     the following rows with a prompt unseen in train (and not repeated)."""
     n = n_train + 2 * n_heldout
     while True:
-        rows = generate_arithmetic(n, data_seed, max_operand, "+")
+        rows = generate_arithmetic(n, data_seed, max_operand, "+", min_operand=min_operand)
         train, seen, heldout = rows[:n_train], {prompt_text(r) for r in rows[:n_train]}, []
         for r in rows[n_train:]:
             if prompt_text(r) not in seen and len(heldout) < n_heldout:
@@ -167,18 +174,18 @@ def lr_factor(step: int, steps: int, schedule: str, warmup: int) -> float:
 def sft(
     model: PreTrainedModel, tok: PreTrainedTokenizerBase, rows: list[dict], *, steps: int, batch_size: int,
     lr: float, seed: int, grad_clip: float | None = None, weight_decay: float = 0.0, log_every: int = 50,
-    schedule: str = "constant", warmup: int = 0,
+    schedule: str = "constant", warmup: int = 0, betas: tuple[float, float] = (0.9, 0.95),
 ) -> dict:
     """Supervised warm-up on prompt -> answer + EOS; loss on the answer tokens only."""
     eos = tok.eos_token_id
     data = [(encode_prompt(tok, r), tok(sft_target(r), add_special_tokens=False)["input_ids"] + [eos]) for r in rows]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
-    rng = random.Random(f"sft:{seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=1e-8, weight_decay=weight_decay)
     model.train()
     losses, t0 = [], time.perf_counter()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr * lr_factor(step, steps, schedule, warmup)
+        rng = random.Random(derive_seed("sft", seed, step))  # the rows a Milestone run of this seed draws
         batch = [data[rng.randrange(len(data))] for _ in range(batch_size)]
         logp, mask = completion_logprobs(model, [p for p, _ in batch], [c for _, c in batch], eos)
         loss = -(logp * mask).sum() / mask.sum()
@@ -252,14 +259,9 @@ def grpo_step(
 
 
 def prompt_rows(train: list[dict], step: int, count: int, seed: int) -> list[dict]:
-    """Rows at positions ``step*count ..`` of a seeded permutation, re-shuffled each epoch."""
-    out = []
-    for pos in range(step * count, (step + 1) * count):
-        epoch, i = divmod(pos, len(train))
-        order = list(range(len(train)))
-        random.Random(f"prompts:{seed}:{epoch}").shuffle(order)
-        out.append(train[order[i]])
-    return out
+    """Rows at positions ``step*count ..`` of the seeded permutation (re-shuffled each
+    epoch) that a Milestone run of this seed walks through."""
+    return [train[i] for i in prompts_for_step(len(train), seed, step * count, count)]
 
 
 @torch.no_grad()
@@ -296,12 +298,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=0, help="model init, SFT batches, prompt order, sampling")
     a("--data-seed", type=int, help="dataset stream (default: --seed, as in a Milestone run)")
     a("--n-train", type=int, default=2000)
+    a("--min-operand", type=int, default=0, help="operands from min..max (10..99: 2-digit addition)")
+    a("--max-operand", type=int, default=99)
     a("--n-heldout", type=int, default=500)
     a("--sft-steps", type=int, default=300)
     a("--sft-batch", type=int, default=64)
     a("--sft-lr", type=float, default=3e-4)
     a("--sft-schedule", choices=["constant", "linear", "cosine"], default="constant", help="SFT lr schedule")
     a("--sft-warmup", type=int, default=0, help="SFT linear lr warm-up steps")
+    a("--sft-beta2", type=float, default=0.95, help="AdamW beta2 in SFT (0.999 learns slower here: see README)")
     a("--sft-grad-clip", type=float, help="max grad norm in SFT (default: no clipping)")
     a("--rl-steps", type=int, default=150)
     a("--prompts", type=int, default=16)
@@ -325,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.utils.logging.disable_progress_bar()
     t_start = time.perf_counter()
     data_seed = args.seed if args.data_seed is None else args.data_seed
-    train, heldout = split_rows(args.n_train, args.n_heldout, data_seed)
+    train, heldout = split_rows(args.n_train, args.n_heldout, data_seed, args.max_operand, args.min_operand)
     with tempfile.TemporaryDirectory(prefix="plain-grpo-") as tmp:
         folder = args.model or make_model_folder(args.save_model or Path(tmp) / "model", train, args)
         model, tok = load_policy(folder)
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     sft_stats = sft(model, tok, train, steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr, seed=args.seed,
                     grad_clip=args.sft_grad_clip, weight_decay=args.weight_decay,
-                    schedule=args.sft_schedule, warmup=args.sft_warmup)
+                    schedule=args.sft_schedule, warmup=args.sft_warmup, betas=(0.9, args.sft_beta2))
     acc_sft = greedy_accuracy(model, tok, heldout, max_new_tokens=args.max_new_tokens)
     print(f"after SFT: held-out greedy accuracy {acc_sft:.3f}  ({sft_stats['sft_s_per_step']:.3f} s/step)", flush=True)
 

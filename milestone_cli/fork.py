@@ -112,10 +112,22 @@ def cursor_after(store: ObjectStore, lineage: list[tuple[str, int]], step: int) 
                 if base_step < c.step <= min(last, step) and "data_cursor" in c.meta:
                     base_step, cursor = c.step, int(c.meta["data_cursor"])
     for k in range(base_step + 1, step + 1):
-        batch = _step_batch(store, lin.owner(lineage, "", k), k)
-        rewards = art.get_model(store, batch["rewards_key"], art.StepRewards).rewards
-        cursor += len(rewards) // int(batch["group_size"])
+        owner = lin.owner(lineage, "", k)
+        batch = _step_batch(store, owner, k)
+        cursor += _prompts_drawn(store, owner, k, batch["rewards_key"], int(batch["group_size"]))
     return cursor
+
+
+def _prompts_drawn(store: ObjectStore, run_id: str, step: int, rewards_key: str, group_size: int) -> int:
+    """The prompts step ``step`` drew: its trained rewards / group size, or with dynamic
+    sampling (it trained ``batch/``) every round's, kept or filtered (docs/rewards.md)."""
+    if rewards_key != art.batch_rewards_key(run_id, step):
+        return len(art.get_model(store, rewards_key, art.StepRewards).rewards) // group_size
+    drawn, r = 0, 0
+    while store.exists(key := art.rewards_key(run_id, step, r)):
+        drawn += len(art.get_model(store, key, art.StepRewards).rewards) // group_size
+        r += 1
+    return drawn
 
 
 def fork_input(

@@ -82,6 +82,11 @@ def format_progress(p: RunProgress) -> str:
             f" | reward {last.reward_mean:.3f} acc {last.accuracy:.2f} loss {last.loss:+.4f}"
             f" | {last.step_seconds:.1f}s/step"
         )
+        if last.sampling:
+            d = last.sampling
+            line += f" | kept {d.groups_kept}/{d.groups_generated} groups in {d.rounds} round{'s' * (d.rounds > 1)}"
+        if last.reward_errors:
+            line += f" | {last.reward_errors} reward errors"
     return line
 
 

@@ -2,7 +2,8 @@
 
 The config (file:line per bad key), a ``jsonl`` / ``parquet`` dataset and its
 ``eval_path`` (read whole: file:line / file:row N per bad row),
-a custom reward function (imported here, as the control worker will), and that a
+a custom reward function (imported here, as the control worker will; also as a term of a
+weighted reward), the math-verify package for ``math_verify``, and that a
 new run id names no run whose artifacts are already in the store.
 """
 
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 from gpu_runtime.data.readers import DataSource, DatasetError, check_source
-from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function
+from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function, mathverify
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import StoreError
 from gpu_runtime.store.s3 import S3Store
@@ -34,17 +35,27 @@ def check_config(path: str | Path) -> RunConfig:
         raise PreflightError(str(err)) from None
     if cfg.data.kind != "arithmetic":
         check_dataset(cfg)
-    if cfg.reward.kind == "custom":
-        assert cfg.reward.function is not None
-        check_reward_function(cfg.reward.function)
+    check_reward(cfg)
     return cfg
+
+
+def check_reward(cfg: RunConfig) -> None:
+    """What the control worker will need to score: each custom function imports, and the
+    math-verify package is installed when a term uses it."""
+    reward = cfg.reward
+    for where, spec in [("reward", reward), *((f"reward.terms.{i}", t) for i, t in enumerate(reward.terms or []))]:
+        if spec.kind == "custom":
+            assert spec.function is not None
+            check_reward_function(spec.function, f"{where}.function")
+        if spec.kind == "math_verify" and not mathverify.available():
+            raise PreflightError(f"{where}.kind: {mathverify.MISSING}")
 
 
 def check_dataset(cfg: RunConfig) -> int:
     """Read and validate the whole dataset as ``prepare_data`` will; its row count."""
     # activities.translate.data_source, without importing that module (it imports torch)
     source = DataSource.model_validate(cfg.data.model_dump())
-    n = _check(source, "data.path", require_int_answer=cfg.reward.kind == "math_answer")
+    n = _check(source, "data.path", require_int_answer="math_answer" in cfg.reward.kinds())
     held_out = source.eval_source()
     if held_out is not None and cfg.eval.enabled:  # the eval scores with the math rule whatever the reward
         _check(held_out, "data.eval_path", require_int_answer=True)
@@ -60,7 +71,7 @@ def _check(source: DataSource, field: str, *, require_int_answer: bool) -> int:
         raise PreflightError(f"{field}: {err}") from None
 
 
-def check_reward_function(path: str) -> None:
+def check_reward_function(path: str, field: str = "reward.function") -> None:
     """Import the function as the control worker will (it runs from its working
     directory, which ``python -m`` puts on ``sys.path``: do the same here)."""
     cwd = os.getcwd()
@@ -69,7 +80,7 @@ def check_reward_function(path: str) -> None:
     try:
         load_reward_function(path)
     except RewardFunctionNotFound as err:
-        raise PreflightError(f"reward.function: {err}") from None
+        raise PreflightError(f"{field}: {err}") from None
 
 
 def check_new_run_id(cfg: RunConfig, run_id: str) -> None:

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from temporalio.worker import Worker
 
-from activities.control import compute_rewards, prepare_data
+from activities.control import assemble_batch, compute_rewards, prepare_data
 from gpu_runtime.node import metrics
 from workers.common import connect, install_shutdown, setup_logging
 from workflows.contracts import CONTROL_QUEUE
@@ -33,7 +33,7 @@ async def run(address: str | None, namespace: str | None) -> None:
             client,
             task_queue=CONTROL_QUEUE,
             workflows=[TrainingRun, RLStep],
-            activities=[prepare_data, compute_rewards],
+            activities=[prepare_data, compute_rewards, assemble_batch],
             activity_executor=pool,
             graceful_shutdown_timeout=timedelta(seconds=5),
         )

@@ -6,18 +6,15 @@ back to a default. ``load_run_config`` reports the YAML key path of a bad field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-
-class Strict(BaseModel):
-    """Also the workflow input: histories are decoded again on replay and on every
-    query, so a validator may be loosened but never tightened."""
-
-    model_config = ConfigDict(extra="forbid", frozen=False)
+from workflows.reward_config import RewardSpec, RewardTerm  # noqa: F401  (a section of RunConfig; re-exported)
+from workflows.strict import Strict
 
 
 class ModelInitSpec(Strict):
@@ -87,7 +84,8 @@ class DataSpec(Strict):
         None, description="the dataset file (required for jsonl / parquet; suffix .jsonl/.ndjson/.json or .parquet/.pq)"
     )
     num_train: int = Field(2000, ge=1, description="rows to generate (arithmetic)")
-    max_operand: int = Field(99, ge=1, description="operands are drawn from 0..max_operand (arithmetic)")
+    min_operand: int = Field(0, ge=0, description="operands are drawn from min_operand..max_operand (arithmetic)")
+    max_operand: int = Field(99, ge=1, description="operands are drawn from min_operand..max_operand (arithmetic)")
     ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic)")
     prompt_key: str = Field("question", min_length=1, description="the key / column holding the plain-text prompt")
     messages_key: str | None = Field(
@@ -116,6 +114,8 @@ class DataSpec(Strict):
     @model_validator(mode="after")
     def _path(self) -> "DataSpec":
         if self.kind == "arithmetic":
+            if self.min_operand > self.max_operand:
+                raise ValueError(f"min_operand {self.min_operand} must be <= max_operand {self.max_operand}")
             if self.eval_path is not None:
                 raise ValueError("eval_path is for jsonl / parquet; arithmetic generates its held-out rows")
             return self
@@ -135,6 +135,30 @@ class SFTSpec(Strict):
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-4, gt=0)
     grad_clip: float | None = Field(None, gt=0, description="max grad norm during SFT (unset: no clipping)")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.95), description="AdamW betas of the warm-up, each in [0, 1). beta2 0.95, not 0.999: see docs/config.md"
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(v):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+        return v
+
+
+class DynamicFilterSpec(Strict):
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal)
+    and draw more prompts, round by round, until ``prompts_per_step`` groups are kept."""
+
+    enabled: bool = Field(False, description="filter zero-variance groups and sample more rounds")
+    max_rounds: int = Field(4, ge=1, description="sampling rounds per step at most (each draws new prompts)")
+    on_shortfall: Literal["train", "fail"] = Field(
+        "train",
+        description="fewer groups kept than prompts_per_step after max_rounds: train on the kept ones "
+        "(none kept: on the first round's first prompts_per_step groups), or fail the step",
+    )
 
 
 class RolloutSpec(Strict):
@@ -145,31 +169,23 @@ class RolloutSpec(Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
-
-
-class RewardSpec(Strict):
-    """``math_answer``: rule verifier on the final integer. ``custom``: a function
-    by dotted path ``pkg.module:fn`` with signature ``fn(prompt, response, row) -> float``."""
-
-    kind: Literal["math_answer", "custom"] = "math_answer"
-    function: str | None = None
-    timeout_s: float = Field(10.0, gt=0)
-
-    @field_validator("function")
-    @classmethod
-    def _dotted(cls, v: str | None) -> str | None:
-        # shape only (importing it is the CLI's pre-flight and the control worker's job)
-        if v is not None:
-            mod, _, attr = v.partition(":") if ":" in v else v.rpartition(".")
-            if not (mod and all(p.isidentifier() for p in mod.split(".")) and attr.isidentifier()):
-                raise ValueError(f"{v!r} must look like 'pkg.module:fn' (or 'pkg.module.fn')")
-        return v
+    oversample: float = Field(
+        1.0, ge=1.0, description="with dynamic_filter: each round draws ceil(prompts_per_step * oversample) prompts"
+    )
+    dynamic_filter: DynamicFilterSpec = DynamicFilterSpec()
 
     @model_validator(mode="after")
-    def _fn(self) -> "RewardSpec":
-        if self.kind == "custom" and not self.function:
-            raise ValueError("function is required when kind is 'custom'")
+    def _dynamic(self) -> "RolloutSpec":
+        if self.dynamic_filter.enabled and self.group_size < 2:
+            raise ValueError("dynamic_filter.enabled needs group_size >= 2 (a group of one never varies)")
+        if self.oversample != 1.0 and not self.dynamic_filter.enabled:
+            raise ValueError("oversample applies with dynamic_filter.enabled only (set it, or leave oversample at 1)")
         return self
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts drawn by each dynamic-sampling round (``prompts_per_step`` without the filter)."""
+        return math.ceil(self.prompts_per_step * self.oversample - 1e-9)
 
 
 class TrainSpec(Strict):

@@ -22,7 +22,8 @@ class Failure(StrEnum):
     WEIGHT_MISMATCH = "WeightMismatch"  # engines' checksums differ from the trainer's
     TRAINER_DIED = "TrainerDied"  # the trainer process exited during a call: restarted, then retried
     TRAINER_ERROR = "TrainerError"  # any other trainer-side error (message names its class)
-    REWARD_ERROR = "RewardError"  # a reward function raised or timed out
+    REWARD_ERROR = "RewardError"  # a reward function raised or timed out, an endpoint failed
+    SAMPLING_SHORTFALL = "SamplingShortfall"  # dynamic sampling kept too few groups (on_shortfall: fail)
 
     @property
     def retryable(self) -> bool:
@@ -32,9 +33,10 @@ class Failure(StrEnum):
 NON_RETRYABLE: frozenset[Failure] = frozenset({Failure.INVALID_INPUT, Failure.DIVERGENCE, Failure.NODE_LOST})
 
 
-def failure(kind: Failure, message: str, *details: object) -> ApplicationError:
-    """An ``ApplicationError`` of this type, final exactly when the retry policies say so."""
-    return ApplicationError(message, *details, type=kind.value, non_retryable=not kind.retryable)
+def failure(kind: Failure, message: str, *details: object, final: bool = False) -> ApplicationError:
+    """An ``ApplicationError`` of this type, final when the retry policies say so or ``final``
+    (a ``RewardError`` that no retry can fix: an endpoint's 4xx, ``error_policy: fail``)."""
+    return ApplicationError(message, *details, type=kind.value, non_retryable=final or not kind.retryable)
 
 
 def failure_in(err: BaseException | None) -> tuple[Failure | None, str]:

@@ -44,6 +44,7 @@ TIMINGS: dict[str, ActivityTiming] = {
     # rollout waits in retries while no engine is alive (engines come back at the next update)
     "rollout": ActivityTiming(timedelta(minutes=20), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(20, 10.0)),
     "compute_rewards": ActivityTiming(timedelta(minutes=10), HEARTBEAT, None, _retry(5)),
+    "assemble_batch": ActivityTiming(timedelta(minutes=5), None, None, _retry(5)),
     "train_step": ActivityTiming(timedelta(minutes=30), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),
     "update_weights": ActivityTiming(timedelta(minutes=10), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),
     "checkpoint": ActivityTiming(timedelta(minutes=10), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(10)),

@@ -1,32 +1,25 @@
 """``RLStep``: one RL step as a child workflow (id ``<run-id>/step-<n>``).
 
-rollout -> reward -> train_step -> update_weights -> checkpoint (every k steps)
--> evaluate (every k steps, on the held-out split, after the checkpoint: the
+rollout -> reward (``workflows.sampling``: rounds of both with dynamic sampling, then
+the kept groups as the step's batch) -> train_step -> update_weights -> checkpoint
+(every k steps) -> evaluate (every k steps, on the held-out split, after the checkpoint: the
 step's durable state is saved before the observational eval, which cannot then
 delay or lose it).
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from pydantic import BaseModel
-
+    from workflows.calls import run_activity
     from workflows.contracts import (
-        CONTROL_QUEUE,
         CheckpointInput,
         CheckpointResult,
         EvalInput,
         EvalResult,
-        RewardInput,
-        RewardResult,
         RLStepInput,
-        RolloutInput,
-        RolloutResult,
         RunEvent,
         StepSummary,
         TrainStepInput,
@@ -34,35 +27,10 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsInput,
         UpdateWeightsResult,
     )
-    from workflows.failures import Failure, failure, failure_in
-    from workflows.policies import TIMINGS
+    from workflows.failures import Failure, failure_in
+    from workflows.sampling import sample, sample_with_filter
 
-R = TypeVar("R", bound=BaseModel)
 EVAL_PATCH = "eval-activity"  # steps recorded before the eval existed replay without it
-
-
-async def run_activity(name: str, arg: BaseModel, result_type: type[R], *, task_queue: str, summary: str) -> R:
-    """Execute an activity with its timing policy; a node nobody polls becomes ``NodeLost``."""
-    t = TIMINGS[name]
-    try:
-        return await workflow.execute_activity(
-            name,
-            arg,
-            result_type=result_type,
-            task_queue=task_queue,
-            start_to_close_timeout=t.start_to_close,
-            heartbeat_timeout=t.heartbeat,
-            schedule_to_start_timeout=t.schedule_to_start,
-            retry_policy=t.retry,
-            summary=summary,
-        )
-    except ActivityError as err:
-        cause = err.cause
-        if isinstance(cause, TimeoutError) and cause.type in (TimeoutType.SCHEDULE_TO_START, TimeoutType.HEARTBEAT):
-            raise failure(
-                Failure.NODE_LOST, f"node queue {task_queue} did not run {name}: {cause.type.name}", task_queue
-            ) from err
-        raise
 
 
 @workflow.defn(name="RLStep")
@@ -72,28 +40,13 @@ class RLStep:
         cfg, node, store = inp.config, inp.node_queue, inp.config.store
         started = workflow.now()
 
-        rollout = await run_activity(
-            "rollout",
-            RolloutInput(
-                run_id=inp.run_id, step=inp.step, store_uri=store, seed=cfg.seed,
-                policy_version=inp.policy_version, data_cursor=inp.data_cursor,
-                dataset=inp.dataset, rollout=cfg.rollout, epoch=inp.epoch,
-            ),
-            RolloutResult, task_queue=node, summary=f"rollout step {inp.step} @ v{inp.policy_version}",
-        )
-        rewards = await run_activity(
-            "compute_rewards",
-            RewardInput(
-                run_id=inp.run_id, step=inp.step, store_uri=store, chunk_keys=rollout.chunk_keys,
-                dataset=inp.dataset, reward=cfg.reward, epoch=inp.epoch,
-            ),
-            RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step}",
-        )
+        sampled = await (sample_with_filter(inp) if cfg.rollout.dynamic_filter.enabled else sample(inp))
+        cursor = inp.data_cursor + sampled.prompts
         trained = await run_activity(
             "train_step",
             TrainStepInput(
                 run_id=inp.run_id, step=inp.step, store_uri=store, policy_version=inp.policy_version,
-                chunk_keys=rollout.chunk_keys, rewards_key=rewards.rewards_key,
+                chunk_keys=sampled.chunk_keys, rewards_key=sampled.rewards_key,
                 group_size=cfg.rollout.group_size, train=inp.train, epoch=inp.epoch,
             ),
             TrainStepResult, task_queue=node, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
@@ -112,7 +65,7 @@ class RLStep:
                 "checkpoint",
                 CheckpointInput(
                     run_id=inp.run_id, step=inp.step, store_uri=store,
-                    data_cursor=inp.data_cursor + cfg.rollout.prompts_per_step, epoch=inp.epoch,
+                    data_cursor=cursor, epoch=inp.epoch,
                 ),
                 CheckpointResult, task_queue=node, summary=f"checkpoint step {inp.step}",
             )
@@ -123,8 +76,7 @@ class RLStep:
             evaluated, eval_events = await evaluate(inp, trained.policy_version)
 
         phases = {
-            "rollout": rollout.seconds,
-            "reward": rewards.seconds,
+            **sampled.phases,
             "train": trained.seconds,
             "update_weights": synced.seconds,
             "checkpoint": ckpt.seconds if ckpt else 0.0,
@@ -134,16 +86,16 @@ class RLStep:
         return StepSummary(
             step=inp.step,
             policy_version=trained.policy_version,
-            data_cursor=inp.data_cursor + cfg.rollout.prompts_per_step,
-            reward_mean=rewards.reward_mean,
-            reward_std=rewards.reward_std,
-            accuracy=rewards.accuracy,
+            data_cursor=cursor,
+            reward_mean=sampled.reward_mean,
+            reward_std=sampled.reward_std,
+            accuracy=sampled.accuracy,
             loss=m.get("loss", 0.0),
             kl=m.get("kl", 0.0),
             grad_norm=m.get("grad_norm", 0.0),
-            response_len_mean=rollout.response_len_mean,
-            chunks_reused=rollout.chunks_reused,
-            engine_retries=rollout.engine_retries,
+            response_len_mean=sampled.response_len_mean,
+            chunks_reused=sampled.chunks_reused,
+            engine_retries=sampled.engine_retries,
             step_seconds=(workflow.now() - started).total_seconds(),
             phase_seconds=phases,
             activity_seconds=sum(phases.values()),
@@ -152,7 +104,7 @@ class RLStep:
             restored_from_step=trained.restored_from_step,
             replayed_steps=trained.replayed_steps,
             events=[
-                *rollout.node_events, *trained.node_events, *synced.node_events, *(ckpt.node_events if ckpt else []),
+                *sampled.node_events, *trained.node_events, *synced.node_events, *(ckpt.node_events if ckpt else []),
                 *(evaluated.node_events if evaluated else []), *eval_events,
             ],
             engines=synced.engines,
@@ -160,6 +112,8 @@ class RLStep:
             eval_pass_at_k=evaluated.pass_at_k if evaluated else None,
             eval_k=evaluated.k if evaluated else None,
             eval_n=evaluated.n if evaluated else None,
+            reward_errors=sampled.reward_errors,
+            sampling=sampled.sampling,
         )
 
 

@@ -39,6 +39,7 @@ class DataSource(BaseModel):
     kind: Literal["arithmetic", "jsonl", "parquet"]
     path: str | None
     num_train: int
+    min_operand: int
     max_operand: int
     ops: str
     prompt_key: str

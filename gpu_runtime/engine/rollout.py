@@ -52,6 +52,7 @@ class RolloutRequest:
     temperature: float
     top_p: float
     top_k: int
+    round: int = 0  # dynamic sampling: the step's round (0: the first, or no filter)
 
 
 @dataclass
@@ -73,11 +74,13 @@ def plan_chunks(req: RolloutRequest) -> list[ChunkPlan]:
 
 def cut_chunks(members: list[tuple[int, int]], req: RolloutRequest) -> list[ChunkPlan]:
     """``members`` in order, ``req.chunk_size`` per chunk; chunk ``c`` samples with seed
-    ``derive_seed(req.seed, req.step, c)``."""
+    ``derive_seed(req.seed, req.step, c)`` (round ``r`` > 0 of dynamic sampling:
+    ``derive_seed(req.seed, req.step, "round", r, c)``)."""
     return [
         ChunkPlan(
             chunk=c,
-            seed=art.derive_seed(req.seed, req.step, c),
+            seed=(art.derive_seed(req.seed, req.step, "round", req.round, c) if req.round
+                  else art.derive_seed(req.seed, req.step, c)),
             members=members[start : start + req.chunk_size],
         )
         for c, start in enumerate(range(0, len(members), req.chunk_size))
@@ -110,7 +113,7 @@ def generate_chunk(
         finish = meta.get("finish_reason") or {}
         samples.append(
             art.Sample(
-                sample_id=f"s{req.step}-p{idx}-g{g}",
+                sample_id=f"s{req.step}-r{req.round}-p{idx}-g{g}" if req.round else f"s{req.step}-p{idx}-g{g}",
                 prompt_index=idx,
                 group_index=g,
                 prompt_ids=prompt_ids,
@@ -141,7 +144,7 @@ def run_rollout(
     """Generate every missing chunk (``parallelism`` in flight) and store it."""
     t0 = time.perf_counter()
     plans = plan_chunks(req)
-    keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk) for p in plans]
+    keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk, req.round) for p in plans]
     reused = generate_chunks(
         req, list(zip(plans, keys)), store, rows, tokenizer, generate, parallelism=parallelism, on_chunk=on_chunk
     )

@@ -13,6 +13,15 @@ ROLLOUT_TOKENS_PER_S = Gauge("milestone_rollout_tokens_per_second", "generated t
 RESPONSE_LENGTH = Gauge("milestone_response_length_mean", "mean response length (tokens), last rollout")
 REWARD_MEAN = Gauge("milestone_reward_mean", "mean reward, last step")
 REWARD_STD = Gauge("milestone_reward_std", "reward standard deviation, last step")
+REWARD_ERRORS = Counter(
+    "milestone_reward_errors_total", "samples scored 0 after a failed reward call (error_policy zero)"
+)
+REWARD_JUDGE_CALLS = Counter(
+    "milestone_reward_judge_calls_total", "samples judged by a judge endpoint (recorded results are not asked again)"
+)
+DYNAMIC_SAMPLING = Gauge(
+    "milestone_dynamic_sampling", "dynamic sampling in the last step (groups by fate, rounds)", ["metric"]
+)
 EVAL_GREEDY_ACCURACY = Gauge("milestone_eval_greedy_accuracy", "held-out greedy accuracy (pass@1), last eval")
 EVAL_PASS_AT_K = Gauge("milestone_eval_pass_at_k", "held-out pass@k (k = eval.k samples per prompt), last eval")
 TRAIN_METRIC = Gauge("milestone_train", "last train step metric", ["metric"])  # loss, kl, entropy, grad_norm, ...
@@ -31,6 +40,15 @@ def serve(port: int) -> None:
     """Start the /metrics endpoint on 127.0.0.1 (0 = disabled)."""
     if port:
         start_http_server(port, addr="127.0.0.1")
+
+
+SAMPLING_KEYS = ("rounds", "groups_generated", "groups_kept", "groups_filtered_all_correct",
+                 "groups_filtered_all_wrong", "groups_filtered_other", "groups_trained")
+
+
+def record_sampling(stats: dict[str, float]) -> None:
+    for key in SAMPLING_KEYS:
+        DYNAMIC_SAMPLING.labels(key).set(stats[key])
 
 
 def record_train(metrics: dict[str, float], seconds: float, replayed: int) -> None:

@@ -35,8 +35,13 @@ def step_prefix(run_id: str, step: int) -> str:
     return f"{_run(run_id)}/steps/{step:06d}"
 
 
-def rollout_chunk_key(run_id: str, step: int, chunk: int) -> str:
-    return f"{step_prefix(run_id, step)}/rollout/chunk-{chunk:04d}.json"
+def _round(round_: int) -> str:
+    """The folder of a dynamic-sampling round after the first (round 0 keeps the plain layout)."""
+    return f"round-{round_:02d}/" if round_ else ""
+
+
+def rollout_chunk_key(run_id: str, step: int, chunk: int, round_: int = 0) -> str:
+    return f"{step_prefix(run_id, step)}/rollout/{_round(round_)}chunk-{chunk:04d}.json"
 
 
 def eval_chunk_key(run_id: str, step: int, sampling: str, chunk: int) -> str:
@@ -44,8 +49,22 @@ def eval_chunk_key(run_id: str, step: int, sampling: str, chunk: int) -> str:
     return f"{step_prefix(run_id, step)}/eval/{sampling}-chunk-{chunk:04d}.json"
 
 
-def rewards_key(run_id: str, step: int) -> str:
-    return f"{step_prefix(run_id, step)}/rewards.json"
+def rewards_key(run_id: str, step: int, round_: int = 0) -> str:
+    return f"{step_prefix(run_id, step)}/{_round(round_)}rewards.json"
+
+
+def judge_prefix(run_id: str, step: int, round_: int = 0) -> str:
+    """Where a ``judge`` reward records each sample's result: ``<prefix>/<term>/<index>.json``."""
+    return f"{step_prefix(run_id, step)}/{_round(round_)}judge"
+
+
+def batch_chunk_key(run_id: str, step: int, chunk: int) -> str:
+    """The trained batch of a step with dynamic sampling: the kept groups' samples, copied."""
+    return f"{step_prefix(run_id, step)}/batch/chunk-{chunk:04d}.json"
+
+
+def batch_rewards_key(run_id: str, step: int) -> str:
+    return f"{step_prefix(run_id, step)}/batch/rewards.json"
 
 
 def step_batch_key(run_id: str, step: int) -> str:
@@ -75,7 +94,7 @@ def derive_seed(*parts: int | str) -> int:
 
 
 class Sample(BaseModel):
-    sample_id: str  # "s<step>-p<prompt_index>-g<group_index>"
+    sample_id: str  # "s<step>-p<prompt_index>-g<group_index>" ("s<step>-r<round>-p..." in round > 0)
     prompt_index: int  # index into the training dataset
     group_index: int
     prompt_ids: list[int]
@@ -103,6 +122,8 @@ class SampleReward(BaseModel):
     reward: float
     correct: bool
     detail: str = ""
+    terms: dict[str, float] = {}  # a weighted reward: each term's (unweighted) value, by term name
+    error: str = ""  # a call that failed and scored 0 (error_policy zero)
 
 
 class StepRewards(BaseModel):

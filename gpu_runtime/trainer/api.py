@@ -64,6 +64,7 @@ class SFTSettings(Message):
     batch_size: int
     lr: float
     grad_clip: float | None
+    betas: tuple[float, float]
 
 
 class ModelInit(Message):

@@ -109,11 +109,12 @@ class PolicyTrainer:
 
     # ----------------------------------------------------------------- SFT
     def sft_warmup(
-        self, rows: list[dict], steps: int, batch_size: int, lr: float, seed: int, grad_clip: float | None = None
+        self, rows: list[dict], steps: int, batch_size: int, lr: float, seed: int, grad_clip: float | None = None,
+        *, betas: tuple[float, float],
     ) -> dict[str, float]:
         """Supervised warm-up on ``prompt -> sft_target + EOS`` (loss on the target
-        tokens only, token mean), constant LR, batches drawn from ``seed``, the grad
-        norm clipped only when ``grad_clip`` is given. Afterwards
+        tokens only, token mean), AdamW with its own ``betas`` at a constant LR, batches
+        drawn from ``seed``, the grad norm clipped only when ``grad_clip`` is given. Afterwards
         the RL optimizer/schedule are fresh, policy_version is 0 and the reference
         (if any) is a copy of the warmed-up weights."""
         if not rows:
@@ -124,7 +125,7 @@ class PolicyTrainer:
             (encode_prompt(self.tokenizer, r), self.tokenizer.encode(sft_target(r)) + [self.tokenizer.eos_token_id])
             for r in rows
         ]
-        opt = self._new_optimizer(self.hparams, lr=lr)
+        opt = self._new_optimizer(self.hparams.model_copy(update={"betas": betas}), lr=lr)
         self.model.train()
         t0 = time.perf_counter()
         first = last = float("nan")

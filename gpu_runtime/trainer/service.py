@@ -171,7 +171,8 @@ class TrainerService:
         s = self.setup
         trainer = self._new_trainer()
         rows = self._rows()
-        metrics = trainer.sft_warmup(rows, s.sft.steps, s.sft.batch_size, s.sft.lr, s.seed, s.sft.grad_clip)
+        metrics = trainer.sft_warmup(
+            rows, s.sft.steps, s.sft.batch_size, s.sft.lr, s.seed, s.sft.grad_clip, betas=s.sft.betas)
         self.trainer = trainer
         self.save_checkpoint(0, data_cursor=0, sync=True)
         return None, metrics

@@ -136,8 +136,8 @@ def start_offline(tmp_path: Path, reward: dict) -> subprocess.CompletedProcess:
     ("function", "needle"),
     [
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-        ("tests.unit.test_rewards:missing", "has no callable 'missing'"),
-        ("tests.unit.test_rewards:ROW", "tests.unit.test_rewards.ROW is not callable (dict)"),
+        ("tests.reward_fns:missing", "has no callable 'missing'"),
+        ("tests.reward_fns:NOT_CALLABLE", "tests.reward_fns.NOT_CALLABLE is not callable (int)"),
     ],
 )
 def test_cli_start_checks_reward_function_before_connecting(tmp_path: Path, function: str, needle: str) -> None:
@@ -147,6 +147,19 @@ def test_cli_start_checks_reward_function_before_connecting(tmp_path: Path, func
     assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
 
 
+def test_cli_start_checks_a_weighted_terms_function_naming_the_term(tmp_path: Path) -> None:
+    out = start_offline(tmp_path, {"kind": "weighted", "terms": [
+        {"kind": "gsm8k"}, {"kind": "custom", "function": "tests.reward_fns:nope", "weight": 0.5}]})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: reward.terms.1.function: reward function 'tests.reward_fns:nope': ")
+
+
+def test_cli_start_bad_reward_regex_names_file_line(tmp_path: Path) -> None:
+    out = start_offline(tmp_path, {"kind": "format", "pattern": "(<think>"})
+    assert out.returncode == 2
+    assert f"{tmp_path / 'run.yaml'}:3: reward.pattern: invalid regular expression '(<think>'" in out.stderr
+
+
 def test_cli_start_reward_function_shape_names_file_line(tmp_path: Path) -> None:
     out = start_offline(tmp_path, {"kind": "custom", "function": "not a path"})
     assert out.returncode == 2
@@ -154,7 +167,7 @@ def test_cli_start_reward_function_shape_names_file_line(tmp_path: Path) -> None
 
 
 def test_cli_start_good_reward_function_passes_preflight(tmp_path: Path) -> None:
-    out = start_offline(tmp_path, {"kind": "custom", "function": "tests.unit.test_rewards:length_reward"})
+    out = start_offline(tmp_path, {"kind": "custom", "function": "tests.reward_fns:length_reward"})
     # past pre-flight: it fails only on the unreachable Temporal address, in one line
     assert out.returncode == 1
     assert out.stderr.startswith("error: cannot reach Temporal at 127.0.0.1:1") and len(out.stderr.splitlines()) == 1
@@ -218,3 +231,10 @@ def test_estimator_combinations_that_are_valid() -> None:
     assert (new.estimator, new.loss_agg) == ("gspo", "seq_mean_token_mean")
     with pytest.raises(ValueError, match="estimator gspo needs"):
         HParamUpdate(estimator="gspo").apply(TrainSpec())
+
+
+def test_operand_range_rules() -> None:
+    assert DataSpec(min_operand=10, max_operand=99).min_operand == 10
+    assert DataSpec().min_operand == 0  # recorded runs without the field keep their data
+    with pytest.raises(ValidationError, match="min_operand 50 must be <= max_operand 20"):
+        DataSpec(min_operand=50, max_operand=20)

@@ -62,7 +62,7 @@ def test_missing_dataset_file_exits_2(tmp_path: Path) -> None:
 def test_good_dataset_passes_preflight(tmp_path: Path) -> None:
     src = tmp_path / "train.parquet"
     pq.write_table(pa.table({"question": ["Capital of France?"], "answer": ["Paris"]}), src)
-    reward = {"kind": "custom", "function": "tests.unit.test_rewards:length_reward"}  # text labels are fine
+    reward = {"kind": "custom", "function": "tests.reward_fns:length_reward"}  # text labels are fine
     out = start_offline(tmp_path, {"kind": "parquet", "path": str(src)}, reward)
     # past pre-flight: it fails only on the unreachable Temporal address
     assert out.returncode == 1, out.stderr
@@ -83,7 +83,7 @@ def test_bad_eval_row_exits_2(tmp_path: Path) -> None:
     train, held = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     train.write_text('{"id": "a", "question": "Capital of France?", "answer": "Paris"}\n')
     held.write_text('{"id": "h", "question": "2+2?", "answer": "four"}\n')
-    reward = {"kind": "custom", "function": "tests.unit.test_rewards:length_reward"}
+    reward = {"kind": "custom", "function": "tests.reward_fns:length_reward"}
     out = start_offline(tmp_path, {"kind": "jsonl", "path": str(train), "eval_path": str(held)}, reward)
     assert out.returncode == 2, out.stderr
     assert out.stderr.startswith(f"error: {held}:1: field 'answer' has no integer answer")

@@ -77,6 +77,18 @@ def test_heldout_arithmetic_stops_when_the_space_runs_out() -> None:
     assert generate_heldout_arithmetic(100, 1, 2, "+", exclude=everything) == []
 
 
+
+def test_min_operand_draws_two_digit_operands_only_and_bounds_the_heldout_space() -> None:
+    rows = generate_arithmetic(400, seed=4, min_operand=10, max_operand=99)
+    operands = [int(x) for r in rows for x in r["prompt"][:-1].split("+")]
+    assert min(operands) >= 10 and max(operands) <= 99 and min(operands) < 15 and max(operands) > 94
+    # 8..9 with '+': 4 prompts in all, whatever the train set took
+    train_prompts = {r["prompt"] for r in generate_arithmetic(2, seed=1, min_operand=8, max_operand=9)}
+    held = generate_heldout_arithmetic(100, 1, 9, "+", exclude=train_prompts, min_operand=8)
+    assert {r["prompt"] for r in held} == {f"{a}+{b}=" for a in (8, 9) for b in (8, 9)} - train_prompts
+    with pytest.raises(ValueError, match="min_operand"):
+        generate_arithmetic(1, seed=0, min_operand=50, max_operand=20)
+
 # ---- run_eval -----------------------------------------------------------------------------
 class StandInEngine:
     """Answers ``a+b=`` prompts: greedy right for the first row only; sampled right for

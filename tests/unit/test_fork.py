@@ -121,3 +121,22 @@ def test_apply_sets_reads_yaml_values() -> None:
     assert train.betas == (0.8, 0.9) and train.ppo_epochs == 2 and cfg.rollout.temperature == 0.5
     with pytest.raises(ForkError, match="expected KEY=VALUE"):
         apply_sets(RunConfig(), TrainSpec(), ["lr"])
+
+
+def test_cursor_after_a_dynamic_sampling_step_counts_every_round(tmp_path: Path) -> None:
+    """A step with dynamic sampling trains ``batch/`` (its kept groups) but drew every
+    round's prompts: the fork's cursor moves past all of them, as the run's did."""
+    store = LocalStore(tmp_path / "store")
+
+    def rewards(key: str, n: int) -> None:
+        rs = [art.SampleReward(sample_id=f"s{i}", reward=0.0, correct=False) for i in range(n * GROUP)]
+        art.put_model(store, key, art.StepRewards(run_id="d", step=1, rewards=rs))
+
+    rewards(art.rewards_key("d", 1, 0), 6)  # two rounds of 6 prompts, 4 groups trained
+    rewards(art.rewards_key("d", 1, 1), 6)
+    rewards(art.batch_rewards_key("d", 1), 4)
+    art.put_json(store, art.step_batch_key("d", 1), {
+        "step": 1, "policy_version": 0, "chunk_keys": [], "rewards_key": art.batch_rewards_key("d", 1),
+        "group_size": GROUP, "hparams": TrainSpec().model_dump(mode="json"),
+    })
+    assert cursor_after(store, [("d", 1)], 1) == 12

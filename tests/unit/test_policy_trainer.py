@@ -69,7 +69,7 @@ def rollout(step: int, n_prompts: int = 2, group: int = 4) -> tuple[list[Sample]
 def new_trainer(seed: int = 7, **kw: object) -> PolicyTrainer:
     hp = hparams(**kw)
     tr = PolicyTrainer.create(base(seed), hp, seed)
-    tr.sft_warmup(ROWS, steps=3, batch_size=8, lr=1e-3, seed=seed)
+    tr.sft_warmup(ROWS, steps=3, batch_size=8, lr=1e-3, seed=seed, betas=(0.9, 0.95))
     return tr
 
 
@@ -181,7 +181,7 @@ def test_two_fresh_trainers_are_bitwise_identical() -> None:
 def test_sft_warmup_resets_rl_state() -> None:
     tr = PolicyTrainer.create(base(1), hparams(), 1)
     init = tr.checksum()
-    m = tr.sft_warmup(ROWS, steps=4, batch_size=8, lr=1e-3, seed=1)
+    m = tr.sft_warmup(ROWS, steps=4, batch_size=8, lr=1e-3, seed=1, betas=(0.9, 0.95))
     assert m["sft_loss_last"] < m["sft_loss_first"]
     assert tr.checksum() != init and tr.policy_version == 0 and tr.opt_steps == 0
     assert tr.optimizer.state_dict()["state"] == {}
@@ -216,7 +216,7 @@ def test_sft_with_zero_steps_keeps_the_folder_weights_and_reports_finite_numbers
     reported number survives the JSON of the trainer RPC and the Temporal payload."""
     tr = PolicyTrainer.create(base(1), hparams(), 1)
     before = tr.checksum()
-    m = tr.sft_warmup(ROWS, steps=0, batch_size=8, lr=1e-3, seed=1)
+    m = tr.sft_warmup(ROWS, steps=0, batch_size=8, lr=1e-3, seed=1, betas=(0.9, 0.95))
     assert tr.checksum() == before and tr.policy_version == 0
     assert all(math.isfinite(v) for v in m.values()) and "sft_loss_first" not in m
     info = VersionInfo(policy_version=0, checksum=before, weights_key="w", model_path="p", sft_metrics=m)

@@ -28,11 +28,12 @@ HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
 HISTORIES = sorted(HISTORY_DIR.glob("*.json"))
 # the workflow ids they were recorded under (child ids derive from the parent's id)
 # rl_step: a step recorded before the eval existed (replays without it, via the patch);
-# rl_step_eval: the last step of a run with its held-out eval
+# rl_step_eval: the last step of a run with its held-out eval; rl_step_dynamic: a step with dynamic
+# sampling that drew two rounds (recorded by tests/e2e/test_rewards_sampling.py);
 # training_run_watch: a run with the node liveness watch and placement epochs
 WORKFLOW_IDS = {
     "training_run": "e2e-run", "rl_step": "e2e-run/step-1", "rl_step_eval": "e2e-run/step-3",
-    "training_run_watch": "e2e-run",
+    "rl_step_dynamic": "e2e-dyn/step-2", "training_run_watch": "e2e-run",
 }
 
 
@@ -44,7 +45,9 @@ def test_recorded_history_replays(path: Path) -> None:
 
 
 def test_recordings_exist() -> None:
-    assert {p.stem for p in HISTORIES} >= {"training_run", "rl_step", "rl_step_eval", "training_run_watch"}
+    assert {p.stem for p in HISTORIES} >= {
+        "training_run", "rl_step", "rl_step_eval", "rl_step_dynamic", "training_run_watch",
+    }
 
 
 def _with_eval_due(history_json: str) -> str:

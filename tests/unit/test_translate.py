@@ -17,7 +17,9 @@ from gpu_runtime.trainer.api import (
     HPARAMS_ADDED_LATER, CheckpointSaved, NodeEvent, Rebuild, TrainerHParams, TrainResult, VersionInfo,
     stored_hparams, stored_step_batch,
 )
-from workflows.config import CheckpointSpec, HParamUpdate, ModelInitSpec, ModelSpec, RolloutSpec, SFTSpec, TrainSpec
+from workflows.config import (
+    CheckpointSpec, HParamUpdate, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, RolloutSpec, SFTSpec, TrainSpec,
+)
 from workflows.contracts import DatasetInfo, EvalInput, InitPolicyInput, RolloutInput, RunEvent, TrainStepInput
 
 
@@ -34,7 +36,10 @@ def test_runtime_hparams_have_no_defaults_of_their_own() -> None:
 
 
 def test_rollout_spec_reaches_the_rollout_request() -> None:
-    assert set(RolloutSpec.model_fields) <= {f.name for f in dataclasses.fields(RolloutRequest)}
+    """Every generation knob; the dynamic-sampling ones stay with the workflow."""
+    assert translate.ROLLOUT_WORKFLOW_ONLY < set(RolloutSpec.model_fields)
+    assert set(RolloutSpec.model_fields) - translate.ROLLOUT_WORKFLOW_ONLY <= {
+        f.name for f in dataclasses.fields(RolloutRequest)}
 
 
 def test_every_train_knob_can_be_set_mid_run() -> None:
@@ -98,8 +103,33 @@ def test_rollout_request() -> None:
     inp = RolloutInput(run_id="r", step=2, store_uri="file:///s", seed=8, policy_version=1, data_cursor=3,
                        dataset=DATASET, rollout=spec)
     req = translate.rollout_request(inp, n_rows=10)
+    generation = spec.model_dump(exclude=translate.ROLLOUT_WORKFLOW_ONLY)
     assert dataclasses.asdict(req) == {"run_id": "r", "step": 2, "seed": 8, "policy_version": 1, "data_cursor": 3,
-                                       "n_rows": 10, **spec.model_dump()}
+                                       "n_rows": 10, "round": 0, **generation}
+    # a dynamic-sampling round draws its own number of prompts
+    req = translate.rollout_request(inp.model_copy(update={"round": 2, "n_prompts": 7}), n_rows=10)
+    assert (req.round, req.prompts_per_step, req.group_size) == (2, 7, 5)
+
+
+def test_reward_settings_carry_every_field_with_the_kind_defaults() -> None:
+    spec = RewardSpec(kind="weighted", terms=[
+        RewardTerm(kind="gsm8k", weight=0.8, mode="flexible"),
+        RewardTerm(kind="format", pattern="a.*", weight=0.2, name="fmt"),
+        RewardTerm(kind="judge", url="http://127.0.0.1:1/j", concurrency=2, timeout_s=3.0),
+        RewardTerm(kind="custom", function="m:f", error_policy="zero"),
+    ])
+    settings = translate.reward_settings(spec)
+    assert settings.kind == "weighted" and settings.terms is not None
+    assert [(t.name, t.weight) for t in settings.terms] == [("gsm8k", 0.8), ("fmt", 0.2), ("judge", 1.0), ("custom", 1.0)]
+    gsm8k, fmt, judge, custom = settings.terms
+    assert (gsm8k.mode, gsm8k.format_score, gsm8k.url) == ("flexible", 0.0, None)
+    assert (fmt.pattern, fmt.format_score) == ("a.*", 1.0)
+    assert (judge.url, judge.concurrency, judge.max_retries, judge.timeout_s, judge.batch_size) == (
+        "http://127.0.0.1:1/j", 2, 5, 3.0, None)
+    assert (custom.function, custom.error_policy) == ("m:f", "zero")
+    plain = translate.reward_settings(RewardSpec(kind="http", url="https://rm/score"))
+    assert (plain.batch_size, plain.max_retries, plain.terms) == (32, 5, None)
+    assert [t.name for t in plain.term_list()] == ["http"]
 
 
 def test_eval_request_and_result() -> None:

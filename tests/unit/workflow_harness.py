@@ -38,6 +38,8 @@ from workflows.config import RunConfig
 from workflows.contracts import (
     CONTROL_QUEUE,
     POOL_QUEUE,
+    AssembleBatchInput,
+    BatchResult,
     CheckpointInput,
     CheckpointResult,
     ClaimNodeInput,
@@ -142,6 +144,12 @@ class Cluster:
         self.silent: set[str] = set()  # node queues whose liveness watch stops heartbeating (a stopped agent)
         self.hooks: dict[tuple[str, int | None], Hook] = {}  # (activity, step or None)
         self.rollout_extra: dict[int, dict] = {}  # step -> RolloutResult fields (chunks_reused, engine_retries)
+        # dynamic sampling: (step, round, groups) -> indices of the groups whose rewards vary (default: all)
+        self.varied: Callable[[int, int, int], list[int]] = lambda step, round_, groups: list(range(groups))
+        self.rollout_inputs: list[RolloutInput] = []
+        self.reward_inputs: list[RewardInput] = []
+        self.assemble_inputs: list[AssembleBatchInput] = []
+        self.checkpoint_inputs: list[CheckpointInput] = []
         self.nodes = [StandInNode(self, q) for q in self.queues]
 
     def gate(self, name: str, step: int) -> Gate:
@@ -170,11 +178,34 @@ class Cluster:
 
     @activity.defn(name="compute_rewards")
     async def compute_rewards(self, inp: RewardInput) -> RewardResult:
+        self.reward_inputs.append(inp)  # before the hook, which may look at it
         await self.record(CONTROL_QUEUE, "compute_rewards", inp.step, None)
         r = reward_of(inp.step)
-        return RewardResult(
-            rewards_key=f"runs/{inp.run_id}/steps/{inp.step}/rewards.json", reward_mean=r, reward_std=0.1,
-            accuracy=r, n=len(inp.chunk_keys) * 4, seconds=0.1,
+        result = RewardResult(
+            rewards_key=f"runs/{inp.run_id}/steps/{inp.step}/r{inp.round}/rewards.json", reward_mean=r,
+            reward_std=0.1, accuracy=r, n=len(inp.chunk_keys) * 4, seconds=0.1,
+        )
+        if not inp.group_size:
+            return result
+        # a stand-in chunk key ends with "-<samples in the rollout>"; the stand-in rollout says so
+        n = int(inp.chunk_keys[0].rpartition("-n")[2])
+        groups = n // inp.group_size
+        varied = self.varied(inp.step, inp.round, groups)
+        rest = [g for g in range(groups) if g not in varied]
+        return result.model_copy(update={
+            "n": n, "groups": groups, "varied_groups": varied,
+            "groups_all_correct": sum(1 for g in rest if g % 2 == 0),
+            "groups_all_wrong": sum(1 for g in rest if g % 2 == 1),
+        })
+
+    @activity.defn(name="assemble_batch")
+    async def assemble_batch(self, inp: AssembleBatchInput) -> BatchResult:
+        await self.record(CONTROL_QUEUE, "assemble_batch", inp.step, None)
+        self.assemble_inputs.append(inp)
+        return BatchResult(
+            chunk_keys=[f"runs/{inp.run_id}/steps/{inp.step}/batch/chunk-0"],
+            rewards_key=f"runs/{inp.run_id}/steps/{inp.step}/batch/rewards.json",
+            n_samples=len(inp.groups) * inp.group_size, reward_mean=0.5, accuracy=0.5, seconds=0.05,
         )
 
     # ---- pool queue ---------------------------------------------------------------
@@ -219,9 +250,10 @@ class StandInNode:
     async def rollout(self, inp: RolloutInput) -> RolloutResult:
         await self.cluster.record(self.queue, "rollout", inp.step, inp.policy_version)
         self._check_version(inp.policy_version, "rollout", inp.step)
+        self.cluster.rollout_inputs.append(inp)
         r = inp.rollout
-        n = r.prompts_per_step * r.group_size
-        keys = [f"runs/{inp.run_id}/steps/{inp.step}/chunk-{c}" for c in range(-(-n // r.chunk_size))]
+        n = (inp.n_prompts or r.prompts_per_step) * r.group_size
+        keys = [f"runs/{inp.run_id}/steps/{inp.step}/r{inp.round}/chunk-{c}-n{n}" for c in range(-(-n // r.chunk_size))]
         return RolloutResult(
             chunk_keys=keys, n_samples=n, gen_tokens=4 * n, response_len_mean=4.0, tokens_per_s=100.0,
             seconds=0.5, **self.cluster.rollout_extra.get(inp.step, {}),
@@ -250,6 +282,7 @@ class StandInNode:
     @activity.defn(name="checkpoint")
     async def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:
         await self.cluster.record(self.queue, "checkpoint", inp.step, inp.step)  # a checkpoint saves version = step
+        self.cluster.checkpoint_inputs.append(inp)
         return CheckpointResult(step=inp.step, key=f"runs/{inp.run_id}/checkpoints/{inp.step}", seconds=0.3, durable=True)
 
     @activity.defn(name="evaluate")
@@ -297,7 +330,7 @@ async def running(env: WorkflowEnvironment, cluster: Cluster) -> AsyncIterator[d
     client = env.client
     workers = [
         Worker(client, task_queue=CONTROL_QUEUE, workflows=[TrainingRun, RLStep],
-               activities=[cluster.prepare_data, cluster.compute_rewards]),
+               activities=[cluster.prepare_data, cluster.compute_rewards, cluster.assemble_batch]),
         Worker(client, task_queue=POOL_QUEUE, activities=[cluster.claim_node]),
     ]
     nodes = {

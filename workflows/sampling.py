@@ -1,0 +1,193 @@
+"""The sampling half of an RL step: rollout and rewards, with or without dynamic sampling.
+
+Without ``rollout.dynamic_filter`` a step generates ``prompts_per_step`` groups and
+scores them (``sample``). With it (DAPO's dynamic sampling, ``sample_with_filter``)
+the step runs rounds: round ``r`` draws ``n = rollout.prompts_per_round`` new prompts at
+positions ``cursor + r*n`` of the run's deterministic prompt order (a pure function of
+the run seed, the step's committed cursor and ``r``), generates and scores them, and
+learns from the reward activity which groups' rewards vary. Rounds stop once
+``prompts_per_step`` varying groups are kept or after ``max_rounds``; the workflow then
+picks the trained groups (``choose_groups``: every decision is made here, from
+activity results recorded in history, so a retry or a replay picks the same ones) and
+``assemble_batch`` writes them as the step's batch. Every drawn prompt counts as used:
+the data cursor moves past all of them, kept, filtered or surplus.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.calls import run_activity
+    from workflows.contracts import (
+        CONTROL_QUEUE,
+        AssembleBatchInput,
+        BatchResult,
+        RewardInput,
+        RewardResult,
+        RLStepInput,
+        RolloutInput,
+        RolloutResult,
+        RunEvent,
+        SampledRound,
+        SamplingStats,
+    )
+    from workflows.failures import Failure, failure
+
+
+@dataclass
+class Sampled:
+    """What a step trains on, and what its summary reports of the sampling."""
+
+    chunk_keys: list[str]
+    rewards_key: str
+    prompts: int  # prompts drawn: the data cursor advances by this
+    reward_mean: float  # over every generated sample (every round)
+    reward_std: float
+    accuracy: float
+    reward_errors: int
+    response_len_mean: float
+    chunks_reused: int
+    engine_retries: int
+    phases: dict[str, float]
+    node_events: list[RunEvent] = field(default_factory=list)
+    sampling: SamplingStats | None = None
+
+
+def more_rounds(kept: int, target: int, rounds_done: int, max_rounds: int) -> bool:
+    """Whether dynamic sampling draws another round."""
+    return kept < target and rounds_done < max_rounds
+
+
+def choose_groups(varied: list[list[int]], target: int, first_round_groups: int) -> tuple[list[tuple[int, int]], bool]:
+    """The (round, group) pairs to train: the varying groups in round order, at most
+    ``target``; when none varies, the first round's first ``target`` groups as they are
+    (the second item says so)."""
+    kept = [(r, g) for r, groups in enumerate(varied) for g in groups]
+    if kept:
+        return kept[:target], False
+    return [(0, g) for g in range(min(target, first_round_groups))], True
+
+
+def pooled(results: list[RewardResult]) -> tuple[float, float, float]:
+    """Mean, population std and accuracy over the samples of several reward results."""
+    n = sum(r.n for r in results)
+    if not n:
+        return 0.0, 0.0, 0.0
+    mean = sum(r.n * r.reward_mean for r in results) / n
+    second = sum(r.n * (r.reward_std ** 2 + r.reward_mean ** 2) for r in results) / n
+    return mean, math.sqrt(max(second - mean * mean, 0.0)), sum(r.n * r.accuracy for r in results) / n
+
+
+def _rollout_input(inp: RLStepInput, round_: int = 0, cursor: int | None = None, n: int | None = None) -> RolloutInput:
+    cfg = inp.config
+    return RolloutInput(
+        run_id=inp.run_id, step=inp.step, store_uri=cfg.store, seed=cfg.seed, policy_version=inp.policy_version,
+        data_cursor=inp.data_cursor if cursor is None else cursor, dataset=inp.dataset, rollout=cfg.rollout,
+        round=round_, n_prompts=n, epoch=inp.epoch,
+    )
+
+
+async def sample(inp: RLStepInput) -> Sampled:
+    """One rollout of ``prompts_per_step`` prompts, then its rewards."""
+    cfg = inp.config
+    rollout = await run_activity(
+        "rollout", _rollout_input(inp), RolloutResult, task_queue=inp.node_queue,
+        summary=f"rollout step {inp.step} @ v{inp.policy_version}",
+    )
+    rewards = await run_activity(
+        "compute_rewards",
+        RewardInput(
+            run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
+            dataset=inp.dataset, reward=cfg.reward, epoch=inp.epoch,
+        ),
+        RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step}",
+    )
+    return Sampled(
+        chunk_keys=rollout.chunk_keys, rewards_key=rewards.rewards_key, prompts=cfg.rollout.prompts_per_step,
+        reward_mean=rewards.reward_mean, reward_std=rewards.reward_std, accuracy=rewards.accuracy,
+        reward_errors=rewards.errors, response_len_mean=rollout.response_len_mean,
+        chunks_reused=rollout.chunks_reused, engine_retries=rollout.engine_retries,
+        phases={"rollout": rollout.seconds, "reward": rewards.seconds}, node_events=rollout.node_events,
+    )
+
+
+async def sample_with_filter(inp: RLStepInput) -> Sampled:
+    """Rounds of rollout + rewards until ``prompts_per_step`` groups vary (or ``max_rounds``),
+    then the trained batch of the chosen groups."""
+    cfg = inp.config
+    spec, df = cfg.rollout, cfg.rollout.dynamic_filter
+    n = spec.prompts_per_round
+    rounds: list[tuple[RolloutResult, RewardResult]] = []
+    kept = 0
+    while more_rounds(kept, spec.prompts_per_step, len(rounds), df.max_rounds):
+        r = len(rounds)
+        rollout = await run_activity(
+            "rollout", _rollout_input(inp, r, inp.data_cursor + r * n, n), RolloutResult, task_queue=inp.node_queue,
+            summary=f"rollout step {inp.step} round {r}: {n} prompts @ v{inp.policy_version}",
+        )
+        rewards = await run_activity(
+            "compute_rewards",
+            RewardInput(
+                run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
+                dataset=inp.dataset, reward=cfg.reward, round=r, group_size=spec.group_size,
+                epoch=inp.epoch,
+            ),
+            RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step} round {r}",
+        )
+        rounds.append((rollout, rewards))
+        kept += len(rewards.varied_groups)
+
+    results = [rw for _, rw in rounds]
+    groups, fallback = choose_groups([rw.varied_groups for rw in results], spec.prompts_per_step, results[0].groups)
+    stats = SamplingStats(
+        rounds=len(rounds), prompts_drawn=len(rounds) * n, groups_generated=sum(rw.groups for rw in results),
+        groups_kept=kept, groups_filtered_all_correct=sum(rw.groups_all_correct for rw in results),
+        groups_filtered_all_wrong=sum(rw.groups_all_wrong for rw in results),
+        groups_filtered_other=sum(rw.groups_all_equal_other for rw in results),
+        groups_trained=len(groups), trained_reward_mean=0.0, fallback=fallback,
+    )
+    if kept < spec.prompts_per_step and df.on_shortfall == "fail":
+        raise failure(
+            Failure.SAMPLING_SHORTFALL,
+            f"step {inp.step}: dynamic sampling kept {kept} of {spec.prompts_per_step} groups after {len(rounds)} "
+            f"rounds of {n} prompts ({stats.groups_filtered_all_correct} all correct, "
+            f"{stats.groups_filtered_all_wrong} all wrong, {stats.groups_filtered_other} other groups filtered); "
+            "rollout.dynamic_filter.on_shortfall is fail (raise max_rounds or oversample, or set it to train)",
+            final=True,
+        )
+    batch = await run_activity(
+        "assemble_batch",
+        AssembleBatchInput(
+            run_id=inp.run_id, step=inp.step, store_uri=cfg.store,
+            rounds=[SampledRound(chunk_keys=got.chunk_keys, rewards_key=rw.rewards_key) for got, rw in rounds],
+            groups=groups, group_size=spec.group_size, chunk_size=spec.chunk_size, sampling=stats,
+            epoch=inp.epoch,
+        ),
+        BatchResult, task_queue=CONTROL_QUEUE,
+        summary=f"batch step {inp.step}: {len(groups)} groups of {stats.groups_generated} in {len(rounds)} rounds",
+    )
+    mean, std, accuracy = pooled(results)
+    rollouts = [got for got, _ in rounds]
+    events = [e for got in rollouts for e in got.node_events]
+    if fallback:
+        events.append(RunEvent(
+            at=workflow.now().isoformat(), kind="dynamic_filter_empty",
+            detail=f"step {inp.step}: no group's rewards varied in {len(rounds)} rounds: trained on the first "
+                   f"round's first {len(groups)} groups as they were",
+        ))
+    samples = sum(rw.n for rw in results)
+    return Sampled(
+        chunk_keys=batch.chunk_keys, rewards_key=batch.rewards_key, prompts=stats.prompts_drawn,
+        reward_mean=mean, reward_std=std, accuracy=accuracy, reward_errors=sum(rw.errors for rw in results),
+        response_len_mean=sum(got.response_len_mean * got.n_samples for got in rollouts) / max(1, samples),
+        chunks_reused=sum(got.chunks_reused for got in rollouts),
+        engine_retries=sum(got.engine_retries for got in rollouts),
+        phases={"rollout": sum(got.seconds for got in rollouts), "reward": sum(rw.seconds for rw in results),
+                "assemble": batch.seconds},
+        node_events=events,
+        sampling=stats.model_copy(update={"trained_reward_mean": batch.reward_mean}),
+    )
