@@ -25,6 +25,7 @@ from gpu_runtime.data.dynamic_sampling import assemble_groups, group_stats
 from gpu_runtime.data.rewards import (
     RewardError, RewardFatal, RewardFunctionNotFound, ScoreContext, ScoreStats, score_samples,
 )
+from gpu_runtime.store.fence import FencedStore, StaleEpoch
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.failures import Failure, failure
@@ -113,7 +114,9 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
     rows = _load_rows(inp.store_uri, inp.dataset.key)
     samples = _samples(store, inp.chunk_keys)
     spec = translate.reward_settings(inp.reward)
-    ctx = ScoreContext(store=store, judge_prefix=art.judge_prefix(inp.run_id, inp.step, inp.round))
+    # every write (the judge's records as well) at the step's placement epoch
+    fenced = FencedStore(store, inp.run_id, inp.epoch, "control")
+    ctx = ScoreContext(store=fenced, judge_prefix=art.judge_prefix(inp.run_id, inp.step, inp.round))
     stats = ScoreStats()
     try:
         rewards = with_heartbeat(lambda: score_samples(samples, dict(enumerate(rows)), spec, ctx, stats))
@@ -123,10 +126,15 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
         raise failure(Failure.REWARD_ERROR, str(err), final=True) from err
     except RewardError as err:  # an endpoint down, a dead reward process: retried
         raise failure(Failure.REWARD_ERROR, str(err)) from err
+    except StaleEpoch as err:  # a judge record refused: the run has moved to a newer placement
+        raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
     finally:
         metrics.REWARD_JUDGE_CALLS.inc(stats.judged)
     key = art.rewards_key(inp.run_id, inp.step, inp.round)
-    art.put_model(store, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+    try:  # at the step's placement epoch: a step the run has left behind writes nothing
+        art.put_model(fenced, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+    except StaleEpoch as err:
+        raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
     values = [r.reward for r in rewards]
     result = RewardResult(
         rewards_key=key,
@@ -168,17 +176,21 @@ def assemble_batch(inp: AssembleBatchInput) -> BatchResult:
         samples, rewards = assemble_groups(rounds, inp.groups, inp.group_size)
     except ValueError as err:
         raise failure(Failure.INVALID_INPUT, f"assemble_batch step {inp.step}: {err}") from err
+    fenced = FencedStore(store, inp.run_id, inp.epoch, "control")  # at the step's placement epoch
     keys = []
-    for c, start in enumerate(range(0, len(samples), inp.chunk_size)):
-        part = samples[start : start + inp.chunk_size]
-        key = art.batch_chunk_key(inp.run_id, inp.step, c)
-        art.put_model(store, key, art.RolloutChunk(
-            run_id=inp.run_id, step=inp.step, chunk=c, seed=0, weight_version=part[0].weight_version,
-            engine_url="", samples=part,
-        ))
-        keys.append(key)
-    rewards_key = art.batch_rewards_key(inp.run_id, inp.step)
-    art.put_model(store, rewards_key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+    try:  # a step the run has left behind writes no batch
+        for c, start in enumerate(range(0, len(samples), inp.chunk_size)):
+            part = samples[start : start + inp.chunk_size]
+            key = art.batch_chunk_key(inp.run_id, inp.step, c)
+            art.put_model(fenced, key, art.RolloutChunk(
+                run_id=inp.run_id, step=inp.step, chunk=c, seed=0, weight_version=part[0].weight_version,
+                engine_url="", samples=part,
+            ))
+            keys.append(key)
+        rewards_key = art.batch_rewards_key(inp.run_id, inp.step)
+        art.put_model(fenced, rewards_key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+    except StaleEpoch as err:
+        raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
     metrics.record_sampling(inp.sampling.model_dump())
     return BatchResult(
         chunk_keys=keys, rewards_key=rewards_key, n_samples=len(samples),

@@ -6,14 +6,16 @@ retryable / non-retryable errors.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import TypeVar
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities import translate
 from activities.heartbeat import with_heartbeat
@@ -25,6 +27,7 @@ from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node import metrics
 from gpu_runtime.node.rpc import RemoteError
 from gpu_runtime.node.runtime import NodeRuntime
+from gpu_runtime.store.fence import FencedStore, StaleEpoch, next_epoch, raise_fence
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import RunSetup
 from gpu_runtime.trainer.process import TrainerDied
@@ -36,9 +39,11 @@ from workflows.contracts import (
     EvalResult,
     InitPolicyInput,
     NodeClaim,
+    NodeLivenessInput,
     PolicyInfo,
     RolloutInput,
     RolloutResult,
+    RunEvent,
     TrainStepInput,
     TrainStepResult,
     UpdateWeightsInput,
@@ -63,8 +68,24 @@ def _trainer_error(err: Exception, what: str) -> ApplicationError:
 
 
 class NodeActivities:
-    def __init__(self, runtime: NodeRuntime) -> None:
+    def __init__(self, runtime: NodeRuntime, report: Callable[[str, RunEvent], None] | None = None) -> None:
         self.rt = runtime
+        self.report = report  # tells a run about an event outside any activity result (a signal)
+
+    # ---- fencing ------------------------------------------------------------------
+    def _store(self, run_id: str, store_uri: str, epoch: int) -> FencedStore:
+        """The run's store for this placement: writes only under the run's prefix and at its epoch."""
+        return FencedStore(open_store(store_uri), run_id, epoch, self.rt.node_id)
+
+    def _stale(self, run_id: str, epoch: int, message: str) -> ApplicationError:
+        """A write of this node refused by the run's fence: the run has moved on (or moves now,
+        when the refusal reaches a workflow that still waits). Reported to the run, then NodeLost."""
+        event = RunEvent(at=datetime.now(timezone.utc).isoformat(), kind="stale_write_refused",
+                         detail=f"node {self.rt.node_id} epoch {epoch}: {message}")
+        log.warning("run %s: %s", run_id, event.detail)
+        if self.report is not None:
+            self.report(run_id, event)
+        return failure(Failure.NODE_LOST, f"stale placement: {event.detail}", self.rt.task_queue)
 
     # ---- placement ----------------------------------------------------------------
     @activity.defn(name="claim_node")
@@ -74,16 +95,36 @@ class NodeActivities:
         if self.rt.task_queue in inp.exclude_queues and activity.info().attempt < EXCLUDED_NODE_ATTEMPTS:
             raise failure(Failure.NODE_EXCLUDED, f"{self.rt.task_queue} is excluded for {inp.run_id}")
         self.rt.set_run(inp.run_id)
-        return NodeClaim(node_id=self.rt.node_id, boot_id=self.rt.boot_id, task_queue=self.rt.task_queue)
+        epoch = next_epoch(open_store(inp.store_uri), inp.run_id) if inp.store_uri else 0
+        return NodeClaim(node_id=self.rt.node_id, boot_id=self.rt.boot_id, task_queue=self.rt.task_queue, epoch=epoch)
+
+    @activity.defn(name="node_liveness")
+    async def node_liveness(self, inp: NodeLivenessInput) -> None:
+        """Heartbeat until the run cancels it. On the worker's event loop, not in the
+        activity thread pool, so busy activities cannot delay it; a dead, stopped or
+        partitioned agent stops heartbeating and the run moves (workflows/node_watch.py)."""
+        try:
+            while True:
+                activity.heartbeat()
+                await asyncio.sleep(inp.interval_s)
+        except asyncio.CancelledError:
+            why = activity.cancellation_details()
+            if why is not None and (why.not_found or why.timed_out):  # the run ended or moved on: not an error
+                raise ApplicationError("liveness watch ended", type="WatchEnded",
+                                       category=ApplicationErrorCategory.BENIGN) from None
+            raise
 
     @activity.defn(name="init_policy")
     def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
         self.rt.set_run(inp.run_id)
-        setup = self.rt.setups[inp.run_id] = translate.run_setup(inp)
-        try:
-            info = with_heartbeat(lambda: self.rt.trainer.ensure_version(setup, inp.policy_version))
-        except Exception as err:
-            raise _trainer_error(err, "init_policy") from err
+        if inp.epoch:  # before anything this placement writes: older placements' writes are refused from here on
+            try:
+                raise_fence(open_store(inp.store_uri), inp.run_id, inp.epoch, self.rt.node_id, inp.policy_version + 1)
+            except StaleEpoch as err:
+                raise self._stale(inp.run_id, inp.epoch, str(err)) from err
+        setup = self.rt.setups[inp.run_id] = translate.run_setup(inp, self.rt.node_id)
+        info = self._trainer_call(inp.run_id, inp.epoch, "init_policy",
+                                  lambda: self.rt.trainer.ensure_version(setup, inp.policy_version))
         return translate.policy_info(info, self.rt.drain_events())
 
     # ---- the RL step --------------------------------------------------------------
@@ -93,8 +134,8 @@ class NodeActivities:
         rows = self.rt.rows(inp.store_uri, inp.dataset.key)
         req = translate.rollout_request(inp, len(rows))
         deaths_before = self.rt.engine_deaths
-        stats = self._generating(f"rollout step {inp.step}", lambda: run_rollout(
-            req, open_store(inp.store_uri), rows, tokenizer, fleet.generate_chunk,
+        stats = self._generating(inp.run_id, inp.epoch, f"rollout step {inp.step}", lambda: run_rollout(
+            req, self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer, fleet.generate_chunk,
             parallelism=max(1, len(fleet.slots)),
             on_chunk=lambda done, total: activity.heartbeat({"chunks_done": done, "chunks": total}),
         ))
@@ -116,9 +157,10 @@ class NodeActivities:
         fleet, tokenizer = self._engines()
         rows = self.rt.rows(inp.store_uri, inp.eval_key)
         progress = {"chunks_done": 0, "chunks": 0}
-        stats = self._generating(f"evaluate step {inp.step}", lambda: with_heartbeat(
+        stats = self._generating(inp.run_id, inp.epoch, f"evaluate step {inp.step}", lambda: with_heartbeat(
             lambda: run_eval(
-                translate.eval_request(inp), open_store(inp.store_uri), rows, tokenizer, fleet.generate_chunk,
+                translate.eval_request(inp), self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer,
+                fleet.generate_chunk,
                 parallelism=max(1, len(fleet.slots)),
                 on_chunk=lambda done, total: progress.update(chunks_done=done, chunks=total),
             ),
@@ -135,13 +177,16 @@ class NodeActivities:
             raise failure(Failure.NO_HEALTHY_ENGINE, "engines are not started on this node")
         return fleet, tokenizer
 
-    def _generating(self, what: str, fn: Callable[[], T]) -> T:
+    def _generating(self, run_id: str, epoch: int, what: str, fn: Callable[[], T]) -> T:
         """``fn()``, generating through the engines, with its failures mapped: no engine
         alive -> the slots are restarted with the served weights, then ``NoHealthyEngine``
         (Temporal retries; chunks already stored are reused); non-finite logprobs ->
-        ``Divergence``; an answer from other weights -> ``StaleWeights``."""
+        ``Divergence``; an answer from other weights -> ``StaleWeights``; a write the
+        run's fence refuses -> reported, ``NodeLost``."""
         try:
             return fn()
+        except StaleEpoch as err:
+            raise self._stale(run_id, epoch, str(err)) from err
         except NoHealthyEngine as err:
             restarted = with_heartbeat(self.rt.recover_engines)
             raise failure(Failure.NO_HEALTHY_ENGINE, f"{what}: {err}; restarted slots {restarted}") from err
@@ -152,12 +197,10 @@ class NodeActivities:
 
     @activity.defn(name="train_step")
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
-        setup = self._setup(inp.run_id)
+        setup = self._setup(inp.run_id, inp.epoch)
         batch = translate.step_batch(inp)
-        try:
-            res = with_heartbeat(lambda: self.rt.trainer.train_step(setup, batch))
-        except Exception as err:
-            raise _trainer_error(err, f"train_step {inp.step}") from err
+        res = self._trainer_call(inp.run_id, inp.epoch, f"train_step {inp.step}",
+                                 lambda: self.rt.trainer.train_step(setup, batch))
         bad = [k for k, v in res.metrics.items() if not math.isfinite(v)]
         if bad:
             raise failure(Failure.DIVERGENCE, f"step {inp.step}: non-finite {bad}")
@@ -209,21 +252,38 @@ class NodeActivities:
     @activity.defn(name="checkpoint")
     def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:
         t0 = time.perf_counter()
-        setup = self._setup(inp.run_id)
-        try:
-            saved = with_heartbeat(lambda: self.rt.trainer.checkpoint(setup, translate.checkpoint_request(inp)))
-        except Exception as err:
-            raise _trainer_error(err, f"checkpoint {inp.step}") from err
+        setup = self._setup(inp.run_id, inp.epoch)
+        saved = self._trainer_call(inp.run_id, inp.epoch, f"checkpoint {inp.step}",
+                                   lambda: self.rt.trainer.checkpoint(setup, translate.checkpoint_request(inp)))
         seconds = time.perf_counter() - t0
         metrics.PHASE_SECONDS.labels("checkpoint").observe(seconds)
         return translate.checkpoint_result(saved, seconds, self.rt.drain_events())
 
-    def _setup(self, run_id: str) -> RunSetup:
+    def _setup(self, run_id: str, epoch: int) -> RunSetup:
         setup = self.rt.setups.get(run_id)
         if setup is None:  # this process never ran init_policy for the run: re-place
             raise failure(Failure.NODE_LOST, f"node has no setup for run {run_id}")
-        return setup
+        return setup.model_copy(update={"epoch": epoch})  # the trainer writes at the calling step's epoch
+
+    def _trainer_call(self, run_id: str, epoch: int, what: str, fn: Callable[[], T]) -> T:
+        """A trainer call, heartbeating, its failures mapped. Shielded from the activity's
+        cancellation: the trainer finishes a call whatever happens to the activity, so the
+        agent waits to see how it ends, and a write the run's fence refused is reported
+        even when the run has stopped waiting for this activity (it moved on)."""
+        error: ApplicationError | None = None
+        cause: Exception | None = None
+        with activity.shield_thread_cancel_exception():  # a pending cancellation is raised on leaving
+            try:
+                return with_heartbeat(fn)
+            except Exception as err:
+                if isinstance(err, RemoteError) and err.error_type == "StaleEpoch":
+                    error = self._stale(run_id, epoch, f"{what}: {err.message}")
+                else:
+                    error = _trainer_error(err, what)
+                cause = err
+        raise error from cause
 
     def all(self) -> list:
-        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate]
+        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate,
+                self.node_liveness]
 

@@ -17,6 +17,7 @@ from gpu_runtime.engine.evaluate import EvalRequest, EvalStats
 from gpu_runtime.engine.fleet_types import SlotInfo
 from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
+    Ancestor,
     CheckpointRequest,
     CheckpointSaved,
     DistillSettings,
@@ -77,7 +78,7 @@ def data_source(data: DataSpec) -> DataSource:
     return DataSource.model_validate(data.model_dump())
 
 
-def run_setup(inp: InitPolicyInput) -> RunSetup:
+def run_setup(inp: InitPolicyInput, node_id: str = "") -> RunSetup:
     return RunSetup(
         run_id=inp.run_id,
         store_uri=inp.store_uri,
@@ -89,6 +90,9 @@ def run_setup(inp: InitPolicyInput) -> RunSetup:
         keep_last=inp.checkpoint.keep_last,
         config_hash=inp.config_hash,
         distill=None if inp.distill is None else DistillSettings.model_validate(inp.distill.model_dump()),
+        lineage=[Ancestor(run_id=a.run_id, step=a.step) for a in inp.lineage],
+        epoch=inp.epoch,
+        node_id=node_id,
     )
 
 

@@ -1,4 +1,4 @@
-"""``milestone`` command line: start, watch, status, pause, resume, set, report."""
+"""``milestone`` command line: start, fork, watch, status, pause, resume, set, report."""
 
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ from temporalio.service import RPCError
 
 from gpu_runtime.store.object_store import StoreError
 from milestone_cli.errors import CLIError, connect_error, describe_error, failure_text, one_line
+from milestone_cli.fork import ForkError, fork_input, parent_record
 from milestone_cli.preflight import PreflightError, check_config, check_new_run_id
 from milestone_cli.resume import NothingToResume, ResumeError, resume_state
+from gpu_runtime.store.uri import open_store
 from workers.common import connect, temporal_address
 from workflows.config import HParamUpdate, format_validation_error
 from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
@@ -142,6 +144,36 @@ async def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_fork(args: argparse.Namespace) -> int:
+    """A new run from ``args.run``'s durable state after step ``args.from_step``."""
+    client = await _connect(args.address)
+    parent, committed = await parent_record(client, args.run)
+    if parent is None and not args.config:
+        raise CLIError(f"run {args.run!r} not found in Temporal: pass its config with --config", 2)
+    if committed is not None and committed < args.from_step:
+        raise CLIError(f"run {args.run} has committed steps up to {committed}, not {args.from_step}", 2)
+    try:
+        cfg = check_config(args.config) if args.config else parent.config  # type: ignore[union-attr]
+        inp = fork_input(open_store(cfg.store), args.run, args.from_step, cfg, parent, args.set,
+                         train_from_config=bool(args.config))
+    except ForkError as err:
+        raise CLIError(str(err), 2) from None
+    check_new_run_id(inp.config, args.run_id)
+    assert inp.state is not None
+    try:
+        await client.start_workflow(
+            "TrainingRun", inp, id=args.run_id, task_queue=CONTROL_QUEUE,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            static_summary=f"{inp.config.name}: fork of {args.run} at step {args.from_step}, {inp.config.steps} RL steps",
+        )
+    except WorkflowAlreadyStartedError:
+        raise CLIError(f"run id {args.run_id!r} is taken: Temporal already has a workflow {args.run_id}", 2) from None
+    print(f"forked {args.run} at step {args.from_step} as {args.run_id} (policy v{inp.state.policy_version}, "
+          f"data cursor {inp.state.data_cursor}, lr {inp.state.train.lr if inp.state.train else '?'})")
+    print(f"started {args.run_id}\n  UI: {ui_link(args.run_id)}")
+    return await watch(client, args.run_id) if args.wait else 0
+
+
 async def _is_running(client: Client, run_id: str) -> bool:
     try:
         return await _closed_state(client.get_workflow_handle(run_id)) is None
@@ -211,6 +243,9 @@ async def cmd_status(client: Client, args: argparse.Namespace) -> int:
         return 0
     if p is not None:
         print(format_progress(p.model_copy(update={"state": state})))
+        if p.lineage:
+            parent = p.lineage[-1]
+            print(f"  forked from {parent.run_id} at step {parent.step}")
         if (line := format_eval(p)) is not None:
             print(line)
     else:
@@ -282,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume-from", default=None, metavar="RUN_OR_CHECKPOINT_URI",
         help="continue a run after its newest durable checkpoint (or <store>/runs/<run>/checkpoints/step-N)",
     )
+    f = sub.add_parser("fork", help="a new run from a run's durable state after step N (its artifacts are shared read-only)")
+    f.add_argument("run")
+    f.add_argument("--from-step", type=int, required=True, metavar="N")
+    f.add_argument("--run-id", required=True, help="the new run's id")
+    f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a train field (lr=1e-5) or a config path (steps=8, reward.function=m:f); repeatable")
+    f.add_argument("--config", default=None, help="the new run's config (default: the parent's)")
+    f.add_argument("--wait", action="store_true", help="watch until the run ends")
     w = sub.add_parser("watch", help="live progress of a run")
     w.add_argument("run")
     st = sub.add_parser("status", help="state of a run")
@@ -311,6 +354,8 @@ async def _connect(address: str | None) -> Client:
 async def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "start":
         return await cmd_start(args)  # validates the config before connecting
+    if args.command == "fork":
+        return await cmd_fork(args)
     client = await _connect(args.address)
     if args.command == "watch":
         return await watch(client, args.run)

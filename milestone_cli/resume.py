@@ -12,6 +12,7 @@ import tempfile
 
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
+from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.config import RunConfig
 from workflows.contracts import DatasetInfo, RunState
@@ -57,15 +58,7 @@ def resume_state(cfg: RunConfig, target: str) -> tuple[str, RunConfig, RunState]
             f"nothing to resume: run {run_id} is checkpointed at step {info.step} and the config asks for "
             f"steps: {cfg.steps}; raise `steps` to train further"
         )
-    data_key = art.dataset_key(run_id, "train")
-    try:
-        data = store.get_bytes(data_key)
-    except KeyError:
-        raise ResumeError(f"run {run_id}: its dataset {data_key} is missing from {root}") from None
-    dataset = DatasetInfo(key=data_key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())
-    eval_key = art.dataset_key(run_id, "eval")
-    if cfg.eval.enabled and store.exists(eval_key):  # the held-out split written when the run began
-        dataset = dataset.model_copy(update={"eval_key": eval_key, "n_eval": store.get_bytes(eval_key).count(b"\n")})
+    dataset = stored_dataset(store, run_id, cfg)
     state = RunState(
         next_step=info.step + 1,
         policy_version=int(meta.get("policy_version", info.step)),
@@ -75,3 +68,17 @@ def resume_state(cfg: RunConfig, target: str) -> tuple[str, RunConfig, RunState]
         train=cfg.train,
     )
     return run_id, cfg, state
+
+
+def stored_dataset(store: ObjectStore, run_id: str, cfg: RunConfig) -> DatasetInfo:
+    """The dataset (and held-out split) ``prepare_data`` wrote when ``run_id`` began."""
+    data_key = art.dataset_key(run_id, "train")
+    try:
+        data = store.get_bytes(data_key)
+    except KeyError:
+        raise ResumeError(f"run {run_id}: its dataset {data_key} is missing from {cfg.store}") from None
+    dataset = DatasetInfo(key=data_key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())
+    eval_key = art.dataset_key(run_id, "eval")
+    if cfg.eval.enabled and store.exists(eval_key):  # the held-out split written when the run began
+        dataset = dataset.model_copy(update={"eval_key": eval_key, "n_eval": store.get_bytes(eval_key).count(b"\n")})
+    return dataset

@@ -13,19 +13,36 @@ import asyncio
 import logging
 import socket
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
+from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.node import NodeActivities
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.node import metrics
 from workers.common import connect, install_shutdown, setup_logging
-from workflows.contracts import POOL_QUEUE
+from workflows.contracts import POOL_QUEUE, RunEvent
 
 log = logging.getLogger("workers.gpu")
+LIVENESS_THROTTLE = timedelta(seconds=0.5)
+
+
+def run_reporter(client: Client, loop: asyncio.AbstractEventLoop) -> Callable[[str, RunEvent], None]:
+    """Send a run an event from an activity thread (the ``node_event`` signal of
+    ``TrainingRun``): what a node has to say after the run stopped awaiting its results."""
+
+    def report(run_id: str, event: RunEvent) -> None:
+        signal = client.get_workflow_handle(run_id).signal("node_event", event)
+        try:
+            asyncio.run_coroutine_threadsafe(signal, loop).result(timeout=15)
+        except Exception as err:  # the run may be over; the agent's log keeps the event
+            log.warning("could not report %s to run %s: %s", event.kind, run_id, err)
+
+    return report
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -35,8 +52,8 @@ async def run(args: argparse.Namespace) -> None:
         args.node_id, boot_id, work_dir, engine_threads=args.engine_threads, trainer_threads=args.trainer_threads
     )
     await asyncio.to_thread(runtime.start)
-    acts = NodeActivities(runtime)
     client = await connect(args.address, args.namespace)
+    acts = NodeActivities(runtime, report=run_reporter(client, asyncio.get_running_loop()))
     stop = asyncio.Event()
     install_shutdown(stop)
     try:
@@ -44,6 +61,9 @@ async def run(args: argparse.Namespace) -> None:
             node_worker = Worker(
                 client, task_queue=runtime.task_queue, activities=acts.all(), activity_executor=pool,
                 graceful_shutdown_timeout=timedelta(seconds=5),
+                # node_liveness heartbeats must reach the server as often as they are sent
+                # (by default the SDK holds them back for 80% of the heartbeat timeout)
+                max_heartbeat_throttle_interval=LIVENESS_THROTTLE,
             )
             pool_worker = Worker(
                 client, task_queue=POOL_QUEUE, activities=[acts.claim_node], activity_executor=pool,

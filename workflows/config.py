@@ -288,6 +288,23 @@ def mode_conflicts(mode: str, train: TrainSpec) -> list[str]:
     return [f for f in RL_ONLY_TRAIN_FIELDS if getattr(train, f) != getattr(default, f)]
 
 
+class NodeSpec(Strict):
+    """How fast a lost node agent is noticed. During each step the node runs a
+    ``node_liveness`` activity that heartbeats every ``liveness_interval_s``; when no
+    heartbeat arrives for ``liveness_timeout_s`` the step fails as ``NodeLost`` and the
+    run moves to another node. 0 turns the watch off (the activities' own 15 s heartbeat
+    and schedule-to-start timeouts still apply, about 30 s)."""
+
+    liveness_timeout_s: float = Field(3.0, ge=0, description="no node heartbeat for this long: the node is lost (0: off)")
+    liveness_interval_s: float = Field(0.5, gt=0, description="seconds between the node's liveness heartbeats")
+
+    @model_validator(mode="after")
+    def _margin(self) -> "NodeSpec":
+        if self.liveness_timeout_s and self.liveness_interval_s * 3 > self.liveness_timeout_s:
+            raise ValueError("liveness_interval_s must be at most a third of liveness_timeout_s")
+        return self
+
+
 class RunConfig(Strict):
     name: str = "milestone-run"
     seed: int = 1
@@ -311,6 +328,7 @@ class RunConfig(Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     eval: EvalSpec = EvalSpec()
     engines: EngineSpec = EngineSpec()
+    node: NodeSpec = NodeSpec()
     steps_per_workflow_run: int = Field(
         50, ge=1, description="continue-as-new after this many steps (keeps history small)"
     )

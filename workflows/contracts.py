@@ -21,15 +21,25 @@ class RunEvent(BaseModel):
     detail: str = ""
 
 
+class ForkPoint(BaseModel):
+    """A forked run's ancestor: the steps up to ``step`` (after the previous ancestor's)
+    are that run's, and their artifacts live, read-only, under ``runs/<run_id>/``."""
+
+    run_id: str
+    step: int
+
+
 class NodeClaim(BaseModel):
     node_id: str
     boot_id: str
     task_queue: str
+    epoch: int = 0  # this placement's epoch (gpu_runtime/store/fence.py); 0: a claim from before fencing
 
 
 class ClaimNodeInput(BaseModel):
     run_id: str
     exclude_queues: list[str] = []
+    store_uri: str = ""  # where the run's fence is (empty: no epoch)
 
 
 class PrepareDataInput(BaseModel):
@@ -62,6 +72,8 @@ class InitPolicyInput(BaseModel):
     config_hash: str
     policy_version: int = 0  # bring the trainer to this version (0 on a fresh run: SFT warm-up)
     distill: DistillSpec | None = None  # on-policy distillation: the trainer loads the teacher
+    lineage: list[ForkPoint] = []  # a fork: where the steps before its own live (oldest first)
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class PolicyInfo(BaseModel):
@@ -86,6 +98,7 @@ class RolloutInput(BaseModel):
     rollout: RolloutSpec
     round: int = 0  # dynamic sampling: the step's round (keys, seeds and sample ids of round > 0 differ)
     n_prompts: int | None = None  # prompts to draw (None: rollout.prompts_per_step)
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class RolloutResult(BaseModel):
@@ -109,6 +122,7 @@ class RewardInput(BaseModel):
     reward: RewardSpec
     round: int = 0  # dynamic sampling: the round whose chunks these are
     group_size: int = 0  # > 0: also report which groups' rewards vary (dynamic sampling)
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class RewardResult(BaseModel):
@@ -158,6 +172,7 @@ class AssembleBatchInput(BaseModel):
     group_size: int
     chunk_size: int
     sampling: SamplingStats  # the step's counts, exported as metrics by the control worker
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class BatchResult(BaseModel):
@@ -188,6 +203,7 @@ class TrainStepInput(BaseModel):
     group_size: int
     train: TrainSpec
     sft_rows: SFTRowsInput | None = None  # mode sft: train on these rows' labels (no chunks, no rewards)
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class TrainStepResult(BaseModel):
@@ -228,11 +244,17 @@ class UpdateWeightsResult(BaseModel):
     node_events: list[RunEvent] = []
 
 
+class NodeLivenessInput(BaseModel):
+    run_id: str
+    interval_s: float  # heartbeat this often until cancelled
+
+
 class CheckpointInput(BaseModel):
     run_id: str
     step: int  # = the policy version to save
     store_uri: str
     data_cursor: int
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class CheckpointResult(BaseModel):
@@ -254,6 +276,7 @@ class EvalInput(BaseModel):
     temperature: float
     max_new_tokens: int
     chunk_size: int
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class EvalResult(BaseModel):
@@ -276,6 +299,7 @@ class RLStepInput(BaseModel):
     data_cursor: int
     dataset: DatasetInfo
     node_queue: str
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class StepSummary(BaseModel):
@@ -329,6 +353,7 @@ class RunState(BaseModel):
 class TrainingRunInput(BaseModel):
     config: RunConfig
     state: RunState | None = None
+    lineage: list[ForkPoint] = []  # a fork (``milestone fork``): its ancestors, oldest first; the last is its parent
 
 
 class RunProgress(BaseModel):
@@ -339,6 +364,7 @@ class RunProgress(BaseModel):
     policy_version: int
     data_cursor: int
     node_queue: str | None = None
+    lineage: list[ForkPoint] = Field(default_factory=list)  # a fork: its ancestors, the last is its parent
     steps: list[StepSummary] = Field(default_factory=list)
     events: list[RunEvent] = Field(default_factory=list)
     engines: list[EngineSlotInfo] = Field(default_factory=list)

@@ -37,7 +37,8 @@ HEARTBEAT = timedelta(seconds=15)
 
 TIMINGS: dict[str, ActivityTiming] = {
     # maximum_attempts 0 = unlimited: a run with no free node waits for one (backoff capped at 30 s)
-    "claim_node": ActivityTiming(timedelta(seconds=30), None, None, _retry(0)),
+    # short: a claim only reads the run's fence; one sent to a stopped agent's poll is retried elsewhere soon
+    "claim_node": ActivityTiming(timedelta(seconds=10), None, None, _retry(0)),
     "prepare_data": ActivityTiming(timedelta(minutes=5), None, None, _retry(5)),
     "init_policy": ActivityTiming(timedelta(minutes=30), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),
     # rollout waits in retries while no engine is alive (engines come back at the next update)

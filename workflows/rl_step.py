@@ -57,7 +57,7 @@ class RLStep:
             TrainStepInput(
                 run_id=inp.run_id, step=inp.step, store_uri=store, policy_version=inp.policy_version,
                 chunk_keys=sampled.chunk_keys, rewards_key=sampled.rewards_key,
-                group_size=cfg.rollout.group_size, train=inp.train, sft_rows=sft_rows,
+                group_size=cfg.rollout.group_size, train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
             ),
             TrainStepResult, task_queue=node, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
         )
@@ -75,7 +75,7 @@ class RLStep:
                 "checkpoint",
                 CheckpointInput(
                     run_id=inp.run_id, step=inp.step, store_uri=store,
-                    data_cursor=cursor,
+                    data_cursor=cursor, epoch=inp.epoch,
                 ),
                 CheckpointResult, task_queue=node, summary=f"checkpoint step {inp.step}",
             )
@@ -140,7 +140,7 @@ async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, l
                 run_id=inp.run_id, step=inp.step, store_uri=cfg.store, seed=cfg.seed, policy_version=version,
                 eval_key=inp.dataset.eval_key, k=cfg.eval.k, temperature=cfg.eval.temperature,
                 max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                chunk_size=cfg.rollout.chunk_size,
+                chunk_size=cfg.rollout.chunk_size, epoch=inp.epoch,
             ),
             EvalResult, task_queue=inp.node_queue,
             summary=f"evaluate v{version}: {inp.dataset.n_eval} held-out prompts, greedy and pass@{cfg.eval.k}",

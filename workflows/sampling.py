@@ -87,7 +87,7 @@ def _rollout_input(inp: RLStepInput, round_: int = 0, cursor: int | None = None,
     return RolloutInput(
         run_id=inp.run_id, step=inp.step, store_uri=cfg.store, seed=cfg.seed, policy_version=inp.policy_version,
         data_cursor=inp.data_cursor if cursor is None else cursor, dataset=inp.dataset, rollout=cfg.rollout,
-        round=round_, n_prompts=n,
+        round=round_, n_prompts=n, epoch=inp.epoch,
     )
 
 
@@ -102,7 +102,7 @@ async def sample(inp: RLStepInput) -> Sampled:
         "compute_rewards",
         RewardInput(
             run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
-            dataset=inp.dataset, reward=cfg.reward,
+            dataset=inp.dataset, reward=cfg.reward, epoch=inp.epoch,
         ),
         RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step}",
     )
@@ -134,6 +134,7 @@ async def sample_with_filter(inp: RLStepInput) -> Sampled:
             RewardInput(
                 run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
                 dataset=inp.dataset, reward=cfg.reward, round=r, group_size=spec.group_size,
+                epoch=inp.epoch,
             ),
             RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step} round {r}",
         )
@@ -164,6 +165,7 @@ async def sample_with_filter(inp: RLStepInput) -> Sampled:
             run_id=inp.run_id, step=inp.step, store_uri=cfg.store,
             rounds=[SampledRound(chunk_keys=got.chunk_keys, rewards_key=rw.rewards_key) for got, rw in rounds],
             groups=groups, group_size=spec.group_size, chunk_size=spec.chunk_size, sampling=stats,
+            epoch=inp.epoch,
         ),
         BatchResult, task_queue=CONTROL_QUEUE,
         summary=f"batch step {inp.step}: {len(groups)} groups of {stats.groups_generated} in {len(rounds)} rounds",

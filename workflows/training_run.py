@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
         ClaimNodeInput,
         DatasetInfo,
         EvalResult,
+        ForkPoint,
         InitPolicyInput,
         NodeClaim,
         PolicyInfo,
@@ -37,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsResult,
     )
     from workflows.failures import Failure, failure, failure_in
+    from workflows.node_watch import NodeWatch
     from workflows.rl_step import RLStep, evaluate, run_activity
 
 SA_STEP = SearchAttributeKey.for_int("RlStep")
@@ -63,6 +65,8 @@ class TrainingRun:
     def __init__(self) -> None:
         self.cfg: RunConfig | None = None
         self.st = RunState()
+        self.lineage: list[ForkPoint] = []
+        self.watch = NodeWatch()
         self.status = "initializing"
 
     # ---- the RL loop -------------------------------------------------------------
@@ -78,6 +82,7 @@ class TrainingRun:
             raise failure(Failure.INVALID_INPUT, "invalid TrainingRun input:\n" + format_validation_error(err)) from None
         self.cfg = cfg = inp.config
         self.st = st = inp.state or RunState(train=cfg.train)
+        self.lineage = inp.lineage
         run_id = workflow.info().workflow_id
         chash = config_hash(cfg)
         steps_this_run = 0
@@ -108,7 +113,8 @@ class TrainingRun:
             await workflow.wait_condition(lambda: not self.st.paused)
             self.status = "running"
             if steps_this_run >= cfg.steps_per_workflow_run or workflow.info().is_continue_as_new_suggested():
-                workflow.continue_as_new(TrainingRunInput(config=cfg, state=st))
+                self.watch.stop()  # the next execution watches the node again
+                workflow.continue_as_new(TrainingRunInput(config=cfg, state=st, lineage=self.lineage))
             summary = await self._run_step(run_id, chash)
             # commit: the only place the cursor and the version move
             st.policy_version = summary.policy_version
@@ -121,6 +127,7 @@ class TrainingRun:
             st.next_step += 1
             steps_this_run += 1
 
+        self.watch.stop()
         self.status = "completed"
         self._publish()
         last = st.history[-SUMMARY_STEPS:]
@@ -149,7 +156,7 @@ class TrainingRun:
         assert cfg is not None and st.dataset is not None and st.node is not None and st.train is not None
         inp = RLStepInput(
             run_id=run_id, step=0, config=cfg, train=st.train, policy_version=0, data_cursor=0,
-            dataset=st.dataset, node_queue=st.node.task_queue,
+            dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
         )
         try:
             result, events = await evaluate(inp, 0)
@@ -167,19 +174,20 @@ class TrainingRun:
         replacements = 0
         while True:
             assert st.node is not None
+            child = workflow.execute_child_workflow(
+                RLStep.run,
+                RLStepInput(
+                    run_id=run_id, step=st.next_step, config=cfg, train=st.train,
+                    policy_version=st.policy_version, data_cursor=st.data_cursor,
+                    dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
+                ),
+                id=f"{run_id}/step-{st.next_step}",
+                task_queue=CONTROL_QUEUE,
+                static_summary=f"RL step {st.next_step} of {cfg.steps}",
+            )
             try:
-                return await workflow.execute_child_workflow(
-                    RLStep.run,
-                    RLStepInput(
-                        run_id=run_id, step=st.next_step, config=cfg, train=st.train,
-                        policy_version=st.policy_version, data_cursor=st.data_cursor,
-                        dataset=st.dataset, node_queue=st.node.task_queue,
-                    ),
-                    id=f"{run_id}/step-{st.next_step}",
-                    task_queue=CONTROL_QUEUE,
-                    static_summary=f"RL step {st.next_step} of {cfg.steps}",
-                )
-            except ChildWorkflowError as err:
+                return await self.watch.on_live_node(run_id, st.node.task_queue, cfg.node, child)
+            except (ChildWorkflowError, ApplicationError) as err:  # ApplicationError: NodeLost from the watch
                 kind, message = failure_in(err)
                 if kind == Failure.DIVERGENCE:
                     self._event("divergence", f"step {st.next_step}: {message}; paused (fix with `milestone set`, then resume)")
@@ -192,7 +200,7 @@ class TrainingRun:
                 if kind != Failure.NODE_LOST:
                     raise
                 replacements += 1
-                self._event("node_lost", f"{st.node.task_queue} during step {st.next_step}")
+                self._event("node_lost", f"{st.node.task_queue} during step {st.next_step}: {message}")
                 if replacements > MAX_NODE_REPLACEMENTS:
                     raise failure(Failure.NODE_LOST, f"gave up after {MAX_NODE_REPLACEMENTS} node replacements") from err
                 await self._place_on_node(run_id, chash, init=False)
@@ -204,39 +212,45 @@ class TrainingRun:
         exclude = [st.node.task_queue] if st.node else []
         while True:
             st.node = await run_activity(
-                "claim_node", ClaimNodeInput(run_id=run_id, exclude_queues=exclude), NodeClaim,
+                "claim_node", ClaimNodeInput(run_id=run_id, exclude_queues=exclude, store_uri=cfg.store), NodeClaim,
                 task_queue=POOL_QUEUE, summary="claim a node",
             )
             self._event("node_claimed", st.node.task_queue)
             try:
-                policy = await run_activity(
-                    "init_policy",
-                    InitPolicyInput(
-                        run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
-                        train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
-                        policy_version=st.policy_version, distill=cfg.distill,
-                    ),
-                    PolicyInfo, task_queue=st.node.task_queue,
-                    summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
-                )
-                st.events = [*st.events, *policy.node_events][-100:]
-                synced = await run_activity(
-                    "update_weights",
-                    UpdateWeightsInput(
-                        run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
-                        weights_key=policy.weights_key, checksum=policy.checksum, engines=cfg.engines,
-                    ),
-                    UpdateWeightsResult, task_queue=st.node.task_queue,
-                    summary=f"start engines @ v{policy.policy_version}",
-                )
-                st.events = [*st.events, *synced.node_events][-100:]
-                st.engines = synced.engines
+                await self.watch.on_live_node(run_id, st.node.task_queue, cfg.node, self._init_node(run_id, chash, init))
                 return
-            except (ActivityError, ApplicationError) as err:  # NodeLost: a timeout, or said by the activity
+            except (ActivityError, ApplicationError) as err:  # NodeLost: a timeout, said by the activity or the watch
                 if failure_in(err)[0] != Failure.NODE_LOST:
                     raise
                 exclude = [st.node.task_queue]
-                self._event("node_lost", st.node.task_queue)
+                self._event("node_lost", f"{st.node.task_queue}: {failure_in(err)[1]}")
+
+    async def _init_node(self, run_id: str, chash: str, init: bool) -> None:
+        """The claimed node's trainer to the committed version, its engines up."""
+        cfg, st = self.cfg, self.st
+        assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
+        policy = await run_activity(
+            "init_policy",
+            InitPolicyInput(
+                run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
+                train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
+                policy_version=st.policy_version, lineage=self.lineage, epoch=st.node.epoch, distill=cfg.distill,
+            ),
+            PolicyInfo, task_queue=st.node.task_queue,
+            summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
+        )
+        st.events = [*st.events, *policy.node_events][-100:]
+        synced = await run_activity(
+            "update_weights",
+            UpdateWeightsInput(
+                run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
+                weights_key=policy.weights_key, checksum=policy.checksum, engines=cfg.engines,
+            ),
+            UpdateWeightsResult, task_queue=st.node.task_queue,
+            summary=f"start engines @ v{policy.policy_version}",
+        )
+        st.events = [*st.events, *synced.node_events][-100:]
+        st.engines = synced.engines
 
     # ---- observability -----------------------------------------------------------
     def _event(self, kind: str, detail: str) -> None:
@@ -272,6 +286,8 @@ class TrainingRun:
             )
         if st.node:
             lines.append(f"node: `{st.node.task_queue}`")
+        if self.lineage:
+            lines.append(f"forked from `{self.lineage[-1].run_id}` at step {self.lineage[-1].step}")
         workflow.set_current_details("\n\n".join(lines))
 
     # ---- control -----------------------------------------------------------------
@@ -286,10 +302,18 @@ class TrainingRun:
             policy_version=st.policy_version,
             data_cursor=st.data_cursor,
             node_queue=st.node.task_queue if st.node else None,
+            lineage=self.lineage,
             steps=st.history,
             events=st.events,
             engines=st.engines,
         )
+
+    @workflow.signal
+    def node_event(self, event: RunEvent) -> None:
+        """An event a node reports outside any activity result (``stale_write_refused``
+        from a node the run has left behind: its results are no longer awaited)."""
+        self.st.events = [*self.st.events, event][-100:]
+        workflow.logger.warning("node event %s: %s", event.kind, event.detail)
 
     @workflow.signal
     def pause(self) -> None:

@@ -103,6 +103,7 @@ class CheckpointStore:
         keep_last: int = 3,
         *,
         retry: RetryPolicy | None = None,
+        accept: Callable[[CheckpointInfo], bool] | None = None,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -111,6 +112,8 @@ class CheckpointStore:
         self.local_dir = Path(local_dir)
         self.keep_last = keep_last
         self.retry = retry or RetryPolicy()
+        # a manifest it refuses is not durable state (fencing: written by a placement left behind)
+        self.accept = accept
         self.events: list[dict[str, Any]] = []
         self._queue: queue.Queue[CheckpointHandle | None] = queue.Queue()
         self._pending: list[CheckpointHandle] = []
@@ -292,12 +295,17 @@ class CheckpointStore:
 
     def _load(self, name: str) -> CheckpointInfo | None:
         try:
-            return parse_manifest(name, self.store.get_bytes(self._key(name, MANIFEST)))
+            info = parse_manifest(name, self.store.get_bytes(self._key(name, MANIFEST)))
         except KeyError:
             return None
         except ValueError as e:
             log.warning("ignoring unparsable manifest: %s", e)
             return None
+        if self.accept is not None and not self.accept(info):
+            log.warning("ignoring checkpoint %s: its writer was left behind by a newer placement (meta %s)",
+                        name, info.meta)
+            return None
+        return info
 
     def list_durable(self) -> list[CheckpointInfo]:
         """Every checkpoint whose manifest exists and parses, oldest first."""

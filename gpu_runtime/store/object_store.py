@@ -6,11 +6,14 @@ backend writes a temp file and renames it; S3 puts are atomic by nature.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
 import tempfile
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -50,6 +53,18 @@ class ObjectStore(ABC):
     def delete_prefix(self, prefix: str) -> None:
         for key in self.list(prefix):
             self.delete(key)
+
+    def update(self, key: str, fn: Callable[[bytes | None], bytes | None]) -> None:
+        """Replace ``key``'s content (``None``: absent) with ``fn(content)``, atomically
+        against other ``update`` calls on the key; ``fn`` returns ``None`` to leave it.
+        Backends make it a compare-and-swap; this default is not atomic."""
+        try:
+            old: bytes | None = self.get_bytes(key)
+        except KeyError:
+            old = None
+        new = fn(old)
+        if new is not None:
+            self.put_bytes(key, new)
 
     def uri(self, key: str) -> str:
         return f"{self.root_uri.rstrip('/')}/{key}"
@@ -135,6 +150,29 @@ class LocalStore(ObjectStore):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def update(self, key: str, fn: Callable[[bytes | None], bytes | None], lock_timeout_s: float = 30.0) -> None:
+        """Under an exclusive ``flock`` on ``.<name>.lock`` next to the key (readers
+        are not blocked: the write itself is an atomic rename)."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + lock_timeout_s
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StoreError(f"{self.uri(key)}: lock held for over {lock_timeout_s:.0f}s") from None
+                    time.sleep(0.05)
+            try:
+                old = path.read_bytes() if path.is_file() else None
+                new = fn(old)
+                if new is not None:
+                    self.put_bytes(key, new)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def verify_file(self, key: str, path: str | Path, sha256: str, size: int) -> bool:
         stored = self._path(key)

@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 MB = 1024 * 1024
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _AUTH = {"403", "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "Forbidden"}
+_CONFLICT = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}(-[0-9]+)?$")
 
 
@@ -168,6 +169,32 @@ class S3Store(ObjectStore):
 
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
+
+    def update(self, key: str, fn: Callable[[bytes | None], bytes | None], attempts: int = 20) -> None:
+        """Compare-and-swap with S3 conditional writes: ``If-Match`` the ETag that was
+        read (``If-None-Match: *`` when absent); a lost race reads again and retries."""
+        for _ in range(attempts):
+            old: bytes | None = None
+            etag: str | None = None
+            with self._errors("get", key):
+                try:
+                    resp = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+                    old, etag = bytes(resp["Body"].read()), str(resp["ETag"])
+                except ClientError as e:
+                    if _code(e) not in _NOT_FOUND or _code(e) == "NoSuchBucket":
+                        raise
+            new = fn(old)
+            if new is None:
+                return
+            cond = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+            with self._errors("conditional put", key):
+                try:
+                    self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=new, **cond)
+                    return
+                except ClientError as e:
+                    if _code(e) not in _CONFLICT:
+                        raise
+        raise StoreError(f"S3 update s3://{self.bucket}/{self._key(key)}: still contended after {attempts} attempts")
 
     def head(self, key: str) -> tuple[int, str] | None:
         """``(size, etag without quotes)`` or ``None`` when the key does not exist."""

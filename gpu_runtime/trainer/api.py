@@ -106,6 +106,13 @@ class DistillSettings(Message):
     coef: float
 
 
+class Ancestor(Message):
+    """A forked run's ancestor: steps up to ``step`` are read from ``run_id``'s prefix."""
+
+    run_id: str
+    step: int
+
+
 class RunSetup(Message):
     """What a trainer needs to serve a run; sent with every call, so a restarted
     trainer can rebuild the run's state without a separate bind."""
@@ -120,6 +127,9 @@ class RunSetup(Message):
     keep_last: int
     config_hash: str
     distill: DistillSettings | None
+    lineage: list[Ancestor] = []  # a fork: its ancestors, oldest first (gpu_runtime.store.lineage)
+    epoch: int = 0  # the placement epoch every store write of this call carries (0: unfenced)
+    node_id: str = ""  # the node the trainer runs on (named in refused writes)
 
 
 class SFTRows(Message):

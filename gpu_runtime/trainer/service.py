@@ -12,13 +12,18 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpu_runtime.store import artifacts as art
+from gpu_runtime.store import lineage
+from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.data.datasets import load_jsonl, prompts_for_step
 from gpu_runtime.models.model_folder import prune_version_folders
-from gpu_runtime.store.object_store import LocalStore, ObjectStore
+from gpu_runtime.store.object_store import LocalStore
+from gpu_runtime.store.fence import FencedStore, StaleEpoch, read_fence
+from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
@@ -56,25 +61,62 @@ class TrainerService:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.setup: RunSetup | None = None
         self.trainer: PolicyTrainer | None = None
-        self.store: ObjectStore | None = None
+        self.store: FencedStore | None = None
         self.ckpts: CheckpointStore | None = None
+        self.ancestors: list[tuple[int, CheckpointStore]] = []  # a fork: (last step, the ancestor's checkpoints)
         self._events_seen = 0
+        self._refused: list[dict] = []  # writes the run's fence refused (reported with the checkpoint events)
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup
+            self.store.epoch, self.store.node = setup.epoch, setup.node_id  # this call's placement
             return
         self.setup = setup
         self.trainer = None
-        self.store = open_store(setup.store_uri)
+        # writes only under the run's own prefix, refused once the run's fence is past this call's epoch
+        self.store = FencedStore(open_store(setup.store_uri), setup.run_id, setup.epoch, setup.node_id,
+                                 on_refused=self._on_refused)
         self._events_seen = 0
         self.ckpts = CheckpointStore(
             self.store,
             art.checkpoints_prefix(setup.run_id),
             local_dir=self.work_dir / setup.run_id / "checkpoints",
             keep_last=setup.keep_last,
+            accept=self._fenced_accept(setup.run_id),
         )
+        # read-only: a fork restores its ancestors' checkpoints but never saves or prunes there
+        self.ancestors = [
+            (a.step, CheckpointStore(self.store, art.checkpoints_prefix(a.run_id),
+                                     local_dir=self.work_dir / setup.run_id / "ancestors" / a.run_id,
+                                     accept=self._fenced_accept(a.run_id)))
+            for a in setup.lineage
+        ]
+
+    def _fenced_accept(self, run_id: str) -> Callable[[CheckpointInfo], bool]:
+        """A checkpoint of ``run_id`` is durable state unless its writer's epoch was left
+        behind by a placement that took over at or before its step."""
+        def accept(info: CheckpointInfo) -> bool:
+            assert self.store is not None
+            return read_fence(self.store, run_id).accepts(info.step, int(info.meta.get("epoch", 0)))
+        return accept
+
+    def _on_refused(self, err: StaleEpoch) -> None:
+        self._refused.append({"kind": "stale_write_refused", "node": self.store.node if self.store else "",
+                              "epoch": err.epoch, "error": str(err)})
+
+    def _owner(self, step: int) -> str:
+        assert self.setup is not None
+        return lineage.owner([(a.run_id, a.step) for a in self.setup.lineage], self.setup.run_id, step)
+
+    def _durable_at_or_below(self, target: int) -> list[tuple[CheckpointInfo, CheckpointStore]]:
+        """The run's checkpoints and (a fork) its ancestors' up to their last step, oldest
+        first; at equal steps the run's own comes last (it is tried first)."""
+        assert self.ckpts is not None
+        found = [(c, anc) for last, anc in self.ancestors for c in anc.list_durable() if c.step <= min(last, target)]
+        found += [(c, self.ckpts) for c in self.ckpts.list_durable() if c.step <= target]
+        return sorted(found, key=lambda x: (x[0].step, x[1] is self.ckpts))
 
     def ensure_version(self, setup: RunSetup, target: int) -> VersionInfo:
         """Bring the trainer to ``target``: keep, or restore + replay, or SFT from scratch."""
@@ -97,6 +139,7 @@ class TrainerService:
             return []
         events = self.ckpts.events[self._events_seen :]
         self._events_seen += len(events)
+        events, self._refused = [*events, *self._refused], []
         now = time.time()
         return [
             NodeEvent(at=now, kind=str(e["kind"]), detail=", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
@@ -115,11 +158,10 @@ class TrainerService:
 
     def _restore_at_or_below(self, target: int) -> tuple[int | None, dict[str, float]]:
         assert self.ckpts is not None and self.setup is not None and self.store is not None
-        usable = [c for c in self.ckpts.list_durable() if c.step <= target]
-        for info in reversed(usable):
+        for info, ckpts in reversed(self._durable_at_or_below(target)):
             folder = Path(tempfile.mkdtemp(dir=self.work_dir, prefix="restore-"))
             try:
-                got = self.ckpts.restore(folder, step=info.step)
+                got = ckpts.restore(folder, step=info.step)
                 trainer = self._new_trainer()
                 trainer.load_state(folder)
                 self.trainer = trainer
@@ -129,6 +171,9 @@ class TrainerService:
                 log.warning("checkpoint step %d unusable: %s", info.step, err)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
+                if ckpts is not self.ckpts:  # an ancestor's corrupt checkpoint is this run's event too
+                    self.ckpts.events.extend(ckpts.events)
+                    ckpts.events.clear()
         # nothing durable: deterministic SFT warm-up from the seed -> version 0
         s = self.setup
         trainer = self._new_trainer()
@@ -151,7 +196,7 @@ class TrainerService:
         replayed = []
         while self.trainer.policy_version < target:
             step = self.trainer.policy_version + 1
-            key = art.step_batch_key(self.setup.run_id, step)
+            key = art.step_batch_key(self._owner(step), step)
             if not self.store.exists(key):
                 raise RuntimeError(f"cannot replay step {step}: {key} missing from the store")
             self._train(stored_step_batch(self.store.get_bytes(key)))
@@ -197,7 +242,8 @@ class TrainerService:
             for f in sorted(p for p in base.iterdir() if p.is_file() and p.name != DONE):
                 self.store.put_file(f"{prefix}/{f.name}", f)
             self.store.put_bytes(f"{prefix}/{DONE}", b"")  # last: the folder is complete
-        return str(self.store.root / prefix) if isinstance(self.store, LocalStore) else self.store.uri(prefix)
+        inner = self.store.inner  # the fenced store's backing store: a local folder or S3
+        return str(inner.root / prefix) if isinstance(inner, LocalStore) else inner.uri(prefix)
 
     # ---- training -----------------------------------------------------------------
     def _train(self, batch: StepBatch) -> dict[str, float]:
@@ -270,6 +316,7 @@ class TrainerService:
                 "policy_version": self.trainer.policy_version,
                 "data_cursor": data_cursor,
                 "config_hash": self.setup.config_hash,
+                "epoch": self.setup.epoch,  # the placement that wrote it (fencing: Fence.accepts)
             }
             handle = self.ckpts.save(step, folder, meta, sync=sync)
         finally:

@@ -66,7 +66,12 @@ def baseline_weights(stack: Stack, store: Path, cfg: dict, run_id: str = "baseli
     """Run ``cfg`` without faults and return its final weights (the bitwise reference)."""
 
     async def main() -> RunSummary:
-        return await run_to_end(await connect(stack.server.address), run_id, cfg)
+        client = await connect(stack.server.address)
+        summary = await run_to_end(client, run_id, cfg)
+        # no false positive of the node liveness watch on this loaded machine
+        lost = [e.detail for e in (await progress(client, run_id)).events if e.kind == "node_lost"]
+        assert not lost, f"a fault-free run lost its node: {lost}"
+        return summary
 
     summary = asyncio.run(main())
     return final_weights(store, run_id, summary.policy_version)

@@ -104,7 +104,8 @@ def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
             await replayer.replay_workflow(h)
         if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change
             HISTORY_DIR.mkdir(exist_ok=True)
-            (HISTORY_DIR / "training_run.json").write_text(run_history.to_json())
+            # training_run.json stays: the run recorded before the liveness watch (node-liveness patch)
+            (HISTORY_DIR / "training_run_watch.json").write_text(run_history.to_json())
             (HISTORY_DIR / "rl_step.json").write_text(histories[1].to_json())
             (HISTORY_DIR / "rl_step_eval.json").write_text(histories[3].to_json())  # the last step: with its eval
 

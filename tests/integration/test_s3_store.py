@@ -102,3 +102,42 @@ def test_outage_is_a_quick_store_error() -> None:
     with pytest.raises(StoreError, match="nobucket"):
         dead.put_bytes("k", b"v")
     assert time.monotonic() - t0 < 5.0
+
+
+def test_conditional_update_and_fence_on_s3(s3_store: S3Store) -> None:
+    """The fence on S3: compare-and-swap by conditional puts (concurrent updates lose
+    nothing), epochs only move forward, and writes of an older epoch are refused."""
+    import threading
+
+    from gpu_runtime.store.fence import FencedStore, StaleEpoch, raise_fence, read_fence
+
+    def bump(old: bytes | None) -> bytes:
+        return str(int(old or b"0") + 1).encode()
+
+    threads = [threading.Thread(target=lambda: [s3_store.update("runs/r/n", bump) for _ in range(10)]) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert s3_store.get_bytes("runs/r/n") == b"30"
+    # the server enforces the preconditions the compare-and-swap relies on
+    from botocore.exceptions import ClientError
+
+    for cond in ({"IfMatch": '"0123456789abcdef0123456789abcdef"'}, {"IfNoneMatch": "*"}):
+        with pytest.raises(ClientError, match="412|PreconditionFailed"):
+            s3_store._client.put_object(Bucket=s3_store.bucket, Key=s3_store._key("runs/r/n"), Body=b"x", **cond)
+    assert s3_store.get_bytes("runs/r/n") == b"30"
+
+    raise_fence(s3_store, "r", 1, "n0", from_step=1)
+    old = FencedStore(s3_store, "r", 1, "n0")
+    old.put_bytes("runs/r/steps/000002/rewards.json", b"epoch 1")
+    raise_fence(s3_store, "r", 2, "n1", from_step=2)
+    with pytest.raises(StaleEpoch):
+        raise_fence(s3_store, "r", 1, "n0", from_step=1)
+    with pytest.raises(StaleEpoch, match="the run is at epoch 2"):
+        old.put_bytes("runs/r/steps/000002/rewards.json", b"zombie")
+    with pytest.raises(StaleEpoch):
+        old.delete_prefix("runs/r/steps")
+    assert s3_store.get_bytes("runs/r/steps/000002/rewards.json") == b"epoch 1"
+    FencedStore(s3_store, "r", 2, "n1").put_bytes("runs/r/steps/000002/rewards.json", b"epoch 2")
+    assert read_fence(s3_store, "r").epoch == 2

@@ -214,3 +214,34 @@ def test_prepare_data_bad_eval_row_is_invalid_input(tmp_path: Path) -> None:
         prepare(tmp_path, DataSpec(kind="jsonl", path=str(train), eval_path=str(tmp_path / "nope.jsonl")),
                 RewardSpec(kind="custom", function="m:f"))
     assert err.value.message.startswith("data.eval_path: ")
+
+
+# ---- fencing: every write at the step's placement epoch --------------------------------------
+def test_rewards_and_judge_records_of_a_left_behind_placement_are_refused(
+    step_inputs: tuple[str, DatasetInfo, str],
+) -> None:
+    """Once the run has moved to a newer placement epoch, compute_rewards of the old one
+    writes neither its rewards nor (``judge``) a single judge record: NodeLost."""
+    from gpu_runtime.store.fence import raise_fence
+    from tests.reward_servers import reward_server
+
+    uri, data, key = step_inputs
+    store = open_store(uri)
+    raise_fence(store, "r", 1, "n0", from_step=1)
+    raise_fence(store, "r", 2, "n1", from_step=1)
+    stale = RewardInput(run_id="r", step=1, store_uri=uri, chunk_keys=[key], dataset=data, reward=RewardSpec(),
+                        epoch=1)
+    with pytest.raises(ApplicationError) as err:
+        ActivityEnvironment().run(compute_rewards, stale)
+    assert err.value.type == Failure.NODE_LOST and "stale placement" in err.value.message
+    assert not store.exists(art.rewards_key("r", 1))
+    with reward_server() as server:
+        judged = stale.model_copy(update={"reward": RewardSpec(kind="judge", url=server.url, max_retries=0)})
+        with pytest.raises(ApplicationError) as err:
+            ActivityEnvironment().run(compute_rewards, judged)
+        assert err.value.type == Failure.NODE_LOST and "stale placement" in err.value.message
+        assert store.list(art.judge_prefix("r", 1) + "/") == [] and not store.exists(art.rewards_key("r", 1))
+        # the current epoch writes both
+        current = ActivityEnvironment().run(compute_rewards, judged.model_copy(update={"epoch": 2}))
+    assert current.n == 2 and len(store.list(art.judge_prefix("r", 1) + "/")) == 2
+    assert store.exists(art.rewards_key("r", 1))

@@ -118,3 +118,30 @@ def test_the_progress_line_shows_the_filter_and_reward_errors() -> None:
     line = format_progress(RunProgress(run_id="r", state="running", step=1, total_steps=3, policy_version=1,
                                        data_cursor=12, steps=[step]))
     assert line.endswith("| kept 5/12 groups in 2 rounds | 2 reward errors")
+
+
+def test_assemble_batch_of_a_left_behind_placement_writes_nothing(tmp_path: Path) -> None:
+    """``assemble_batch`` writes at the step's placement epoch: once the run has moved to a
+    newer one, its batch write is refused (NodeLost, retried by the run's re-placement)."""
+    from gpu_runtime.store.fence import raise_fence
+
+    uri = f"file://{tmp_path / 'store'}"
+    store = open_store(uri)
+    samples = [sample(f"s2-p{p}-g{g}", p, g) for p in range(2) for g in range(2)]
+    key = art.rollout_chunk_key("run", 2, 0)
+    art.put_model(store, key, art.RolloutChunk(run_id="run", step=2, chunk=0, seed=1, weight_version=3, samples=samples))
+    art.put_model(store, art.rewards_key("run", 2), art.StepRewards(
+        run_id="run", step=2, rewards=[reward(s.sample_id, float(k % 2)) for k, s in enumerate(samples)]))
+    stats = SamplingStats(rounds=1, prompts_drawn=2, groups_generated=2, groups_kept=2, groups_filtered_all_correct=0,
+                          groups_filtered_all_wrong=0, groups_filtered_other=0, groups_trained=2, trained_reward_mean=0)
+    inp = AssembleBatchInput(run_id="run", step=2, store_uri=uri, groups=[(0, 0), (0, 1)], group_size=2, chunk_size=4,
+                             rounds=[SampledRound(chunk_keys=[key], rewards_key=art.rewards_key("run", 2))],
+                             sampling=stats, epoch=1)
+    raise_fence(store, "run", 1, "n0", from_step=1)
+    assert ActivityEnvironment().run(assemble_batch, inp).n_samples == 4  # the current epoch writes
+    store.delete_prefix("runs/run/steps/000002/batch/")
+    raise_fence(store, "run", 2, "n1", from_step=2)
+    with pytest.raises(ApplicationError) as err:
+        ActivityEnvironment().run(assemble_batch, inp)
+    assert err.value.type == Failure.NODE_LOST and "stale placement" in err.value.message
+    assert store.list("runs/run/steps/000002/batch/") == []

@@ -20,6 +20,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 from temporalio.workflow import NondeterminismError
 
+from workflows.node_watch import LIVENESS_PATCH
 from workflows.rl_step import RLStep
 from workflows.training_run import TrainingRun
 
@@ -29,9 +30,12 @@ HISTORIES = sorted(HISTORY_DIR.glob("*.json"))
 # rl_step: a step recorded before the eval existed (replays without it, via the patch);
 # rl_step_eval: the last step of a run with its held-out eval; rl_step_dynamic: a step with dynamic
 # sampling that drew two rounds (recorded by tests/e2e/test_rewards_sampling.py); rl_step_sft: an
-# SFT-mode step with its checkpoint (tests/e2e/test_sft_distill.py)
-WORKFLOW_IDS = {"training_run": "e2e-run", "rl_step": "e2e-run/step-1", "rl_step_eval": "e2e-run/step-3",
-                "rl_step_dynamic": "e2e-dyn/step-2", "rl_step_sft": "sft/step-2"}
+# SFT-mode step with its checkpoint (tests/e2e/test_sft_distill.py);
+# training_run_watch: a run with the node liveness watch and placement epochs
+WORKFLOW_IDS = {
+    "training_run": "e2e-run", "rl_step": "e2e-run/step-1", "rl_step_eval": "e2e-run/step-3",
+    "rl_step_dynamic": "e2e-dyn/step-2", "rl_step_sft": "sft/step-2", "training_run_watch": "e2e-run",
+}
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
@@ -42,7 +46,9 @@ def test_recorded_history_replays(path: Path) -> None:
 
 
 def test_recordings_exist() -> None:
-    assert {p.stem for p in HISTORIES} >= {"training_run", "rl_step", "rl_step_eval", "rl_step_dynamic", "rl_step_sft"}
+    assert {p.stem for p in HISTORIES} >= {
+        "training_run", "rl_step", "rl_step_eval", "rl_step_dynamic", "rl_step_sft", "training_run_watch",
+    }
 
 
 def _with_eval_due(history_json: str) -> str:
@@ -63,5 +69,18 @@ def test_step_recorded_before_the_eval_replays_without_it(monkeypatch: pytest.Mo
     replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
     asyncio.run(replayer.replay_workflow(history))
     monkeypatch.setattr(workflow, "patched", lambda patch_id: True)
+    with pytest.raises(NondeterminismError):
+        asyncio.run(replayer.replay_workflow(history))
+
+
+@pytest.mark.parametrize(("stem", "forced"), [("training_run", True), ("training_run_watch", False)])
+def test_the_liveness_patch_keeps_both_recordings_replaying(monkeypatch: pytest.MonkeyPatch, stem: str, forced: bool) -> None:
+    """A run recorded before the node liveness watch replays without it, one recorded
+    with it replays with it: ``workflow.patched("node-liveness")`` tells them apart.
+    Forcing the patch either way breaks the recording of the other kind."""
+    history = WorkflowHistory.from_json(WORKFLOW_IDS[stem], (HISTORY_DIR / f"{stem}.json").read_text())
+    replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+    real = workflow.patched
+    monkeypatch.setattr(workflow, "patched", lambda patch_id: forced if patch_id == LIVENESS_PATCH else real(patch_id))
     with pytest.raises(NondeterminismError):
         asyncio.run(replayer.replay_workflow(history))

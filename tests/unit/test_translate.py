@@ -138,7 +138,7 @@ def test_eval_request_and_result() -> None:
     inp = EvalInput(run_id="r", step=4, store_uri="file:///s", seed=8, policy_version=4, eval_key="e", k=5,
                     temperature=0.6, max_new_tokens=7, chunk_size=3)
     req = translate.eval_request(inp)
-    assert dataclasses.asdict(req) == inp.model_dump(exclude={"store_uri", "eval_key"})
+    assert dataclasses.asdict(req) == inp.model_dump(exclude={"store_uri", "eval_key", "epoch"})
     out = translate.eval_result(inp, EvalStats(greedy_accuracy=0.5, pass_at_k=0.75, k=5, n=8, seconds=1.5), [EVENT])
     assert out.model_dump(exclude={"node_events"}) == {
         "step": 4, "policy_version": 4, "greedy_accuracy": 0.5, "pass_at_k": 0.75, "k": 5, "n": 8, "seconds": 1.5}

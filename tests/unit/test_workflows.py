@@ -54,6 +54,9 @@ async def assert_replaced(handle: WorkflowHandle, cluster: Cluster, node_a: str,
     trained = [(c.queue, c.step) for c in cluster.served("train_step") if c.queue == node_b or c.step < lost_at_step]
     assert trained == [(node_a, n) for n in range(1, lost_at_step)] + [(node_b, n) for n in range(lost_at_step, 4)]
     assert [(q, i.policy_version) for q, i in cluster.init_inputs] == [(node_a, 0), (node_b, lost_at_step - 1)]
+    # each placement has its epoch, and every step's node work carries the epoch it ran under
+    assert [i.epoch for _, i in cluster.init_inputs] == [1, 2]
+    assert [t.epoch for t in cluster.train_inputs] == [1] * (lost_at_step - 1) + [2] * (4 - lost_at_step)
     assert len(cluster.served("claim_node")) == 2
     p = await progress(handle)
     assert p.state == "completed" and p.node_queue == node_b
@@ -161,7 +164,8 @@ def test_node_lost_during_placement_claims_another() -> None:
         assert [c.queue for c in cluster.served("init_policy")] == [node_a, node_b]
         assert [c.queue for c in cluster.served("train_step")] == [node_b, node_b]
         p = await progress(handle)
-        assert p.node_queue == node_b and [e.detail for e in p.events if e.kind == "node_lost"] == [node_a]
+        lost = [e.detail for e in p.events if e.kind == "node_lost"]
+        assert p.node_queue == node_b and lost == [f"{node_a}: node lost its setup during init"]
 
     scenario(cluster, body)
 
@@ -171,7 +175,9 @@ def test_paused_run_waits_for_resume() -> None:
     held = cluster.gate("train_step", 1)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
-        handle = await start_run(env, run_config(steps=3))
+        # no liveness watch: the test server does not skip time while an activity runs,
+        # and the watch runs through the pause (the hour below would pass on the wall clock)
+        handle = await start_run(env, run_config(steps=3, node={"liveness_timeout_s": 0}))
         await held.wait_reached()
         await handle.signal(TrainingRun.pause)
         await wait_progress(handle, lambda p: p.state == "paused", "the pause signal")

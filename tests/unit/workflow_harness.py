@@ -49,6 +49,7 @@ from workflows.contracts import (
     EvalResult,
     InitPolicyInput,
     NodeClaim,
+    NodeLivenessInput,
     PolicyInfo,
     PrepareDataInput,
     RewardInput,
@@ -138,6 +139,9 @@ class Cluster:
         self.init_inputs: list[tuple[str, InitPolicyInput]] = []
         self.train_inputs: list[TrainStepInput] = []
         self.eval_inputs: list[EvalInput] = []
+        self.liveness_started: list[str] = []  # the queue of each node_liveness watch
+        self.epoch = 0  # the placement epoch of the last claim
+        self.silent: set[str] = set()  # node queues whose liveness watch stops heartbeating (a stopped agent)
         self.hooks: dict[tuple[str, int | None], Hook] = {}  # (activity, step or None)
         self.rollout_extra: dict[int, dict] = {}  # step -> RolloutResult fields (chunks_reused, engine_retries)
         # dynamic sampling: (step, round, groups) -> indices of the groups whose rewards vary (default: all)
@@ -211,7 +215,8 @@ class Cluster:
         for q in self.queues:
             if q not in inp.exclude_queues:
                 node_id, boot_id = q.split("-")[1:3]
-                return NodeClaim(node_id=node_id, boot_id=boot_id, task_queue=q)
+                self.epoch += 1  # the real claim reads the next epoch from the run's fence
+                return NodeClaim(node_id=node_id, boot_id=boot_id, task_queue=q, epoch=self.epoch)
         raise ApplicationError(f"every node is excluded for {inp.run_id}", type=Failure.NODE_EXCLUDED.value)
 
 
@@ -223,7 +228,16 @@ class StandInNode:
         self.queue = queue
 
     def activities(self) -> list[Callable]:
-        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate]
+        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate,
+                self.node_liveness]
+
+    @activity.defn(name="node_liveness")
+    async def node_liveness(self, inp: NodeLivenessInput) -> None:
+        self.cluster.liveness_started.append(self.queue)
+        while True:
+            if self.queue not in self.cluster.silent:
+                activity.heartbeat()
+            await asyncio.sleep(inp.interval_s)
 
     @activity.defn(name="init_policy")
     async def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:

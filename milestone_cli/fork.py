@@ -1,0 +1,163 @@
+"""``milestone fork RUN --from-step N [--set k=v ...] [--config NEW.yaml] --run-id NEW``.
+
+A fork is a new run that starts from RUN's durable state after step N: its trainer
+restores RUN's newest checkpoint at or before N and replays RUN's stored steps up to
+N (as any restore does), then trains steps N+1.. under its own prefix. RUN's
+artifacts are read, never written. Without a change the fork ends bitwise equal to
+RUN; with one (a learning rate, a reward) it equals RUN up to step N and differs after.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from datetime import datetime, timezone
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from temporalio.client import Client
+from temporalio.common import SearchAttributeKey
+from temporalio.service import RPCError
+
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store import lineage as lin
+from gpu_runtime.store.checkpoint_store import CheckpointStore
+from gpu_runtime.store.object_store import ObjectStore
+from milestone_cli.resume import ResumeError, stored_dataset
+from workflows.config import RunConfig, TrainSpec, format_validation_error
+from workflows.contracts import ForkPoint, RunEvent, RunState, TrainingRunInput
+
+# what the steps up to N were trained with: a fork cannot change it
+FIXED = ("seed", "model", "data", "sft", "store")
+SA_STEP = SearchAttributeKey.for_int("RlStep")
+
+
+class ForkError(ValueError):
+    """The fork cannot start; the message says why (exit code 2)."""
+
+
+async def parent_record(client: Client, run_id: str) -> tuple[TrainingRunInput | None, int | None]:
+    """The parent's workflow input (config and lineage) and its last committed step,
+    from Temporal; ``(None, None)`` when Temporal does not know the run (any more)."""
+    handle = client.get_workflow_handle(run_id)
+    try:
+        desc = await handle.describe()
+        async for event in handle.fetch_history_events():
+            payloads = event.workflow_execution_started_event_attributes.input.payloads
+            [inp] = await client.data_converter.decode(payloads, [TrainingRunInput])
+            break
+        else:
+            return None, None
+    except RPCError:
+        return None, None
+    return inp, desc.typed_search_attributes.get(SA_STEP)
+
+
+def apply_sets(cfg: RunConfig, train: TrainSpec, items: list[str]) -> tuple[RunConfig, TrainSpec]:
+    """``KEY=VALUE`` (values read as YAML): a ``train`` field by its bare name (``lr=1e-5``,
+    as in ``milestone set``), anything else by its config path (``steps=8``,
+    ``reward.function=my.mod:fn``). Both are validated whole."""
+    train_doc, cfg_doc = train.model_dump(), cfg.model_dump()
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ForkError(f"--set: expected KEY=VALUE, got {item!r}")
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ForkError(f"--set {key}: cannot read {value!r}: {err}") from None
+        if key in TrainSpec.model_fields:
+            train_doc[key] = parsed
+            continue
+        *path, leaf = key.split(".")
+        node: Any = cfg_doc
+        for part in path:
+            if not isinstance(node.get(part), dict):
+                raise ForkError(f"--set {key}: no such config key")
+            node = node[part]
+        node[leaf] = parsed
+    try:
+        return RunConfig.model_validate(cfg_doc), TrainSpec.model_validate(train_doc)
+    except ValidationError as err:
+        raise ForkError("--set: " + format_validation_error(err).replace("\n", "; ")) from None
+
+
+def check_compatible(parent: RunConfig, fork: RunConfig, train: TrainSpec) -> None:
+    for field in FIXED:
+        a, b = getattr(parent, field), getattr(fork, field)
+        same = a.rstrip("/") == b.rstrip("/") if field == "store" else a == b
+        if not same:
+            raise ForkError(f"{field}: a fork cannot change it (the steps it shares with its parent were trained with it)")
+    if train.kl_coef > 0 and parent.train.kl_coef == 0:
+        raise ForkError("train.kl_coef: the parent ran with kl_coef 0 and keeps no reference model")
+
+
+def _step_batch(store: ObjectStore, run_id: str, step: int) -> dict:
+    key = art.step_batch_key(run_id, step)
+    try:
+        return json.loads(store.get_bytes(key))
+    except KeyError:
+        raise ForkError(f"step {step}: {key} is missing from the store (did that run train step {step}?)") from None
+
+
+def cursor_after(store: ObjectStore, lineage: list[tuple[str, int]], step: int) -> int:
+    """The data cursor after ``step``: the newest checkpoint at or before it in the
+    lineage, plus the prompts of each later step (its stored rewards / group size)."""
+    base_step, cursor = 0, 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for run_id, last in lineage:
+            ckpts = CheckpointStore(store, art.checkpoints_prefix(run_id), local_dir=tmp)
+            for c in ckpts.list_durable():
+                if base_step < c.step <= min(last, step) and "data_cursor" in c.meta:
+                    base_step, cursor = c.step, int(c.meta["data_cursor"])
+    for k in range(base_step + 1, step + 1):
+        owner = lin.owner(lineage, "", k)
+        batch = _step_batch(store, owner, k)
+        cursor += _prompts_drawn(store, owner, k, batch["rewards_key"], int(batch["group_size"]))
+    return cursor
+
+
+def _prompts_drawn(store: ObjectStore, run_id: str, step: int, rewards_key: str, group_size: int) -> int:
+    """The prompts step ``step`` drew: its trained rewards / group size, or with dynamic
+    sampling (it trained ``batch/``) every round's, kept or filtered (docs/rewards.md)."""
+    if rewards_key != art.batch_rewards_key(run_id, step):
+        return len(art.get_model(store, rewards_key, art.StepRewards).rewards) // group_size
+    drawn, r = 0, 0
+    while store.exists(key := art.rewards_key(run_id, step, r)):
+        drawn += len(art.get_model(store, key, art.StepRewards).rewards) // group_size
+        r += 1
+    return drawn
+
+
+def fork_input(
+    store: ObjectStore, parent_id: str, step: int, cfg: RunConfig, parent: TrainingRunInput | None,
+    sets: list[str], *, train_from_config: bool,
+) -> TrainingRunInput:
+    """The fork's ``TrainingRunInput``: ``cfg`` (the parent's, or ``--config``) with
+    ``sets`` applied, and a state after ``step``. The train settings are the ones the
+    parent trained step ``step`` with (``milestone set`` changes included), unless
+    ``train_from_config``."""
+    parent_lineage = [(a.run_id, a.step) for a in parent.lineage] if parent else []
+    lineage = lin.fork_lineage(parent_lineage, parent_id, step)
+    owner = lineage[-1][0]
+    if step > 0 and not store.exists(f"{art.step_prefix(owner, step)}/train_result.json"):
+        raise ForkError(f"run {owner} has no trained step {step} in {cfg.store}")
+    train = cfg.train
+    if step > 0 and not train_from_config:
+        train = TrainSpec.model_validate(_step_batch(store, owner, step)["hparams"])
+    cfg, train = apply_sets(cfg, train, sets)
+    if parent is not None:
+        check_compatible(parent.config, cfg, train)
+    if cfg.steps <= step:
+        raise ForkError(f"steps: {cfg.steps} leaves nothing to train after step {step} (--set steps=N)")
+    try:
+        dataset = stored_dataset(store, lineage[0][0], cfg)
+    except ResumeError as err:
+        raise ForkError(str(err)) from None
+    forked = RunEvent(at=datetime.now(timezone.utc).isoformat(), kind="forked", detail=f"from {parent_id} at step {step}")
+    state = RunState(
+        next_step=step + 1, policy_version=step, data_cursor=cursor_after(store, lineage, step),
+        initialized=True, dataset=dataset, train=train, events=[forked],
+    )
+    return TrainingRunInput(config=cfg, state=state, lineage=[ForkPoint(run_id=r, step=s) for r, s in lineage])

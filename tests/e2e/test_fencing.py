@@ -1,0 +1,102 @@
+"""Fencing with a real partition: the node running a step is stopped (SIGSTOP of its
+agent, trainer, router and engines) until the run has moved to the other node, then
+continued. The left-behind node finishes its step and tries to write: every write is
+refused (a ``stale_write_refused`` event names the node and its epoch), nothing in the
+run's store changes, and the run ends bitwise equal to its fault-free twin."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime.store.fence import read_fence
+from gpu_runtime.store.object_store import LocalStore
+from tests.e2e.faults import (
+    assert_bitwise_equal,
+    baseline_weights,
+    final_weights,
+    progress,
+    start_run,
+    wait_activity_started,
+)
+from tests.e2e.test_process_faults import assert_trained_exactly_once
+from tests.stack import Stack, async_wait_for, running_stack, tiny_config
+from workers.common import connect
+
+pytestmark = pytest.mark.e2e
+STEPS = 3
+CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}}  # the same as test_process_faults' CFG
+ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2"}  # each train step waits first: the stop lands inside it
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("fencing"), env=ENV, gpu_nodes=("node0", "node1")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def store(stack: Stack) -> Path:
+    return stack.workdir / "store"
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_partitioned_node_writes_nothing_the_run_uses(stack: Stack, store: Path) -> None:
+    baseline = baseline_weights(stack, store, tiny_config(store, **CFG))
+    run_id = "partition"
+
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        handle = await start_run(client, run_id, tiny_config(store, **CFG))
+        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        lost = (await progress(client, run_id)).node_queue
+        assert lost is not None
+        node_id = lost.split("-")[1]
+        node = [stack.procs[f"gpu-{node_id}"].pid, *stack.node_children(node_id)]
+        for pid in node:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            async def moved() -> bool:
+                return (await progress(client, run_id)).node_queue not in (lost, None)
+
+            await async_wait_for(moved, 120, what="the run to move to the other node")
+            await handle.signal("pause")  # the run stops after step 2 (re-run on the other node)
+
+            async def paused() -> bool:
+                p = await progress(client, run_id)
+                return p.state == "paused" and p.step == 2
+
+            await async_wait_for(paused, 300, what="step 2 committed on the other node, run paused")
+            before = tree(store / "runs" / run_id)
+        finally:
+            for pid in node:  # the partition heals
+                os.kill(pid, signal.SIGCONT)
+
+        async def refused() -> list:
+            return [e for e in (await progress(client, run_id)).events if e.kind == "stale_write_refused"]
+
+        events = await async_wait_for(refused, 180, what="the left-behind node's write to be refused")
+        assert events[0].detail.startswith(f"node {node_id} epoch 1: "), events[0].detail
+        assert "the run is at epoch 2" in events[0].detail
+        assert tree(store / "runs" / run_id) == before  # nothing it wrote landed
+
+        await handle.signal("resume")
+        await asyncio.wait_for(handle.result(), 300)
+        p = await progress(client, run_id)
+        lost_events = [e.detail for e in p.events if e.kind == "node_lost"]
+        assert len(lost_events) == 1 and "no liveness heartbeat" in lost_events[0], lost_events
+        fence = read_fence(LocalStore(store), run_id)
+        assert fence.epoch == 2 and fence.node != node_id and [h.from_step for h in fence.history] == [1, 2]
+
+    asyncio.run(main())
+    assert_trained_exactly_once(store, run_id)
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)

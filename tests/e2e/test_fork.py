@@ -1,0 +1,138 @@
+"""``milestone fork`` and ``temporal workflow reset`` on one real stack.
+
+A fork without a change ends bitwise equal to its parent; a fork with another
+learning rate equals the parent up to the fork step and differs after; neither
+writes into the parent's prefix. A reset of the parent to a step boundary re-runs
+the later steps and ends bitwise equal (steps are idempotent)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from temporalio.api.enums.v1 import EventType
+
+from infra.temporal_server import temporal_binary
+from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_to_end
+from tests.stack import ROOT, Stack, running_stack, tiny_config
+from workers.common import connect
+
+pytestmark = pytest.mark.e2e
+STEPS = 3
+# checkpoints after SFT (step 0) and at the end only: a fork at step 2 restores step 0 and replays 1-2
+CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("fork")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def store(stack: Stack) -> Path:
+    return stack.workdir / "store"
+
+
+@pytest.fixture(scope="module")
+def parent(stack: Stack, store: Path) -> str:
+    async def main() -> None:
+        await run_to_end(await connect(stack.server.address), "parent", tiny_config(store, **CFG))
+
+    asyncio.run(main())
+    return "parent"
+
+
+def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "milestone_cli.main", "--address", stack.server.address, *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=400,
+    )
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def weights(store: Path, run_id: str, version: int) -> dict[str, torch.Tensor]:
+    return final_weights(store, run_id, version)
+
+
+def test_fork_equals_parent_without_change_and_differs_after_with_one(stack: Stack, store: Path, parent: str) -> None:
+    before = tree(store / "runs" / parent)
+
+    out = cli(stack, "fork", parent, "--from-step", "2", "--run-id", "fork-same", "--wait")
+    assert out.returncode == 0, out.stderr
+    assert "forked parent at step 2 as fork-same" in out.stdout
+    out = cli(stack, "fork", parent, "--from-step", "2", "--run-id", "fork-lr", "--set", "lr=1e-3", "--wait")
+    assert out.returncode == 0, out.stderr
+
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        p = await progress(client, "fork-same")
+        assert [s.step for s in p.steps] == [3] and p.policy_version == STEPS
+        assert [(a.run_id, a.step) for a in p.lineage] == [(parent, 2)]
+        restored = [e.detail for e in p.events if e.kind == "trainer_restored"]
+        assert restored == ["checkpoint step 0, replayed steps [1, 2] -> v2"], [e.kind for e in p.events]
+        assert [e.detail for e in p.events if e.kind == "forked"] == [f"from {parent} at step 2"]
+        assert p.data_cursor == (await progress(client, parent)).data_cursor
+
+    asyncio.run(main())
+    status = cli(stack, "status", "fork-same")
+    assert status.returncode == 0 and f"forked from {parent} at step 2" in status.stdout, status.stdout
+
+    # no change: bitwise the parent; lr changed after step 2: the parent's v2, then other weights
+    assert_bitwise_equal(weights(store, "fork-same", STEPS), weights(store, parent, STEPS))
+    assert_bitwise_equal(weights(store, "fork-lr", 2), weights(store, parent, 2))
+    lr3, p3 = weights(store, "fork-lr", STEPS), weights(store, parent, STEPS)
+    assert any(not torch.equal(lr3[k], p3[k]) for k in p3)
+    # the parent's artifacts were only read
+    assert tree(store / "runs" / parent) == before
+    assert not (store / "runs" / "fork-same" / "steps" / "000002").exists()
+
+    # refused before anything starts: a taken id, a step the parent never committed
+    out = cli(stack, "fork", parent, "--from-step", "2", "--run-id", "fork-same")
+    assert out.returncode == 2 and "is taken" in out.stderr
+    out = cli(stack, "fork", parent, "--from-step", "4", "--run-id", "fork-late")
+    assert out.returncode == 2 and "committed steps up to 3" in out.stderr
+
+
+def step_boundary(events: list, child_id: str) -> int:
+    """The WorkflowTaskCompleted that follows the completion of the step child ``child_id``:
+    resetting there re-runs everything after that step."""
+    done = next(
+        i for i, e in enumerate(events)
+        if e.event_type == EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED
+        and e.child_workflow_execution_completed_event_attributes.workflow_execution.workflow_id == child_id
+    )
+    return next(e.event_id for e in events[done:] if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
+
+
+def test_temporal_reset_to_a_step_boundary_reruns_the_later_steps(stack: Stack, store: Path, parent: str) -> None:
+    final = weights(store, parent, STEPS)
+
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        handle = client.get_workflow_handle(parent)
+        history = await handle.fetch_history()
+        event_id = step_boundary(list(history.events), f"{parent}/step-1")
+        out = subprocess.run(
+            [temporal_binary(), "workflow", "reset", "--address", stack.server.address, "--workflow-id", parent,
+             "--event-id", str(event_id), "--reason", "redo steps 2-3"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        summary = await asyncio.wait_for(client.get_workflow_handle(parent).result(), 300)
+        assert summary["steps"] == STEPS
+        p = await progress(client, parent)
+        assert [s.step for s in p.steps] == [1, 2, 3]
+        assert p.steps[1].chunks_reused > 0  # the rollout of step 2 came from the store
+
+    asyncio.run(main())
+    assert_bitwise_equal(weights(store, parent, STEPS), final)

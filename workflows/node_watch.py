@@ -1,0 +1,99 @@
+"""Node liveness for ``TrainingRun``: notice a lost node agent in seconds.
+
+While a run is placed on a node, that node runs one ``node_liveness`` activity which
+heartbeats every ``node.liveness_interval_s`` until it is cancelled. Work on the node
+(the placement's activities, each ``RLStep`` child) is awaited together with it: when
+the node stops heartbeating for ``node.liveness_timeout_s`` (a dead, stopped or
+partitioned agent), or nobody picks the watch up that long, the work is cancelled and
+fails as ``NodeLost``, which ``TrainingRun`` answers by re-placing the run. Without
+the watch a lost node is noticed by the work's own heartbeat and schedule-to-start
+timeouts (15 s each, about 30 s in all).
+
+Deterministic: only workflow APIs. Runs recorded before the watch existed replay
+without it (``workflow.patched(LIVENESS_PATCH)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from datetime import timedelta
+from typing import TypeVar
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
+from temporalio.workflow import ActivityCancellationType
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.config import NodeSpec
+    from workflows.contracts import NodeLivenessInput
+    from workflows.failures import Failure, failure
+
+T = TypeVar("T")
+LIVENESS_PATCH = "node-liveness"
+WATCH_LIFETIME = timedelta(days=7)  # a watch that outlives this (a long pause) is started again
+
+
+class NodeWatch:
+    def __init__(self) -> None:
+        self.handle: workflow.ActivityHandle | None = None
+        self.queue: str | None = None
+
+    def _watch(self, run_id: str, queue: str, spec: NodeSpec) -> workflow.ActivityHandle:
+        """The node's running watch (started on first use and after a re-placement)."""
+        if self.handle is not None and self.queue == queue:
+            return self.handle  # running, or ended: then the caller sees why
+        self.stop()
+        timeout = timedelta(seconds=spec.liveness_timeout_s)
+        self.queue = queue
+        self.handle = workflow.start_activity(
+            "node_liveness", NodeLivenessInput(run_id=run_id, interval_s=spec.liveness_interval_s),
+            task_queue=queue,
+            start_to_close_timeout=WATCH_LIFETIME,
+            heartbeat_timeout=timeout,
+            schedule_to_start_timeout=timeout,
+            retry_policy=RetryPolicy(maximum_attempts=1),
+            cancellation_type=ActivityCancellationType.TRY_CANCEL,
+            summary=f"liveness of {queue} (timeout {spec.liveness_timeout_s:g}s)",
+        )
+        return self.handle
+
+    def stop(self) -> None:
+        if self.handle is not None and not self.handle.done():
+            self.handle.cancel()
+        self.handle = self.queue = None
+
+    async def on_live_node(self, run_id: str, queue: str, spec: NodeSpec, work: Awaitable[T]) -> T:
+        """``work`` (on node ``queue``), cancelled and turned into ``NodeLost`` as soon
+        as the node stops answering."""
+        if spec.liveness_timeout_s <= 0 or not workflow.patched(LIVENESS_PATCH):
+            return await work
+        task = asyncio.ensure_future(work)
+        while True:
+            watch = self._watch(run_id, queue, spec)
+            await workflow.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            cause = _cause(watch)
+            if not (isinstance(cause, TimeoutError) and cause.type == TimeoutType.START_TO_CLOSE):
+                break
+            self.handle = None  # outlived WATCH_LIFETIME: start another
+        task.cancel()
+        try:
+            await task
+        except (Exception, asyncio.CancelledError):  # cancelled mid-way: the node is gone, whatever it says
+            pass
+        self.handle = self.queue = None
+        if isinstance(cause, TimeoutError):
+            why = f"no liveness heartbeat for {spec.liveness_timeout_s:g}s ({cause.type.name.lower()} timeout)"
+        else:
+            why = "its liveness watch ended" + (f": {type(cause).__name__}: {cause}" if cause else "")
+        raise failure(Failure.NODE_LOST, f"node queue {queue}: {why}", queue)
+
+
+def _cause(watch: workflow.ActivityHandle) -> BaseException | None:
+    if watch.cancelled():
+        return None
+    err = watch.exception()
+    return err.cause if isinstance(err, ActivityError) and err.cause is not None else err
