@@ -93,6 +93,14 @@ class DataSpec(Strict):
         return self
 
 
+def adam_betas(v: tuple[float, float]) -> tuple[float, float]:
+    """AdamW betas: each in [0, 1)."""
+    for i, b in enumerate(v):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+    return v
+
+
 class SFTSpec(Strict):
     """Supervised warm-up before RL (version 0 of the policy)."""
 
@@ -107,10 +115,7 @@ class SFTSpec(Strict):
     @field_validator("betas")
     @classmethod
     def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
-        for i, b in enumerate(v):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
-        return v
+        return adam_betas(v)
 
 
 class DynamicFilterSpec(Strict):
@@ -206,10 +211,7 @@ class TrainSpec(Strict):
     @field_validator("betas")
     @classmethod
     def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
-        for i, b in enumerate(v):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
-        return v
+        return adam_betas(v)
 
     @model_validator(mode="after")
     def _combinations(self) -> "TrainSpec":
