@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.store.object_store import ObjectStore
+from gpu_runtime.store.object_store import ForwardingStore, ObjectStore
 
 log = logging.getLogger(__name__)
 FENCE_FILE = "fence.json"
@@ -111,7 +111,7 @@ def raise_fence(store: ObjectStore, run_id: str, epoch: int, node: str, from_ste
     return read_fence(store, run_id)
 
 
-class FencedStore(ObjectStore):
+class FencedStore(ForwardingStore):
     """A run's store as one placement of it sees it: reads anything; writes only under
     the run's own prefix (a fork reads its ancestors' artifacts, never writes them),
     and, with ``epoch`` > 0, only while the run's fence is not past ``epoch``.
@@ -121,8 +121,7 @@ class FencedStore(ObjectStore):
         self, inner: ObjectStore, run_id: str, epoch: int, node: str = "",
         on_refused: Callable[[StaleEpoch], None] | None = None,
     ) -> None:
-        self.inner = inner
-        self.root_uri = inner.root_uri
+        super().__init__(inner)
         self.run_id = run_id
         self.prefix = art.run_prefix(run_id) + "/"
         self.epoch = epoch
@@ -142,7 +141,7 @@ class FencedStore(ObjectStore):
                 self.on_refused(err)
             raise err
 
-    # writes: checked
+    # writes: checked; reads are forwarded as they are (ForwardingStore)
     def put_bytes(self, key: str, data: bytes) -> None:
         self._check("put", key)
         self.inner.put_bytes(key, data)
@@ -163,18 +162,3 @@ class FencedStore(ObjectStore):
         self._check("update", key)
         self.inner.update(key, fn)
 
-    # reads: as they are
-    def get_bytes(self, key: str) -> bytes:
-        return self.inner.get_bytes(key)
-
-    def get_file(self, key: str, path: str | Path) -> None:
-        self.inner.get_file(key, path)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def list(self, prefix: str) -> list[str]:
-        return self.inner.list(prefix)
-
-    def verify_file(self, key: str, path: str | Path, sha256: str, size: int) -> bool:
-        return self.inner.verify_file(key, path, sha256, size)

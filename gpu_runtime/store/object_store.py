@@ -79,6 +79,40 @@ class ObjectStore(ABC):
         return len(data) == size and hashlib.sha256(data).hexdigest() == sha256
 
 
+
+class ForwardingStore(ObjectStore):
+    """A store that hands every read and write to ``inner``; subclasses override the
+    operations they guard or record (``delete_prefix`` and ``update`` keep the base
+    class's composition of the forwarded operations unless overridden)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.root_uri = inner.root_uri
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.inner.put_bytes(key, data)
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        self.inner.put_file(key, path)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.inner.get_bytes(key)
+
+    def get_file(self, key: str, path: str | Path) -> None:
+        self.inner.get_file(key, path)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def verify_file(self, key: str, path: str | Path, sha256: str, size: int) -> bool:
+        return self.inner.verify_file(key, path, sha256, size)
+
 def file_sha256(path: str | Path, chunk: int = 4 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -18,7 +18,7 @@ from gpu_runtime.store.checkpoint_store import (
     step_name,
 )
 from gpu_runtime.store.s3 import S3Store
-from gpu_runtime.store.object_store import LocalStore, ObjectStore
+from gpu_runtime.store.object_store import ForwardingStore, LocalStore, ObjectStore
 from infra.seaweedfs import SeaweedServer
 from tests.s3_fixtures import make_s3_store, own_seaweed, seaweed, store_for, wait_until  # noqa: F401
 
@@ -26,12 +26,11 @@ PREFIX = "run-1/checkpoints"
 FAST = RetryPolicy(base_s=0.05, max_s=0.5, deadline_s=60.0)
 
 
-class SpyStore(ObjectStore):
+class SpyStore(ForwardingStore):
     """A real store plus a record of puts and a gate that can hold puts matching a predicate."""
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.root_uri = inner.root_uri
+        super().__init__(inner)
         self.puts: list[str] = []
         self.hold: Callable[[str], bool] = lambda key: False
         self.released = threading.Event()
@@ -51,24 +50,6 @@ class SpyStore(ObjectStore):
         self._gate(key)
         self.inner.put_file(key, path)
         self.puts.append(key)
-
-    def get_bytes(self, key: str) -> bytes:
-        return self.inner.get_bytes(key)
-
-    def get_file(self, key: str, path: str | Path) -> None:
-        self.inner.get_file(key, path)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def list(self, prefix: str) -> list[str]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def verify_file(self, key: str, path: str | Path, sha256: str, size: int) -> bool:
-        return self.inner.verify_file(key, path, sha256, size)
 
 
 @pytest.fixture(params=["local", "s3"])
