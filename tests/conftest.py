@@ -33,6 +33,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# on a failed test that used a stack, the WARNING/ERROR lines of its agents' logs go into the
+# report: CI keeps only the printed output, and the logs are what says why a run failed
+_LOG_LINES_PER_FILE = 40
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.passed or report.skipped:
+        return
+    stack = getattr(item, "funcargs", {}).get("stack")
+    if not isinstance(stack, Stack):
+        return
+    for log in sorted((stack.workdir / "logs").glob("*.log")):
+        lines = [ln for ln in log.read_text(errors="replace").splitlines()
+                 if " WARNING " in ln or " ERROR " in ln or " CRITICAL " in ln]
+        if lines:
+            report.sections.append((f"stack log {log.name} (last warnings/errors)",
+                                    "\n".join(ln[:400] for ln in lines[-_LOG_LINES_PER_FILE:])))
+
+
 @pytest.fixture
 def stack_dir(tmp_path: Path) -> Path:
     return tmp_path

@@ -46,7 +46,7 @@ TIMINGS: dict[str, ActivityTiming] = {
     "compute_rewards": ActivityTiming(timedelta(minutes=10), HEARTBEAT, None, _retry(5)),
     "assemble_batch": ActivityTiming(timedelta(minutes=5), None, None, _retry(5)),
     "train_step": ActivityTiming(timedelta(minutes=30), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),
-    "update_weights": ActivityTiming(timedelta(minutes=10), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),
+    "update_weights": ActivityTiming(timedelta(minutes=10), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(10)),
     "checkpoint": ActivityTiming(timedelta(minutes=10), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(10)),
     # a failed eval costs the step its eval numbers, not the run (RLStep records an event)
     "evaluate": ActivityTiming(timedelta(minutes=20), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5, 10.0)),

@@ -221,16 +221,18 @@ class EngineFleet:
                 return
             s.state = "dead"
             pid = s.proc.pid if s.proc else None
-        if hung:
-            self._emit("engine_hung", s.index, detail)
-        self._kill(s)
-        if self.router is not None:
-            try:
-                self.router.remove_worker(s.url)
-            except RouterError as e:
-                log.warning("slot %d: could not remove %s from router: %s", s.index, s.url, e)
-        with self._lock:
-            s.state, s.weight_version, s.checksum, s.failures = "empty", None, None, 0
+        try:
+            if hung:
+                self._emit("engine_hung", s.index, detail)
+            self._kill(s)
+            if self.router is not None:
+                try:
+                    self.router.remove_worker(s.url)
+                except (RouterError, ValueError) as e:
+                    log.warning("slot %d: could not remove %s from router: %s", s.index, s.url, e)
+        finally:  # a slot left "dead" would never be restarted (recovery restarts "empty" slots)
+            with self._lock:
+                s.state, s.weight_version, s.checksum, s.failures = "empty", None, None, 0
         # emitted once the engine is killed, reaped and out of the router
         self._emit("engine_dead", s.index, f"pid={pid}: {detail}")
 
@@ -335,7 +337,7 @@ class EngineFleet:
         path, ver = str(model_path), str(version)
         targets = [s for s in self.slots if s.state == "healthy"]
         if not targets:
-            raise NoHealthyEngine("no healthy engine to update")
+            raise NoHealthyEngine(f"no healthy engine to update (slots: {[s.state for s in self.slots]})")
 
         def push(s: _Slot) -> str | None:
             c = EngineClient(s.url, timeout_s=self.generate_timeout_s)

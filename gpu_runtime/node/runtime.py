@@ -16,7 +16,7 @@ from pathlib import Path
 from gpu_runtime.node import metrics
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
-from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig
+from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig, NoHealthyEngine
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.models.tokenizer import Tokenizer
@@ -26,6 +26,9 @@ from gpu_runtime.trainer.api import NodeEvent, RunSetup
 from gpu_runtime.trainer.process import TrainerProcess
 
 log = logging.getLogger(__name__)
+
+# update_weights restarts a fleet whose engines all died this many times before it gives up
+ENGINE_RECOVERY_ROUNDS = 3
 
 
 class NodeRuntime:
@@ -174,7 +177,20 @@ class NodeRuntime:
                 restarted = list(range(num_engines))
             else:
                 restarted = self.fleet.restart_empty_slots(model_path, version)
-            self.fleet.update_weights(model_path, version)
+            for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
+                try:
+                    self.fleet.update_weights(model_path, version)
+                    break
+                except NoHealthyEngine:
+                    # every engine died between the restart and the push (a health probe timed
+                    # out on a loaded machine, say): restart them with these weights and push
+                    # again, rather than spend one of the activity's few attempts on it
+                    states = [s.state for s in self.fleet.snapshot()]
+                    if attempt == ENGINE_RECOVERY_ROUNDS:
+                        raise
+                    log.warning("no healthy engine to update (slots %s): restarting them (round %d of %d)",
+                                states, attempt, ENGINE_RECOVERY_ROUNDS)
+                    restarted += [i for i in self.fleet.restart_empty_slots(model_path, version) if i not in restarted]
             self.tokenizer = Tokenizer.load(model_path)
             self._write_children()
             return restarted
