@@ -44,9 +44,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     report = outcome.get_result()
     if report.passed or report.skipped:
         return
-    stack = getattr(item, "funcargs", {}).get("stack")
-    if not isinstance(stack, Stack):
+    stacks = [v for v in getattr(item, "funcargs", {}).values() if isinstance(v, Stack)]
+    if not stacks:
         return
+    stack = stacks[0]  # fixtures name it stack, engine_stack, proc_stack, ...
     for log in sorted((stack.workdir / "logs").glob("*.log")):
         lines = [ln for ln in log.read_text(errors="replace").splitlines()
                  if " WARNING " in ln or " ERROR " in ln or " CRITICAL " in ln]
