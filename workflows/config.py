@@ -143,6 +143,11 @@ class RolloutSpec(Strict):
         1.0, ge=1.0, description="with dynamic_filter: each round draws ceil(prompts_per_step * oversample) prompts"
     )
     dynamic_filter: DynamicFilterSpec = DynamicFilterSpec()
+    mode: Literal["sync", "one_step_off"] = Field(
+        "sync",
+        description="sync: step n samples on the policy step n-1 produced; one_step_off: step n+1's rollout runs on "
+        "the same weights as step n's, during step n's train_step (samples one version old, corrected by TIS)",
+    )
 
     @model_validator(mode="after")
     def _dynamic(self) -> "RolloutSpec":
@@ -277,6 +282,9 @@ class EngineSpec(Strict):
     health_check_failure_threshold: int = Field(1, ge=1)
 
 
+# the truncated-IS cap a one_step_off run gets when its config does not set train.tis_cap
+ONE_STEP_OFF_TIS_CAP = 2.0
+
 # ``train`` knobs only the RL loss reads: in mode sft each must keep its default
 RL_ONLY_TRAIN_FIELDS = ("estimator", "clip_eps", "clip_eps_high", "dual_clip_c", "kl_coef", "kl_estimator",
                         "kl_in_reward", "entropy_coef", "tis_cap", "scale_adv_by_std")
@@ -363,6 +371,8 @@ class RunConfig(Strict):
     def _rollout_mode(cls, v: RolloutSpec, info: ValidationInfo) -> RolloutSpec:
         if info.data.get("mode") == "sft" and v.dynamic_filter.enabled:
             raise ValueError("dynamic_filter applies to mode rl (mode sft samples nothing)")
+        if info.data.get("mode") == "sft" and v.mode != "sync":
+            raise ValueError("mode one_step_off overlaps rollout with training: mode sft has no rollout (use sync)")
         return v
 
     @field_validator("reward")
@@ -384,6 +394,11 @@ class RunConfig(Strict):
                 f"{', '.join(bad)}: RL loss knobs, unused in mode sft (which minimises the labels' negative "
                 "log-likelihood): leave them at their defaults"
             )
+        rollout = info.data.get("rollout")
+        if rollout is not None and rollout.mode == "one_step_off" and "tis_cap" not in v.model_fields_set:
+            # off-policy samples get truncated IS unless the config says otherwise (tis_cap: null turns it off)
+            v = v.model_copy(update={"tis_cap": ONE_STEP_OFF_TIS_CAP})
+            v.model_fields_set.add("tis_cap")
         return v
 
     @property

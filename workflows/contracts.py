@@ -156,6 +156,28 @@ class SamplingStats(BaseModel):
     fallback: bool = False  # no group was kept: the first round's groups were trained as they were
 
 
+class Sampled(BaseModel):
+    """A step's sampled batch (rollout and rewards, after any dynamic sampling): what the
+    step trains on, and what its summary reports of the sampling. In ``one_step_off`` the
+    step before produces it, and ``TrainingRun`` carries it to the step that trains on it."""
+
+    chunk_keys: list[str]
+    rewards_key: str
+    prompts: int  # prompts drawn: the data cursor advances by this
+    reward_mean: float  # over every generated sample (every round)
+    reward_std: float
+    accuracy: float
+    reward_errors: int
+    response_len_mean: float
+    chunks_reused: int
+    engine_retries: int
+    phases: dict[str, float]
+    node_events: list[RunEvent] = []
+    sampling: SamplingStats | None = None
+    policy_version: int = 0  # the weights the engines generated every sample of the batch with
+    data_cursor: int = 0  # the cursor its prompts were drawn from
+
+
 class SampledRound(BaseModel):
     """One dynamic-sampling round of a step, as stored: its chunks and their rewards."""
 
@@ -300,6 +322,8 @@ class RLStepInput(BaseModel):
     dataset: DatasetInfo
     node_queue: str
     epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
+    # one_step_off: this step's batch, sampled during the previous step (None: the step samples it)
+    prefetched: Sampled | None = None
 
 
 class StepSummary(BaseModel):
@@ -330,6 +354,9 @@ class StepSummary(BaseModel):
     eval_n: int | None = None
     reward_errors: int = 0  # samples scored 0 after a failed reward call (error_policy zero)
     sampling: SamplingStats | None = None  # dynamic sampling (None: off)
+    rollout_version: int | None = None  # the policy version that generated the trained samples
+    overlap_seconds: float = 0.0  # one_step_off: the next step's sampling seconds that ran during this train_step
+    next_sampled: Sampled | None = None  # one_step_off: the next step's batch (TrainingRun moves it to its state)
 
 
 class RunState(BaseModel):
@@ -348,6 +375,7 @@ class RunState(BaseModel):
     engines: list[EngineSlotInfo] = []
     first_rewards: list[float] = []
     eval_before: EvalResult | None = None  # the post-SFT policy (v0) on the held-out split
+    prefetched: Sampled | None = None  # one_step_off: the next step's batch, sampled during the last step
 
 
 class TrainingRunInput(BaseModel):

@@ -10,6 +10,9 @@ delay or lose it).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
@@ -22,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
         EvalResult,
         RLStepInput,
         RunEvent,
+        Sampled,
         SFTRowsInput,
         StepSummary,
         TrainStepInput,
@@ -30,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsResult,
     )
     from workflows.failures import Failure, failure_in
-    from workflows.sampling import Sampled, sample, sample_with_filter
+    from workflows.sampling import sample_step
 
 EVAL_PATCH = "eval-activity"  # steps recorded before the eval existed replay without it
 SFT_MODE_PATCH = "sft-mode"  # mode sft: the step trains on dataset rows, without rollout and reward
@@ -48,19 +52,34 @@ class RLStep:
             sft_rows = SFTRowsInput(data_cursor=inp.data_cursor, n_rows=cfg.sft.batch_size)
             sampled = Sampled(chunk_keys=[], rewards_key="", prompts=cfg.sft.batch_size, reward_mean=0.0,
                               reward_std=0.0, accuracy=0.0, reward_errors=0, response_len_mean=0.0,
-                              chunks_reused=0, engine_retries=0, phases={})
+                              chunks_reused=0, engine_retries=0, phases={},
+                              policy_version=inp.policy_version, data_cursor=inp.data_cursor)
         else:
-            sampled = await (sample_with_filter(inp) if cfg.rollout.dynamic_filter.enabled else sample(inp))
+            sampled = inp.prefetched or await sample_step(inp)
         cursor = inp.data_cursor + sampled.prompts
-        trained = await run_activity(
-            "train_step",
-            TrainStepInput(
-                run_id=inp.run_id, step=inp.step, store_uri=store, policy_version=inp.policy_version,
-                chunk_keys=sampled.chunk_keys, rewards_key=sampled.rewards_key,
-                group_size=cfg.rollout.group_size, train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
-            ),
-            TrainStepResult, task_queue=node, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
-        )
+        # one_step_off: the next step's batch is sampled during this train_step, on the weights
+        # the engines serve now (this step's); update_weights waits for it (the engines serve one version)
+        ahead = None
+        if cfg.rollout.mode == "one_step_off" and inp.step < cfg.steps:
+            nxt = inp.model_copy(update={"step": inp.step + 1, "data_cursor": cursor, "prefetched": None})
+            ahead = asyncio.create_task(sample_step(nxt))
+        try:
+            trained = await run_activity(
+                "train_step",
+                TrainStepInput(
+                    run_id=inp.run_id, step=inp.step, store_uri=store, policy_version=inp.policy_version,
+                    chunk_keys=sampled.chunk_keys, rewards_key=sampled.rewards_key,
+                    group_size=cfg.rollout.group_size, train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
+                ),
+                TrainStepResult, task_queue=node, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
+            )
+            next_sampled = await ahead if ahead is not None else None
+        except BaseException:
+            if ahead is not None and not ahead.done():  # the step is re-run as a whole: stop its prefetch
+                ahead.cancel()
+                with contextlib.suppress(BaseException):
+                    await ahead
+            raise
         synced = await run_activity(
             "update_weights",
             UpdateWeightsInput(
@@ -124,6 +143,9 @@ class RLStep:
             eval_n=evaluated.n if evaluated else None,
             reward_errors=sampled.reward_errors,
             sampling=sampled.sampling,
+            rollout_version=sampled.policy_version,
+            overlap_seconds=min(trained.seconds, sum(next_sampled.phases.values())) if next_sampled else 0.0,
+            next_sampled=next_sampled,
         )
 
 

@@ -16,8 +16,6 @@ the data cursor moves past all of them, kept, filtered or surplus.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
@@ -32,29 +30,11 @@ with workflow.unsafe.imports_passed_through():
         RolloutInput,
         RolloutResult,
         RunEvent,
+        Sampled,
         SampledRound,
         SamplingStats,
     )
     from workflows.failures import Failure, failure
-
-
-@dataclass
-class Sampled:
-    """What a step trains on, and what its summary reports of the sampling."""
-
-    chunk_keys: list[str]
-    rewards_key: str
-    prompts: int  # prompts drawn: the data cursor advances by this
-    reward_mean: float  # over every generated sample (every round)
-    reward_std: float
-    accuracy: float
-    reward_errors: int
-    response_len_mean: float
-    chunks_reused: int
-    engine_retries: int
-    phases: dict[str, float]
-    node_events: list[RunEvent] = field(default_factory=list)
-    sampling: SamplingStats | None = None
 
 
 def more_rounds(kept: int, target: int, rounds_done: int, max_rounds: int) -> bool:
@@ -112,6 +92,7 @@ async def sample(inp: RLStepInput) -> Sampled:
         reward_errors=rewards.errors, response_len_mean=rollout.response_len_mean,
         chunks_reused=rollout.chunks_reused, engine_retries=rollout.engine_retries,
         phases={"rollout": rollout.seconds, "reward": rewards.seconds}, node_events=rollout.node_events,
+        policy_version=inp.policy_version, data_cursor=inp.data_cursor,
     )
 
 
@@ -190,4 +171,10 @@ async def sample_with_filter(inp: RLStepInput) -> Sampled:
                 "assemble": batch.seconds},
         node_events=events,
         sampling=stats.model_copy(update={"trained_reward_mean": batch.reward_mean}),
+        policy_version=inp.policy_version, data_cursor=inp.data_cursor,
     )
+
+
+async def sample_step(inp: RLStepInput) -> Sampled:
+    """The step's batch: with or without dynamic sampling."""
+    return await (sample_with_filter(inp) if inp.config.rollout.dynamic_filter.enabled else sample(inp))

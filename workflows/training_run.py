@@ -119,7 +119,10 @@ class TrainingRun:
             # commit: the only place the cursor and the version move
             st.policy_version = summary.policy_version
             st.data_cursor = summary.data_cursor
-            st.history = [*st.history, summary.model_copy(update={"events": [], "engines": []})][-HISTORY_KEEP:]
+            st.prefetched = summary.next_sampled  # one_step_off: the next step's batch, already sampled
+            st.history = [
+                *st.history, summary.model_copy(update={"events": [], "engines": [], "next_sampled": None})
+            ][-HISTORY_KEEP:]
             st.events = [*st.events, *summary.events][-100:]
             st.engines = summary.engines
             if len(st.first_rewards) < SUMMARY_STEPS:
@@ -180,6 +183,7 @@ class TrainingRun:
                     run_id=run_id, step=st.next_step, config=cfg, train=st.train,
                     policy_version=st.policy_version, data_cursor=st.data_cursor,
                     dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
+                    prefetched=st.prefetched,
                 ),
                 id=f"{run_id}/step-{st.next_step}",
                 task_queue=CONTROL_QUEUE,

@@ -136,6 +136,7 @@ class Cluster:
         self.queues = [f"node-n{i}-{tag}" for i in range(n_nodes)]
         self.calls: list[Call] = []
         self.trainer_version: dict[str, int] = {}
+        self.engine_version: dict[str, int] = {}  # the version each node's engines serve (set by update_weights)
         self.init_inputs: list[tuple[str, InitPolicyInput]] = []
         self.train_inputs: list[TrainStepInput] = []
         self.eval_inputs: list[EvalInput] = []
@@ -249,7 +250,10 @@ class StandInNode:
     @activity.defn(name="rollout")
     async def rollout(self, inp: RolloutInput) -> RolloutResult:
         await self.cluster.record(self.queue, "rollout", inp.step, inp.policy_version)
-        self._check_version(inp.policy_version, "rollout", inp.step)
+        served = self.cluster.engine_version.get(self.queue)
+        if served != inp.policy_version:  # the real rollout raises StaleWeights on an engine answer from other weights
+            raise failure(Failure.INVALID_INPUT, f"rollout step {inp.step}: engines of {self.queue} serve v{served}, "
+                                                 f"asked for v{inp.policy_version}")
         self.cluster.rollout_inputs.append(inp)
         r = inp.rollout
         n = (inp.n_prompts or r.prompts_per_step) * r.group_size
@@ -273,6 +277,7 @@ class StandInNode:
     @activity.defn(name="update_weights")
     async def update_weights(self, inp: UpdateWeightsInput) -> UpdateWeightsResult:
         await self.cluster.record(self.queue, "update_weights", None, inp.policy_version)
+        self.cluster.engine_version[self.queue] = inp.policy_version
         engines = [
             EngineSlotInfo(slot=i, state="healthy", weight_version=inp.policy_version, checksum=inp.checksum)
             for i in range(inp.engines.num_engines)

@@ -1,0 +1,122 @@
+"""``rollout.mode: one_step_off`` on Temporal's time-skipping test server (stand-in
+activities, tests/unit/workflow_harness.py): step n+1's batch is sampled during step n's
+train_step on the weights step n sampled with, the weight push waits for it, the
+schedule is fixed (so a retry or a re-placement replays it, never re-races it), and each
+batch is trained exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+from temporalio import activity
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from tests.unit.workflow_harness import (
+    PROMPTS_PER_STEP,
+    WAIT_S,
+    Cluster,
+    finish,
+    progress,
+    run_config,
+    scenario,
+    start_run,
+)
+from workflows.policies import TIMINGS
+
+STEPS = 4
+
+
+def one_step_off(**overrides: object):
+    rollout = {"prompts_per_step": PROMPTS_PER_STEP, "group_size": 2, "chunk_size": 4, "mode": "one_step_off"}
+    return run_config(steps=STEPS, rollout=rollout, **overrides)
+
+
+def step_of(chunk_key: str) -> int:
+    return int(chunk_key.split("/steps/")[1].split("/")[0])
+
+
+def test_next_rollout_runs_during_train_step_one_version_behind() -> None:
+    cluster = Cluster()
+    gate = cluster.gate("train_step", 2)
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, one_step_off())
+        await gate.wait_reached()
+        # train_step 2 is held: step 3's rollout still runs, on the weights step 2 sampled with (v0)
+        async def step3_sampled() -> None:
+            while not cluster.served("rollout", 3):
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(step3_sampled(), WAIT_S)
+        assert [c.version for c in cluster.served("update_weights")] == [0, 1]  # v2 waits for train_step 2
+        gate.release.set()
+        summary = await finish(handle)
+        assert (summary.steps, summary.policy_version, summary.data_cursor) == (STEPS, STEPS, STEPS * PROMPTS_PER_STEP)
+        # step 1 samples on v0 as in sync; then each step's batch is one version behind
+        assert [(i.step, i.policy_version) for i in cluster.rollout_inputs] == [(1, 0), (2, 0), (3, 1), (4, 2)]
+        assert [i.data_cursor for i in cluster.rollout_inputs] == [n * PROMPTS_PER_STEP for n in range(STEPS)]
+        # each train step trained its own step's batch, once, from the version before it
+        assert [(t.step, t.policy_version) for t in cluster.train_inputs] == [(n, n - 1) for n in range(1, STEPS + 1)]
+        assert [{step_of(k) for k in t.chunk_keys} for t in cluster.train_inputs] == [{n} for n in range(1, STEPS + 1)]
+        assert len(cluster.served("rollout")) == STEPS  # no batch sampled twice
+        # the push of v(n) comes after step n+1's rollout (the engines serve one version at a time)
+        order = [(c.name, c.step, c.version) for c in cluster.calls if c.name in ("rollout", "update_weights")]
+        for n in range(1, STEPS):
+            assert order.index(("rollout", n + 1, n - 1)) < order.index(("update_weights", None, n)), order
+        p = await progress(handle)
+        assert [s.rollout_version for s in p.steps] == [0, 0, 1, 2]
+        assert all(s.next_sampled is None for s in p.steps)  # the state carries the batch, not the history
+
+    scenario(cluster, body)
+
+
+def test_sync_mode_samples_each_step_on_the_previous_version() -> None:
+    cluster = Cluster()
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=3))
+        await finish(handle)
+        assert [(i.step, i.policy_version) for i in cluster.rollout_inputs] == [(1, 0), (2, 1), (3, 2)]
+        assert [s.rollout_version for s in (await progress(handle)).steps] == [0, 1, 2]
+
+    scenario(cluster, body)
+
+
+def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node A stops during step 3's train_step (step 3's batch was sampled during step 2,
+    step 4's is being sampled): the step is re-run on B from v2 with the batch already
+    recorded, and step 4's batch is sampled again on B at the same version with the same
+    inputs (the stored chunks make that a reuse on a real node)."""
+    for name in ("train_step", "update_weights"):
+        monkeypatch.setitem(TIMINGS, name, replace(TIMINGS[name], schedule_to_start=timedelta(seconds=1)))
+    cluster = Cluster(n_nodes=2)
+    node_a, node_b = cluster.queues
+    a_stopping = asyncio.Event()
+
+    async def last_call_on_a(queue: str, attempt: int) -> None:
+        if queue == node_a:
+            a_stopping.set()
+            await activity.wait_for_worker_shutdown()
+
+    cluster.hooks[("rollout", 4)] = last_call_on_a
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, one_step_off())
+        await asyncio.wait_for(a_stopping.wait(), WAIT_S)
+        await nodes[node_a].shutdown()
+        summary = await finish(handle)
+        assert (summary.steps, summary.policy_version, summary.data_cursor) == (STEPS, STEPS, STEPS * PROMPTS_PER_STEP)
+        rollouts = [(c.queue, c.step, c.version) for c in cluster.served("rollout")]
+        assert rollouts[:4] == [(node_a, 1, 0), (node_a, 2, 0), (node_a, 3, 1), (node_a, 4, 2)]
+        assert (node_b, 3, 1) not in rollouts  # step 3's batch was recorded: not sampled again
+        assert rollouts[4:] == [(node_b, 4, 2)]
+        trained = [(t.step, t.policy_version, tuple(t.chunk_keys)) for t in cluster.train_inputs]
+        assert [(s, v) for s, v, _ in trained if s != 3] == [(1, 0), (2, 1), (4, 3)]
+        assert len({k for s, _, k in trained if s == 3}) == 1  # step 3 (tried on A, re-run on B): the same batch
+        p = await progress(handle)
+        assert [s.rollout_version for s in p.steps] == [0, 0, 1, 2]
+
+    scenario(cluster, body)
