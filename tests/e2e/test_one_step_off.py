@@ -1,0 +1,119 @@
+"""``rollout.mode: one_step_off`` in real runs: step n+1's batch is generated during step
+n's train_step, one policy version behind, and faults in either overlapping half heal to
+the bitwise result of the fault-free one_step_off run, every prompt trained once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.faults import (
+    assert_bitwise_equal,
+    baseline_weights,
+    final_weights,
+    progress,
+    start_run,
+    wait_activity_started,
+)
+from tests.e2e.test_process_faults import assert_trained_exactly_once
+from tests.stack import Stack, running_stack, tiny_config
+from workers.common import connect
+
+pytestmark = pytest.mark.e2e
+STEPS = 3
+# checkpoints only at the end (a rebuilt trainer restores step 0 and replays), as test_process_faults' CFG
+CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}, "rollout": {"mode": "one_step_off"}}
+# fault-injection aids: each train step waits 2 s first and each decoded token 300 ms, so a
+# kill lands inside the half it aims at while the other half runs beside it
+ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2", "MILESTONE_ENGINE_STEP_DELAY_MS": "300"}
+
+
+def cfg(store: Path) -> dict:
+    c = tiny_config(store, **CFG)
+    c["rollout"] = {**tiny_config(store)["rollout"], "mode": "one_step_off"}
+    return c
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("one-step-off"), env=ENV) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def store(stack: Stack) -> Path:
+    return stack.workdir / "store"
+
+
+@pytest.fixture(scope="module")
+def baseline(stack: Stack, store: Path) -> dict:
+    return baseline_weights(stack, store, cfg(store))
+
+
+def sample_versions(store: Path, run_id: str, step: int) -> set[int]:
+    """The weight versions the engines generated the step's trained samples with."""
+    batch = json.loads((store / "runs" / run_id / "steps" / f"{step:06d}" / "step_batch.json").read_text())
+    return {s["weight_version"] for key in batch["chunk_keys"] for s in json.loads((store / key).read_text())["samples"]}
+
+
+def test_fault_free_run_samples_one_version_behind(stack: Stack, store: Path, baseline: dict) -> None:
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        p = await progress(client, "baseline")
+        assert [s.rollout_version for s in p.steps] == [0, 0, 1]
+        assert all(s.overlap_seconds > 0 for s in p.steps[:-1]) and p.steps[-1].overlap_seconds == 0
+        assert p.state == "completed" and p.policy_version == STEPS
+
+    asyncio.run(main())
+    # what the engines stamped on each sample, not only what the workflow says
+    assert [sample_versions(store, "baseline", s) for s in range(1, STEPS + 1)] == [{0}, {0}, {1}]
+    assert_trained_exactly_once(store, "baseline")
+
+
+def test_engine_killed_during_the_overlapped_rollout(stack: Stack, store: Path, baseline: dict) -> None:
+    run_id = "osf-engine-kill"
+
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        handle = await start_run(client, run_id, cfg(store))
+        # step 3's batch is generated inside step 2's workflow, beside step 2's train_step
+        await wait_activity_started(client, f"{run_id}/step-2", "rollout")
+        engines = stack.node_pids("node0")["engines"]
+        os.kill(engines[0], signal.SIGKILL)
+        summary = await asyncio.wait_for(handle.result(), 300)
+        assert summary.steps == STEPS and summary.policy_version == STEPS
+        p = await progress(client, run_id)
+        kinds = [e.kind for e in p.events]
+        assert "engine_dead" in kinds and "engine_recovered" in kinds, kinds
+        assert [s.rollout_version for s in p.steps] == [0, 0, 1]
+
+    asyncio.run(main())
+    assert [sample_versions(store, run_id, s) for s in range(1, STEPS + 1)] == [{0}, {0}, {1}]
+    assert_trained_exactly_once(store, run_id)
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
+
+
+def test_trainer_killed_while_the_next_batch_generates(stack: Stack, store: Path, baseline: dict) -> None:
+    run_id = "osf-trainer-kill"
+
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        handle = await start_run(client, run_id, cfg(store))
+        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        old = stack.node_pids("node0")["trainer"]
+        os.kill(old, signal.SIGKILL)
+        await asyncio.wait_for(handle.result(), 300)
+        p = await progress(client, run_id)
+        assert p.steps[1].restored_from_step == 0 and p.steps[1].replayed_steps == [1]
+        assert stack.node_pids("node0")["trainer"] != old
+        assert [s.rollout_version for s in p.steps] == [0, 0, 1]
+
+    asyncio.run(main())
+    assert_trained_exactly_once(store, run_id)
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
