@@ -1,6 +1,6 @@
 # Milestone: two commands on a fresh machine.
 #   make demo   install the CPU profile, start the stack, run the demo RL run to the end
-#   make test   install the same environment and run the whole test suite
+#   make test   install the same environment (and Debian's chromium) and run the whole test suite
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,6 +10,9 @@ STAMP := $(VENV)/.milestone-installed
 # CPU profile: torch 2.13.0 comes from the local wheel; pin it on every pip line so
 # nothing ever pulls a CUDA build.
 TORCH := torch==2.13.0
+# The browser check of the Temporal UI (tests/e2e/test_rl_run.py) drives Debian's chromium.
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: install demo test up down status bench clean
 
@@ -21,10 +24,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Installed only when missing; a failed install stops `make test` here, loudly.
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium || \
+	  { echo "make: could not install chromium (Debian package), which the UI browser test needs" >&2; exit 1; }
+	test -x $(CHROMIUM)
+
 demo: install
 	$(PY) -m infra.demo examples/demo.yaml
 
-test: install
+test: install $(CHROMIUM)
 	$(PY) -m pytest
 
 # make up S3=1 also starts SeaweedFS (S3 on :8333) for configs whose store is s3://

@@ -47,9 +47,12 @@ async def async_wait_for(cond: Callable, timeout_s: float = 60.0, interval_s: fl
 
 
 class TemporalDevServer:
-    def __init__(self, workdir: Path) -> None:
+    """``ui=True`` also serves the Temporal web UI (on ``ui_port``), for the browser check."""
+
+    def __init__(self, workdir: Path, ui: bool = False) -> None:
         self.workdir = workdir
         self.port = free_port()
+        self.ui_port = free_port() if ui else None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -58,10 +61,12 @@ class TemporalDevServer:
 
     def start(self) -> None:
         cmd = server_command(
-            self.workdir / "temporal.db", self.port, None, http_port=free_port(), metrics_port=free_port()
+            self.workdir / "temporal.db", self.port, self.ui_port, http_port=free_port(), metrics_port=free_port()
         )
         self.proc = spawn(cmd, self.workdir / "temporal.log")
         wait_for_port("127.0.0.1", self.port, 60, self.proc)
+        if self.ui_port is not None:
+            wait_for_port("127.0.0.1", self.ui_port, 60, self.proc)
         wait_until_serving(self.address)
 
     def restart(self) -> None:
@@ -77,9 +82,9 @@ class TemporalDevServer:
 class Stack:
     """Temporal dev server + ``workers.control`` + ``workers.gpu`` processes."""
 
-    def __init__(self, workdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None, ui: bool = False) -> None:
         self.workdir = workdir
-        self.server = TemporalDevServer(workdir)
+        self.server = TemporalDevServer(workdir, ui=ui)
         self.procs: dict[str, subprocess.Popen] = {}
         self.extra_env = dict(env or {})
         self.metrics_ports: dict[str, int] = {}
@@ -179,9 +184,11 @@ def tiny_config(store_dir: Path, **overrides: object) -> dict:
 
 
 @contextmanager
-def running_stack(workdir: Path, env: dict[str, str] | None = None, gpu_nodes: tuple[str, ...] = ("node0",)) -> Iterator[Stack]:
+def running_stack(
+    workdir: Path, env: dict[str, str] | None = None, gpu_nodes: tuple[str, ...] = ("node0",), ui: bool = False
+) -> Iterator[Stack]:
     """A started Stack, stopped (by pid) however the block ends."""
-    stack = Stack(workdir, env=env)
+    stack = Stack(workdir, env=env, ui=ui)
     try:
         stack.start(gpu_nodes)
         yield stack

@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--address", default=None, help="Temporal frontend (default $MILESTONE_TEMPORAL_ADDRESS or localhost:7233)")
     p.add_argument("--namespace", default=None)
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = off)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on HOST:PORT (0 = off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the /metrics endpoint binds (default loopback; 0.0.0.0 in a container)")
     args = p.parse_args(argv)
-    metrics.serve(args.metrics_port)
+    metrics.serve(args.metrics_port, args.metrics_host)
     setup_logging("control")
     asyncio.run(run(args.address, args.namespace))
 

@@ -86,11 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trainer-threads", type=int, default=1)
     p.add_argument("--address", default=None)
     p.add_argument("--namespace", default=None)
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = off)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on HOST:PORT (0 = off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the /metrics endpoint binds (default loopback; 0.0.0.0 in a container)")
     args = p.parse_args(argv)
     if args.device == "cuda":
         p.error("--device cuda: the GPU backends (SGLang, Megatron) are not wired into the node agent yet")
-    metrics.serve(args.metrics_port)
+    metrics.serve(args.metrics_port, args.metrics_host)
     setup_logging(f"gpu[{args.node_id}]")
     asyncio.run(run(args))
 

@@ -36,10 +36,11 @@ REPLAYED_STEPS = Counter("milestone_replayed_steps_total", "steps replayed to re
 TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens_per_s", "distill_kl")
 
 
-def serve(port: int) -> None:
-    """Start the /metrics endpoint on 127.0.0.1 (0 = disabled)."""
+def serve(port: int, host: str = "127.0.0.1") -> None:
+    """Start the /metrics endpoint on ``host:port`` (0 = disabled). Loopback unless asked:
+    a container's Prometheus scrapes it from another host (``--metrics-host 0.0.0.0``)."""
     if port:
-        start_http_server(port, addr="127.0.0.1")
+        start_http_server(port, addr=host)
 
 
 SAMPLING_KEYS = ("rounds", "groups_generated", "groups_kept", "groups_filtered_all_correct",

@@ -7,7 +7,12 @@ import asyncio
 import json
 import math
 import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import torch
@@ -19,7 +24,8 @@ from temporalio.worker import Replayer
 
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
 from milestone_cli.report import render_report
-from tests.stack import Stack, tiny_config
+from tests.browser import render
+from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
 from workflows.config import RunConfig
 from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
@@ -28,6 +34,7 @@ from workflows.training_run import TrainingRun
 
 pytestmark = pytest.mark.e2e
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # git-ignored; CI keeps the UI screenshots here
 STEP_ACTIVITIES = ["rollout", "compute_rewards", "train_step", "update_weights", "checkpoint"]
 LAST_STEP_ACTIVITIES = [*STEP_ACTIVITIES, "evaluate"]  # eval.every 0: the held-out eval after the last step only
 
@@ -55,13 +62,38 @@ def child_ids(history: WorkflowHistory) -> list[str]:
     ]
 
 
-def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
-    store = tmp_path / "store"
+@dataclass(frozen=True)
+class FinishedRun:
+    run_id: str
+    cfg: dict
+    store: Path
+    summary: RunSummary
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One stack for the module's runs, with the Temporal web UI on (the browser check reads it)."""
+    with running_stack(tmp_path_factory.mktemp("stack"), ui=True) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def e2e_run(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """A 3-step run, finished; the end-to-end checks and the browser check both read it."""
+    store = tmp_path_factory.mktemp("e2e-run") / "store"
     cfg = tiny_config(store, steps=3)
+
+    async def main() -> RunSummary:
+        return await run_to_end(await connect(stack.server.address), "e2e-run", cfg)
+
+    return FinishedRun("e2e-run", cfg, store, asyncio.run(main()))
+
+
+def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -> None:
+    store, cfg, summary = e2e_run.store, e2e_run.cfg, e2e_run.summary
 
     async def main() -> None:
         client = await connect(stack.server.address)
-        summary = await run_to_end(client, "e2e-run", cfg)
         assert summary.steps == 3 and summary.policy_version == 3
         assert summary.data_cursor == 3 * cfg["rollout"]["prompts_per_step"]
         assert summary.final_weights_key == "runs/e2e-run/weights/v000003"
@@ -119,6 +151,46 @@ def test_rl_run_end_to_end(stack: Stack, tmp_path: Path) -> None:
     assert all(torch.isfinite(t).all() for t in v3.values())
     gap = assert_token_in_token_out(store, "e2e-run", step=1)
     print(f"max |engine logprob - transformers logprob| over step 1's response tokens: {gap:.2e}")
+
+
+def test_temporal_ui_shows_the_run_in_chromium(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -> None:
+    """The Temporal web UI of the finished run, rendered by headless Chromium, lists the
+    run's RLStep children by id and shows the run's search attributes with the values
+    the run committed. The screenshots are kept in ``artifacts/`` (and the test's tmp dir)."""
+    run_id = e2e_run.run_id
+
+    async def server_side() -> tuple[str, dict, float]:
+        handle = (await connect(stack.server.address)).get_workflow_handle(run_id)
+        desc = await handle.describe()
+        progress = await handle.query("progress", result_type=RunProgress)
+        attrs = {p.key.name: p.value for p in desc.typed_search_attributes if p.key.name.startswith("Rl")}
+        return desc.run_id, attrs, progress.steps[-1].reward_mean
+
+    temporal_run_id, attrs, last_reward = asyncio.run(server_side())
+    expected = {"RlStep": 3, "RlPolicyVersion": 3, "RlStatus": "completed", "RlReward": last_reward}
+    assert attrs == expected  # what Temporal itself holds; the page must show the same
+    page_url = (f"http://127.0.0.1:{stack.server.ui_port}/namespaces/default/workflows/"
+                f"{quote(run_id, safe='')}/{temporal_run_id}")
+    browser_dir = tmp_path / "chromium"
+
+    def children_listed():
+        page = render(f"{page_url}/relationships", tmp_path / "temporal-ui-relationships.png", browser_dir)
+        steps = {int(n) for n in re.findall(rf"RLStep {re.escape(run_id)}/step-(\d+)", page.text)}
+        return page if steps == {1, 2, 3} and f"TrainingRun ID {run_id}" in page.text else None
+
+    def attributes_shown():
+        page = render(f"{page_url}/search-attributes", tmp_path / "temporal-ui-search-attributes.png", browser_dir)
+        shown = {k: json.loads(v) for k, v in re.findall(r'"(Rl\w+)" : ("[^"]*"|[-+.\deE]+)', page.text)}
+        return page if shown == expected else None
+
+    # a page is rendered again until it shows what is expected (the UI loads its data asynchronously)
+    pages = [wait_for(children_listed, timeout_s=240, interval_s=1, what="the RLStep children in the UI"),
+             wait_for(attributes_shown, timeout_s=240, interval_s=1, what="the Rl* search attributes in the UI")]
+    ARTIFACTS.mkdir(exist_ok=True)
+    for page in pages:
+        assert page.screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        shutil.copy(page.screenshot, ARTIFACTS / page.screenshot.name)
+        print(f"UI screenshot: {ARTIFACTS / page.screenshot.name} ({page.url})")
 
 
 def assert_token_in_token_out(store: Path, run_id: str, step: int) -> float:
