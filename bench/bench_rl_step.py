@@ -13,7 +13,12 @@ Prints per-phase mean seconds per step, step wall time, the sum of the activity
 times, the orchestration overhead (step wall - activities) and its share, and the
 ratio Temporal / plain loop. Step 1 is excluded from every mean (warm-up).
 
-    .venv/bin/python -m bench.bench_rl_step [--steps 12] [--sft-steps 50] [--every 4]
+With ``--modes sync,one_step_off`` (the default) the Temporal run is made once per
+``rollout.mode``, each on a fresh stack, and a last table gives each mode's step
+cadence (close-to-close of the RLStep children: in one_step_off a step's rollout runs
+during the step before, so only the cadence compares) against the plain loop.
+
+    .venv/bin/python -m bench.bench_rl_step [--steps 12] [--sft-steps 50] [--every 4] [--modes sync,one_step_off]
 """
 
 from __future__ import annotations
@@ -56,33 +61,45 @@ def mean(xs: list[float]) -> float:
 
 
 # ---------------------------------------------------------------- Temporal
-async def temporal_run(cfg: RunConfig, address: str) -> dict:
+async def temporal_run(cfg: RunConfig, address: str, run_id: str) -> dict:
     client = await connect(address)
     t0 = time.monotonic()
-    summary = await run_to_end(client, RUN_ID, cfg.model_dump(mode="json"), timeout_s=3600)
+    summary = await run_to_end(client, run_id, cfg.model_dump(mode="json"), timeout_s=3600)
     total = time.monotonic() - t0
-    prog = await progress(client, RUN_ID)
+    prog = await progress(client, run_id)
     closes = []  # RLStep child close times: close-to-close includes the parent's work between steps
     for s in prog.steps:
-        desc = await client.get_workflow_handle(f"{RUN_ID}/step-{s.step}").describe()
+        desc = await client.get_workflow_handle(f"{run_id}/step-{s.step}").describe()
         closes.append(desc.close_time.timestamp())
-    first_start = (await client.get_workflow_handle(f"{RUN_ID}/step-1").describe()).start_time.timestamp()
-    run_start = (await client.get_workflow_handle(RUN_ID).describe()).start_time.timestamp()
+    first_start = (await client.get_workflow_handle(f"{run_id}/step-1").describe()).start_time.timestamp()
+    run_start = (await client.get_workflow_handle(run_id).describe()).start_time.timestamp()
     return {"summary": summary, "steps": prog.steps, "closes": closes, "total": total,
             "init": first_start - run_start}
 
 
-def measure_temporal(cfg: RunConfig, work: Path) -> dict:
-    stack = Stack(work / "stack")
+def measure_temporal(cfg: RunConfig, work: Path, run_id: str = RUN_ID) -> dict:
+    stack = Stack(work / f"stack-{run_id}")
     try:
         t = time.monotonic()
         stack.start()
         started = time.monotonic() - t
-        out = asyncio.run(temporal_run(cfg, stack.server.address))
+        out = asyncio.run(temporal_run(cfg, stack.server.address, run_id))
         out["stack_start"] = started
         return out
     finally:
         stack.stop()
+
+
+def with_mode(cfg: RunConfig, mode: str) -> RunConfig:
+    """``cfg`` with ``rollout.mode``, validated again (one_step_off brings its TIS default)."""
+    raw = cfg.model_dump(mode="json", exclude_unset=True)
+    raw["rollout"] = {**raw.get("rollout", {}), "mode": mode}
+    return RunConfig.model_validate(raw)
+
+
+def cadence(closes: list[float]) -> float:
+    """Mean seconds between RLStep closes from step 2 on (step n close - step n-1 close)."""
+    return mean([b - a for a, b in zip(closes, closes[1:])])
 
 
 # ---------------------------------------------------------------- plain loop
@@ -137,7 +154,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--sft-steps", type=int, default=50)
     ap.add_argument("--every", type=int, default=4, help="checkpoint every k steps")
+    ap.add_argument("--modes", default="sync,one_step_off", help="rollout.mode values to run, comma-separated")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or modes[0] != "sync":
+        ap.error("--modes must start with sync (the per-phase table and the bitwise check compare it)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is excluded as warm-up)")
@@ -151,17 +172,19 @@ def main() -> None:
               f"{cfg.engines.num_engines} engines, SFT {cfg.sft.steps} steps, {cfg.steps} RL steps, "
               f"checkpoint every {cfg.checkpoint.every}", flush=True)
 
-        tem = measure_temporal(cfg, work)
-        print(f"temporal: stack start {tem['stack_start']:.1f}s, run {tem['total']:.1f}s "
-              f"(init incl. SFT {tem['init']:.1f}s)", flush=True)
+        runs: dict[str, dict] = {}
+        for mode in modes:
+            run_id = RUN_ID if mode == "sync" else f"{RUN_ID}-{mode.replace('_', '-')}"
+            runs[mode] = measure_temporal(with_mode(cfg, mode), work, run_id)
+            print(f"temporal {mode}: stack start {runs[mode]['stack_start']:.1f}s, run {runs[mode]['total']:.1f}s "
+                  f"(init incl. SFT {runs[mode]['init']:.1f}s)", flush=True)
+        tem = runs["sync"]
         t = time.monotonic()
         plain = measure_plain(cfg, work)
         print(f"plain loop: {time.monotonic() - t:.1f}s incl. SFT", flush=True)
 
         ts = [s for s in tem["steps"] if s.step > 1]
         ps = plain["steps"][1:]
-        closes = tem["closes"]
-        cadence = [b - a for a, b in zip(closes, closes[1:])]  # step n close - step n-1 close, n >= 2
 
         def row(name: str, a: float, b: float | None) -> None:
             if b is None:
@@ -181,10 +204,18 @@ def main() -> None:
         row("step wall (RLStep workflow)", wall, plain_wall)
         over = wall - act
         print(f"{'orchestration overhead':<30} {over:>10.3f}s {'':>11} {'':>7}  ({100 * over / wall:.1f}% of step wall)")
-        row("step cadence (close-to-close)", mean(cadence), plain_wall)
+        row("step cadence (close-to-close)", cadence(tem["closes"]), plain_wall)
         print()
         print(f"ratio temporal / plain loop: {wall / plain_wall:.2f}x (RLStep wall), "
-              f"{mean(cadence) / plain_wall:.2f}x (cadence incl. parent workflow between steps)")
+              f"{cadence(tem['closes']) / plain_wall:.2f}x (cadence incl. parent workflow between steps)")
+        print()
+        print(f"{'rollout.mode':<14} {'s/step':>8} {'/ plain':>8} {'overlap s':>10} {'staleness':>10}")
+        print(f"{'plain loop':<14} {plain_wall:>8.3f} {1.0:>7.2f}x {'-':>10} {'0':>10}")
+        for mode, r in runs.items():
+            ss = [s for s in r["steps"] if s.step > 1]
+            stale = mean([s.policy_version - 1 - s.rollout_version for s in ss if s.rollout_version is not None])
+            print(f"{mode:<14} {cadence(r['closes']):>8.3f} {cadence(r['closes']) / plain_wall:>7.2f}x "
+                  f"{mean([s.overlap_seconds for s in ss]):>10.3f} {stale:>10.2f}")
         final = read_meta(work / "store" / "runs" / RUN_ID / "weights" / f"v{cfg.steps:06d}").get("checksum")
         print(f"final weights v{cfg.steps}: temporal {str(final)[:12]} plain {plain['checksum'][:12]} "
               f"bitwise equal: {final == plain['checksum']}")
