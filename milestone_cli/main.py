@@ -35,7 +35,7 @@ from milestone_cli.resume import NothingToResume, ResumeError, resume_state
 from gpu_runtime.store.uri import open_store
 from workers.common import connect, temporal_address
 from workflows.config import HParamUpdate, format_validation_error
-from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
+from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, StepSummary, TrainingRunInput
 
 UI_BASE = "http://localhost:8233"
 
@@ -87,7 +87,15 @@ def format_progress(p: RunProgress) -> str:
             line += f" | kept {d.groups_kept}/{d.groups_generated} groups in {d.rounds} round{'s' * (d.rounds > 1)}"
         if last.reward_errors:
             line += f" | {last.reward_errors} reward errors"
+        stale = staleness(last)
+        if stale or last.overlap_seconds:  # one_step_off: samples one version old, the next batch sampled ahead
+            line += f" | samples v{last.rollout_version} (staleness {stale}), {last.overlap_seconds:.1f}s overlapped"
     return line
+
+
+def staleness(s: StepSummary) -> int:
+    """Policy versions between the weights that sampled a step's batch and the ones it trained."""
+    return 0 if s.rollout_version is None else s.policy_version - 1 - s.rollout_version
 
 
 def format_eval(p: RunProgress) -> str | None:

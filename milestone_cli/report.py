@@ -51,6 +51,8 @@ def render_report(p: RunProgress, out: Path, window: int = 10) -> Path:
     ax[1][0].legend(loc="upper right")
     ax[1][1].stackplot(steps, *[[s.phase_seconds.get(ph, 0.0) for s in p.steps] for ph in PHASES], labels=PHASES)
     ax[1][1].plot(steps, [s.step_seconds for s in p.steps], "k-", lw=1, label="step wall")
+    if any(s.overlap_seconds for s in p.steps):  # one_step_off: the next batch sampled during train
+        ax[1][1].plot(steps, [s.overlap_seconds for s in p.steps], "k--", lw=1, label="overlapped (next batch)")
     ax[1][1].set_title("seconds per step")
     ax[1][1].legend(loc="upper right", fontsize=7)
     if evals:  # a third column, both rows high
