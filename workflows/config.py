@@ -6,6 +6,7 @@ back to a default. ``load_run_config`` reports the YAML key path of a bad field.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -275,6 +276,25 @@ class EngineSpec(Strict):
         120.0, ge=0, description="a starting engine must be healthy within this (0: 120 s)"
     )
     health_check_failure_threshold: int = Field(1, ge=1)
+    host: str = Field(
+        "127.0.0.1",
+        description="address the node's engines and router bind; a non-loopback one needs $MILESTONE_ENGINE_TOKEN "
+        "on the node (every request then carries it as a bearer token)",
+    )
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v or "/" in v or " " in v or (":" in v and not _is_ipv6(v)):
+            raise ValueError(f"{v!r}: a bare IP address or host name (no scheme or port), e.g. 127.0.0.1")
+        return v
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host.strip("[]")), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 # ``train`` knobs only the RL loss reads: in mode sft each must keep its default
