@@ -360,6 +360,12 @@ class RunConfig(Strict):
     def _store(cls, v: str) -> str:
         if not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError("store must start with file:// or s3://")
+        if v.startswith("s3://") and "@" in v.removeprefix("s3://").split("/", 1)[0]:
+            # the config is a workflow input, kept in history forever: never echo the value
+            raise ValueError(
+                "an s3:// store URI holds no credentials (s3://bucket/prefix); the workers read "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from their environment"
+            )
         return v
 
     @field_validator("distill")

@@ -113,3 +113,15 @@ def test_data_converter_has_the_codec_only_with_a_key() -> None:
     conv = data_converter({"MILESTONE_PAYLOAD_KEY": KEY_B64})
     assert isinstance(conv.payload_codec, EncryptionCodec)
     assert conv.failure_converter_class is DefaultFailureConverterWithEncodedAttributes
+
+
+def test_credentials_in_the_store_uri_are_refused_without_echoing_them() -> None:
+    from pydantic import ValidationError
+
+    from workflows.config import RunConfig, format_validation_error
+
+    with pytest.raises(ValidationError) as err:
+        RunConfig.model_validate({"store": "s3://AKIAEXAMPLE:s3cr3tv4lue@bucket/exp"})
+    text = format_validation_error(err.value)
+    assert text.startswith("store: an s3:// store URI holds no credentials") and "s3cr3tv4lue" not in text
+    assert RunConfig.model_validate({"store": "s3://bucket/exp@v2"}).store == "s3://bucket/exp@v2"  # '@' in a prefix is fine
