@@ -9,6 +9,7 @@ import signal
 
 from temporalio.client import Client
 
+from workers.payload_codec import codec_from_env
 from workers.temporal_connection import DEFAULT_ADDRESS, connect_with, settings_from_env  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,17 @@ async def connect(address: str | None = None, namespace: str | None = None) -> C
     """Connect with the pydantic converter and the settings of ``workers.temporal_connection``
     (TLS / mTLS / API key, payload encryption) read from the environment."""
     return await connect_with(settings_from_env(address, namespace))
+
+
+def settings_problem(address: str | None = None, namespace: str | None = None) -> str | None:
+    """Why the connection settings (TLS files, API key, payload key) are unusable, or None:
+    checked before a worker starts anything, so a bad file is one clear line."""
+    try:
+        settings_from_env(address, namespace)
+        codec_from_env()
+    except ValueError as err:  # TemporalSettingsError, PayloadKeyError: they name the variable
+        return str(err)
+    return None
 
 
 def install_shutdown(stop: asyncio.Event) -> None:

@@ -16,7 +16,7 @@ from temporalio.worker import Worker
 
 from activities.control import assemble_batch, compute_rewards, prepare_data
 from gpu_runtime.node import metrics
-from workers.common import connect, install_shutdown, setup_logging
+from workers.common import connect, install_shutdown, settings_problem, setup_logging
 from workflows.contracts import CONTROL_QUEUE
 from workflows.rl_step import RLStep
 from workflows.training_run import TrainingRun
@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--namespace", default=None)
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = off)")
     args = p.parse_args(argv)
+    if problem := settings_problem(args.address, args.namespace):
+        p.error(problem)
     metrics.serve(args.metrics_port)
     setup_logging("control")
     asyncio.run(run(args.address, args.namespace))

@@ -24,7 +24,7 @@ from temporalio.worker import Worker
 from activities.node import NodeActivities
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.node import metrics
-from workers.common import connect, install_shutdown, setup_logging
+from workers.common import connect, install_shutdown, settings_problem, setup_logging
 from workflows.contracts import POOL_QUEUE, RunEvent
 
 log = logging.getLogger("workers.gpu")
@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--namespace", default=None)
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = off)")
     args = p.parse_args(argv)
+    if problem := settings_problem(args.address, args.namespace):
+        p.error(problem)
     if args.device == "cuda":
         p.error("--device cuda: the GPU backends (SGLang, Megatron) are not wired into the node agent yet")
     metrics.serve(args.metrics_port)

@@ -125,3 +125,19 @@ def test_credentials_in_the_store_uri_are_refused_without_echoing_them() -> None
     text = format_validation_error(err.value)
     assert text.startswith("store: an s3:// store URI holds no credentials") and "s3cr3tv4lue" not in text
     assert RunConfig.model_validate({"store": "s3://bucket/exp@v2"}).store == "s3://bucket/exp@v2"  # '@' in a prefix is fine
+
+
+def test_cli_and_workers_stop_on_a_bad_file_with_one_line(tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from milestone_cli.main import amain
+    from workers.common import settings_problem
+
+    not_pem = tmp_path / "ca.txt"
+    not_pem.write_text("hello")
+    monkeypatch.setenv("MILESTONE_TEMPORAL_TLS_CA", str(not_pem))
+    assert asyncio.run(amain(["status", "some-run"])) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: MILESTONE_TEMPORAL_TLS_CA={not_pem}: not a PEM file with a CERTIFICATE block\n"
+    assert settings_problem() == f"MILESTONE_TEMPORAL_TLS_CA={not_pem}: not a PEM file with a CERTIFICATE block"
+    monkeypatch.delenv("MILESTONE_TEMPORAL_TLS_CA")
+    monkeypatch.setenv("MILESTONE_PAYLOAD_KEY", "too-short")
+    assert settings_problem().startswith("MILESTONE_PAYLOAD_KEY: not a 32-byte key")  # type: ignore[union-attr]
