@@ -24,7 +24,7 @@ def payloads_in(msg: Message, path: str = "") -> Iterator[tuple[str, Payload]]:
             if field.message_type.fields_by_name["value"].type == field.TYPE_MESSAGE:
                 for k, v in value.items():
                     yield from _one(v, f"{where}[{k}]")
-        elif field.label == field.LABEL_REPEATED:
+        elif field.is_repeated:
             for i, v in enumerate(value):
                 yield from _one(v, f"{where}[{i}]")
         else:
