@@ -6,7 +6,6 @@ back to a default. ``load_run_config`` reports the YAML key path of a bad field.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -285,16 +284,9 @@ class EngineSpec(Strict):
     @field_validator("host")
     @classmethod
     def _host(cls, v: str) -> str:
-        if not v or "/" in v or " " in v or (":" in v and not _is_ipv6(v)):
-            raise ValueError(f"{v!r}: a bare IP address or host name (no scheme or port), e.g. 127.0.0.1")
+        if not v or any(c in v for c in "/: []"):
+            raise ValueError(f"{v!r}: an IPv4 address or host name (no scheme, no port), e.g. 127.0.0.1 or 0.0.0.0")
         return v
-
-
-def _is_ipv6(host: str) -> bool:
-    try:
-        return isinstance(ipaddress.ip_address(host.strip("[]")), ipaddress.IPv6Address)
-    except ValueError:
-        return False
 
 
 # ``train`` knobs only the RL loss reads: in mode sft each must keep its default
