@@ -19,6 +19,7 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities import translate
 from activities.heartbeat import with_heartbeat
+from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import SGLangEngineBackend
 from gpu_runtime.engine.evaluate import run_eval
 from gpu_runtime.engine.fleet import EngineFleet, HealthConfig, NoHealthyEngine, WeightMismatch
@@ -218,13 +219,18 @@ class NodeActivities:
                 Failure.INVALID_INPUT,
                 "engines.backend 'sglang': sglang is not installed on this node (pip install '.[gpu]' on a CUDA node)",
             )
+        try:
+            check_exposure(e.host, engine_token(), "engines")
+        except ValueError as err:
+            raise failure(Failure.INVALID_INPUT, f"engines.host: {err}") from err
         folder = self.rt.local_weights(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key)
         health = HealthConfig(
             interval_s=e.health_check_interval_s, timeout_s=e.health_check_timeout_s,
             first_wait_s=e.health_check_first_wait_s or 120.0, failure_threshold=e.health_check_failure_threshold,
         )
         try:
-            restarted = with_heartbeat(lambda: self.rt.ensure_engines(e.num_engines, health, folder, inp.policy_version, e.backend))
+            restarted = with_heartbeat(lambda: self.rt.ensure_engines(
+                e.num_engines, health, folder, inp.policy_version, e.backend, host=e.host))
         except WeightMismatch as err:
             raise failure(Failure.WEIGHT_MISMATCH, f"weight checksum mismatch: {err}") from err
         except NoHealthyEngine as err:

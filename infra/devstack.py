@@ -4,6 +4,11 @@
 UI on :8233, search attributes registered), ``python -m workers.control`` and one
 ``python -m workers.gpu --device cpu``. Every pid goes into ``.milestone/pids/``;
 ``down`` stops exactly those (process groups, by pid).
+
+``up --temporal-address HOST:PORT`` starts no dev server: the workers connect to that
+frontend with the TLS / mTLS / API-key settings of the environment
+(``workers.temporal_connection``). With ``MILESTONE_PAYLOAD_KEY`` set, ``up`` also starts
+the codec server on 127.0.0.1:8234 and points the dev server's UI at it.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from pathlib import Path
 
 from gpu_runtime.node.proc import pid_alive, spawn, stop_pid
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
+from workers.payload_codec import codec_from_env
+from workers.temporal_connection import TemporalSettings, connect_with, settings_from_env
 
 log = logging.getLogger("devstack")
 STATE = Path(os.environ.get("MILESTONE_HOME", ".milestone"))
 TEMPORAL_PORT = 7233
 UI_PORT = 8233
-SERVICES = ("temporal", "control", "gpu")
+SERVICES = ("codec", "temporal", "control", "gpu")
+CODEC_PORT = 8234
 METRICS_PORTS = {"control": 9465, "gpu": 9464}  # Prometheus /metrics (see infra/prometheus.yml)
 
 
@@ -38,12 +46,12 @@ def running(name: str) -> int | None:
     return pid if pid_alive(pid) else None
 
 
-def _start(name: str, cmd: list[str]) -> int:
+def _start(name: str, cmd: list[str], env: dict[str, str] | None = None) -> int:
     pid = running(name)
     if pid:
         log.info("%s already running (pid %d)", name, pid)
         return pid
-    proc = spawn(cmd, STATE / "logs" / f"{name}.log", env=s3_env())
+    proc = spawn(cmd, STATE / "logs" / f"{name}.log", env={**s3_env(), **(env or {})})
     _pidfile(name).parent.mkdir(parents=True, exist_ok=True)
     _pidfile(name).write_text(str(proc.pid))
     log.info("%s started (pid %d), log %s", name, proc.pid, STATE / "logs" / f"{name}.log")
@@ -63,7 +71,14 @@ def s3_env() -> dict[str, str]:
     }
 
 
-def up(node_id: str = "node0", *, s3: bool = False) -> None:
+def up(node_id: str = "node0", *, s3: bool = False, temporal_address: str | None = None) -> None:
+    settings = settings_from_env(temporal_address)  # a bad TLS file or key fails here, naming the variable
+    codec = codec_from_env()
+    if temporal_address is None and settings.uses_tls:
+        raise SystemExit(
+            "error: TLS / API-key settings are set (MILESTONE_TEMPORAL_*), but the embedded dev server speaks "
+            "plaintext: unset them, or use an external frontend with --temporal-address HOST:PORT"
+        )
     STATE.mkdir(parents=True, exist_ok=True)
     if s3:
         from infra.seaweedfs import main as seaweed_main
@@ -71,18 +86,41 @@ def up(node_id: str = "node0", *, s3: bool = False) -> None:
         seaweed_main(["start", "--dir", str(STATE / "s3"), "--port", str(S3_PORT),
                       "--access-key", S3_KEYS[0], "--secret-key", S3_KEYS[1]])
         os.environ.update(s3_env())
-    _start("temporal", server_command(STATE / "temporal.db", TEMPORAL_PORT, UI_PORT))
-    wait_for_port("127.0.0.1", TEMPORAL_PORT, 60)
-    wait_until_serving(f"127.0.0.1:{TEMPORAL_PORT}")
-    wait_for_port("127.0.0.1", UI_PORT, 60)
     env_py = sys.executable
-    _start("control", [env_py, "-m", "workers.control", "--metrics-port", str(METRICS_PORTS["control"])])
+    codec_url = f"http://127.0.0.1:{CODEC_PORT}" if codec is not None else None
+    if codec is not None:
+        _start("codec", [env_py, "-m", "infra.codec_server", "--port", str(CODEC_PORT)])
+        wait_for_port("127.0.0.1", CODEC_PORT, 60)
+    if temporal_address is None:
+        _start("temporal", server_command(STATE / "temporal.db", TEMPORAL_PORT, UI_PORT, codec_endpoint=codec_url))
+        wait_for_port("127.0.0.1", TEMPORAL_PORT, 60)
+        wait_until_serving(f"127.0.0.1:{TEMPORAL_PORT}")
+        wait_for_port("127.0.0.1", UI_PORT, 60)
+    else:
+        _check_reachable(settings)
+    worker_env = {"MILESTONE_TEMPORAL_ADDRESS": settings.address, "MILESTONE_TEMPORAL_NAMESPACE": settings.namespace}
+    _start("control", [env_py, "-m", "workers.control", "--metrics-port", str(METRICS_PORTS["control"])], worker_env)
     _start(
         "gpu",
         [env_py, "-m", "workers.gpu", "--device", "cpu", "--node-id", node_id,
          "--metrics-port", str(METRICS_PORTS["gpu"]), "--work-dir", str(STATE / "nodes" / node_id)],
+        worker_env,
     )
-    print(f"Temporal UI: http://localhost:{UI_PORT}   (stop everything with: make down)")
+    if temporal_address is None:
+        print(f"Temporal UI: http://localhost:{UI_PORT}   (stop everything with: make down)")
+    else:
+        print(f"workers connected to {settings.address} (namespace {settings.namespace}; stop with: make down)")
+    if codec_url:
+        print(f"codec server: {codec_url} (the UI decrypts payloads through it)")
+
+
+def _check_reachable(settings: TemporalSettings) -> None:
+    import asyncio
+
+    try:
+        asyncio.run(connect_with(settings))
+    except RuntimeError as err:
+        raise SystemExit(f"error: cannot reach Temporal at {settings.address}: {err}") from None
 
 
 def down() -> None:
@@ -113,10 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--s3", action="store_true", help="also start SeaweedFS (S3 on :8333) for s3:// stores")
+    p.add_argument("--temporal-address", default=None, metavar="HOST:PORT",
+                   help="use this Temporal frontend (TLS / API key from MILESTONE_TEMPORAL_*) instead of a dev server")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.action == "up":
-        up(s3=args.s3)
+        try:
+            up(s3=args.s3, temporal_address=args.temporal_address)
+        except ValueError as err:  # TemporalSettingsError, PayloadKeyError: names the variable
+            raise SystemExit(f"error: {err}") from None
     elif args.action == "down":
         down()
     else:

@@ -23,8 +23,11 @@ def temporal_binary() -> str:
 
 
 def server_command(
-    db_file: Path, port: int, ui_port: int | None, http_port: int | None = None, metrics_port: int | None = None
+    db_file: Path, port: int, ui_port: int | None, http_port: int | None = None, metrics_port: int | None = None,
+    codec_endpoint: str | None = None,
 ) -> list[str]:
+    """``temporal server start-dev`` on 127.0.0.1 with our search attributes; with
+    ``codec_endpoint`` the UI decodes payloads through that codec server."""
     cmd = [
         temporal_binary(), "server", "start-dev",
         "--db-filename", str(db_file),
@@ -37,6 +40,8 @@ def server_command(
         cmd += ["--http-port", str(http_port)]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
+    if codec_endpoint is not None:
+        cmd += ["--ui-codec-endpoint", codec_endpoint]
     for name, kind in SEARCH_ATTRIBUTES.items():
         cmd += ["--search-attribute", f"{name}={kind}"]
     return cmd

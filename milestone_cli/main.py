@@ -34,6 +34,8 @@ from milestone_cli.preflight import PreflightError, check_config, check_new_run_
 from milestone_cli.resume import NothingToResume, ResumeError, resume_state
 from gpu_runtime.store.uri import open_store
 from workers.common import connect, temporal_address
+from workers.payload_codec import PayloadKeyError
+from workers.temporal_connection import TemporalSettingsError
 from workflows.config import HParamUpdate, format_validation_error
 from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, StepSummary, TrainingRunInput
 
@@ -122,7 +124,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
     else:
         run_id = args.run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
         check_new_run_id(cfg, run_id)  # its store prefix must be empty
-    client = await _connect(args.address)
+    client = await _connect(args)
     still_running = CLIError(f"run {run_id} is still running; nothing to resume", 2)
     if state is not None and await _is_running(client, run_id):
         raise still_running
@@ -146,7 +148,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
         ) from None
     if state is not None:
         print(f"resuming {run_id} at step {state.next_step} (policy v{state.policy_version}, data cursor {state.data_cursor})")
-    print(f"started {run_id}\n  UI: {ui_link(run_id)}")
+    print(f"started {run_id}\n  UI: {ui_link(run_id, client.namespace)}")
     if args.wait:
         return await watch(client, run_id)
     return 0
@@ -154,7 +156,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
 
 async def cmd_fork(args: argparse.Namespace) -> int:
     """A new run from ``args.run``'s durable state after step ``args.from_step``."""
-    client = await _connect(args.address)
+    client = await _connect(args)
     parent, committed = await parent_record(client, args.run)
     if parent is None and not args.config:
         raise CLIError(f"run {args.run!r} not found in Temporal: pass its config with --config", 2)
@@ -178,7 +180,7 @@ async def cmd_fork(args: argparse.Namespace) -> int:
         raise CLIError(f"run id {args.run_id!r} is taken: Temporal already has a workflow {args.run_id}", 2) from None
     print(f"forked {args.run} at step {args.from_step} as {args.run_id} (policy v{inp.state.policy_version}, "
           f"data cursor {inp.state.data_cursor}, lr {inp.state.train.lr if inp.state.train else '?'})")
-    print(f"started {args.run_id}\n  UI: {ui_link(args.run_id)}")
+    print(f"started {args.run_id}\n  UI: {ui_link(args.run_id, client.namespace)}")
     return await watch(client, args.run_id) if args.wait else 0
 
 
@@ -315,7 +317,9 @@ async def cmd_set(client: Client, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="milestone", description="Durable RL post-training on Temporal")
-    p.add_argument("--address", default=None, help="Temporal frontend (default localhost:7233)")
+    p.add_argument("--address", default=None, help="Temporal frontend (default $MILESTONE_TEMPORAL_ADDRESS or localhost:7233)")
+    p.add_argument("--namespace", default=None, help="Temporal namespace (default $MILESTONE_TEMPORAL_NAMESPACE or default); "
+                   "TLS, mTLS, API key and payload encryption come from the environment (docs/security.md)")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("start", help="start a run from a YAML config")
     s.add_argument("config")
@@ -352,11 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _connect(address: str | None) -> Client:
+async def _connect(args: argparse.Namespace) -> Client:
     try:
-        return await connect(address)
+        return await connect(args.address, args.namespace)
+    except (TemporalSettingsError, PayloadKeyError) as err:  # a bad TLS file or key: names the variable
+        raise CLIError(str(err), 2) from None
     except (RuntimeError, ValueError) as err:  # the core's "Failed client connect: ...", a bad URL
-        raise connect_error(address or temporal_address(), err) from None
+        raise connect_error(args.address or temporal_address(), err) from None
 
 
 async def _dispatch(args: argparse.Namespace) -> int:
@@ -364,7 +370,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await cmd_start(args)  # validates the config before connecting
     if args.command == "fork":
         return await cmd_fork(args)
-    client = await _connect(args.address)
+    client = await _connect(args)
     if args.command == "watch":
         return await watch(client, args.run)
     if args.command == "status":

@@ -21,8 +21,8 @@ from infra.seaweedfs import SeaweedServer
 
 log = logging.getLogger(__name__)
 
-ACCESS_KEY = "milestone-test"
-SECRET_KEY = "milestone-test-secret"
+ACCESS_KEY = "MSTESTAKID4B8E2D6A"  # distinctive: the secret-grep tests search for them
+SECRET_KEY = "ms-test-secret-91c3f0577d2a"
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:

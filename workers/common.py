@@ -1,4 +1,4 @@
-"""Shared worker plumbing: Temporal connection settings and graceful shutdown."""
+"""Shared worker plumbing: the Temporal connection (see ``workers.temporal_connection``) and graceful shutdown."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 import signal
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
+
+from workers.payload_codec import codec_from_env
+from workers.temporal_connection import DEFAULT_ADDRESS, connect_with, settings_from_env  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
-
-DEFAULT_ADDRESS = "localhost:7233"
 
 
 def temporal_address() -> str:
@@ -24,15 +24,20 @@ def temporal_namespace() -> str:
 
 
 async def connect(address: str | None = None, namespace: str | None = None) -> Client:
-    """Connect with the pydantic converter. ``MILESTONE_TEMPORAL_API_KEY`` enables TLS + API key."""
-    api_key = os.environ.get("MILESTONE_TEMPORAL_API_KEY")
-    return await Client.connect(
-        address or temporal_address(),
-        namespace=namespace or temporal_namespace(),
-        data_converter=pydantic_data_converter,
-        api_key=api_key,
-        tls=bool(api_key),
-    )
+    """Connect with the pydantic converter and the settings of ``workers.temporal_connection``
+    (TLS / mTLS / API key, payload encryption) read from the environment."""
+    return await connect_with(settings_from_env(address, namespace))
+
+
+def settings_problem(address: str | None = None, namespace: str | None = None) -> str | None:
+    """Why the connection settings (TLS files, API key, payload key) are unusable, or None:
+    checked before a worker starts anything, so a bad file is one clear line."""
+    try:
+        settings_from_env(address, namespace)
+        codec_from_env()
+    except ValueError as err:  # TemporalSettingsError, PayloadKeyError: they name the variable
+        return str(err)
+    return None
 
 
 def install_shutdown(stop: asyncio.Event) -> None:

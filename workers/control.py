@@ -16,7 +16,7 @@ from temporalio.worker import Worker
 
 from activities.control import assemble_batch, compute_rewards, prepare_data
 from gpu_runtime.node import metrics
-from workers.common import connect, install_shutdown, setup_logging
+from workers.common import connect, install_shutdown, settings_problem, setup_logging
 from workflows.contracts import CONTROL_QUEUE
 from workflows.rl_step import RLStep
 from workflows.training_run import TrainingRun
@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the /metrics endpoint binds (default loopback; 0.0.0.0 in a container)")
     args = p.parse_args(argv)
+    if problem := settings_problem(args.address, args.namespace):
+        p.error(problem)
     metrics.serve(args.metrics_port, args.metrics_host)
     setup_logging("control")
     asyncio.run(run(args.address, args.namespace))

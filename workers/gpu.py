@@ -24,7 +24,7 @@ from temporalio.worker import Worker
 from activities.node import NodeActivities
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.node import metrics
-from workers.common import connect, install_shutdown, setup_logging
+from workers.common import connect, install_shutdown, settings_problem, setup_logging
 from workflows.contracts import POOL_QUEUE, RunEvent
 
 log = logging.getLogger("workers.gpu")
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the /metrics endpoint binds (default loopback; 0.0.0.0 in a container)")
     args = p.parse_args(argv)
+    if problem := settings_problem(args.address, args.namespace):
+        p.error(problem)
     if args.device == "cuda":
         p.error("--device cuda: the GPU backends (SGLang, Megatron) are not wired into the node agent yet")
     metrics.serve(args.metrics_port, args.metrics_host)

@@ -280,6 +280,18 @@ class EngineSpec(Strict):
         120.0, ge=0, description="a starting engine must be healthy within this (0: 120 s)"
     )
     health_check_failure_threshold: int = Field(1, ge=1)
+    host: str = Field(
+        "127.0.0.1",
+        description="address the node's engines and router bind; a non-loopback one needs $MILESTONE_ENGINE_TOKEN "
+        "on the node (every request then carries it as a bearer token)",
+    )
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v or any(c in v for c in "/: []"):
+            raise ValueError(f"{v!r}: an IPv4 address or host name (no scheme, no port), e.g. 127.0.0.1 or 0.0.0.0")
+        return v
 
 
 # the truncated-IS cap a one_step_off run gets when its config does not set train.tis_cap
@@ -348,6 +360,12 @@ class RunConfig(Strict):
     def _store(cls, v: str) -> str:
         if not (v.startswith("file://") or v.startswith("s3://")):
             raise ValueError("store must start with file:// or s3://")
+        if v.startswith("s3://") and "@" in v.removeprefix("s3://").split("/", 1)[0]:
+            # the config is a workflow input, kept in history forever: never echo the value
+            raise ValueError(
+                "an s3:// store URI holds no credentials (s3://bucket/prefix); the workers read "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from their environment"
+            )
         return v
 
     @field_validator("distill")

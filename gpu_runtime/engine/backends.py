@@ -82,7 +82,8 @@ class SGLangEngineBackend:
         if not path:
             raise ValueError("SGLangEngineBackend needs a model_path")
         cmd = [
-            self.python, "-m", "sglang.launch_server",
+            # with $MILESTONE_ENGINE_TOKEN set, keyed_launch adds --api-key from the environment
+            self.python, "-m", "gpu_runtime.engine.keyed_launch", "sglang.launch_server",
             "--model-path", str(path), "--tp-size", str(self.tp_size),
             "--port", str(port), "--host", host,
             "--mem-fraction-static", str(self.mem_fraction_static),
@@ -93,4 +94,6 @@ class SGLangEngineBackend:
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
-        return dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])  # keyed_launch must import from any cwd
+        pp = os.environ.get("PYTHONPATH")
+        return {**os.environ, "PYTHONPATH": root + (os.pathsep + pp if pp else "")}

@@ -1,4 +1,7 @@
-"""Synchronous HTTP client for an engine (torch or SGLang) or a router in front of engines."""
+"""Synchronous HTTP client for an engine (torch or SGLang) or a router in front of engines.
+
+Every request carries ``Authorization: Bearer <token>`` when a token is given or
+``$MILESTONE_ENGINE_TOKEN`` is set (see ``gpu_runtime.engine.auth``)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import logging
 from typing import Any
 
 import httpx
+
+from gpu_runtime.engine.auth import bearer_headers, engine_token
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +26,10 @@ class EngineError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, *, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = httpx.Client(timeout=timeout_s)
+        self._http = httpx.Client(timeout=timeout_s, headers=bearer_headers(token or engine_token()))
 
     def close(self) -> None:
         self._http.close()

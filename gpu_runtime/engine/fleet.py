@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.fleet_types import (  # noqa: F401  (re-exported)
@@ -68,6 +69,7 @@ class EngineFleet:
         self.health = health or HealthConfig()
         self.on_event = on_event
         self.generate_timeout_s = generate_timeout_s
+        check_exposure(host, engine_token(), "engine")  # before any engine is spawned
         self.slots = [_Slot(i, f"http://{host}:{base_port + i}", base_port + i) for i in range(num_slots)]
         self.events: list[FleetEvent] = []
         self._host = host

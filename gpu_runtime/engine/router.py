@@ -5,6 +5,12 @@ worker's JSON list; ``sampling_params.sampling_seed`` survives; unknown sampling
 dropped. Membership: ``POST /workers {"url"}``, ``GET /workers``, ``DELETE /workers/{id}``.
 A restarted worker gets no traffic until the circuit breaker times out (60 s) unless it is
 deleted and re-added, so the fleet removes dead engines at once and re-adds restarted ones.
+
+With a token (default ``$MILESTONE_ENGINE_TOKEN``) the router answers 401 to any request
+without ``Authorization: Bearer <token>`` (its ``--api-key``, passed through the
+environment by ``keyed_launch``), and each worker is registered with the same key, which
+the router sends to it. 0.3.2 probes a worker's ``/health`` without the key, so engines
+leave the health routes open (see ``gpu_runtime.engine.server``).
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ from typing import Any
 
 import httpx
 
+from gpu_runtime.engine.auth import ENGINE_TOKEN_ENV, bearer_headers, check_exposure, engine_token
 from gpu_runtime.node.proc import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
+_ROOT = str(Path(__file__).resolve().parents[2])  # keyed_launch must import from any cwd
 
 
 class RouterError(RuntimeError):
@@ -43,9 +51,12 @@ class RouterProcess:
         prometheus_port: int | None = None,
         request_timeout_s: int = 1800,
         extra_args: list[str] | None = None,
+        token: str | None = None,
     ) -> None:
         if policy == "cache_aware":
             log.warning("policy cache_aware keeps sending to dead workers in sglang-router 0.3.2")
+        self.token = token or engine_token()
+        check_exposure(host, self.token, "router")
         self.host = host
         self.port = port
         self.initial_workers = list(worker_urls or [])
@@ -57,7 +68,7 @@ class RouterProcess:
         self.request_timeout_s = request_timeout_s
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen | None = None
-        self._http = httpx.Client(timeout=30.0)
+        self._http = httpx.Client(timeout=30.0, headers=bearer_headers(self.token))
 
     @property
     def url(self) -> str:
@@ -69,7 +80,7 @@ class RouterProcess:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "sglang_router.launch_router",
+            sys.executable, "-m", "gpu_runtime.engine.keyed_launch", "sglang_router.launch_router",
             "--host", self.host, "--port", str(self.port),
             "--policy", self.policy,
             "--health-check-interval-secs", str(self.health_check_interval_s),
@@ -90,8 +101,11 @@ class RouterProcess:
         log.info("starting router: %s", " ".join(cmd))
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
+            env = {**os.environ, "PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            if self.token:
+                env[ENGINE_TOKEN_ENV] = self.token
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                 preexec_fn=die_with_parent,  # the Rust router cannot watch our pid itself
             )
         finally:
@@ -150,7 +164,8 @@ class RouterProcess:
         return {w["url"] for w in self.list_workers()}
 
     def add_worker(self, url: str, timeout_s: float = 30.0) -> None:
-        r = self._call("POST", "/workers", json={"url": url})
+        body = {"url": url, "api_key": self.token} if self.token else {"url": url}
+        r = self._call("POST", "/workers", json=body)
         if r.status_code not in (200, 201, 202):
             raise RouterError(f"add worker {url}: HTTP {r.status_code} {r.text[:200]}")
         # registration may be asynchronous: wait until the worker is listed

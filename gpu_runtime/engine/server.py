@@ -8,6 +8,10 @@ POST /update_weights_from_disk, POST /flush_cache, GET /get_model_info (and
 Generation and weight updates are serialized by one lock; the info routes do
 not take it, so they answer while a batch is decoding. Logs go to stderr; the
 only stdout line is ``READY <url>``.
+
+With ``$MILESTONE_ENGINE_TOKEN`` set every route but the two health probes answers
+401 unless the request carries ``Authorization: Bearer <token>``; a non-loopback ``--host`` without a token
+is refused at start (see ``gpu_runtime.engine.auth``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.engine.auth import authorized, check_exposure, engine_token
 from gpu_runtime.engine.generate import GenResult, generate_batch
 from transformers import PreTrainedModel
 
@@ -36,6 +41,9 @@ from gpu_runtime.models.tokenizer import Tokenizer
 
 log = logging.getLogger("gpu_runtime.engine.server")
 
+# answered without a token, as SGLang's API-key check does: liveness only, no data;
+# sglang-router 0.3.2 probes workers without credentials
+OPEN_ROUTES = ("/health", "/health_generate")
 # /health_generate answers 200 without queueing while a batch made progress this recently
 BUSY_PROGRESS_OK_S = 5.0
 
@@ -169,7 +177,7 @@ def _weights_by_name(model: PreTrainedModel, body: dict[str, Any]) -> list:
     return params[name].detach()[:rows].tolist()
 
 
-def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
+def make_handler(state: EngineState, token: str | None = None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -188,8 +196,22 @@ def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
                 raise ValueError("request body must be a JSON object")
             return obj
 
+        def _refuse(self) -> None:
+            self.close_connection = True  # the unread body must not be taken for the next request
+            body = b'{"error": "unauthorized: send Authorization: Bearer <token>"}'
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", "Bearer")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def _route(self, method: str) -> None:
             path = self.path.split("?", 1)[0].rstrip("/") or "/"
+            if token is not None and path not in OPEN_ROUTES and not authorized(self.headers.get("Authorization"), token):
+                log.warning("%s %s from %s refused: no valid bearer token", method, path, self.address_string())
+                self._refuse()
+                return
             try:
                 body = self._body() if method == "POST" else {}
                 if method == "GET" and path == "/health":
@@ -240,6 +262,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step-delay-ms", type=float, default=0.0, help="fault-injection aid: sleep per decode step")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
+    token = engine_token()
+    try:
+        check_exposure(args.host, token)
+    except ValueError as err:
+        ap.error(str(err))
     logging.basicConfig(
         stream=sys.stderr, level=args.log_level.upper(),
         format=f"%(asctime)s engine:{args.port} %(levelname)s %(name)s: %(message)s",
@@ -248,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     state = EngineState(args.model_path, args.weight_version, args.step_delay_ms / 1000.0)
     if args.parent_pid:
         exit_when_parent_dies(args.parent_pid)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(state, token))
     server.daemon_threads = True
     url = f"http://{args.host}:{args.port}"
     log.info("serving %s pid=%d", url, os.getpid())

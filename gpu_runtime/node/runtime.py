@@ -145,20 +145,26 @@ class NodeRuntime:
         )
 
     def ensure_engines(
-        self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch"
+        self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch",
+        *, host: str = "127.0.0.1",
     ) -> list[int]:
         """Gated recovery then weight push: returns the slots (re)started. A run whose
-        engine settings differ from the running fleet's gets a new fleet."""
-        settings = (backend, num_engines, health.model_dump_json())
+        engine settings differ from the running fleet's gets a new fleet (and a new
+        router when the bind address changed)."""
+        settings = (backend, num_engines, health.model_dump_json(), host)
         with self._lock:
             if self.fleet is not None and settings != self._fleet_settings:
                 log.warning("engine settings changed %s -> %s: restarting the fleet", self._fleet_settings, settings)
                 self.fleet.stop()  # the router is ours and stays; the new fleet re-syncs its members
                 self.fleet = None
             if self.fleet is None:
+                if self.router is not None and self.router.host != host:
+                    self.router.stop()
+                    self.router = None
                 if self.router is None:
                     self.router = RouterProcess(
-                        free_port(), [], policy="round_robin", log_path=self.work_dir / "logs" / "router.log"
+                        free_port(), [], policy="round_robin", log_path=self.work_dir / "logs" / "router.log",
+                        host=host,
                     )
                     self.router.start()
                 self._fleet_settings = settings
@@ -172,6 +178,7 @@ class NodeRuntime:
                     health=health,
                     weight_version=version,
                     on_event=self._on_fleet_event,
+                    host=host,
                 )
                 self.fleet.start()
                 restarted = list(range(num_engines))

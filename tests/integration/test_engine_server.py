@@ -130,7 +130,7 @@ def test_backend_command_lines(tmp_path) -> None:  # type: ignore[no-untyped-def
     assert t[t.index("--threads") + 1] == "2" and t[t.index("--weight-version") + 1] == "4"
     s = SGLangEngineBackend(model_path="/m", tp_size=2, mem_fraction_static=0.7, extra_args=["--dtype", "bfloat16"])
     cmd = s.command(port=30001)
-    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[1:4] == ["-m", "gpu_runtime.engine.keyed_launch", "sglang.launch_server"]  # --api-key from env
     for flag, val in (("--model-path", "/m"), ("--tp-size", "2"), ("--port", "30001"),
                       ("--host", "127.0.0.1"), ("--mem-fraction-static", "0.7"), ("--dtype", "bfloat16")):
         assert cmd[cmd.index(flag) + 1] == val

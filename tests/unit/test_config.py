@@ -238,3 +238,13 @@ def test_operand_range_rules() -> None:
     assert DataSpec().min_operand == 0  # recorded runs without the field keep their data
     with pytest.raises(ValidationError, match="min_operand 50 must be <= max_operand 20"):
         DataSpec(min_operand=50, max_operand=20)
+
+
+def test_engines_host_defaults_to_loopback_and_takes_a_bare_address() -> None:
+    from workflows.config import EngineSpec
+
+    assert EngineSpec().host == "127.0.0.1"
+    assert EngineSpec(host="0.0.0.0").host == "0.0.0.0" and EngineSpec(host="node-3.lan").host == "node-3.lan"
+    for bad in ("http://10.0.0.1", "10.0.0.1:30000", "", "::1"):
+        with pytest.raises(ValidationError, match="an IPv4 address or host name"):
+            EngineSpec(host=bad)
