@@ -197,3 +197,19 @@ def test_without_the_filter_the_step_is_unchanged() -> None:
         assert p.steps[0].sampling is None and p.steps[0].data_cursor == 4
 
     scenario(cluster, body)
+
+
+def test_one_step_off_samples_the_next_step_with_its_rounds_one_version_behind() -> None:
+    """Dynamic sampling inside the overlapped half: step n+1's rounds draw from the cursor
+    step n leaves and run on the weights step n sampled with."""
+    cluster = Cluster()
+    cluster.varied = lambda step, round_, groups: [0, 1, 2] if round_ == 0 else list(range(groups))
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        summary = await finish(await start_run(env, run_config(steps=3, rollout={**filtered(), "mode": "one_step_off"})))
+        assert summary.data_cursor == 3 * 2 * 6  # two rounds of 6 prompts every step
+        assert [(i.step, i.round, i.policy_version, i.data_cursor) for i in cluster.rollout_inputs] == [
+            (1, 0, 0, 0), (1, 1, 0, 6), (2, 0, 0, 12), (2, 1, 0, 18), (3, 0, 1, 24), (3, 1, 1, 30)]
+        assert [t.step for t in cluster.train_inputs] == [1, 2, 3]
+
+    scenario(cluster, body)
