@@ -152,9 +152,10 @@ def test_ppo_needs_values_for_its_advantages() -> None:
 # ---- the trainer's step against a plain-torch reference -------------------------------
 def reference_ppo_step(policy: torch.nn.Module, ref_model: torch.nn.Module, critic: torch.nn.Module,
                        samples: list, rewards: list[float], hp) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """One PPO step (one epoch) in one process, one sample at a time (no padding):
-    old logprobs/values, KL-in-reward token rewards, GAE (plain Python), whitening,
-    PPO-clip token mean, clipped value loss; leaves the gradients on ``policy`` and ``critic``."""
+    """One PPO step in one process, one sample at a time (no padding): old logprobs and
+    values, KL-in-reward token rewards, GAE (plain Python), whitening, then per epoch the
+    PPO-clip token mean and the clipped value loss, an AdamW step for each model between
+    epochs; leaves the last epoch's gradients on ``policy`` and ``critic``."""
     def forward(model, ids):  # type: ignore[no-untyped-def]
         x = torch.tensor([ids])
         return model(input_ids=x, attention_mask=torch.ones_like(x), position_ids=torch.arange(len(ids))[None])
@@ -184,29 +185,42 @@ def reference_ppo_step(policy: torch.nn.Module, ref_model: torch.nn.Module, crit
     adv = whiten_reference(adv, mask)
 
     n_tok = sum(len(s.response_ids) for s in samples)
-    pg_total, v_total, clipped = 0.0, 0.0, 0
-    for i, s in enumerate(samples):
-        n = len(s.response_ids)
-        a = torch.tensor(adv[i][:n])
-        ratio = torch.exp(logprobs(policy, s) - old_lp[i])
-        pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - hp.clip_eps, 1 + hp.clip_eps)).sum() / n_tok
-        pg.backward()
-        v = values(s)
-        old, r = torch.tensor(old_v[i]), torch.tensor(ret[i][:n])
-        v_clip = old + (v - old).clamp(-hp.value_clip, hp.value_clip)
-        vl = 0.5 * torch.maximum((v - r) ** 2, (v_clip - r) ** 2).sum() / n_tok
-        (hp.vf_coef * vl).backward()
-        clipped += int(((v_clip - r) ** 2 > (v - r) ** 2).sum())
-        pg_total += float(pg.detach())
-        v_total += float(vl.detach())
+    popt = torch.optim.AdamW(list(policy.parameters()), lr=hp.lr, betas=hp.betas, eps=hp.eps,
+                             weight_decay=hp.weight_decay, foreach=False)
+    copt = torch.optim.AdamW(list(critic.parameters()), lr=hp.critic_lr, betas=hp.betas, eps=hp.eps,
+                             weight_decay=hp.weight_decay, foreach=False)
+    for epoch in range(hp.ppo_epochs):
+        popt.zero_grad()
+        copt.zero_grad()
+        pg_total, v_total, clipped = 0.0, 0.0, 0
+        for i, s in enumerate(samples):
+            n = len(s.response_ids)
+            a = torch.tensor(adv[i][:n])
+            ratio = torch.exp(logprobs(policy, s) - old_lp[i])
+            pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - hp.clip_eps, 1 + hp.clip_eps)).sum() / n_tok
+            pg.backward()
+            v = values(s)
+            old, r = torch.tensor(old_v[i]), torch.tensor(ret[i][:n])
+            v_clip = old + (v - old).clamp(-hp.value_clip, hp.value_clip)
+            vl = 0.5 * torch.maximum((v - r) ** 2, (v_clip - r) ** 2).sum() / n_tok
+            (hp.vf_coef * vl).backward()
+            clipped += int(((v_clip - r) ** 2 > (v - r) ** 2).sum())
+            pg_total += float(pg.detach())
+            v_total += float(vl.detach())
+        if epoch < hp.ppo_epochs - 1:
+            popt.step()
+            copt.step()
     return {"pg_loss": pg_total, "value_loss": v_total, "value_clip_fraction": clipped / n_tok}
 
 
 def test_trainer_step_matches_the_plain_torch_reference() -> None:
     """The trainer's (padded, micro-batched) step: the same loss terms and the same
     gradients (left on the parameters after the step) as the reference."""
-    hp = hparams(estimator="ppo", kl_coef=0.1, kl_in_reward=True, ppo_epochs=1, warmup_steps=0, lr=1e-3,
-                 critic_lr=5e-3, gamma=0.95, lam=0.9, value_clip=0.05, vf_coef=0.5, micro_batch_size=3,
+    # two epochs, so the second sees moved values (the clip acts) and ratios off 1; Adam's
+    # eps large enough that its first step is smooth in the gradient (no sign flips on
+    # float noise) and the grads after it compare at a tight tolerance
+    hp = hparams(estimator="ppo", kl_coef=0.1, kl_in_reward=True, ppo_epochs=2, warmup_steps=0, lr=1e-2,
+                 critic_lr=5e-2, eps=0.1, gamma=0.95, lam=0.9, value_clip=0.01, vf_coef=0.5, micro_batch_size=3,
                  grad_clip=1e9)
     tr = new_trainer(kl_coef=0.1)
     gen = torch.Generator().manual_seed(0)
