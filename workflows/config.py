@@ -139,10 +139,31 @@ class RolloutSpec(Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
+    stop: list[str] = Field(
+        default_factory=list,
+        description="stop strings (SGLang's stop): a sample ends once its text contains one; the string is kept",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="token ids that end a sample besides EOS (SGLang's stop_token_ids); kept"
+    )
     oversample: float = Field(
         1.0, ge=1.0, description="with dynamic_filter: each round draws ceil(prompts_per_step * oversample) prompts"
     )
     dynamic_filter: DynamicFilterSpec = DynamicFilterSpec()
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError(f"token ids must be >= 0, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _dynamic(self) -> "RolloutSpec":
