@@ -18,6 +18,8 @@ checkpoint + replay creates it bitwise the same. From then on a checkpoint holds
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -95,7 +97,7 @@ class Critic:
         """Clip the critic's grads to ``hp.grad_clip`` and step; the norm before clipping.
         A non-finite norm is a FloatingPointError and the critic stays as it was."""
         norm = float(torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), hp.grad_clip))
-        if norm != norm or norm in (float("inf"), float("-inf")):
+        if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"critic: grad norm is not finite ({norm})")
         self.optimizer.step()

@@ -226,7 +226,9 @@ class PolicyTrainer:
         from the first epoch's forward, or from a forward of their own when the KL
         is part of the reward or the run distills), so the first epoch's ratio is 1.
         With ``distill`` the teacher's per-token term is added to the estimator's
-        advantages (``trainer.distill``)."""
+        advantages (``trainer.distill``). With estimator ``ppo`` the critic's old values
+        give GAE advantages, and the critic trains alongside, one AdamW step per epoch
+        (``trainer.ppo``); during ``critic_warmup_steps`` only the critic steps."""
         self._check_groups(samples, rewards, group_size)
         t0 = time.perf_counter()
         self.hparams = hp = hparams
