@@ -127,6 +127,7 @@ def eval_request(inp: EvalInput) -> EvalRequest:
     return EvalRequest(
         run_id=inp.run_id, step=inp.step, seed=inp.seed, policy_version=inp.policy_version, k=inp.k,
         temperature=inp.temperature, max_new_tokens=inp.max_new_tokens, chunk_size=inp.chunk_size,
+        stop=list(inp.stop), stop_token_ids=list(inp.stop_token_ids),
     )
 
 

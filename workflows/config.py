@@ -139,6 +139,13 @@ class RolloutSpec(Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
+    stop: list[str] = Field(
+        default_factory=list,
+        description="stop strings (SGLang's stop): a sample ends once its text contains one; the string is kept",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="token ids that end a sample besides EOS (SGLang's stop_token_ids); kept"
+    )
     oversample: float = Field(
         1.0, ge=1.0, description="with dynamic_filter: each round draws ceil(prompts_per_step * oversample) prompts"
     )
@@ -148,6 +155,20 @@ class RolloutSpec(Strict):
         description="sync: step n samples on the policy step n-1 produced; one_step_off: step n+1's rollout runs on "
         "the same weights as step n's, during step n's train_step (samples one version old, corrected by TIS)",
     )
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError(f"token ids must be >= 0, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _dynamic(self) -> "RolloutSpec":
@@ -163,6 +184,10 @@ class RolloutSpec(Strict):
         return math.ceil(self.prompts_per_step * self.oversample - 1e-9)
 
 
+# ``train`` knobs only estimator ppo reads (its critic and GAE)
+PPO_ONLY_TRAIN_FIELDS = ("gamma", "lam", "vf_coef", "value_clip", "critic_lr", "critic_warmup_steps")
+
+
 class TrainSpec(Strict):
     """The RL update (an advantage estimator, a clipped policy loss, AdamW): the one place
     each trainer knob is declared, with its default. Every field can change between steps
@@ -175,11 +200,12 @@ class TrainSpec(Strict):
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="linear lr warm-up over this many optimizer steps, then constant")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
-    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo"] = Field(
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"] = Field(
         "grpo",
         description="grpo: group-normalised advantages, PPO-clip loss; rloo: leave-one-out baseline; "
         "reinforce_pp(_baseline): token returns (minus the group mean) whitened over the batch; "
-        "gspo: GRPO advantages, sequence-ratio clip; cispo: GRPO advantages, clipped stop-gradient IS weight",
+        "gspo: GRPO advantages, sequence-ratio clip; cispo: GRPO advantages, clipped stop-gradient IS weight; "
+        "ppo: a critic (value model) and GAE advantages, PPO-clip loss",
     )
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip (low side; also the high side unless clip_eps_high)")
     # no upper bound: CISPO's truncation 1 + clip_eps_high is typically well above 2
@@ -212,6 +238,17 @@ class TrainSpec(Strict):
     )
     ppo_epochs: int = Field(1, ge=1, description="optimizer steps per rollout batch")
     micro_batch_size: int = Field(128, ge=1, description="sequences per forward/backward (gradients accumulate)")
+    # estimator ppo only (the critic and GAE)
+    gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount per response token")
+    lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda (1: Monte-Carlo returns, 0: one-step TD)")
+    vf_coef: float = Field(1.0, gt=0, description="ppo: weight of the value loss (scales the critic's gradient)")
+    value_clip: float | None = Field(
+        0.5, gt=0, description="ppo: clip the new values to old +- value_clip in the value loss (unset: unclipped)"
+    )
+    critic_lr: float | None = Field(None, gt=0, description="ppo: the critic's AdamW learning rate (unset: lr)")
+    critic_warmup_steps: int = Field(
+        0, ge=0, description="ppo: the critic's first k steps train the critic only (the policy is not updated)"
+    )
 
     @field_validator("betas")
     @classmethod
@@ -236,6 +273,11 @@ class TrainSpec(Strict):
             )
         if self.kl_in_reward and self.kl_coef == 0:
             raise ValueError("kl_in_reward needs kl_coef > 0 (the penalty's weight)")
+        if est != "ppo":
+            moved = [f for f in PPO_ONLY_TRAIN_FIELDS if getattr(self, f) != type(self).model_fields[f].default]
+            if moved:
+                raise ValueError(f"{', '.join(moved)}: critic / GAE knobs of estimator ppo, unused by {est} "
+                                 "(leave them at their defaults)")
         if not self.scale_adv_by_std and est not in ("grpo", "gspo", "cispo"):
             raise ValueError(
                 f"scale_adv_by_std false applies to grpo, gspo and cispo; estimator {est} never divides by the group std "
@@ -299,7 +341,7 @@ ONE_STEP_OFF_TIS_CAP = 2.0
 
 # ``train`` knobs only the RL loss reads: in mode sft each must keep its default
 RL_ONLY_TRAIN_FIELDS = ("estimator", "clip_eps", "clip_eps_high", "dual_clip_c", "kl_coef", "kl_estimator",
-                        "kl_in_reward", "entropy_coef", "tis_cap", "scale_adv_by_std")
+                        "kl_in_reward", "entropy_coef", "tis_cap", "scale_adv_by_std", *PPO_ONLY_TRAIN_FIELDS)
 
 
 def mode_conflicts(mode: str, train: TrainSpec) -> list[str]:

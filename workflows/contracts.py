@@ -299,6 +299,8 @@ class EvalInput(BaseModel):
     max_new_tokens: int
     chunk_size: int
     epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
+    stop: list[str] = []  # rollout.stop / stop_token_ids: answers end as the rollout's do
+    stop_token_ids: list[int] = []
 
 
 class EvalResult(BaseModel):

@@ -163,6 +163,7 @@ async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, l
                 eval_key=inp.dataset.eval_key, k=cfg.eval.k, temperature=cfg.eval.temperature,
                 max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                 chunk_size=cfg.rollout.chunk_size, epoch=inp.epoch,
+                stop=cfg.rollout.stop, stop_token_ids=cfg.rollout.stop_token_ids,
             ),
             EvalResult, task_queue=inp.node_queue,
             summary=f"evaluate v{version}: {inp.dataset.n_eval} held-out prompts, greedy and pass@{cfg.eval.k}",

@@ -21,8 +21,8 @@ from typing import Literal
 
 import torch
 
-Estimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo"]
-ESTIMATORS: tuple[Estimator, ...] = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo")
+Estimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"]
+ESTIMATORS: tuple[Estimator, ...] = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo")
 WHITEN_EPS = 1e-8
 
 
@@ -118,6 +118,8 @@ def compute_advantages(
     if mask.dim() != 2 or mask.shape[0] != rewards.numel():
         raise ValueError(f"mask must be [N, L] with N={rewards.numel()} samples, got {tuple(mask.shape)}")
     m = mask.to(torch.float32)
+    if estimator == "ppo":
+        raise ValueError("estimator ppo needs the critic's values: use gae.gae_advantages_and_returns")
     if estimator == "reinforce_pp":
         return reinforce_pp_advantages(rewards, mask, token_kl, kl_coef)
     if estimator == "reinforce_pp_baseline":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_runtime.data.evaluation import accuracy, is_correct, pass_at_k
 from gpu_runtime.engine.rollout import ChunkGenerator, RolloutRequest, cut_chunks, generate_chunks
@@ -31,6 +31,8 @@ class EvalRequest:
     temperature: float  # of the k samples; the greedy answers use 0
     max_new_tokens: int
     chunk_size: int
+    stop: list[str] = field(default_factory=list)  # the rollout's stops: an eval answer ends where a rollout's does
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +53,7 @@ def sampling_request(req: EvalRequest, sampling: str, n_rows: int) -> RolloutReq
         policy_version=req.policy_version, data_cursor=0, n_rows=n_rows, prompts_per_step=n_rows,
         group_size=1 if greedy else req.k, chunk_size=req.chunk_size, max_new_tokens=req.max_new_tokens,
         temperature=0.0 if greedy else req.temperature, top_p=1.0, top_k=-1,
+        stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
     )
 
 

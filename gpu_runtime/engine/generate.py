@@ -7,6 +7,12 @@ temperature / top-k / top-p filtered distribution), so its tokens depend only
 on (weights, its prompt, seed, i) for a given batch. Finished samples keep
 being fed padding until every sample is done, so the batch shape — and hence
 every float — is the same on every run of the same batch.
+
+Stops (SGLang's sampling params): a sample ends at EOS, at a token of
+``stop_token_ids``, or once its decoded text contains a string of ``stop`` that the
+newest token completed. The stopping token is kept (its logprob too), so the output
+text contains the stop string and the trainer's loss mask covers exactly the tokens
+the engine produced; nothing is generated for the sample after it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class GenResult:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # raw (temperature 1) logprob of each output token
     finish_reason: str = "length"  # "stop" | "length"
+    matched: int | str | None = None  # what stopped it: the stop token id or the stop string
 
 
 def _filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
@@ -75,10 +82,13 @@ def generate_batch(
     eos_id: int | None = None,
     pad_id: int = 0,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
+    decode: Callable[[list[int]], str] | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> list[GenResult]:
-    """Generate for a batch of token-id prompts. ``on_step(step)`` is called after each
-    decode step (used by the server as a progress heartbeat)."""
+    """Generate for a batch of token-id prompts. ``stop`` needs ``decode`` (token ids ->
+    text, the tokenizer's). ``on_step(step)`` is called after each decode step (used by
+    the server as a progress heartbeat)."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):
@@ -92,6 +102,10 @@ def generate_batch(
     stops = set(stop_token_ids)
     if eos_id is not None:
         stops.add(eos_id)
+    stop_strings = [x for x in stop if x]
+    if stop_strings and decode is None:
+        raise ValueError("stop strings need a decode function")
+    text_lens = [0] * b  # length of each sample's decoded text before its newest token
     gens: list[torch.Generator | None] = []
     for i in range(b):
         gens.append(torch.Generator().manual_seed(derive_seed(seed, i)) if temperature > 0 else None)
@@ -120,8 +134,14 @@ def generate_batch(
             r.logprobs.append(float(logp[i, tok].item()))
             new_tokens[i] = tok
             if tok in stops:
-                r.finish_reason = "stop"
+                r.finish_reason, r.matched = "stop", tok
                 done[i] = True
+            elif stop_strings:
+                assert decode is not None
+                hit, text_lens[i] = stop_string_hit(decode(r.output_ids), text_lens[i], stop_strings)
+                if hit is not None:
+                    r.finish_reason, r.matched = "stop", hit
+                    done[i] = True
         if on_step is not None:
             on_step(step)
         if all(done) or step == max_new_tokens - 1:
@@ -130,6 +150,16 @@ def generate_batch(
         logits = lm_logits(model, new_tokens[:, None], key_mask, next_pos[:, None], cache)[:, -1, :]
         next_pos = next_pos + 1
     return results
+
+
+def stop_string_hit(text: str, prev_len: int, stop: Sequence[str]) -> tuple[str | None, int]:
+    """(the first of ``stop`` that ``text`` contains and that ends past ``prev_len``, the
+    length of the text before the newest token; ``len(text)``): a stop string counts once
+    the token that completes it is produced, even when that token carries more text."""
+    for s in stop:
+        if text.find(s, max(0, prev_len - len(s) + 1)) != -1:
+            return s, len(text)
+    return None, len(text)
 
 
 @torch.no_grad()

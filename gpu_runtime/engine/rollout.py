@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.data.datasets import encode_prompt, prompts_for_step
@@ -53,6 +53,8 @@ class RolloutRequest:
     top_p: float
     top_k: int
     round: int = 0  # dynamic sampling: the step's round (0: the first, or no filter)
+    stop: list[str] = field(default_factory=list)  # SGLang's sampling params: stop strings
+    stop_token_ids: list[int] = field(default_factory=list)  # and stop tokens besides EOS
 
 
 @dataclass
@@ -98,6 +100,10 @@ def generate_chunk(
         "top_k": req.top_k,
         "sampling_seed": plan.seed,
     }
+    if req.stop:  # SGLang's names; left out when unset, so such requests stay as they were
+        params["stop"] = list(req.stop)
+    if req.stop_token_ids:
+        params["stop_token_ids"] = list(req.stop_token_ids)
     results, url = generate(prompts, params)
     if len(results) != len(prompts):
         raise RuntimeError(f"engine {url} returned {len(results)} results for {len(prompts)} prompts")

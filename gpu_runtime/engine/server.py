@@ -84,6 +84,10 @@ class EngineState:
         top_k = int(sp.get("top_k", -1))
         seed = int(sp.get("sampling_seed", 0) or 0)
         stop_ids = [int(t) for t in (sp.get("stop_token_ids") or [])]
+        stop = sp.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)  # SGLang takes one string or a list
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise ValueError("sampling_params.stop must be a non-empty string or a list of them")
         vocab = self.model.config.vocab_size
         for p in prompts:
             if not p or any((not isinstance(t, int)) or t < 0 or t >= vocab for t in p):
@@ -95,7 +99,8 @@ class EngineState:
                 results = generate_batch(
                     self.model, prompts, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
                     top_k=top_k, seed=seed, eos_id=self.tokenizer.eos_token_id,
-                    pad_id=self.tokenizer.pad_token_id, stop_token_ids=stop_ids, on_step=self._step,
+                    pad_id=self.tokenizer.pad_token_id, stop_token_ids=stop_ids, stop=stop,
+                    decode=self.tokenizer.decode, on_step=self._step,
                 )
             finally:
                 self.busy = False
@@ -114,8 +119,8 @@ class EngineState:
             "completion_tokens": len(r.output_ids),
             "weight_version": version,
         }
-        if r.finish_reason == "stop" and r.output_ids:
-            meta["finish_reason"]["matched"] = r.output_ids[-1]
+        if r.finish_reason == "stop" and r.matched is not None:
+            meta["finish_reason"]["matched"] = r.matched
         if want_lp:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
         return {"text": self.tokenizer.decode(r.output_ids), "output_ids": r.output_ids, "meta_info": meta}

@@ -27,7 +27,7 @@ class TrainerHParams(Message):
     weight_decay: float
     warmup_steps: int
     grad_clip: float
-    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo"]
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "ppo"]
     clip_eps: float
     clip_eps_high: float | None
     dual_clip_c: float | None
@@ -41,6 +41,12 @@ class TrainerHParams(Message):
     scale_adv_by_std: bool
     ppo_epochs: int
     micro_batch_size: int
+    gamma: float
+    lam: float
+    vf_coef: float
+    value_clip: float | None
+    critic_lr: float | None
+    critic_warmup_steps: int
 
 
 # Knobs added after runs were first stored, each with the value that reproduces the
@@ -49,6 +55,7 @@ class TrainerHParams(Message):
 HPARAMS_ADDED_LATER: dict[str, object] = {
     "estimator": "grpo", "dual_clip_c": None, "loss_agg": "token_mean", "loss_agg_norm_len": None,
     "kl_estimator": "k3", "kl_in_reward": False, "entropy_coef": 0.0, "tis_cap": None,
+    "gamma": 1.0, "lam": 0.95, "vf_coef": 1.0, "value_clip": 0.5, "critic_lr": None, "critic_warmup_steps": 0,
 }
 
 

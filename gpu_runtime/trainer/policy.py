@@ -40,11 +40,13 @@ from gpu_runtime.models.causal_lm import (
 from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.trainer import critic as critic_lib
 from gpu_runtime.trainer import distill as distill_lib
 from gpu_runtime.trainer import lora as lora_lib
 from gpu_runtime.trainer import sft as sft_lib
 from gpu_runtime.trainer import state as trainer_state
 from gpu_runtime.trainer.api import DistillSettings, LoraSettings, TrainerHParams, stored_hparams
+from gpu_runtime.trainer.ppo import CriticPass
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class PolicyTrainer:
         self.policy_version = 0
         self.optimizer = self._new_optimizer(hparams)
         self.opt_steps = 0  # LR-schedule position (optimizer steps taken in RL)
+        self.critic: critic_lib.Critic | None = None  # estimator ppo: created at its first step (``trainer.critic``)
 
     # ---------------------------------------------------------------- setup
     @classmethod
@@ -190,6 +193,13 @@ class PolicyTrainer:
         return sft_lib.sft_step(self, rows, hparams)
 
     # ------------------------------------------------------------------ RL
+    def _ensure_critic(self, hp: TrainerHParams) -> critic_lib.Critic:
+        """The PPO critic, created from the current policy weights at its first step."""
+        if self.critic is None:
+            config = (self.model.get_base_model() if self.lora else self.model).config
+            self.critic = critic_lib.Critic(critic_lib.new_value_model(config, self.published_state(), self.seed), hp)
+        return self.critic
+
     def _check_groups(self, samples: list[Sample], rewards: list[float], group_size: int) -> None:
         if not samples:
             raise ValueError("samples must not be empty")
@@ -216,7 +226,9 @@ class PolicyTrainer:
         from the first epoch's forward, or from a forward of their own when the KL
         is part of the reward or the run distills), so the first epoch's ratio is 1.
         With ``distill`` the teacher's per-token term is added to the estimator's
-        advantages (``trainer.distill``)."""
+        advantages (``trainer.distill``). With estimator ``ppo`` the critic's old values
+        give GAE advantages, and the critic trains alongside, one AdamW step per epoch
+        (``trainer.ppo``); during ``critic_warmup_steps`` only the critic steps."""
         self._check_groups(samples, rewards, group_size)
         t0 = time.perf_counter()
         self.hparams = hp = hparams
@@ -239,7 +251,13 @@ class PolicyTrainer:
                 old_lps = [logprobs_and_logits(self.model, b.ids, b.mask)[0] for b in batches]
         if kl_in_reward:
             reward_kl = [kl_per_token(old, ref, hp.kl_estimator) for old, ref in zip(old_lps, ref_lps) if ref is not None]
-        advs = micro_batch_advantages(batches, r, group_size, hp, reward_kl)
+        critic: CriticPass | None = None
+        if hp.estimator == "ppo":
+            critic = CriticPass.start(self._ensure_critic(hp), batches, r, hp, reward_kl)
+            advs = critic.advantages
+        else:
+            advs = micro_batch_advantages(batches, r, group_size, hp, reward_kl)
+        train_policy = critic is None or critic.trains_policy
         distill_kl: float | None = None
         if self.distill is not None:
             assert self.teacher is not None
@@ -256,6 +274,8 @@ class PolicyTrainer:
         lr = self.lr_at(self.opt_steps, hp)
         for epoch in range(hp.ppo_epochs):
             lr = self.start_optimizer_step(hp)
+            if critic is not None:
+                critic.critic.start_step(hp)
             last = epoch == hp.ppo_epochs - 1
             for k, b in enumerate(batches):
                 tmask = b.tmask
@@ -279,7 +299,10 @@ class PolicyTrainer:
                     ent = agg.value(entropy_from_logits(logits), tmask)
                     loss = loss - hp.entropy_coef * ent
                 w = agg.weight(tmask)
-                (loss * w).backward()
+                if train_policy:
+                    (loss * w).backward()
+                if critic is not None:
+                    critic.backward(k, b, agg, hp, record=last)
                 if last:
                     if ent is None:
                         with torch.no_grad():
@@ -293,10 +316,17 @@ class PolicyTrainer:
                         values.append(("dual_clip_fraction", masked_mean(terms.dual_clipped.to(lp.dtype), tmask), share))
                     for name, v, weight in values:
                         sums[name] += float(v.detach()) * weight
-            grad_norm = self.take_optimizer_step(hp, "train_step")
+            if train_policy:
+                grad_norm = self.take_optimizer_step(hp, "train_step")
+            if critic is not None:
+                critic.grad_norm = critic.critic.take_step(hp)
+        if critic is not None:
+            critic.critic.steps += 1
         self.policy_version += 1
         secs = time.perf_counter() - t0
         metrics = dict(sums)
+        if critic is not None:
+            metrics.update(critic.metrics(hp, n_tokens))
         if distill_kl is not None:
             metrics["distill_kl"] = distill_kl
         if tis:

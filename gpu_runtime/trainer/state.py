@@ -1,7 +1,9 @@
 """The trainer's state on disk (a checkpoint's content): ``save`` writes it, ``load``
 restores it bitwise. Weights are the trained tensors only (every weight, or the LoRA
 adapters), plus the KL reference's, the AdamW state, the LR-schedule position, both RNGs
-and the version; ``trainer_meta.json`` is written last."""
+and the version; with a PPO critic also its weights, its AdamW state and its step count
+(``critic.safetensors``, ``critic_optimizer.safetensors``: never published to engines);
+``trainer_meta.json`` is written last."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_runtime.models.causal_lm import shape_summary
+from gpu_runtime.models.model_folder import weights_checksum
+from gpu_runtime.trainer import critic as critic_lib
 from gpu_runtime.trainer.api import stored_hparams
 
 if TYPE_CHECKING:
@@ -37,6 +41,28 @@ def read_meta(folder: Path) -> dict:
     return meta
 
 
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """An optimizer's state as flat ``<param index>.<name>`` tensors, and its param groups."""
+    osd = opt.state_dict()
+    tensors = {f"{idx}.{name}": t.detach().contiguous().clone()
+               for idx, st in osd["state"].items() for name, t in st.items() if isinstance(t, torch.Tensor)}
+    return tensors, osd["param_groups"]
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, flat: dict[str, torch.Tensor], groups: list[dict]) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        idx, _, name = key.partition(".")
+        state.setdefault(int(idx), {})[name] = t
+    for g in groups:
+        g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _critic_checksum(sd: dict[str, torch.Tensor]) -> str:
+    return weights_checksum(sd)
+
+
 def save(trainer: PolicyTrainer, folder: str | Path) -> None:
     """Write the trainer's full state into ``folder`` (meta file last)."""
     folder = Path(folder)
@@ -46,10 +72,15 @@ def save(trainer: PolicyTrainer, folder: str | Path) -> None:
         save_file(trainer._trained_state(trainer.ref_model), str(folder / REF_FILE))
     trainer.model.config.save_pretrained(str(folder))  # architecture, so ``from_state`` can rebuild
     trainer.tokenizer.save(folder)
-    osd = trainer.optimizer.state_dict()
-    tensors = {f"{idx}.{name}": t.detach().contiguous().clone()
-               for idx, st in osd["state"].items() for name, t in st.items() if isinstance(t, torch.Tensor)}
+    tensors, groups = _optimizer_tensors(trainer.optimizer)
     save_file(tensors, str(folder / OPTIM_FILE))
+    critic_meta = None
+    if trainer.critic is not None:
+        sd = trainer.critic.state_dict()
+        save_file(sd, str(folder / critic_lib.CRITIC_WEIGHTS))
+        c_tensors, c_groups = _optimizer_tensors(trainer.critic.optimizer)
+        save_file(c_tensors, str(folder / critic_lib.CRITIC_OPTIM))
+        critic_meta = {"steps": trainer.critic.steps, "optimizer_param_groups": c_groups, "checksum": _critic_checksum(sd)}
     save_file({"torch_cpu": torch.get_rng_state()}, str(folder / RNG_FILE))
     py_state = random.getstate()
     meta = {
@@ -61,7 +92,8 @@ def save(trainer: PolicyTrainer, folder: str | Path) -> None:
         "hparams": trainer.hparams.model_dump(mode="json"),
         "has_reference": trainer.ref_model is not None,
         "lora": trainer.lora.model_dump(mode="json") if trainer.lora else None,
-        "optimizer_param_groups": osd["param_groups"],
+        "optimizer_param_groups": groups,
+        "critic": critic_meta,
         "python_random": [py_state[0], list(py_state[1]), py_state[2]],
         "checksum": trainer.checksum(),
     }
@@ -89,15 +121,8 @@ def load(trainer: PolicyTrainer, folder: str | Path) -> None:
             trainer.ref_model = None
     trainer.hparams = stored_hparams(meta["hparams"])
     trainer.optimizer = trainer._new_optimizer(trainer.hparams)
-    flat = load_file(str(folder / OPTIM_FILE))
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in flat.items():
-        idx, _, name = key.partition(".")
-        state.setdefault(int(idx), {})[name] = t
-    groups = meta["optimizer_param_groups"]
-    for g in groups:
-        g["betas"] = tuple(g["betas"])
-    trainer.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    _load_optimizer(trainer.optimizer, load_file(str(folder / OPTIM_FILE)), meta["optimizer_param_groups"])
+    trainer.critic = _load_critic(trainer, folder, meta.get("critic"))
     torch.set_rng_state(load_file(str(folder / RNG_FILE))["torch_cpu"])
     v, internal, gauss = meta["python_random"]
     random.setstate((v, tuple(internal), gauss))
@@ -108,3 +133,21 @@ def load(trainer: PolicyTrainer, folder: str | Path) -> None:
     if got != meta["checksum"]:
         raise ValueError(f"{folder / WEIGHTS_FILE}: weights checksum {got} != recorded {meta['checksum']}")
     trainer.model.train()
+
+
+def _load_critic(trainer: PolicyTrainer, folder: Path, meta: dict | None) -> critic_lib.Critic | None:
+    """The checkpoint's critic (None when it has none: a PPO run's first step creates it)."""
+    if meta is None:
+        return None
+    config = (trainer.model.get_base_model() if trainer.lora else trainer.model).config
+    critic = critic_lib.Critic(critic_lib.ValueModel(config), trainer.hparams)
+    sd = load_file(str(folder / critic_lib.CRITIC_WEIGHTS))
+    with torch.no_grad():
+        critic.model.load_state_dict(sd)
+    got = _critic_checksum(critic.state_dict())
+    if got != meta["checksum"]:
+        raise ValueError(f"{folder / critic_lib.CRITIC_WEIGHTS}: critic checksum {got} != recorded {meta['checksum']}")
+    _load_optimizer(critic.optimizer, load_file(str(folder / critic_lib.CRITIC_OPTIM)), meta["optimizer_param_groups"])
+    critic.steps = int(meta["steps"])
+    critic.model.train()
+    return critic

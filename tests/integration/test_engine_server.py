@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +157,55 @@ def test_sglang_server_generates(model_dirs, tmp_path) -> None:  # type: ignore[
     finally:
         stop_pid(proc)
         log.close()
+
+
+def test_stop_strings_and_tokens_through_the_server_and_the_rollout(engine, model_dirs) -> None:  # type: ignore[no-untyped-def]
+    """SGLang's ``stop`` / ``stop_token_ids`` on a real engine process: a sample ends at the
+    token that completes a stop string (kept, and reported as ``matched``), the tokens before
+    it are those of the run without stops, and the rollout passes ``rollout.stop`` through."""
+    from gpu_runtime.data.datasets import generate_arithmetic
+    from gpu_runtime.engine.rollout import ChunkPlan, RolloutRequest, generate_chunk
+
+    _, tok, _ = load_model_folder(model_dirs["v1"])
+    free = engine.generate(BATCH, SP)
+    ids = next(r["output_ids"] for r in free if len(r["output_ids"]) >= 4)
+    before, text = tok.decode(ids[:2]), tok.decode(ids[:3])
+    stop = next(text[-n:] for n in range(1, len(text) + 1) if text[-n:] not in before)
+    for given in (stop, [stop, "never-produced-zzz"]):  # one string or a list, as SGLang takes them
+        cut = engine.generate(BATCH, {**SP, "stop": given})
+        for a, b in zip(free, cut):
+            n = len(b["output_ids"])
+            assert b["output_ids"] == a["output_ids"][:n]
+            if b["meta_info"]["finish_reason"]["type"] == "stop" and b["output_ids"] != a["output_ids"]:
+                assert b["meta_info"]["finish_reason"]["matched"] == stop and stop in b["text"]
+                assert stop not in tok.decode(b["output_ids"][:-1])
+        assert any(b["meta_info"]["finish_reason"].get("matched") == stop for b in cut)
+    token = ids[1]
+    by_token = engine.generate(BATCH, {**SP, "stop_token_ids": [token]})
+    hit = [b for b in by_token if b["meta_info"]["finish_reason"].get("matched") == token]
+    assert hit and all(b["output_ids"][-1] == token and token not in b["output_ids"][:-1] for b in hit)
+    with pytest.raises(EngineError) as ei:
+        engine.generate(BATCH, {**SP, "stop": [""]})
+    assert ei.value.status == 400
+
+    # the rollout's request carries rollout.stop / stop_token_ids to the engine
+    rows = generate_arithmetic(4, seed=0, max_operand=20)
+    req = RolloutRequest(run_id="r", step=1, seed=3, policy_version=1, data_cursor=0, n_rows=4, prompts_per_step=4,
+                         group_size=1, chunk_size=4, max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=-1)
+    plan = ChunkPlan(chunk=0, seed=1234, members=[(i, 0) for i in range(4)])
+    sent: list[dict] = []
+
+    def gen(batch: list[list[int]], params: dict) -> tuple[list[dict], str]:
+        sent.append(params)
+        return engine.generate(batch, params), engine.base_url
+
+    plain = generate_chunk(req, plan, rows, tok, gen)
+    assert "stop" not in sent[-1] and "stop_token_ids" not in sent[-1]
+    first = plain.samples[0]
+    stop_tok = first.response_ids[1]
+    stopped = generate_chunk(dataclasses.replace(req, stop=["zzz-never"], stop_token_ids=[stop_tok]), plan, rows,
+                             tok, gen)
+    assert sent[-1]["stop"] == ["zzz-never"] and sent[-1]["stop_token_ids"] == [stop_tok]
+    s = stopped.samples[0]
+    assert s.response_ids == first.response_ids[: first.response_ids.index(stop_tok) + 1]
+    assert s.finish_reason == "stop" and len(s.logprobs) == len(s.response_ids)

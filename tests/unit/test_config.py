@@ -212,7 +212,11 @@ def test_estimator_and_loss_defaults_are_todays_grpo() -> None:
     ({"estimator": "rloo", "scale_adv_by_std": False}, "estimator rloo never divides by the group std"),
     ({"tis_cap": 0.5}, "tis_cap: Input should be greater than or equal to 1"),
     ({"entropy_coef": -0.1}, "entropy_coef: Input should be greater than or equal to 0"),
-    ({"estimator": "ppo"}, "estimator: Input should be 'grpo'"),
+    ({"estimator": "ppo2"}, "estimator: Input should be 'grpo'"),
+    ({"gamma": 0.99}, "gamma: critic / GAE knobs of estimator ppo, unused by grpo"),
+    ({"estimator": "ppo", "lam": 1.5}, "lam: Input should be less than or equal to 1"),
+    ({"estimator": "ppo", "value_clip": 0}, "value_clip: Input should be greater than 0"),
+    ({"estimator": "ppo", "critic_warmup_steps": -1}, "critic_warmup_steps: Input should be greater than or equal"),
     ({"kl_estimator": "k4"}, "kl_estimator: Input should be 'k1', 'k2' or 'k3'"),
 ])
 def test_estimator_and_loss_combinations_are_validated(tmp_path: Path, train: dict, needle: str) -> None:
@@ -226,6 +230,8 @@ def test_estimator_combinations_that_are_valid() -> None:
     TrainSpec(estimator="cispo", clip_eps_high=4.0)  # CISPO's cap is well above PPO's clip range
     TrainSpec(scale_adv_by_std=False, loss_agg="seq_mean_token_sum_norm", loss_agg_norm_len=512)  # Dr.GRPO
     TrainSpec(estimator="reinforce_pp", kl_coef=0.01, kl_in_reward=True, kl_estimator="k1")
+    TrainSpec(estimator="ppo", gamma=0.99, lam=0.95, value_clip=None, critic_lr=1e-5, critic_warmup_steps=2,
+              kl_coef=0.05, kl_in_reward=True, dual_clip_c=3.0)
     # milestone set: switching to gspo takes its loss_agg in the same update
     new = HParamUpdate(estimator="gspo", loss_agg="seq_mean_token_mean").apply(TrainSpec())
     assert (new.estimator, new.loss_agg) == ("gspo", "seq_mean_token_mean")

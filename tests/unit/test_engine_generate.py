@@ -83,3 +83,52 @@ def test_top_k_one_is_greedy_and_stop_tokens_end_a_sample(model) -> None:  # typ
     stopped = _gen(model, PROMPTS[:1], temperature=0.0, stop_token_ids=[first])
     assert stopped[0].output_ids == [first] and stopped[0].finish_reason == "stop"
     assert _gen(model, PROMPTS, max_new_tokens=0)[0].output_ids == []
+
+
+def _stop_string_of(out_ids: list[int], k: int) -> str:
+    """The shortest suffix of the text through token ``k`` that the text before it lacks:
+    a stop string that token k completes."""
+    before, text = TOK.decode(out_ids[:k]), TOK.decode(out_ids[: k + 1])
+    assert len(text) > len(before), "token k adds no text"
+    return next(text[-n:] for n in range(1, len(text) + 1) if text[-n:] not in before)
+
+
+def test_stop_strings_end_a_sample_at_the_token_that_completes_them(model) -> None:  # type: ignore[no-untyped-def]
+    """Sample 1's text is cut at a stop string its token 3 completes (the token kept); the
+    other samples, and sample 1's tokens before the stop, are those of the run without it."""
+    free = _gen(model, PROMPTS, max_new_tokens=12)
+    victim = next(i for i, r in enumerate(free) if len(r.output_ids) >= 5 and r.finish_reason == "length")
+    stop = _stop_string_of(free[victim].output_ids, 3)
+    cut = _gen(model, PROMPTS, max_new_tokens=12, stop=[stop], decode=TOK.decode)
+    r = cut[victim]
+    assert r.output_ids == free[victim].output_ids[:4] and r.finish_reason == "stop" and r.matched == stop
+    assert stop in TOK.decode(r.output_ids)  # kept in the output
+    assert r.logprobs == pytest.approx(free[victim].logprobs[:4], abs=1e-5) and len(r.logprobs) == 4
+    for i, (a, b) in enumerate(zip(free, cut)):
+        if i != victim and stop not in TOK.decode(a.output_ids):
+            assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+    # seeded sampling with stops stays bitwise deterministic
+    again = _gen(model, PROMPTS, max_new_tokens=12, stop=[stop], decode=TOK.decode, stop_token_ids=[5])
+    twice = _gen(model, PROMPTS, max_new_tokens=12, stop=[stop], decode=TOK.decode, stop_token_ids=[5])
+    assert [(x.output_ids, x.logprobs, x.finish_reason, x.matched) for x in again] == [
+        (x.output_ids, x.logprobs, x.finish_reason, x.matched) for x in twice]
+    with pytest.raises(ValueError, match="decode"):
+        _gen(model, PROMPTS, stop=["x"])
+
+
+def test_stop_token_ids_report_the_matched_token(model) -> None:  # type: ignore[no-untyped-def]
+    free = _gen(model, PROMPTS[:1], max_new_tokens=12, temperature=0.0)[0]
+    tok = free.output_ids[2]
+    k = free.output_ids.index(tok)
+    r = _gen(model, PROMPTS[:1], max_new_tokens=12, temperature=0.0, stop_token_ids=[tok])[0]
+    assert r.output_ids == free.output_ids[: k + 1] and (r.finish_reason, r.matched) == ("stop", tok)
+
+
+def test_stop_string_hit_counts_a_string_once_its_last_character_arrives() -> None:
+    from gpu_runtime.engine.generate import stop_string_hit
+
+    assert stop_string_hit("The answer", 7, ["answer"]) == ("answer", 10)  # "ans" + "wer": completed now
+    assert stop_string_hit("x = 4\nmore", 3, ["\n"]) == ("\n", 10)  # a token carrying more text after it
+    assert stop_string_hit("abc", 3, ["b"]) == (None, 3)  # already before the newest token: not new
+    assert stop_string_hit("ab", 1, ["zz", "b"]) == ("b", 2)
+    assert stop_string_hit("", 0, ["a"]) == (None, 0)

@@ -41,6 +41,7 @@ ESTIMATOR_SETTINGS = {
     "reinforce_pp_baseline": dict(estimator="reinforce_pp_baseline"),
     "gspo": dict(estimator="gspo", loss_agg="seq_mean_token_mean", clip_eps=3e-4, clip_eps_high=4e-4),
     "cispo": dict(estimator="cispo", clip_eps_high=4.0, entropy_coef=0.01, tis_cap=2.0),
+    "ppo": dict(estimator="ppo", kl_in_reward=True, dual_clip_c=3.0, gamma=0.99, lam=0.9, critic_lr=1e-2),
 }
 
 

@@ -56,8 +56,14 @@ TRAIN = TrainSpec(lr=1.5e-5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, war
 DATASET = DatasetInfo(key="runs/r/data/train.jsonl", n_rows=10, sha256="x")
 
 
+# the critic / GAE knobs apply to estimator ppo only
+TRAIN_PPO = TRAIN.model_copy(update=dict(estimator="ppo", scale_adv_by_std=True, gamma=0.99, lam=0.9, vf_coef=0.25, value_clip=0.3,
+                                         critic_lr=2e-5, critic_warmup_steps=2))
+
+
 def test_train_spec_arrives_whole() -> None:
-    assert translate.trainer_hparams(TRAIN).model_dump() == TRAIN.model_dump()
+    for train in (TRAIN, TrainSpec.model_validate(TRAIN_PPO.model_dump())):
+        assert translate.trainer_hparams(train).model_dump() == train.model_dump()
 
 
 def test_run_setup_and_step_batch() -> None:
