@@ -146,6 +146,7 @@ class NodeActivities:
             chunk_keys=stats.chunk_keys, n_samples=stats.n_samples, gen_tokens=stats.gen_tokens,
             response_len_mean=stats.response_len_mean, tokens_per_s=stats.tokens_per_s,
             chunks_reused=stats.chunks_reused,
+            agent=stats.agent,
             engine_retries=self.rt.engine_deaths - deaths_before,
             seconds=stats.seconds,
             node_events=translate.run_events(self.rt.drain_events()),

@@ -111,6 +111,7 @@ class RolloutResult(BaseModel):
     engine_retries: int = 0
     seconds: float
     node_events: list[RunEvent] = []
+    agent: dict[str, float] | None = None  # rollout.agent: episode metrics (docs/agents.md); None: single-turn
 
 
 class RewardInput(BaseModel):
@@ -330,6 +331,7 @@ class StepSummary(BaseModel):
     eval_n: int | None = None
     reward_errors: int = 0  # samples scored 0 after a failed reward call (error_policy zero)
     sampling: SamplingStats | None = None  # dynamic sampling (None: off)
+    agent: dict[str, float] | None = None  # rollout.agent: episode metrics of the step's rollout(s) (docs/agents.md)
 
 
 class RunState(BaseModel):

@@ -124,6 +124,7 @@ class RLStep:
             eval_n=evaluated.n if evaluated else None,
             reward_errors=sampled.reward_errors,
             sampling=sampled.sampling,
+            agent=sampled.agent,
         )
 
 
