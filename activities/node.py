@@ -141,6 +141,8 @@ class NodeActivities:
         ))
         metrics.ROLLOUT_TOKENS_PER_S.set(stats.tokens_per_s)
         metrics.RESPONSE_LENGTH.set(stats.response_len_mean)
+        for name, value in (stats.agent or {}).items():
+            metrics.AGENT.labels(name).set(value)
         metrics.PHASE_SECONDS.labels("rollout").observe(stats.seconds)
         return RolloutResult(
             chunk_keys=stats.chunk_keys, n_samples=stats.n_samples, gen_tokens=stats.gen_tokens,
