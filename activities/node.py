@@ -22,7 +22,7 @@ from activities.heartbeat import with_heartbeat
 from gpu_runtime.engine.backends import SGLangEngineBackend
 from gpu_runtime.engine.evaluate import run_eval
 from gpu_runtime.engine.fleet import EngineFleet, HealthConfig, NoHealthyEngine, WeightMismatch
-from gpu_runtime.engine.rollout import NonFiniteLogprobs, StaleWeights, run_rollout
+from gpu_runtime.engine.rollout import NonFiniteLogprobs, RolloutStats, StaleWeights, run_rollout
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node import metrics
 from gpu_runtime.node.rpc import RemoteError
@@ -134,10 +134,22 @@ class NodeActivities:
         rows = self.rt.rows(inp.store_uri, inp.dataset.key)
         req = translate.rollout_request(inp, len(rows))
         deaths_before = self.rt.engine_deaths
-        stats = self._generating(inp.run_id, inp.epoch, f"rollout step {inp.step}", lambda: run_rollout(
-            req, self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer, fleet.generate_chunk,
-            parallelism=max(1, len(fleet.slots)),
-            on_chunk=lambda done, total: activity.heartbeat({"chunks_done": done, "chunks": total}),
+        progress = {"chunks_done": 0, "chunks": 0}
+
+        def chunk_done(done: int, total: int) -> None:
+            progress.update(chunks_done=done, chunks=total)
+            activity.heartbeat(dict(progress))
+
+        def generate() -> RolloutStats:
+            return run_rollout(
+                req, self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer, fleet.generate_chunk,
+                parallelism=max(1, len(fleet.slots)), on_chunk=chunk_done,
+            )
+
+        # an agent chunk runs many turns and tool calls: heartbeat while it runs, not only per chunk
+        # (every model turn and tool call is bounded: the engines' timeout, agent.tool_timeout_s)
+        stats = self._generating(inp.run_id, inp.epoch, f"rollout step {inp.step}", (
+            (lambda: with_heartbeat(generate, detail=lambda: dict(progress))) if req.agent is not None else generate
         ))
         metrics.ROLLOUT_TOKENS_PER_S.set(stats.tokens_per_s)
         metrics.RESPONSE_LENGTH.set(stats.response_len_mean)

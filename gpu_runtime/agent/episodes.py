@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_runtime.agent import records as rec
@@ -115,7 +116,9 @@ def generate_agent_chunk(
                             weight_version=req.policy_version, engine_url=url, samples=samples)
 
 
-def _environments(settings: AgentSettings):  # noqa: ANN202 - a factory row -> Environment
+def _environments(settings: AgentSettings) -> Callable[[dict], Environment]:
+    """Each episode's environment, from its row: the tool environment (shared: tools are stateless) or
+    ``agent.environment``'s factory."""
     if settings.environment is not None:
         return load_environment_factory(settings.environment)
     env = ToolEnvironment(load_tools(settings.tools, settings.tool_timeout_s), settings.tool_timeout_s)
