@@ -100,3 +100,12 @@ def test_pooling_rounds_sums_counts_and_weights_means() -> None:
                                  {"episodes": 6.0, "tool_calls": 1.0, "turns_mean": 3.0}])
     assert pooled == {"episodes": 8.0, "tool_calls": 4.0, "turns_mean": 2.5}
     assert pool_agent_metrics([]) is None
+
+
+def test_the_example_config_passes_preflight() -> None:
+    from pathlib import Path
+
+    from milestone_cli.preflight import check_config
+
+    cfg = check_config(Path(__file__).resolve().parents[2] / "examples" / "agent_calculator.yaml")
+    assert cfg.data.kind == "tool_arithmetic" and cfg.rollout.agent is not None
