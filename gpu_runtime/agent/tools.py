@@ -45,7 +45,9 @@ class ToolResult:
 
     def observation(self) -> str:
         """The text fed back to the model."""
-        text = self.output if not self.error else (f"{self.output}\nerror: {self.error}" if self.output else f"error: {self.error}")
+        if not self.error:
+            return self.output[-MAX_OBSERVATION_CHARS:]
+        text = f"{self.output}\nerror: {self.error}" if self.output else f"error: {self.error}"
         return text[-MAX_OBSERVATION_CHARS:]
 
 
