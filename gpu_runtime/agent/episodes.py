@@ -13,6 +13,7 @@ and no tool runs twice for a turn once its result is recorded.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -180,12 +181,14 @@ def _finish_turn(
     if call.error:
         result = ToolResult.failed(call.error)
     else:
-        art.put_json(store, f"{rec.calls_prefix(prefix, e.pos)}/turn-{t:02d}-{uuid.uuid4().hex}.json",
-                     {"tool": call.tool, "arguments": call.arguments, "at": time.time()})
+        execution = uuid.uuid4().hex
+        art.put_json(store, f"{rec.calls_prefix(prefix, e.pos)}/turn-{t:02d}-{execution}.json",
+                     {"tool": call.tool, "arguments": call.arguments, "at": time.time(), "pid": os.getpid(),
+                      "execution": execution})
         t0 = time.perf_counter()
         result = e.env.execute(call)
         r.seconds += time.perf_counter() - t0
-        r.executed = True
+        r.executed, r.execution = True, execution
         counters.add(tools_run=1)
     r.observation, r.error, r.reward = result.observation(), result.error, result.reward
     if result.timed_out:

@@ -7,7 +7,9 @@ Under ``<step>/rollout/[round-RR/]episodes/chunk-CCCC/`` (``episodes_prefix``):
 * ``ep-EEEE/turn-TT.json`` — episode ``EEEE``'s finished turn ``TT`` (``TurnRecord``: the
   model's tokens and the tool turn's result and tokens), written before the result is used;
 * ``ep-EEEE/calls/turn-TT-<uuid>.json`` — one per tool execution, written just before the
-  tool runs: the execution log that shows a tool never ran twice for a turn.
+  tool runs (tool, arguments, time, pid): the execution log. The finished turn names the
+  entry whose result it holds (``TurnRecord.execution``); any other entry for the turn is an
+  execution a crash cut off before its result was recorded, never one after it.
 
 ``EEEE`` is the sample's position in its chunk. Every key is a pure function of
 (run, step, round, chunk, episode, turn), so a retried rollout finds what an earlier
@@ -64,6 +66,7 @@ class TurnRecord(BaseModel):
     tool: str = ""  # the tool called ("" : none)
     arguments: str = ""
     executed: bool = False  # the tool ran (a malformed call or a call on the last turn does not)
+    execution: str = ""  # the execution log entry whose result this is
     observation: str | None = None  # what the model was shown next (None: no tool turn)
     error: str = ""  # the tool call failed
     reward: float | None = None  # a per-turn reward from a custom environment

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,20 +61,32 @@ def episode_dirs(store: Path, run_id: str, step: int) -> list[Path]:
     return sorted((store / "runs" / run_id / "steps" / f"{step:06d}" / "rollout" / "episodes").glob("chunk-*/ep-*"))
 
 
-def assert_each_tool_call_ran_once(store: Path, run_id: str) -> int:
-    """Every (episode, turn) has at most one entry in the tool execution log, and each
-    recorded execution has one: the number of tool executions in the run."""
-    total = 0
+def tool_executions(store: Path, run_id: str, dead_pids: frozenset[int] = frozenset()) -> tuple[int, int]:
+    """Check the tool execution log (written just before each tool runs) against the recorded
+    turns: every recorded execution is logged, and no tool ran again for a turn once its result
+    was recorded. The only other entries allowed are executions a crash cut off before their
+    result was recorded: earlier than the recorded one, by a process in ``dead_pids`` (the
+    killed node agent; docs/agents.md, durability). Returns (recorded executions, cut-off ones)."""
+    recorded = lost = 0
     for step in range(1, STEPS + 1):
         for ep in episode_dirs(store, run_id, step):
-            runs = Counter(p.name.split("-")[1] for p in (ep / "calls").glob("turn-*.json"))
-            twice = {t: n for t, n in runs.items() if n > 1}
-            assert not twice, f"{ep}: tool calls executed more than once per turn {twice}"
-            executed = {f"{json.loads(p.read_text())['turn']:02d}" for p in ep.glob("turn-*.json")
-                        if json.loads(p.read_text())["executed"]}
-            assert executed == set(runs), f"{ep}: recorded executions {executed}, execution log {set(runs)}"
-            total += len(runs)
-    return total
+            log: dict[str, list[dict]] = {}
+            for p in (ep / "calls").glob("turn-*.json"):
+                log.setdefault(p.name.split("-")[1], []).append(json.loads(p.read_text()))
+            turns = {f"{r['turn']:02d}": r for r in (json.loads(p.read_text()) for p in ep.glob("turn-*.json"))}
+            for t, entries in log.items():
+                r = turns.get(t)
+                assert r is not None and r["executed"], f"{ep} turn {t}: executed but never recorded: {entries}"
+                kept = [e for e in entries if e["execution"] == r["execution"]]
+                assert len(kept) == 1, f"{ep} turn {t}: record holds {r['execution']}, log {entries}"
+                for e in entries:
+                    if e is not kept[0]:
+                        assert e["pid"] in dead_pids and e["at"] < kept[0]["at"], (
+                            f"{ep} turn {t}: a tool ran again for a turn: {entries}")
+                recorded += 1
+                lost += len(entries) - 1
+            assert {t for t, r in turns.items() if r["executed"]} == set(log), f"{ep}: recorded {turns}, log {log}"
+    return recorded, lost
 
 
 def samples(store: Path, run_id: str, step: int) -> list[dict]:
@@ -95,7 +106,7 @@ def test_multi_turn_run_calls_the_tool(agent_stack: Stack, store: Path, baseline
     assert all(m is not None for m in metrics), metrics
     assert sum(m["tool_calls"] for m in metrics) > 0, metrics  # the model really called the calculator
     assert all(m["turns_mean"] >= 1 and m["episodes"] == 16 for m in metrics)
-    assert assert_each_tool_call_ran_once(store, "agent-base") == sum(m["tool_calls"] for m in metrics)
+    assert tool_executions(store, "agent-base") == (sum(m["tool_calls"] for m in metrics), 0)
     for step in range(1, STEPS + 1):
         for s in samples(store, "agent-base", step):
             ep = s["episode"]
@@ -109,10 +120,11 @@ def test_multi_turn_run_calls_the_tool(agent_stack: Stack, store: Path, baseline
     assert any(not torch.equal(v0[k], baseline[k]) for k in v0)
 
 
-def _kill_mid_episode(stack: Stack, store: Path, run_id: str, fault: str) -> RunProgress:
-    """Start the run; once a turn of step 2 is recorded but its rollout is unfinished, inject ``fault``."""
+def _kill_mid_episode(stack: Stack, store: Path, run_id: str, fault: str) -> tuple[RunProgress, int]:
+    """Start the run; once a turn of step 2 is recorded but its rollout is unfinished, inject
+    ``fault``; the run's progress and the killed process's pid."""
 
-    async def main() -> RunProgress:
+    async def main() -> tuple[RunProgress, int]:
         client = await connect(stack.server.address)
         handle = await start_run(client, run_id, agent_config(store))
         step2 = store / "runs" / run_id / "steps" / "000002" / "rollout"
@@ -120,12 +132,14 @@ def _kill_mid_episode(stack: Stack, store: Path, run_id: str, fault: str) -> Run
                  what="step 2's first finished turn")
         assert not list(step2.glob("chunk-*.json")) or len(list(step2.glob("chunk-*.json"))) < 2
         if fault == "engine":
-            os.kill(stack.node_pids("node0")["engines"][0], signal.SIGKILL)
+            killed = stack.node_pids("node0")["engines"][0]
+            os.kill(killed, signal.SIGKILL)
         else:
+            killed = stack.procs["gpu-node0"].pid
             stack.kill("gpu-node0")
             stack.start_gpu("node0")
         await asyncio.wait_for(handle.result(), 600)
-        return await progress(client, run_id)
+        return await progress(client, run_id), killed
 
     return asyncio.run(main())
 
@@ -133,7 +147,7 @@ def _kill_mid_episode(stack: Stack, store: Path, run_id: str, fault: str) -> Run
 @pytest.mark.parametrize("fault", ["engine", "worker"])
 def test_fault_mid_episode_ends_bitwise_equal(agent_stack: Stack, store: Path, baseline: dict, fault: str) -> None:
     run_id = f"agent-{fault}"
-    p = _kill_mid_episode(agent_stack, store, run_id, fault)
+    p, killed = _kill_mid_episode(agent_stack, store, run_id, fault)
     assert [s.step for s in p.steps] == [1, 2, 3]
     if fault == "engine":
         assert "engine_dead" in [e.kind for e in p.events]
@@ -141,7 +155,10 @@ def test_fault_mid_episode_ends_bitwise_equal(agent_stack: Stack, store: Path, b
         assert any(e.kind == "node_lost" for e in p.events), [e.kind for e in p.events]
         step2 = p.steps[1].agent
         assert step2 is not None and step2["turns_reused"] + step2["model_turns_reused"] > 0, step2
-    assert_each_tool_call_ran_once(store, run_id)
+    # an engine's death loses no tool call (tools run in the node agent); a killed agent may have
+    # been inside a tool call whose result it never recorded: that call is the only one run again
+    _, lost = tool_executions(store, run_id, frozenset({killed}) if fault == "worker" else frozenset())
+    assert lost <= 2, lost  # at most one call in flight per chunk (a chunk runs its tools one at a time)
     for step in range(1, STEPS + 1):  # the same episodes, token for token
         got, want = samples(store, run_id, step), samples(store, "agent-base", step)
         assert [(s["response_ids"], s["logprobs"], s["loss_mask"]) for s in got] == [
