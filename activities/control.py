@@ -20,6 +20,7 @@ from gpu_runtime.node import metrics
 from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.arithmetic import generate_heldout_arithmetic
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
+from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
 from gpu_runtime.data.readers import iter_rows, read_rows
 from gpu_runtime.data.dynamic_sampling import assemble_groups, group_stats
 from gpu_runtime.data.rewards import (
@@ -47,6 +48,9 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
     if d.kind == "arithmetic":
         _put_once(store, key, "data.path", lambda: generate_arithmetic(
             d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
+    elif d.kind == "tool_arithmetic":
+        _put_once(store, key, "data.path", lambda: generate_tool_arithmetic(
+            d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
     elif d.kind == "reasoning_gym":
         assert d.dataset is not None
         _put_once(store, key, "data.dataset", lambda: reasoning_gym.generate_rows(
@@ -56,7 +60,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
         _put_once(store, key, "data.path", lambda: iter_rows(translate.data_source(d), require_int_answer=require_int))
     data = store.get_bytes(key)
     info = DatasetInfo(key=key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())
-    if not inp.eval.enabled:
+    if not inp.eval.enabled or d.kind == "tool_arithmetic":  # agent runs have no single-turn eval
         return info
     eval_key = art.dataset_key(inp.run_id, "eval")
     if d.kind in ("arithmetic", "reasoning_gym"):

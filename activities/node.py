@@ -23,7 +23,7 @@ from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import SGLangEngineBackend
 from gpu_runtime.engine.evaluate import run_eval
 from gpu_runtime.engine.fleet import EngineFleet, HealthConfig, NoHealthyEngine, WeightMismatch
-from gpu_runtime.engine.rollout import NonFiniteLogprobs, StaleWeights, run_rollout
+from gpu_runtime.engine.rollout import NonFiniteLogprobs, RolloutStats, StaleWeights, run_rollout
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node import metrics
 from gpu_runtime.node.rpc import RemoteError
@@ -135,18 +135,33 @@ class NodeActivities:
         rows = self.rt.rows(inp.store_uri, inp.dataset.key)
         req = translate.rollout_request(inp, len(rows))
         deaths_before = self.rt.engine_deaths
-        stats = self._generating(inp.run_id, inp.epoch, f"rollout step {inp.step}", lambda: run_rollout(
-            req, self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer, fleet.generate_chunk,
-            parallelism=max(1, len(fleet.slots)),
-            on_chunk=lambda done, total: activity.heartbeat({"chunks_done": done, "chunks": total}),
+        progress = {"chunks_done": 0, "chunks": 0}
+
+        def chunk_done(done: int, total: int) -> None:
+            progress.update(chunks_done=done, chunks=total)
+            activity.heartbeat(dict(progress))
+
+        def generate() -> RolloutStats:
+            return run_rollout(
+                req, self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer, fleet.generate_chunk,
+                parallelism=max(1, len(fleet.slots)), on_chunk=chunk_done,
+            )
+
+        # an agent chunk runs many turns and tool calls: heartbeat while it runs, not only per chunk
+        # (every model turn and tool call is bounded: the engines' timeout, agent.tool_timeout_s)
+        stats = self._generating(inp.run_id, inp.epoch, f"rollout step {inp.step}", (
+            (lambda: with_heartbeat(generate, detail=lambda: dict(progress))) if req.agent is not None else generate
         ))
         metrics.ROLLOUT_TOKENS_PER_S.set(stats.tokens_per_s)
         metrics.RESPONSE_LENGTH.set(stats.response_len_mean)
+        for name, value in (stats.agent or {}).items():
+            metrics.AGENT.labels(name).set(value)
         metrics.PHASE_SECONDS.labels("rollout").observe(stats.seconds)
         return RolloutResult(
             chunk_keys=stats.chunk_keys, n_samples=stats.n_samples, gen_tokens=stats.gen_tokens,
             response_len_mean=stats.response_len_mean, tokens_per_s=stats.tokens_per_s,
             chunks_reused=stats.chunks_reused,
+            agent=stats.agent,
             engine_retries=self.rt.engine_deaths - deaths_before,
             seconds=stats.seconds,
             node_events=translate.run_events(self.rt.drain_events()),

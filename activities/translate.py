@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel
 
+from gpu_runtime.agent.settings import AgentSettings
 from gpu_runtime.data.readers import DataSource
 from gpu_runtime.data.rewards import RewardSettings, RewardTermSettings
 from gpu_runtime.engine.evaluate import EvalRequest, EvalStats
@@ -34,6 +35,7 @@ from gpu_runtime.trainer.api import (
     TrainResult,
     VersionInfo,
 )
+from workflows.agent_config import AgentSpec
 from workflows.config import DataSpec, DistillSpec, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
 from workflows.contracts import (
     CheckpointInput,
@@ -60,6 +62,7 @@ MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
     (RewardSpec, RewardSettings),
     (RewardTerm, RewardTermSettings),
     (DataSpec, DataSource),
+    (AgentSpec, AgentSettings),
 ]
 
 
@@ -114,7 +117,9 @@ ROLLOUT_WORKFLOW_ONLY = {"oversample", "dynamic_filter", "mode"}  # the workflow
 
 
 def rollout_request(inp: RolloutInput, n_rows: int) -> RolloutRequest:
-    spec = inp.rollout.model_dump(exclude=ROLLOUT_WORKFLOW_ONLY)
+    spec = inp.rollout.model_dump(exclude=ROLLOUT_WORKFLOW_ONLY | {"agent"})
+    agent = inp.rollout.agent
+    spec["agent"] = None if agent is None else AgentSettings.model_validate(agent.model_dump())
     if inp.n_prompts is not None:
         spec["prompts_per_step"] = inp.n_prompts
     return RolloutRequest(

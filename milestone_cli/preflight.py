@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from gpu_runtime.agent.tools import BUILTIN, ToolNotFound, load_environment_factory, load_tools
 from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.readers import DataSource, DatasetError, check_source
 from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function, mathverify
@@ -36,11 +37,26 @@ def check_config(path: str | Path) -> RunConfig:
         raise PreflightError(str(err)) from None
     if cfg.data.kind == "reasoning_gym":
         check_reasoning_gym(cfg)
-    elif cfg.data.kind != "arithmetic":
+    elif cfg.data.kind not in ("arithmetic", "tool_arithmetic"):
         check_dataset(cfg)
     if cfg.mode == "rl":
         check_reward(cfg)
+    if cfg.rollout.agent is not None:
+        check_agent(cfg)
     return cfg
+
+
+def check_agent(cfg: RunConfig) -> None:
+    """Each custom tool imports and its factory returns a tool; a custom environment imports."""
+    agent = cfg.rollout.agent
+    assert agent is not None
+    try:
+        if agent.environment is not None:
+            load_environment_factory(agent.environment)
+        else:
+            load_tools([t for t in agent.tools if t not in BUILTIN], agent.tool_timeout_s)
+    except ToolNotFound as err:
+        raise PreflightError(f"rollout.{err}") from None
 
 
 def check_reward(cfg: RunConfig) -> None:

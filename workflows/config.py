@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from workflows.agent_config import AgentSpec
 from workflows.model_config import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec  # noqa: F401  (sections; re-exported)
 from workflows.reward_config import RewardSpec, RewardTerm  # noqa: F401  (a section of RunConfig; re-exported)
 from workflows.strict import Strict
@@ -27,9 +28,10 @@ class DataSpec(Strict):
     The prompt comes from ``messages_key`` when it is set (a chat), else from
     ``prompt_key``: ``messages_key`` wins, ``prompt_key`` is then unused."""
 
-    kind: Literal["arithmetic", "jsonl", "parquet", "reasoning_gym"] = Field(
+    kind: Literal["arithmetic", "tool_arithmetic", "jsonl", "parquet", "reasoning_gym"] = Field(
         "arithmetic",
-        description="arithmetic / reasoning_gym: generated offline at data preparation; jsonl / parquet: read from path",
+        description="arithmetic / tool_arithmetic / reasoning_gym: generated offline at data preparation "
+        "(tool_arithmetic: chat rows for rollout.agent with the calculator); jsonl / parquet: read from path",
     )
     path: str | None = Field(
         None, description="the dataset file (required for jsonl / parquet; suffix .jsonl/.ndjson/.json or .parquet/.pq)"
@@ -41,9 +43,9 @@ class DataSpec(Strict):
     dataset_config: dict[str, Any] = Field(
         default_factory=dict, description="reasoning_gym: the generator's own settings (e.g. {min_terms: 2})"
     )
-    min_operand: int = Field(0, ge=0, description="operands are drawn from min_operand..max_operand (arithmetic)")
-    max_operand: int = Field(99, ge=1, description="operands are drawn from min_operand..max_operand (arithmetic)")
-    ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic)")
+    min_operand: int = Field(0, ge=0, description="operands are drawn from min_operand..max_operand (arithmetic, tool_arithmetic)")
+    max_operand: int = Field(99, ge=1, description="operands are drawn from min_operand..max_operand (arithmetic, tool_arithmetic)")
+    ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic, tool_arithmetic)")
     prompt_key: str = Field("question", min_length=1, description="the key / column holding the plain-text prompt")
     messages_key: str | None = Field(
         None, min_length=1, description="the key / column holding a chat [{role, content}, ...]; wins over prompt_key"
@@ -78,11 +80,11 @@ class DataSpec(Strict):
             if self.path is not None or self.eval_path is not None:
                 raise ValueError("path / eval_path are for jsonl / parquet; reasoning_gym generates its rows")
             return self
-        if self.kind == "arithmetic":
+        if self.kind in ("arithmetic", "tool_arithmetic"):
             if self.min_operand > self.max_operand:
                 raise ValueError(f"min_operand {self.min_operand} must be <= max_operand {self.max_operand}")
             if self.eval_path is not None:
-                raise ValueError("eval_path is for jsonl / parquet; arithmetic generates its held-out rows")
+                raise ValueError(f"eval_path is for jsonl / parquet; {self.kind} generates its rows")
             return self
         if not self.path:
             raise ValueError(f"path is required when kind is {self.kind!r}")
@@ -154,6 +156,9 @@ class RolloutSpec(Strict):
         "sync",
         description="sync: step n samples on the policy step n-1 produced; one_step_off: step n+1's rollout runs on "
         "the same weights as step n's, during step n's train_step (samples one version old, corrected by TIS)",
+    )
+    agent: AgentSpec | None = Field(
+        None, description="multi-turn tool-calling episodes (docs/agents.md); unset: one response per prompt"
     )
 
     @field_validator("stop")
@@ -390,7 +395,7 @@ class RunConfig(Strict):
     reward: RewardSpec = Field(RewardSpec(), validate_default=True)  # checked against mode also when omitted
     train: TrainSpec = Field(TrainSpec(), validate_default=True)  # checked against mode also when omitted
     checkpoint: CheckpointSpec = CheckpointSpec()
-    eval: EvalSpec = EvalSpec()
+    eval: EvalSpec = Field(EvalSpec(), validate_default=True)  # checked against rollout.agent also when omitted
     engines: EngineSpec = EngineSpec()
     node: NodeSpec = NodeSpec()
     steps_per_workflow_run: int = Field(
@@ -433,6 +438,11 @@ class RunConfig(Strict):
             raise ValueError("dynamic_filter applies to mode rl (mode sft samples nothing)")
         if info.data.get("mode") == "sft" and v.mode != "sync":
             raise ValueError("mode one_step_off overlaps rollout with training: mode sft has no rollout (use sync)")
+        if info.data.get("mode") == "sft" and v.agent is not None:
+            raise ValueError("agent applies to mode rl (mode sft samples nothing)")
+        data = info.data.get("data")
+        if data is not None and data.kind == "tool_arithmetic" and v.agent is None:
+            raise ValueError("data.kind tool_arithmetic is a calculator task: set rollout.agent (e.g. {tools: [calculator]})")
         return v
 
     @field_validator("reward")
@@ -443,6 +453,17 @@ class RunConfig(Strict):
         data = info.data.get("data")
         if "reasoning_gym" in v.kinds() and data is not None and data.kind != "reasoning_gym":
             raise ValueError(f"kind reasoning_gym scores rows of data.kind reasoning_gym, not {data.kind!r}")
+        return v
+
+    @field_validator("eval")
+    @classmethod
+    def _eval_agent(cls, v: EvalSpec, info: ValidationInfo) -> EvalSpec:
+        rollout = info.data.get("rollout")
+        if rollout is not None and rollout.agent is not None and v.enabled:
+            raise ValueError(
+                "enabled: the held-out eval samples one response per prompt, not episodes; with rollout.agent "
+                "set eval.enabled false (the rollout metrics report episode outcomes and rewards)"
+            )
         return v
 
     @field_validator("train")

@@ -111,6 +111,7 @@ class RolloutResult(BaseModel):
     engine_retries: int = 0
     seconds: float
     node_events: list[RunEvent] = []
+    agent: dict[str, float] | None = None  # rollout.agent: episode metrics (docs/agents.md); None: single-turn
 
 
 class RewardInput(BaseModel):
@@ -176,6 +177,7 @@ class Sampled(BaseModel):
     sampling: SamplingStats | None = None
     policy_version: int = 0  # the weights the engines generated every sample of the batch with
     data_cursor: int = 0  # the cursor its prompts were drawn from
+    agent: dict[str, float] | None = None  # rollout.agent: episode metrics (docs/agents.md)
 
 
 class SampledRound(BaseModel):
@@ -359,6 +361,7 @@ class StepSummary(BaseModel):
     rollout_version: int | None = None  # the policy version that generated the trained samples
     overlap_seconds: float = 0.0  # one_step_off: the next step's sampling seconds that ran during this train_step
     next_sampled: Sampled | None = None  # one_step_off: the next step's batch (TrainingRun moves it to its state)
+    agent: dict[str, float] | None = None  # rollout.agent: episode metrics of the step's rollout(s) (docs/agents.md)
 
 
 class RunState(BaseModel):

@@ -146,6 +146,7 @@ class RLStep:
             rollout_version=sampled.policy_version,
             overlap_seconds=min(trained.seconds, sum(next_sampled.phases.values())) if next_sampled else 0.0,
             next_sampled=next_sampled,
+            agent=sampled.agent,
         )
 
 

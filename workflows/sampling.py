@@ -16,6 +16,7 @@ the data cursor moves past all of them, kept, filtered or surplus.
 from __future__ import annotations
 
 import math
+
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
@@ -62,6 +63,23 @@ def pooled(results: list[RewardResult]) -> tuple[float, float, float]:
     return mean, math.sqrt(max(second - mean * mean, 0.0)), sum(r.n * r.accuracy for r in results) / n
 
 
+# episode metrics that are counts (summed over rounds); the others are means over episodes
+AGENT_COUNTS = ("episodes", "tool_calls", "tool_errors", "turns_reused", "model_turns_reused", "tools_run")
+
+
+def pool_agent_metrics(rounds: list[dict[str, float]]) -> dict[str, float] | None:
+    """Several rollouts' episode metrics as one: counts summed, means weighted by episodes."""
+    if not rounds:
+        return None
+    n = sum(r.get("episodes", 0.0) for r in rounds) or 1.0
+    keys = sorted({k for r in rounds for k in r})
+    return {
+        k: sum(r.get(k, 0.0) for r in rounds) if k in AGENT_COUNTS
+        else sum(r.get(k, 0.0) * r.get("episodes", 0.0) for r in rounds) / n
+        for k in keys
+    }
+
+
 def _rollout_input(inp: RLStepInput, round_: int = 0, cursor: int | None = None, n: int | None = None) -> RolloutInput:
     cfg = inp.config
     return RolloutInput(
@@ -93,6 +111,7 @@ async def sample(inp: RLStepInput) -> Sampled:
         chunks_reused=rollout.chunks_reused, engine_retries=rollout.engine_retries,
         phases={"rollout": rollout.seconds, "reward": rewards.seconds}, node_events=rollout.node_events,
         policy_version=inp.policy_version, data_cursor=inp.data_cursor,
+        agent=rollout.agent,
     )
 
 
@@ -170,6 +189,7 @@ async def sample_with_filter(inp: RLStepInput) -> Sampled:
         phases={"rollout": sum(got.seconds for got in rollouts), "reward": sum(rw.seconds for rw in results),
                 "assemble": batch.seconds},
         node_events=events,
+        agent=pool_agent_metrics([got.agent for got in rollouts if got.agent]),
         sampling=stats.model_copy(update={"trained_reward_mean": batch.reward_mean}),
         policy_version=inp.policy_version, data_cursor=inp.data_cursor,
     )

@@ -36,7 +36,7 @@ class DataSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["arithmetic", "jsonl", "parquet", "reasoning_gym"]
+    kind: Literal["arithmetic", "tool_arithmetic", "jsonl", "parquet", "reasoning_gym"]
     path: str | None
     num_train: int
     dataset: str | None

@@ -132,8 +132,12 @@ def prompt_messages(row: Mapping[str, Any]) -> list[dict[str, str]] | None:
 
 
 def sft_target(row: Mapping[str, Any]) -> str:
-    """The SFT completion (EOS goes right after it): the bare final answer for a
+    """The SFT completion (EOS goes right after it): the row's ``metadata.sft_target`` when it
+    has one (a demonstration, e.g. of a tool-calling episode), the bare final answer for a
     built-in arithmetic row (prompt ``"A<op>B="``), the full label otherwise."""
+    demo = (row.get("metadata") or {}).get("sft_target")
+    if isinstance(demo, str) and demo:
+        return demo
     prompt = row.get("prompt")
     if isinstance(prompt, str) and ARITHMETIC_PROMPT.fullmatch(prompt):
         return final_answer(row)

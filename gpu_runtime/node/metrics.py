@@ -22,6 +22,8 @@ REWARD_JUDGE_CALLS = Counter(
 DYNAMIC_SAMPLING = Gauge(
     "milestone_dynamic_sampling", "dynamic sampling in the last step (groups by fate, rounds)", ["metric"]
 )
+AGENT = Gauge("milestone_agent", "agent episodes of the last rollout (docs/agents.md: turns_mean, tool_calls, ...)",
+              ["metric"])
 EVAL_GREEDY_ACCURACY = Gauge("milestone_eval_greedy_accuracy", "held-out greedy accuracy (pass@1), last eval")
 EVAL_PASS_AT_K = Gauge("milestone_eval_pass_at_k", "held-out pass@k (k = eval.k samples per prompt), last eval")
 TRAIN_METRIC = Gauge("milestone_train", "last train step metric", ["metric"])  # loss, kl, entropy, grad_norm, ...

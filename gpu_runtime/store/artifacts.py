@@ -98,6 +98,18 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
+class EpisodeInfo(BaseModel):
+    """An agent episode's summary, carried by its ``Sample`` (built from its turn records,
+    ``gpu_runtime.agent.records``, so a resumed episode carries the same one)."""
+
+    outcome: str  # completed | truncated | tool_error | timeout
+    turns: int
+    tool_calls: int  # tools executed
+    tool_errors: int  # failed calls (malformed ones included)
+    turn_rewards: list[float | None] = []
+    seconds: float = 0.0
+
+
 class Sample(BaseModel):
     sample_id: str  # "s<step>-p<prompt_index>-g<group_index>" ("s<step>-r<round>-p..." in round > 0)
     prompt_index: int  # index into the training dataset
@@ -110,6 +122,10 @@ class Sample(BaseModel):
     # for rewards, never for training (token-in-token-out: training uses the ids above)
     prompt_text: str = ""
     response_text: str = ""  # response_ids decoded by the model's tokenizer, special tokens skipped
+    # an agent episode: 1 per response token the model generated, 0 per tool-turn token (never trained);
+    # its response_text is the model's last turn, what the reward scores (docs/agents.md)
+    loss_mask: list[int] | None = None
+    episode: EpisodeInfo | None = None
 
 
 class RolloutChunk(BaseModel):

@@ -1,7 +1,8 @@
 """Samples as padded training tensors, and the two token layouts the trainer uses.
 
 A micro-batch is right-padded ``prompt + response`` ids; its per-token tensors are
-``[B, T-1]`` over next-token targets (``tmask`` marks the response tokens). The
+``[B, T-1]`` over next-token targets (``tmask`` marks the response tokens the loss
+counts: all of them, except an agent episode's tool-turn tokens, ``Sample.loss_mask``). The
 advantage estimators work **response-aligned** instead: ``[N, L]`` with column
 ``t`` the ``t``-th response token of a sample, the same for every micro-batch
 split. ``MicroBatch`` converts between the two.
@@ -38,9 +39,20 @@ def response_mask(prompt_lens: list[int], total_lens: list[int], width: int) -> 
 
 
 def response_aligned_mask(samples: list[Sample]) -> torch.Tensor:
-    """[N, L] bool, L the longest response: ``mask[i, :len(response_i)]`` is true."""
+    """[N, L] bool, L the longest response: ``mask[i, :len(response_i)]`` is true, except on
+    the tokens an agent episode's ``loss_mask`` excludes (its tool turns)."""
     lens = torch.tensor([len(s.response_ids) for s in samples])
-    return torch.arange(int(lens.max()))[None, :] < lens[:, None]
+    mask = torch.arange(int(lens.max()))[None, :] < lens[:, None]
+    for i, s in enumerate(samples):
+        if s.loss_mask is not None:
+            mask[i, : len(s.loss_mask)] &= torch.tensor(s.loss_mask, dtype=torch.bool)
+    return mask
+
+
+def _check_loss_mask(s: Sample) -> None:
+    if s.loss_mask is not None and len(s.loss_mask) != len(s.response_ids):
+        raise ValueError(f"sample {s.sample_id}: loss_mask has {len(s.loss_mask)} entries for "
+                         f"{len(s.response_ids)} response tokens")
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,11 @@ class MicroBatch:
         ids, mask = pad_batch([s.prompt_ids + s.response_ids for s in samples], pad_id)
         tmask = response_mask([len(s.prompt_ids) for s in samples],
                               [len(s.prompt_ids) + len(s.response_ids) for s in samples], ids.shape[1] - 1)
+        for b, s in enumerate(samples):  # an agent episode's tool-turn tokens are never trained
+            _check_loss_mask(s)
+            if s.loss_mask is not None:
+                start = len(s.prompt_ids) - 1
+                tmask[b, start : start + len(s.loss_mask)] &= torch.tensor(s.loss_mask, dtype=torch.bool)
         return cls(samples, ids, mask, tmask)
 
     def _spans(self) -> list[tuple[int, int]]:
@@ -122,6 +139,9 @@ def logprob_gap(batches: list[MicroBatch], old_lps: list[torch.Tensor]) -> float
             if len(s.logprobs) != len(s.response_ids):
                 continue
             mine = old_lps[k][b][batch.tmask[b]]
-            total += float((mine - torch.tensor(s.logprobs, dtype=mine.dtype)).abs().sum())
-            count += len(s.logprobs)
+            engine = torch.tensor(s.logprobs, dtype=mine.dtype)
+            if s.loss_mask is not None:  # tool-turn tokens have no engine logprob
+                engine = engine[torch.tensor(s.loss_mask, dtype=torch.bool)]
+            total += float((mine - engine).abs().sum())
+            count += len(engine)
     return total / count if count else 0.0

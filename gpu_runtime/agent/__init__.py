@@ -1,0 +1,1 @@
+"""Multi-turn, tool-calling agent episodes (docs/agents.md)."""

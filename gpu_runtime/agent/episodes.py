@@ -1,0 +1,227 @@
+"""One rollout chunk as agent episodes, resumable turn by turn.
+
+Every episode of a chunk advances in lock step: turn ``t`` of the chunk's still-active
+episodes is generated as one batch (sampling seed ``derive_seed(chunk seed, "turn", t)``;
+the batch is a pure function of the earlier turns, so it is the same batch — and, on
+CPU, the same floats — on every attempt), stored, then each episode's tool turn runs and
+its finished turn is stored before the next turn uses it (``records``). A retried rollout
+reloads every finished turn, regenerates only a batch that was never stored and runs
+only the tools whose turn has no record: the resumed episode is bitwise the fault-free one,
+and no tool runs twice for a turn once its result is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gpu_runtime.agent import records as rec
+from gpu_runtime.agent.chat import IncrementalChat
+from gpu_runtime.agent.settings import AgentSettings
+from gpu_runtime.agent.tools import Environment, ToolEnvironment, ToolResult, load_environment_factory, load_tools
+from gpu_runtime.data.rows import prompt_messages, prompt_text
+from gpu_runtime.engine.rollout import ChunkGenerator, ChunkPlan, RolloutRequest, generate_checked, sample_id
+from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.object_store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentCounters:
+    """What this rollout attempt did (not part of any artifact: a retry differs)."""
+
+    turns_reused: int = 0  # finished turns loaded from the store
+    model_turns_reused: int = 0  # model turn batches loaded from the store
+    tools_run: int = 0  # tool executions by this attempt
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+
+@dataclass
+class Episode:
+    pos: int  # position in the chunk
+    row: dict
+    prompt_ids: list[int]
+    env: Environment
+    turns: list[rec.TurnRecord] = field(default_factory=list)
+
+    @property
+    def outcome(self) -> str | None:
+        return self.turns[-1].outcome if self.turns else None
+
+    @property
+    def response_len(self) -> int:
+        return sum(len(t.model_ids) + len(t.env_ids) for t in self.turns)
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + [i for t in self.turns for i in (*t.model_ids, *t.env_ids)]
+
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.turns)
+
+
+def _messages(row: dict) -> list[dict]:
+    """The episode's opening chat: a messages row as it is, a plain prompt as one user message."""
+    return prompt_messages(row) or [{"role": "user", "content": prompt_text(row)}]
+
+
+def generate_agent_chunk(
+    req: RolloutRequest, plan: ChunkPlan, rows: list[dict], tokenizer: Tokenizer, generate: ChunkGenerator,
+    store: ObjectStore, counters: AgentCounters | None = None,
+) -> art.RolloutChunk:
+    settings = req.agent
+    assert settings is not None
+    counters = counters or AgentCounters()
+    chat = IncrementalChat(tokenizer, settings.tool_role)
+    prefix = rec.episodes_prefix(req.run_id, req.step, plan.chunk, req.round)
+    make_env = _environments(settings)
+    episodes = [
+        Episode(pos, rows[idx], chat.prompt(_messages(rows[idx])), make_env(rows[idx]))
+        for pos, (idx, _g) in enumerate(plan.members)
+    ]
+    url = ""
+    for t in range(settings.max_turns):
+        active = [e for e in episodes if e.outcome is None]
+        if not active:
+            break
+        done = {e.pos: store.exists(rec.turn_key(prefix, e.pos, t)) for e in active}
+        if all(done.values()):
+            for e in active:
+                e.turns.append(art.get_model(store, rec.turn_key(prefix, e.pos, t), rec.TurnRecord))
+            counters.add(turns_reused=len(active))
+            continue
+        batch = _model_turn(req, plan, settings, chat, store, prefix, t, active, generate, counters)
+        url = batch.engine_url or url
+        for e, out in zip(active, batch.outputs, strict=True):
+            key = rec.turn_key(prefix, e.pos, t)
+            if done[e.pos]:
+                e.turns.append(art.get_model(store, key, rec.TurnRecord))
+                counters.add(turns_reused=1)
+                continue
+            record = _finish_turn(e, t, out, batch.seconds, settings, chat, tokenizer, store, prefix, counters)
+            art.put_model(store, key, record)  # recorded before the next turn uses it
+            e.turns.append(record)
+    samples = [_sample(req, plan, e, tokenizer) for e in episodes]
+    return art.RolloutChunk(run_id=req.run_id, step=req.step, chunk=plan.chunk, seed=plan.seed,
+                            weight_version=req.policy_version, engine_url=url, samples=samples)
+
+
+def _environments(settings: AgentSettings) -> Callable[[dict], Environment]:
+    """Each episode's environment, from its row: the tool environment (shared: tools are stateless) or
+    ``agent.environment``'s factory."""
+    if settings.environment is not None:
+        return load_environment_factory(settings.environment)
+    env = ToolEnvironment(load_tools(settings.tools, settings.tool_timeout_s), settings.tool_timeout_s)
+    return lambda _row: env
+
+
+def _model_turn(
+    req: RolloutRequest, plan: ChunkPlan, settings: AgentSettings, chat: IncrementalChat, store: ObjectStore,
+    prefix: str, t: int, active: list[Episode], generate: ChunkGenerator, counters: AgentCounters,
+) -> rec.ModelTurnBatch:
+    """Turn ``t`` of the active episodes: the stored batch, else generated and stored."""
+    key = rec.model_turn_key(prefix, t)
+    positions = [e.pos for e in active]
+    if store.exists(key):
+        batch = art.get_model(store, key, rec.ModelTurnBatch)
+        if batch.episodes != positions:  # only a different run could have written it
+            raise RuntimeError(f"{key}: holds episodes {batch.episodes}, turn {t} has {positions} active")
+        counters.add(model_turns_reused=1)
+        return batch
+    budgets = [min(settings.max_tokens_per_turn, settings.max_episode_tokens - e.response_len) for e in active]
+    params = {
+        "max_new_tokens": max(budgets),
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "sampling_seed": art.derive_seed(plan.seed, "turn", t),
+        "stop_token_ids": chat.stop_ids,
+    }
+    t0 = time.perf_counter()
+    results, url = generate_checked(req, plan, [e.context() for e in active], params, generate)
+    seconds = time.perf_counter() - t0
+    outputs = []
+    for (ids, lps, finish), budget in zip(results, budgets, strict=True):
+        if len(ids) > budget:  # the batch ran to the longest budget: this episode's ends sooner
+            ids, lps, finish = ids[:budget], lps[:budget], "length"
+        outputs.append(rec.ModelOutput(ids=ids, logprobs=lps, finish_reason=finish))
+    batch = rec.ModelTurnBatch(turn=t, episodes=positions, outputs=outputs, engine_url=url, seconds=seconds)
+    art.put_model(store, key, batch)
+    return batch
+
+
+def _finish_turn(
+    e: Episode, t: int, out: rec.ModelOutput, model_s: float, settings: AgentSettings, chat: IncrementalChat,
+    tokenizer: Tokenizer, store: ObjectStore, prefix: str, counters: AgentCounters,
+) -> rec.TurnRecord:
+    """The turn's record: the model's tokens, then the tool turn (run at most once here)."""
+    text = tokenizer.decode(out.ids)
+    r = rec.TurnRecord(turn=t, model_ids=out.ids, model_logprobs=out.logprobs, finish_reason=out.finish_reason,
+                       model_text=text, seconds=model_s)
+    truncated = out.finish_reason == "length"
+    call = e.env.parse(text)
+    if call is None:
+        r.outcome = "truncated" if truncated else "completed"
+        return r
+    r.tool, r.arguments = call.tool, call.arguments
+    if (call.error and truncated) or t == settings.max_turns - 1:  # cut off inside the call, or no turn
+        r.outcome = "truncated"  # left to read the answer: not run
+        return r
+    if call.error:
+        result = ToolResult.failed(call.error)
+    else:
+        execution = uuid.uuid4().hex
+        art.put_json(store, f"{rec.calls_prefix(prefix, e.pos)}/turn-{t:02d}-{execution}.json",
+                     {"tool": call.tool, "arguments": call.arguments, "at": time.time(), "pid": os.getpid(),
+                      "execution": execution})
+        t0 = time.perf_counter()
+        result = e.env.execute(call)
+        r.seconds += time.perf_counter() - t0
+        r.executed, r.execution = True, execution
+        counters.add(tools_run=1)
+    r.observation, r.error, r.reward = result.observation(), result.error, result.reward
+    if result.timed_out:
+        r.outcome = "timeout"
+    elif result.error and settings.on_tool_error == "stop":
+        r.outcome = "tool_error"
+    elif e.seconds() + r.seconds > settings.episode_timeout_s:
+        r.outcome = "timeout"
+    else:
+        env_ids = chat.tool_turn(out.ids, r.observation)
+        if e.response_len + len(out.ids) + len(env_ids) >= settings.max_episode_tokens:
+            r.outcome = "truncated"  # no room left for another model turn
+        else:
+            r.env_ids = env_ids
+    return r
+
+
+def _sample(req: RolloutRequest, plan: ChunkPlan, e: Episode, tokenizer: Tokenizer) -> art.Sample:
+    idx, g = plan.members[e.pos]
+    ids, lps, mask = [], [], []
+    for t in e.turns:
+        ids += t.model_ids + t.env_ids
+        lps += t.model_logprobs + [0.0] * len(t.env_ids)
+        mask += [1] * len(t.model_ids) + [0] * len(t.env_ids)
+    last = e.turns[-1]
+    info = art.EpisodeInfo(
+        outcome=last.outcome or "truncated", turns=len(e.turns),
+        tool_calls=sum(t.executed for t in e.turns), tool_errors=sum(bool(t.error) for t in e.turns),
+        turn_rewards=[t.reward for t in e.turns], seconds=e.seconds(),
+    )
+    return art.Sample(
+        sample_id=sample_id(req, idx, g), prompt_index=idx, group_index=g, prompt_ids=e.prompt_ids,
+        response_ids=ids, logprobs=lps, weight_version=req.policy_version, finish_reason=last.finish_reason,
+        prompt_text=tokenizer.decode(e.prompt_ids, skip_special=False), response_text=last.model_text,
+        loss_mask=mask, episode=info,
+    )

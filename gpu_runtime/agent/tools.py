@@ -1,0 +1,188 @@
+"""Tools an agent episode can call, how a model's turn names one, and how your own is found.
+
+A tool is any object with a ``name`` (the tag the model writes) and
+``__call__(arguments: str) -> ToolResult | str``: a plain string is a success, a raised
+exception a failed call (its message goes back to the model). Built in: ``calculator``
+and ``python``. Your own: ``agent.tools: ["my_pkg.tools:make_weather"]`` names a
+zero-argument callable (a class or function) returning such an object, imported on the
+node agent (docs/agents.md).
+
+The call format is one tag per tool: ``<calculator>1234*5678</calculator>``; the first
+complete tag of a registered tool in the model's turn is the call, its body (stripped)
+the arguments. An opened tag without its closing tag is a malformed call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from gpu_runtime.agent import calculator
+
+MAX_OBSERVATION_CHARS = 2000
+GRACE_S = 5.0  # over agent.tool_timeout_s before a call is abandoned (python kills its child itself first)
+
+
+class ToolNotFound(ValueError):
+    """A configured tool cannot be imported or is not a tool."""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    output: str  # what the model sees (on a failure: "error: <message>" when empty)
+    error: str = ""  # non-empty: the call failed
+    timed_out: bool = False  # the call outlived agent.tool_timeout_s: the episode ends as timeout
+    reward: float | None = None  # a per-turn reward (an environment may give one)
+
+    @classmethod
+    def failed(cls, message: str, output: str = "", *, timed_out: bool = False) -> "ToolResult":
+        return cls(output=output, error=message or "failed", timed_out=timed_out)
+
+    def observation(self) -> str:
+        """The text fed back to the model."""
+        if not self.error:
+            return self.output[-MAX_OBSERVATION_CHARS:]
+        text = f"{self.output}\nerror: {self.error}" if self.output else f"error: {self.error}"
+        return text[-MAX_OBSERVATION_CHARS:]
+
+
+@runtime_checkable
+class Tool(Protocol):
+    name: str
+
+    def __call__(self, arguments: str) -> ToolResult | str: ...
+
+
+@dataclass(frozen=True)
+class Calculator:
+    """The ``calculator`` tool: arithmetic by ``ast`` (``gpu_runtime.agent.calculator``)."""
+
+    name: str = "calculator"
+    description: str = "evaluates an arithmetic expression (+ - * / // % ** and parentheses)"
+
+    def __call__(self, arguments: str) -> ToolResult:
+        try:
+            return ToolResult(output=calculator.format_value(calculator.evaluate(arguments)))
+        except calculator.CalculatorError as e:
+            return ToolResult.failed(str(e))
+
+
+def _python(timeout_s: float) -> Tool:
+    from gpu_runtime.agent.python_sandbox import PythonSandbox
+
+    return PythonSandbox(timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)))
+
+
+BUILTIN: dict[str, Callable[[float], Tool]] = {"calculator": lambda _t: Calculator(), "python": _python}
+
+
+def load_tool(spec: str, timeout_s: float) -> Tool:
+    """A built-in tool by name, or ``pkg.module:factory`` / ``pkg.module.factory`` called with no
+    arguments; ``ToolNotFound`` when it cannot be imported or what it returns is no tool."""
+    if spec in BUILTIN:
+        return BUILTIN[spec](timeout_s)
+    mod_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError, ValueError, SyntaxError) as e:
+        raise ToolNotFound(f"agent.tools: cannot import {spec!r}: {type(e).__name__}: {e}") from e
+    tool = factory()
+    name = getattr(tool, "name", None)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][\w-]*", name) or not callable(tool):
+        raise ToolNotFound(f"agent.tools: {spec!r} returned {tool!r}: a tool needs a name (a tag) and __call__(arguments)")
+    return tool
+
+
+def load_tools(specs: Sequence[str], timeout_s: float) -> dict[str, Tool]:
+    tools: dict[str, Tool] = {}
+    for spec in specs:
+        tool = load_tool(spec, timeout_s)
+        if tool.name in tools:
+            raise ToolNotFound(f"agent.tools: two tools are named {tool.name!r}")
+        tools[tool.name] = tool
+    return tools
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    tool: str
+    arguments: str
+    error: str = ""  # a malformed call (e.g. unclosed tag): not executed
+
+
+def parse_tool_call(text: str, names: Sequence[str]) -> ToolCall | None:
+    """The first ``<name>...</name>`` of a known tool in ``text``; ``None`` when the turn calls none."""
+    if not names:
+        return None
+    alt = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    opened = re.search(rf"<({alt})>", text)
+    if opened is None:
+        return None
+    name = opened.group(1)
+    close = text.find(f"</{name}>", opened.end())
+    if close < 0:
+        return ToolCall(name, text[opened.end():].strip(), error=f"<{name}> is not closed by </{name}>")
+    return ToolCall(name, text[opened.end():close].strip())
+
+
+def run_tool(tool: Tool, arguments: str, timeout_s: float) -> ToolResult:
+    """``tool(arguments)`` as a ``ToolResult``: a string is a success, an exception a failure.
+    A call still running after ``timeout_s`` is abandoned (a thread cannot be killed: a tool
+    that may hang should enforce the limit itself, as ``python`` does by killing its child)."""
+
+    def call() -> ToolResult:
+        try:
+            out = tool(arguments)
+        except Exception as e:  # noqa: BLE001 - a tool's failure is the model's observation
+            return ToolResult.failed(f"{type(e).__name__}: {e}")
+        return out if isinstance(out, ToolResult) else ToolResult(output=str(out))
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tool-{tool.name}")
+    try:
+        return pool.submit(call).result(timeout=timeout_s + GRACE_S)
+    except FutureTimeout:
+        return ToolResult.failed(f"timed out after {timeout_s:g} s", timed_out=True)
+    finally:
+        pool.shutdown(wait=False)
+
+
+class Environment(Protocol):
+    """What answers a model's turn. ``parse`` is pure: the call in the turn's text, or
+    ``None`` when the turn calls nothing (the episode is complete). ``execute`` has the
+    side effects; the episode records its result before using it and never executes the
+    same turn twice once that record exists."""
+
+    def parse(self, model_text: str) -> ToolCall | None: ...
+
+    def execute(self, call: ToolCall) -> ToolResult: ...
+
+
+class ToolEnvironment:
+    """The default environment: the configured tools, called by tag."""
+
+    def __init__(self, tools: dict[str, Tool], timeout_s: float) -> None:
+        self.tools = tools
+        self.timeout_s = timeout_s
+
+    def parse(self, model_text: str) -> ToolCall | None:
+        return parse_tool_call(model_text, list(self.tools))
+
+    def execute(self, call: ToolCall) -> ToolResult:
+        return run_tool(self.tools[call.tool], call.arguments, self.timeout_s)
+
+
+def load_environment_factory(spec: str) -> Callable[[dict], Environment]:
+    """``agent.environment``: ``pkg.module:factory``, called with each episode's dataset row."""
+    mod_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError, ValueError, SyntaxError) as e:
+        raise ToolNotFound(f"agent.environment: cannot import {spec!r}: {type(e).__name__}: {e}") from e
+    if not callable(factory):
+        raise ToolNotFound(f"agent.environment: {spec!r} is not callable")
+    return factory  # type: ignore[no-any-return]
