@@ -146,8 +146,10 @@ def _model_turn(
         "top_p": req.top_p,
         "top_k": req.top_k,
         "sampling_seed": art.derive_seed(plan.seed, "turn", t),
-        "stop_token_ids": chat.stop_ids,
+        "stop_token_ids": [*chat.stop_ids, *(i for i in req.stop_token_ids if i not in chat.stop_ids)],
     }
+    if req.stop:  # rollout.stop ends a model turn as it ends a single-turn response
+        params["stop"] = list(req.stop)
     t0 = time.perf_counter()
     results, url = generate_checked(req, plan, [e.context() for e in active], params, generate)
     seconds = time.perf_counter() - t0
