@@ -1,0 +1,201 @@
+"""A sharded trainer cell: N ranks of one FSDP2 group, placed by Ray, driven by one process.
+
+The driver (the trainer process) owns a local Ray instance (``RayRuntime``): it reserves
+one bundle per rank in a placement group (``STRICT_PACK``: all ranks on one node), starts
+one ``_Rank`` actor per bundle, and the ranks join a ``torch.distributed`` group over TCP
+on 127.0.0.1 (gloo; NCCL when the cell trains on CUDA). Every driver call runs the same
+method on all ranks at once (FSDP's collectives need every rank) and answers rank 0's
+result. Ray is imported lazily: the ``cells`` extra is optional.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.trainer.api import TrainerHParams
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60.0  # a placement group not ready by then cannot be satisfied here
+
+
+@dataclass
+class RayRuntime:
+    """A Ray instance started by this process (``ray.init``), stopped by ``stop``: ``ray.shutdown``
+    and then a check, by pid, that every process Ray started is gone (never ``ray stop``)."""
+
+    num_cpus: int
+    temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp")))
+    pids: list[int] = field(default_factory=list)
+
+    def start(self) -> "RayRuntime":
+        import ray
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self.temp_dir),
+                 _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+        self.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        return self
+
+    def alive(self) -> list[int]:
+        out = []
+        for pid in self.pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        import ray
+
+        ray.shutdown()
+        deadline = time.monotonic() + timeout_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in self.alive():  # what shutdown left behind: ours, by pid
+            log.warning("ray process %d outlived ray.shutdown(): killing it", pid)
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Rank:
+    """One rank's process (a Ray actor): joins the cell's group, then hosts a ``CellRankTrainer``."""
+
+    def __init__(self, rank: int, world: int, port: int, threads: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)  # a fixed thread count: the step is bitwise reproducible
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        self.rank = rank
+        self.trainer: Any = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def build(self, base_folder: str, hparams: TrainerHParams, seed: int) -> None:
+        from gpu_runtime.trainer.cell_rank import CellRankTrainer
+
+        self.trainer = CellRankTrainer.create_rank(base_folder, hparams, seed)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.trainer, method)(*args)
+
+    def get(self, attr: str) -> Any:
+        return getattr(self.trainer, attr)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerCell:
+    """N FSDP2 ranks as Ray actors in one placement group; the calls ``TrainerService`` makes
+    of a ``PolicyTrainer`` (train_step, save_state, load_state, checksum, export) on all ranks.
+    ``ray.init`` must have run in this process (``RayRuntime``)."""
+
+    def __init__(self, ranks: int, base_folder: str | Path, hparams: TrainerHParams, seed: int, *,
+                 strategy: str = "STRICT_PACK", cpus_per_rank: float = 1.0, threads: int = 1,
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if ranks < 1:
+            raise ValueError(f"trainer.ranks_per_cell must be >= 1, got {ranks}")
+        self.ranks = ranks
+        self.pg = placement_group([{"CPU": cpus_per_rank}] * ranks, strategy=strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise RuntimeError(
+                f"the cell's placement group ({ranks} bundles of {cpus_per_rank} CPU, {strategy}) was not "
+                f"satisfied within {placement_timeout_s:.0f} s: the Ray cluster has {ray.cluster_resources()}"
+            ) from None
+        actor = ray.remote(_Rank)
+        port = _free_port()
+        self.actors = [
+            actor.options(num_cpus=cpus_per_rank, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=i)).remote(i, ranks, port, threads)
+            for i in range(ranks)
+        ]
+        self._all("build", str(base_folder), hparams, seed)
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._all("call", method, *args)[0]
+
+    # ---- what the trainer service calls
+    def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
+                   hparams: TrainerHParams) -> dict[str, float]:
+        return self._call("train_step", samples, rewards, group_size, hparams)
+
+    def save_state(self, folder: str | Path) -> None:
+        self._call("save_state", str(folder))
+
+    def load_state(self, folder: str | Path) -> None:
+        self._call("load_state", str(folder))
+
+    def checksum(self) -> str:
+        return str(self._call("checksum"))
+
+    def published_state(self) -> dict:
+        """The full weights (gathered on rank 0 and sent here)."""
+        return self._call("published_state")
+
+    def export_model_folder(self, folder: str | Path) -> str:
+        return str(self._call("export_model_folder", str(folder)))
+
+    @property
+    def policy_version(self) -> int:
+        import ray
+
+        return int(ray.get(self.actors[0].get.remote("policy_version")))
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in self._all("pid")]
+
+    def close(self) -> None:
+        """Leave the group, end the actors and free the placement group."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self._all("close")
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            remove_placement_group(self.pg)
+
+
+__all__ = ["RayRuntime", "TrainerCell"]
