@@ -89,6 +89,7 @@ class _Rank:
         import torch.distributed as dist
 
         torch.set_num_threads(threads)  # a fixed thread count: the step is bitwise reproducible
+        torch.use_deterministic_algorithms(True)  # as the single trainer process
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         self.rank = rank
         self.trainer: Any = None

@@ -99,6 +99,13 @@ class CellRankTrainer(PolicyTrainer):
         return trainer
 
     # ------------------------------------------------------------ the step
+    def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
+                   hparams: TrainerHParams) -> dict[str, float]:
+        bad = unsupported(hparams)  # ``set_hparams`` may change ``train`` mid-run
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: not supported by trainer.backend fsdp2 yet")
+        return super().train_step(samples, rewards, group_size, hparams)
+
     def micro_batch_share(self, n: int) -> list[int]:
         if n % self.world:
             # FSDP's collectives need the same number of forward/backward passes on every rank
@@ -158,9 +165,13 @@ class CellRankTrainer(PolicyTrainer):
         return str(out[0])
 
     # ------------------------------------------------------------- state
-    def _state(self) -> dict[str, object]:
-        return {"model": get_model_state_dict(self.model),
-                "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+    def _state(self, with_optimizer: bool) -> dict[str, object]:
+        """The sharded state. A fresh optimizer (no step taken yet) is left out: reading its
+        state dict would initialise it (a zero step that shifts AdamW's bias correction)."""
+        out: dict[str, object] = {"model": get_model_state_dict(self.model)}
+        if with_optimizer:
+            out["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        return out
 
     def save_state(self, folder: str | Path) -> None:
         """The cell's state into ``folder``: every rank's shards (``torch.distributed.checkpoint``),
@@ -169,7 +180,8 @@ class CellRankTrainer(PolicyTrainer):
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dcp.save(self._state(), checkpoint_id=str(folder / "shards"))
+        with_optimizer = bool(self.optimizer.state)  # the same on every rank (they step together)
+        dcp.save(self._state(with_optimizer), checkpoint_id=str(folder / "shards"))
         checksum = self.checksum()
         if self.rank == 0:
             if self.ref_model is not None:
@@ -181,6 +193,7 @@ class CellRankTrainer(PolicyTrainer):
                 "format": CELL_FORMAT_VERSION, "ranks": self.world, "policy_version": self.policy_version,
                 "opt_steps": self.opt_steps, "seed": self.seed, "model_config": shape_summary(self.model),
                 "hparams": self.hparams.model_dump(mode="json"), "has_reference": self.ref_model is not None,
+                "optimizer_state": with_optimizer,
                 "python_random": [py_state[0], list(py_state[1]), py_state[2]], "checksum": checksum,
             }
             tmp = folder / (CELL_META_FILE + ".tmp")
@@ -204,10 +217,11 @@ class CellRankTrainer(PolicyTrainer):
             raise ValueError(f"{path}: field 'model_config' does not match this cell's model")
         self.hparams = stored_hparams(meta["hparams"])
         self.optimizer = self._new_optimizer(self.hparams)
-        state = self._state()
+        state = self._state(bool(meta["optimizer_state"]))
         dcp.load(state, checkpoint_id=str(folder / "shards"))
         set_model_state_dict(self.model, state["model"])  # type: ignore[arg-type]
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])  # type: ignore[arg-type]
+        if "optim" in state:  # else: saved before the first step, the fresh optimizer is the state
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])  # type: ignore[arg-type]
         if meta["has_reference"]:
             if self.ref_model is None:
                 raise ValueError(f"{path}: the checkpoint has a KL reference, this cell was built without one")

@@ -76,6 +76,9 @@ def run_cell(folder: Path, save_after: int | None = None, ckpt: Path | None = No
     try:
         if restore is not None:
             cell.load_state(restore)
+        if save_after is not None:  # version 0 too (as a run's first checkpoint): saving must not touch the state
+            assert ckpt is not None
+            cell.save_state(ckpt.with_name("step-0"))
         metrics = []
         for s in range(first, STEPS + 1):
             metrics.append(cell.train_step(*rollout(s), 4, HP))
@@ -131,6 +134,15 @@ def test_sharded_checkpoint_restores_bitwise(folder: Path, ray_runtime: RayRunti
     assert checksum2 == checksum
     assert all(torch.equal(w[k], w2[k]) for k in w)
     assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics[1:]]
+
+
+def test_restore_before_the_first_step(folder: Path, ray_runtime: RayRuntime, cell_run) -> None:
+    """The version-0 checkpoint holds no optimizer state (none exists yet): restored, the cell
+    trains steps 1..3 exactly as the cell that never stopped."""
+    metrics, w, checksum, ckpt = cell_run
+    resumed, w2, checksum2 = run_cell(folder, restore=ckpt.with_name("step-0"))
+    assert checksum2 == checksum
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics]
 
 
 def test_export_is_the_gathered_weights(folder: Path, ray_runtime: RayRuntime, tmp_path: Path) -> None:

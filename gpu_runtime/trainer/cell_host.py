@@ -1,0 +1,46 @@
+"""The trainer process's side of ``trainer.backend: fsdp2``: one local Ray instance and at
+most one live cell. A new cell ends the previous one first (its placement group holds the
+node's CPUs); ``close`` ends the cell and stops Ray by pid."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from gpu_runtime.trainer.api import TrainerBackendSettings, TrainerHParams
+from gpu_runtime.trainer.cell import RayRuntime, TrainerCell
+
+log = logging.getLogger(__name__)
+
+
+class CellHost:
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = threads  # torch threads per rank
+        self.ray: RayRuntime | None = None
+        self.cell: TrainerCell | None = None
+
+    def build(self, settings: TrainerBackendSettings, folder: str | Path, hparams: TrainerHParams,
+              seed: int) -> TrainerCell:
+        """A fresh cell of ``settings.ranks_per_cell`` ranks over the model folder."""
+        self.end_cell()
+        if self.ray is None:
+            self.ray = RayRuntime(num_cpus=settings.ranks_per_cell).start()
+        self.cell = TrainerCell(settings.ranks_per_cell, folder, hparams, seed, threads=self.threads)
+        log.info("fsdp2 cell of %d ranks: pids %s", settings.ranks_per_cell, self.cell.pids())
+        return self.cell
+
+    def end_cell(self) -> None:
+        if self.cell is not None:
+            cell, self.cell = self.cell, None
+            cell.close()
+
+    def close(self) -> None:
+        try:
+            self.end_cell()
+        finally:
+            if self.ray is not None:
+                ray, self.ray = self.ray, None
+                ray.stop()
+
+
+__all__ = ["CellHost"]

@@ -1,0 +1,71 @@
+"""trainer.backend fsdp2 through the real stack: the node's trainer process drives a 2-rank
+FSDP2 cell (Ray actors in a placement group). The same tiny run with backend single is the
+reference: per-step loss and final weights agree within float-sum reordering, and the cell's
+checkpoints (sharded, under the store's manifest) are written and listed as durable."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
+
+from tests.e2e.faults import final_weights, progress, run_to_end  # noqa: E402
+from tests.stack import Stack, running_stack, tiny_config  # noqa: E402
+from workers.common import connect  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+STEPS = 2
+WEIGHT_ATOL = 1e-5  # as tests/unit/test_trainer_cell.py (measured there: 5e-7 after 3 steps)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("cell")) as s:
+        yield s
+
+
+def cfg(store: Path, **trainer: object) -> dict:
+    # 16 samples per step in micro-batches of 4: 2 per rank
+    return tiny_config(store, steps=STEPS, sft={"steps": 20}, train={"lr": 1e-3, "micro_batch_size": 4},
+                       checkpoint={"every": 1, "keep_last": 2}, eval={"enabled": False},
+                       engines={"num_engines": 1}, **({"trainer": trainer} if trainer else {}))
+
+
+def test_fsdp2_run_matches_single(stack: Stack) -> None:
+    store = stack.workdir / "store"
+
+    async def main() -> tuple[list, list]:
+        client = await connect(stack.server.address)
+        single = await run_to_end(client, "single", cfg(store))
+        cell = await run_to_end(client, "cell", cfg(store, backend="fsdp2", ranks_per_cell=2))
+        assert single.policy_version == cell.policy_version == STEPS
+        return (await progress(client, "single")).steps, (await progress(client, "cell")).steps
+
+    single_steps, cell_steps = asyncio.run(main())
+    for a, b in zip(single_steps, cell_steps):
+        assert b.loss == pytest.approx(a.loss, rel=1e-5, abs=1e-7), (a, b)
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5), (a, b)
+    w_single, w_cell = final_weights(store, "single", STEPS), final_weights(store, "cell", STEPS)
+    assert w_single.keys() == w_cell.keys()
+    worst = max(float((w_single[k] - w_cell[k]).abs().max()) for k in w_single)
+    assert worst <= WEIGHT_ATOL, worst
+    manifest = json.loads((store / "runs" / "cell" / "checkpoints" / f"step-{STEPS:06d}" / "manifest.json").read_text())
+    shards = sorted(n for n in manifest["files"] if n.startswith("shards/") and n.endswith(".distcp"))
+    assert shards == ["shards/__0_0.distcp", "shards/__1_0.distcp"], manifest["files"].keys()
+
+
+def test_no_ray_process_outlives_the_stack(stack: Stack) -> None:
+    """Last in this module: the stack that ran the cell, stopped (node agent -> trainer by pid,
+    the trainer's SIGTERM -> cell closed, ray.shutdown): none of the trainer's Ray processes is left."""
+    trainer = stack.node_pids("node0")["trainer"]
+    ray_pids = [p.pid for p in psutil.Process(trainer).children(recursive=True)]
+    assert ray_pids, "the trainer process runs no Ray processes (the cell's run was the last)"
+    stack.stop()
+    left = [p for p in ray_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert left == [], f"processes of the cell outlived the stack: {left}"
