@@ -10,6 +10,7 @@ result. Ray is imported lazily: the ``cells`` extra is optional.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -38,15 +39,22 @@ class RayRuntime:
     num_cpus: int
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp")))
     pids: list[int] = field(default_factory=list)
+    pid_file: Path | None = None  # where the pids are recorded, so a successor can end what a SIGKILL left
 
     def start(self) -> "RayRuntime":
         import ray
 
+        if self.pid_file is not None:
+            end_recorded(self.pid_file)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self.temp_dir),
                  _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
         self.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        if self.pid_file is not None:
+            record = {str(pid): psutil.Process(pid).create_time() for pid in self.alive()}
+            self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+            self.pid_file.write_text(json.dumps({"pids": record, "temp_dir": str(self.temp_dir)}))
         return self
 
     def alive(self) -> list[int]:
@@ -73,6 +81,37 @@ class RayRuntime:
             except psutil.NoSuchProcess:
                 pass
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self.pid_file is not None:
+            self.pid_file.unlink(missing_ok=True)
+
+
+def end_recorded(pid_file: Path) -> list[int]:
+    """SIGKILL the Ray processes a killed predecessor recorded in ``pid_file`` (a SIGKILLed
+    driver takes raylet and the workers with it, but Ray's per-node agents outlive it);
+    a pid is only killed while its start time is the recorded one (no reused pid)."""
+    if not pid_file.exists():
+        return []
+    rec = json.loads(pid_file.read_text())
+    ended = []
+    for pid, created in rec.get("pids", {}).items():
+        try:
+            p = psutil.Process(int(pid))
+            if p.create_time() == created:
+                p.kill()
+                ended.append(int(pid))
+        except psutil.NoSuchProcess:
+            pass
+    if ended:
+        log.warning("ended Ray processes %s left by a previous trainer process", ended)
+    temp_dir = str(rec.get("temp_dir", ""))
+    if temp_dir.startswith("/tmp/ray-"):  # only a folder RayRuntime made
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    pid_file.unlink(missing_ok=True)
+    return ended
+
+
+class CellRankDied(RuntimeError):
+    """A rank's actor is gone (killed, crashed, its node lost): the cell is rebuilt by the next call."""
 
 
 def _free_port() -> int:
@@ -139,6 +178,7 @@ class TrainerCell:
                 f"the cell's placement group ({ranks} bundles of {cpus_per_rank} CPU, {strategy}) was not "
                 f"satisfied within {placement_timeout_s:.0f} s: the Ray cluster has {ray.cluster_resources()}"
             ) from None
+        self.dead = False  # a rank failed: the cell cannot take another step
         actor = ray.remote(_Rank)
         port = _free_port()
         self.actors = [
@@ -149,9 +189,23 @@ class TrainerCell:
         self._all("build", str(base_folder), hparams, seed)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
+        """``method`` on every rank; the first rank that fails ends the wait (its peers may be
+        blocked in a collective with it, and are killed when the cell is closed)."""
         import ray
 
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+                self.dead = True
+                raise CellRankDied(f"rank {refs.index(done[0])} of the cell died during {method}: {err}") from None
+            except ray.exceptions.RayTaskError as err:
+                self.dead = True  # a rank raised: its peers may wait in a collective forever
+                raise err.as_instanceof_cause() from None
+        return ray.get(refs)
 
     def _call(self, method: str, *args: Any) -> Any:
         return self._all("call", method, *args)[0]
@@ -192,11 +246,14 @@ class TrainerCell:
         from ray.util.placement_group import remove_placement_group
 
         try:
-            self._all("close")
+            if not self.dead:
+                self._all("close")
+        except Exception as err:  # noqa: BLE001 - a dead rank: the actors are killed below anyway
+            log.warning("closing the cell: %s", err)
         finally:
             for a in self.actors:
                 ray.kill(a)
             remove_placement_group(self.pg)
 
 
-__all__ = ["RayRuntime", "TrainerCell"]
+__all__ = ["CellRankDied", "RayRuntime", "TrainerCell", "end_recorded"]

@@ -14,7 +14,8 @@ log = logging.getLogger(__name__)
 
 
 class CellHost:
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, work_dir: Path, threads: int = 1) -> None:
+        self.work_dir = work_dir
         self.threads = threads  # torch threads per rank
         self.ray: RayRuntime | None = None
         self.cell: TrainerCell | None = None
@@ -24,10 +25,14 @@ class CellHost:
         """A fresh cell of ``settings.ranks_per_cell`` ranks over the model folder."""
         self.end_cell()
         if self.ray is None:
-            self.ray = RayRuntime(num_cpus=settings.ranks_per_cell).start()
+            self.ray = RayRuntime(num_cpus=settings.ranks_per_cell, pid_file=self.work_dir / "ray-pids.json").start()
         self.cell = TrainerCell(settings.ranks_per_cell, folder, hparams, seed, threads=self.threads)
         log.info("fsdp2 cell of %d ranks: pids %s", settings.ranks_per_cell, self.cell.pids())
         return self.cell
+
+    def pids(self) -> list[int]:
+        """The live cell's rank pids (rank order); none without a cell."""
+        return [] if self.cell is None else self.cell.pids()
 
     def end_cell(self) -> None:
         if self.cell is not None:

@@ -74,6 +74,8 @@ class TrainerService:
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
+        if getattr(self.trainer, "dead", False):  # a fsdp2 cell that lost a rank: rebuilt from a checkpoint
+            self.trainer = None
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup
             self.store.epoch, self.store.node = setup.epoch, setup.node_id  # this call's placement
@@ -165,7 +167,7 @@ class TrainerService:
         if self.cell_host is None:
             from gpu_runtime.trainer.cell_host import CellHost  # ray: the optional ``cells`` extra
 
-            self.cell_host = CellHost()
+            self.cell_host = CellHost(self.work_dir)
         return self.cell_host
 
     def _sft_trainer(self) -> PolicyTrainer:
@@ -319,6 +321,10 @@ class TrainerService:
         except FloatingPointError as err:
             self.trainer = None  # possibly half-updated: the next call restores a checkpoint
             raise Divergence(f"step {batch.step}: {err}") from err
+        except Exception:
+            if self._fsdp2():  # a cell that failed mid-step (a rank died): rebuilt by restore + replay
+                self.trainer = None
+            raise
         info = self._publish_weights()
         result = TrainResult(
             policy_version=info.policy_version,

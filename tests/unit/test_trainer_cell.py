@@ -9,10 +9,13 @@ with a tolerance and the cell against itself bitwise.
 
 from __future__ import annotations
 
+import os
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -21,7 +24,8 @@ pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip i
 from gpu_runtime.models.causal_lm import export_state_dict  # noqa: E402
 from gpu_runtime.models.model_folder import load_model_folder, weights_checksum  # noqa: E402
 from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.cell import RayRuntime, TrainerCell  # noqa: E402
+from gpu_runtime.trainer.cell import CellRankDied, RayRuntime, TrainerCell  # noqa: E402
+from tests.stack import wait_for  # noqa: E402
 from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
 
 SEED = 7
@@ -154,6 +158,26 @@ def test_export_is_the_gathered_weights(folder: Path, ray_runtime: RayRuntime, t
         assert weights_checksum(load_model_folder_weights(tmp_path / "v1")) == checksum
     finally:
         cell.close()
+
+
+def test_a_killed_rank_fails_the_step_and_frees_the_cell(folder: Path, ray_runtime: RayRuntime) -> None:
+    """Rank 1 SIGKILLed: the next step fails with CellRankDied (rank 0, blocked in a collective
+    with the dead rank, does not hang the driver), close() ends rank 0 and frees the placement
+    group, and a new cell takes its CPUs."""
+    cell = TrainerCell(2, folder, HP, SEED)
+    try:
+        pids = cell.pids()
+        cell.train_step(*rollout(1), 4, HP)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(CellRankDied, match="rank 1 of the cell died"):
+            cell.train_step(*rollout(2), 4, HP)
+        assert cell.dead
+    finally:
+        cell.close()
+    wait_for(lambda: not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE,
+             timeout_s=60, what="rank 0 ended with its cell")
+    again = TrainerCell(2, folder, HP, SEED)  # the placement group's CPUs are free again
+    again.close()
 
 
 def test_unsatisfiable_placement_is_a_clear_error(folder: Path, ray_runtime: RayRuntime) -> None:
