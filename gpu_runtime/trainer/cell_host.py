@@ -4,6 +4,7 @@ node's CPUs); ``close`` ends the cell and stops Ray by pid."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from gpu_runtime.trainer.api import TrainerBackendSettings, TrainerHParams
 from gpu_runtime.trainer.cell import RayRuntime, TrainerCell
 
 log = logging.getLogger(__name__)
+CELL_FILE = "cell.json"
 
 
 class CellHost:
@@ -19,6 +21,7 @@ class CellHost:
         self.threads = threads  # torch threads per rank
         self.ray: RayRuntime | None = None
         self.cell: TrainerCell | None = None
+        self.cell_file = work_dir / CELL_FILE  # the live cell's ranks and pids, for tools and tests
 
     def build(self, settings: TrainerBackendSettings, folder: str | Path, hparams: TrainerHParams,
               seed: int) -> TrainerCell:
@@ -27,14 +30,16 @@ class CellHost:
         if self.ray is None:
             self.ray = RayRuntime(num_cpus=settings.ranks_per_cell, pid_file=self.work_dir / "ray-pids.json").start()
         self.cell = TrainerCell(settings.ranks_per_cell, folder, hparams, seed, threads=self.threads)
-        log.info("fsdp2 cell of %d ranks: pids %s", settings.ranks_per_cell, self.cell.pids())
+        pids = self.cell.pids()
+        log.info("fsdp2 cell of %d ranks: pids %s", settings.ranks_per_cell, pids)
+        tmp = self.cell_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"ranks": [{"rank": r, "pid": p} for r, p in enumerate(pids)],
+                                   "strategy": "STRICT_PACK", "node_ip": "127.0.0.1"}))
+        tmp.replace(self.cell_file)
         return self.cell
 
-    def pids(self) -> list[int]:
-        """The live cell's rank pids (rank order); none without a cell."""
-        return [] if self.cell is None else self.cell.pids()
-
     def end_cell(self) -> None:
+        self.cell_file.unlink(missing_ok=True)
         if self.cell is not None:
             cell, self.cell = self.cell, None
             cell.close()

@@ -81,9 +81,12 @@ def test_fsdp2_run_matches_single(stack: Stack, runs: tuple[list, list]) -> None
 
 
 def rank_pids(stack: Stack) -> list[int]:
-    """The cell's rank processes: Ray workers under the node's trainer process running ``_Rank``."""
-    trainer = psutil.Process(stack.node_pids("node0")["trainer"])
-    return [p.pid for p in trainer.children(recursive=True) if p.name().startswith("ray::_Rank")]
+    """The live cell's rank pids, as the node's trainer process records them (``cell.json``)."""
+    path = stack.workdir / "nodes" / "node0" / "trainer" / "cell.json"
+    try:
+        return [r["pid"] for r in json.loads(path.read_text())["ranks"]]
+    except FileNotFoundError:
+        return []
 
 
 def test_rank_killed_mid_step_ends_bitwise_equal(stack: Stack, runs: tuple[list, list]) -> None:
