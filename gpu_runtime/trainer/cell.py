@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,22 +41,57 @@ class RayRuntime:
     temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp")))
     pids: list[int] = field(default_factory=list)
     pid_file: Path | None = None  # where the pids are recorded, so a successor can end what a SIGKILL left
+    _stopped: threading.Event = field(default_factory=threading.Event)
+    _before: set[int] = field(default_factory=set)
+    _owner: threading.Thread | None = None
 
     def start(self) -> "RayRuntime":
-        import ray
-
+        """``ray.init`` on a thread of its own that lives until ``stop``: Ray starts GCS and
+        raylet with PR_SET_PDEATHSIG, which kills them when the *thread* that started them
+        ends, and the trainer serves each RPC connection on a short-lived thread."""
         if self.pid_file is not None:
             end_recorded(self.pid_file)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
-        ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self.temp_dir),
-                 _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
-        self.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        if self.pid_file is not None:
-            record = {str(pid): psutil.Process(pid).create_time() for pid in self.alive()}
-            self.pid_file.parent.mkdir(parents=True, exist_ok=True)
-            self.pid_file.write_text(json.dumps({"pids": record, "temp_dir": str(self.temp_dir)}))
+        self._before = {p.pid for p in psutil.Process().children(recursive=True)}
+        started = threading.Event()
+        failed: list[BaseException] = []
+
+        def own() -> None:
+            import ray
+
+            try:
+                ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self.temp_dir),
+                         _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                failed.append(err)
+            started.set()
+            if not failed:
+                self._stopped.wait()
+
+        self._stopped = threading.Event()
+        self._owner = threading.Thread(target=own, name="ray-owner", daemon=True)
+        self._owner.start()
+        started.wait()
+        if failed:
+            raise failed[0]
+        self.record()
         return self
+
+    def record(self) -> None:
+        """Note Ray's processes (this process's descendants it did not have before ``start``;
+        its agents start a little later, so this is called again once a cell is up) and
+        write them to ``pid_file``."""
+        now = {p.pid for p in psutil.Process().children(recursive=True)} - self._before
+        self.pids = sorted({*self.pids, *now})
+        if self.pid_file is not None:
+            rec = {}
+            for pid in self.alive():
+                try:
+                    rec[str(pid)] = psutil.Process(pid).create_time()
+                except psutil.NoSuchProcess:
+                    pass
+            self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+            self.pid_file.write_text(json.dumps({"pids": rec, "temp_dir": str(self.temp_dir)}))
 
     def alive(self) -> list[int]:
         out = []
@@ -70,7 +106,9 @@ class RayRuntime:
     def stop(self, timeout_s: float = 20.0) -> None:
         import ray
 
+        self.record()  # Ray's agents may have started after ``start`` looked
         ray.shutdown()
+        self._stopped.set()
         deadline = time.monotonic() + timeout_s
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -31,6 +31,7 @@ class CellHost:
             self.ray = RayRuntime(num_cpus=settings.ranks_per_cell, pid_file=self.work_dir / "ray-pids.json").start()
         self.cell = TrainerCell(settings.ranks_per_cell, folder, hparams, seed, threads=self.threads)
         pids = self.cell.pids()
+        self.ray.record()
         log.info("fsdp2 cell of %d ranks: pids %s", settings.ranks_per_cell, pids)
         tmp = self.cell_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"ranks": [{"rank": r, "pid": p} for r, p in enumerate(pids)],

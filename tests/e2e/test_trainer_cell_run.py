@@ -115,8 +115,16 @@ def test_no_ray_process_outlives_the_stack(stack: Stack) -> None:
     """Last in this module: the stack that ran the cell, stopped (node agent -> trainer by pid,
     the trainer's SIGTERM -> cell closed, ray.shutdown): none of the trainer's Ray processes is left."""
     trainer = stack.node_pids("node0")["trainer"]
-    ray_pids = [p.pid for p in psutil.Process(trainer).children(recursive=True)]
+    ray_pids = {p.pid for p in psutil.Process(trainer).children(recursive=True)}
     assert ray_pids, "the trainer process runs no Ray processes (the cell's run was the last)"
+    ray_pids |= {p.pid for p in psutil.process_iter() if _pgid(p.pid) == trainer}  # agents raylet started
     stack.stop()
     left = [p for p in ray_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert left == [], f"processes of the cell outlived the stack: {left}"
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
