@@ -174,6 +174,12 @@ class _Rank:
     def pid(self) -> int:
         return os.getpid()
 
+    def peak_rss_mib(self) -> float:
+        """This rank's peak resident memory (bench/bench_trainer_cell.py)."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     def build(self, base_folder: str, hparams: TrainerHParams, seed: int) -> None:
         from gpu_runtime.trainer.cell_rank import CellRankTrainer
 
