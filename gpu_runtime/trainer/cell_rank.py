@@ -203,7 +203,9 @@ class CellRankTrainer(PolicyTrainer):
         dist.barrier()
 
     def load_state(self, folder: str | Path) -> None:
-        """Restore the state ``save_state`` wrote with the same rank count, bitwise."""
+        """Restore the state ``save_state`` wrote: bitwise with the same rank count; into another
+        rank count (reshard) the same tensors, each rank reading its slice. (The optimizer's
+        state is loaded in place: ``get_optimizer_state_dict`` returns views of its shards.)"""
         folder = Path(folder)
         path = folder / CELL_META_FILE
         if not path.exists():
@@ -211,8 +213,7 @@ class CellRankTrainer(PolicyTrainer):
         meta = json.loads(path.read_text())
         if meta.get("format") != CELL_FORMAT_VERSION:
             raise ValueError(f"{path}: field 'format' must be {CELL_FORMAT_VERSION}, got {meta.get('format')!r}")
-        if meta["ranks"] != self.world:
-            raise ValueError(f"{path}: field 'ranks' is {meta['ranks']}, this cell has {self.world} (reshard: not yet)")
+        # a different rank count reshards: DCP reads each rank's slice of every saved tensor
         if meta["model_config"] != shape_summary(self.model):
             raise ValueError(f"{path}: field 'model_config' does not match this cell's model")
         self.hparams = stored_hparams(meta["hparams"])
@@ -226,7 +227,8 @@ class CellRankTrainer(PolicyTrainer):
             if self.ref_model is None:
                 raise ValueError(f"{path}: the checkpoint has a KL reference, this cell was built without one")
             self.ref_model.load_state_dict(torch.load(folder / "reference.pt", weights_only=True))
-        torch.set_rng_state(torch.load(folder / f"rng-rank{self.rank}.pt", weights_only=True))
+        rng = folder / f"rng-rank{self.rank}.pt"  # a rank the saving cell did not have: rank 0's
+        torch.set_rng_state(torch.load(rng if rng.exists() else folder / "rng-rank0.pt", weights_only=True))
         v, internal, gauss = meta["python_random"]
         random.setstate((v, tuple(internal), gauss))
         self.policy_version, self.opt_steps, self.seed = int(meta["policy_version"]), int(meta["opt_steps"]), int(meta["seed"])
