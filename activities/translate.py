@@ -31,11 +31,13 @@ from gpu_runtime.trainer.api import (
     SFTRows,
     SFTSettings,
     StepBatch,
+    TrainerBackendSettings,
     TrainerHParams,
     TrainResult,
     VersionInfo,
 )
 from workflows.agent_config import AgentSpec
+from workflows.trainer_config import TrainerSpec
 from workflows.config import DataSpec, DistillSpec, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
 from workflows.contracts import (
     CheckpointInput,
@@ -63,6 +65,7 @@ MIRRORS: list[tuple[type[BaseModel], type[BaseModel]]] = [
     (RewardTerm, RewardTermSettings),
     (DataSpec, DataSource),
     (AgentSpec, AgentSettings),
+    (TrainerSpec, TrainerBackendSettings),
 ]
 
 
@@ -96,6 +99,7 @@ def run_setup(inp: InitPolicyInput, node_id: str = "") -> RunSetup:
         lineage=[Ancestor(run_id=a.run_id, step=a.step) for a in inp.lineage],
         epoch=inp.epoch,
         node_id=node_id,
+        trainer=TrainerBackendSettings.model_validate(inp.trainer.model_dump()),
     )
 
 

@@ -17,6 +17,7 @@ from workflows.agent_config import AgentSpec
 from workflows.model_config import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec  # noqa: F401  (sections; re-exported)
 from workflows.reward_config import RewardSpec, RewardTerm  # noqa: F401  (a section of RunConfig; re-exported)
 from workflows.strict import Strict
+from workflows.trainer_config import TrainerSpec, fsdp2_conflicts
 
 
 _DATA_SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet", ".pq")}
@@ -398,6 +399,8 @@ class RunConfig(Strict):
     eval: EvalSpec = Field(EvalSpec(), validate_default=True)  # checked against rollout.agent also when omitted
     engines: EngineSpec = EngineSpec()
     node: NodeSpec = NodeSpec()
+    # after the sections it constrains (its validator reads them)
+    trainer: TrainerSpec = Field(TrainerSpec(), validate_default=True)
     steps_per_workflow_run: int = Field(
         50, ge=1, description="continue-as-new after this many steps (keeps history small)"
     )
@@ -480,6 +483,29 @@ class RunConfig(Strict):
             # off-policy samples get truncated IS unless the config says otherwise (tis_cap: null turns it off)
             v = v.model_copy(update={"tis_cap": ONE_STEP_OFF_TIS_CAP})
             v.model_fields_set.add("tis_cap")
+        return v
+
+    @field_validator("trainer")
+    @classmethod
+    def _trainer_backend(cls, v: TrainerSpec, info: ValidationInfo) -> TrainerSpec:
+        if v.backend != "fsdp2":
+            return v
+        model, train, rollout = info.data.get("model"), info.data.get("train"), info.data.get("rollout")
+        bad = fsdp2_conflicts(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,
+                              distill=info.data.get("distill") is not None,
+                              tis_cap=None if train is None else train.tis_cap,
+                              estimator="grpo" if train is None else train.estimator,
+                              agent=rollout is not None and rollout.agent is not None)
+        if bad:
+            raise ValueError(f"backend fsdp2 does not support {'; '.join(bad)}")
+        if train is not None and rollout is not None:
+            n = math.ceil(rollout.prompts_per_step * rollout.group_size / train.micro_batch_size)
+            if n % v.ranks_per_cell:
+                raise ValueError(
+                    f"ranks_per_cell {v.ranks_per_cell} must divide the step's {n} micro-batches "
+                    f"(rollout.prompts_per_step x group_size / train.micro_batch_size, rounded up): "
+                    "every rank trains the same number"
+                )
         return v
 
     @property

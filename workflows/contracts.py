@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from workflows.trainer_config import TrainerSpec
 from workflows.config import CheckpointSpec, DataSpec, DistillSpec, EngineSpec, EvalSpec, ModelSpec, RewardSpec, RolloutSpec, RunConfig, SFTSpec, TrainSpec
 
 CONTROL_QUEUE = "milestone-control"
@@ -74,6 +75,7 @@ class InitPolicyInput(BaseModel):
     distill: DistillSpec | None = None  # on-policy distillation: the trainer loads the teacher
     lineage: list[ForkPoint] = []  # a fork: where the steps before its own live (oldest first)
     epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
+    trainer: TrainerSpec = TrainerSpec()  # single process, or a fsdp2 cell of ranks
 
 
 class PolicyInfo(BaseModel):

@@ -239,6 +239,7 @@ class TrainingRun:
                 run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
                 train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
                 policy_version=st.policy_version, lineage=self.lineage, epoch=st.node.epoch, distill=cfg.distill,
+                trainer=cfg.trainer,
             ),
             PolicyInfo, task_queue=st.node.task_queue,
             summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",

@@ -120,6 +120,13 @@ class Ancestor(Message):
     step: int
 
 
+class TrainerBackendSettings(Message):
+    """How the trainer is placed (``trainer`` in the run config): one process, or a fsdp2 cell."""
+
+    backend: Literal["single", "fsdp2"]
+    ranks_per_cell: int
+
+
 class RunSetup(Message):
     """What a trainer needs to serve a run; sent with every call, so a restarted
     trainer can rebuild the run's state without a separate bind."""
@@ -137,6 +144,7 @@ class RunSetup(Message):
     lineage: list[Ancestor] = []  # a fork: its ancestors, oldest first (gpu_runtime.store.lineage)
     epoch: int = 0  # the placement epoch every store write of this call carries (0: unfenced)
     node_id: str = ""  # the node the trainer runs on (named in refused writes)
+    trainer: TrainerBackendSettings | None = None  # None: backend single
 
 
 class SFTRows(Message):

@@ -133,15 +133,25 @@ def micro_batch_advantages(
 
 def logprob_gap(batches: list[MicroBatch], old_lps: list[torch.Tensor]) -> float:
     """Mean |engine logprob - trainer logprob| over response tokens (0 when the samples carry none)."""
+    total, count = logprob_gap_sums(batches, list(old_lps))
+    return total / count if count else 0.0
+
+
+def logprob_gap_sums(batches: list[MicroBatch], old_lps: list[torch.Tensor | None]) -> tuple[float, float]:
+    """The sum of |engine logprob - trainer logprob| over response tokens and their count,
+    skipping micro-batches without trainer logprobs (those another rank of a cell trained)."""
     total, count = 0.0, 0
     for k, batch in enumerate(batches):
+        mine_k = old_lps[k]
+        if mine_k is None:
+            continue
         for b, s in enumerate(batch.samples):
             if len(s.logprobs) != len(s.response_ids):
                 continue
-            mine = old_lps[k][b][batch.tmask[b]]
+            mine = mine_k[b][batch.tmask[b]]
             engine = torch.tensor(s.logprobs, dtype=mine.dtype)
             if s.loss_mask is not None:  # tool-turn tokens have no engine logprob
                 engine = engine[torch.tensor(s.loss_mask, dtype=torch.bool)]
             total += float((mine - engine).abs().sum())
             count += len(engine)
-    return total / count if count else 0.0
+    return total, float(count)

@@ -28,7 +28,7 @@ from gpu_runtime.algorithms.losses import (
     policy_loss_per_token,
     tis_weights,
 )
-from gpu_runtime.trainer.batches import logprob_gap, micro_batch_advantages, micro_batches, pad_batch, response_mask
+from gpu_runtime.trainer.batches import logprob_gap_sums, micro_batch_advantages, micro_batches, pad_batch, response_mask
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from gpu_runtime.models.causal_lm import (
@@ -243,7 +243,7 @@ class PolicyTrainer:
             assert self.ref_model is not None
             with torch.no_grad():
                 ref_lps = [logprobs_and_logits(self.ref_model, b.ids, b.mask)[0] for b in batches]
-        old_lps: list[torch.Tensor] = []
+        old_lps: list[torch.Tensor | None] = [None] * len(batches)  # filled by the first epoch's forwards
         reward_kl: list[torch.Tensor] | None = None  # the KL penalty of the reward, per micro-batch
         kl_in_reward = hp.kl_in_reward and hp.kl_coef > 0
         if kl_in_reward or self.distill is not None:  # advantages that need the old logprobs first
@@ -261,9 +261,10 @@ class PolicyTrainer:
         distill_kl: float | None = None
         if self.distill is not None:
             assert self.teacher is not None
-            terms, distill_kl = distill_lib.distill_terms(self.teacher, batches, old_lps, self.distill.coef)
+            terms, distill_kl = distill_lib.distill_terms(self.teacher, batches, old_lps, self.distill.coef)  # type: ignore[arg-type]
             advs = [a + t for a, t in zip(advs, terms)]
         tis: list[tuple[torch.Tensor, torch.Tensor]] = []
+        own = self.micro_batch_share(len(batches))  # all of them, unless this is one rank of a cell
         self.model.train()
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0}
         if hp.dual_clip_c is not None:
@@ -277,14 +278,17 @@ class PolicyTrainer:
             if critic is not None:
                 critic.critic.start_step(hp)
             last = epoch == hp.ppo_epochs - 1
-            for k, b in enumerate(batches):
+            for k in own:
+                b = batches[k]
                 tmask = b.tmask
                 lp, logits = logprobs_and_logits(self.model, b.ids, b.mask)
-                if len(old_lps) == k:
-                    old_lps.append(lp.detach())
+                if old_lps[k] is None:
+                    old_lps[k] = lp.detach()
+                old = old_lps[k]
+                assert old is not None
                 if hp.tis_cap is not None and len(tis) == k:
-                    tis.append(tis_weights(old_lps[k], b.engine_logprobs(), hp.tis_cap))
-                terms = policy_loss_per_token(hp.estimator, lp, old_lps[k], advs[k], tmask, clip_eps=hp.clip_eps,
+                    tis.append(tis_weights(old, b.engine_logprobs(), hp.tis_cap))
+                terms = policy_loss_per_token(hp.estimator, lp, old, advs[k], tmask, clip_eps=hp.clip_eps,
                                               clip_eps_high=hp.clip_eps_high, dual_clip_c=hp.dual_clip_c)
                 per_token = terms.loss * tis[k][0] if tis else terms.loss
                 pg = agg.value(per_token, tmask)
@@ -323,6 +327,9 @@ class PolicyTrainer:
         if critic is not None:
             critic.critic.steps += 1
         self.policy_version += 1
+        gap_total, gap_count = logprob_gap_sums(batches, old_lps)
+        sums = self.reduce_over_cell({**sums, "gap_total": gap_total, "gap_count": gap_count})
+        gap_total, gap_count = sums.pop("gap_total"), sums.pop("gap_count")
         secs = time.perf_counter() - t0
         metrics = dict(sums)
         if critic is not None:
@@ -340,12 +347,22 @@ class PolicyTrainer:
             grad_norm=grad_norm, lr=lr, tokens=float(n_tokens), tokens_per_s=n_tokens * hp.ppo_epochs / max(secs, 1e-9),
             reward_mean=float(r.mean()), reward_std=float(r.std(unbiased=False)), response_len_mean=sum(lens) / len(lens),
             step_seconds=secs, policy_version=float(self.policy_version),
-            rollout_logprob_abs_diff=logprob_gap(batches, old_lps),
+            rollout_logprob_abs_diff=gap_total / gap_count if gap_count else 0.0,
         )
         for k, v in metrics.items():
             if v != v or v in (float("inf"), float("-inf")):
                 raise FloatingPointError(f"train_step: metric {k} is not finite ({v})")
         return metrics
+
+    # ------------------------------------------ a cell's rank overrides these
+    def micro_batch_share(self, n: int) -> list[int]:
+        """The indices of the step's ``n`` micro-batches this process trains on: all of them
+        (a rank of a sharded cell takes its share, ``gpu_runtime.trainer.cell_rank``)."""
+        return list(range(n))
+
+    def reduce_over_cell(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric sums over the processes that trained the step: this one only."""
+        return sums
 
     # --------------------------------------------------------------- state
     def published_state(self) -> dict[str, torch.Tensor]:

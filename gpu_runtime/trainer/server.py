@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -41,9 +42,18 @@ def main(argv: list[str] | None = None) -> None:
         exit_when_parent_dies(args.parent_pid)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
-    server = RPCServer(args.host, args.port, build_methods(TrainerService(args.work_dir)))
+    svc = TrainerService(args.work_dir)
+    server = RPCServer(args.host, args.port, build_methods(svc))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a stop ends a fsdp2 cell's Ray processes
     print(f"READY port={server.port} pid={os.getpid()}", flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        svc.close()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

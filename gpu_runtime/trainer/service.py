@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store import lineage
@@ -38,6 +39,9 @@ from gpu_runtime.trainer.api import (
 )
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.policy import PolicyTrainer
+
+if TYPE_CHECKING:
+    from gpu_runtime.trainer.cell_host import CellHost
 
 log = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"  # an adapter export's folder inside each published version
@@ -66,9 +70,12 @@ class TrainerService:
         self.ancestors: list[tuple[int, CheckpointStore]] = []  # a fork: (last step, the ancestor's checkpoints)
         self._events_seen = 0
         self._refused: list[dict] = []  # writes the run's fence refused (reported with the checkpoint events)
+        self.cell_host: CellHost | None = None  # backend fsdp2: Ray and the live cell (created on first use)
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
+        if getattr(self.trainer, "dead", False):  # a fsdp2 cell that lost a rank: rebuilt from a checkpoint
+            self.trainer = None
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup
             self.store.epoch, self.store.node = setup.epoch, setup.node_id  # this call's placement
@@ -149,7 +156,43 @@ class TrainerService:
     def _new_trainer(self) -> PolicyTrainer:
         s = self.setup
         assert s is not None
+        if self._fsdp2():  # a cell answers the calls this service makes of a trainer
+            return self._cells().build(s.trainer, self._base_folder(), s.hparams, s.seed)  # type: ignore[arg-type,return-value]
         return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
+
+    def _fsdp2(self) -> bool:
+        return self.setup is not None and self.setup.trainer is not None and self.setup.trainer.backend == "fsdp2"
+
+    def _cells(self) -> "CellHost":
+        if self.cell_host is None:
+            from gpu_runtime.trainer.cell_host import CellHost  # ray: the optional ``cells`` extra
+
+            self.cell_host = CellHost(self.work_dir)
+        return self.cell_host
+
+    def _sft_trainer(self) -> PolicyTrainer:
+        """The trainer the SFT warm-up runs on: the run's own, or, for a fsdp2 run, a single
+        process whose post-SFT weights the cell then loads."""
+        s = self.setup
+        assert s is not None
+        if not self._fsdp2():
+            return self._new_trainer()
+        return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
+
+    def _after_sft(self, trainer: PolicyTrainer) -> PolicyTrainer:
+        s = self.setup
+        assert s is not None
+        if not self._fsdp2():
+            return trainer
+        folder = self.work_dir / s.run_id / "post-sft"
+        trainer.export_model_folder(folder)
+        del trainer  # one full copy at a time in this process
+        return self._cells().build(s.trainer, folder, s.hparams, s.seed)  # type: ignore[arg-type,return-value]
+
+    def close(self) -> None:
+        """End the cell and its Ray processes (backend fsdp2); nothing to do for single."""
+        if self.cell_host is not None:
+            self.cell_host.close()
 
     def _base_folder(self) -> Path:
         s = self.setup
@@ -176,11 +219,11 @@ class TrainerService:
                     ckpts.events.clear()
         # nothing durable: deterministic SFT warm-up from the seed -> version 0
         s = self.setup
-        trainer = self._new_trainer()
+        trainer = self._sft_trainer()
         rows = self._rows()
         metrics = trainer.sft_warmup(
             rows, s.sft.steps, s.sft.batch_size, s.sft.lr, s.seed, s.sft.grad_clip, betas=s.sft.betas)
-        self.trainer = trainer
+        self.trainer = self._after_sft(trainer)
         self.save_checkpoint(0, data_cursor=0, sync=True)
         return None, metrics
 
@@ -278,6 +321,10 @@ class TrainerService:
         except FloatingPointError as err:
             self.trainer = None  # possibly half-updated: the next call restores a checkpoint
             raise Divergence(f"step {batch.step}: {err}") from err
+        except Exception:
+            if self._fsdp2():  # a cell that failed mid-step (a rank died): rebuilt by restore + replay
+                self.trainer = None
+            raise
         info = self._publish_weights()
         result = TrainResult(
             policy_version=info.policy_version,

@@ -20,6 +20,7 @@ from gpu_runtime.trainer.api import (
 from workflows.config import (
     CheckpointSpec, DistillSpec, HParamUpdate, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, RolloutSpec, SFTSpec, TrainSpec,
 )
+from workflows.trainer_config import TrainerSpec
 from workflows.contracts import (
     DatasetInfo, EvalInput, InitPolicyInput, RolloutInput, RunEvent, SFTRowsInput, TrainStepInput,
 )
@@ -201,3 +202,14 @@ def test_run_setup_carries_lora_and_distill() -> None:
     old = json.loads(batch.model_dump_json())
     del old["sft"]  # a step batch stored before SFT mode is an RL step
     assert stored_step_batch(json.dumps(old)).sft is None
+
+
+def test_run_setup_carries_the_trainer_backend() -> None:
+    inp = InitPolicyInput(
+        run_id="r", store_uri="file:///s", seed=5, model=ModelSpec(), sft=SFTSpec(), train=TRAIN, dataset=DATASET,
+        checkpoint=CheckpointSpec(), config_hash="abc", trainer=TrainerSpec(backend="fsdp2", ranks_per_cell=4),
+    )
+    setup = translate.run_setup(inp)
+    assert setup.trainer is not None and setup.trainer.model_dump() == {"backend": "fsdp2", "ranks_per_cell": 4}
+    default = translate.run_setup(inp.model_copy(update={"trainer": TrainerSpec()}))
+    assert default.trainer is not None and default.trainer.backend == "single"

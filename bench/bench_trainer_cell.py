@@ -1,0 +1,84 @@
+"""Seconds per RL train step and peak memory per rank: the single trainer vs fsdp2 cells.
+
+A random-init Qwen2-style model (``--hidden``/``--layers``, BPE tokenizer from the test
+rows) trains ``--steps`` RL steps on fixed synthetic samples (``tests/unit``'s helpers):
+once in this process with ``PolicyTrainer`` (the baseline) and once per rank count in
+``--ranks`` as a ``TrainerCell`` (Ray actors, gloo, 1 torch thread each). Prints s/step
+(median over steps after the first), the ratio to the baseline, and each rank's peak RSS.
+On a 2-core machine the ranks share the cores, so the ratio shows the cost of the
+collectives and the per-rank duplication of small work, not a speed-up.
+
+    PYTHONPATH=. .venv/bin/python -m bench.bench_trainer_cell [--hidden 256 --layers 4 --steps 6 --ranks 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_runtime.data.datasets import generate_arithmetic  # noqa: E402
+from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
+from gpu_runtime.trainer.api import ModelInit, ModelSource  # noqa: E402
+from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
+from gpu_runtime.trainer.cell import RayRuntime, TrainerCell  # noqa: E402
+from tests.unit.test_policy_trainer import hparams, rollout  # noqa: E402
+from workflows.config import ModelInitSpec  # noqa: E402
+
+
+def timed(step) -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    init = ModelInitSpec(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    source = ModelSource(path=None, init=ModelInit.model_validate(init.model_dump()), lora=None)
+    folder = base_model_folder(source, generate_arithmetic(32, seed=0, max_operand=20), 7,
+                               Path(tempfile.mkdtemp(prefix="bench-cell-")))
+    hp = hparams(micro_batch_size=4, ppo_epochs=1, kl_coef=0.0, warmup_steps=0)
+    batches = [rollout(s, n_prompts=4, group=4) for s in range(1, args.steps + 1)]  # 16 samples, 4 micro-batches
+
+    single = PolicyTrainer.create(folder, hp, 7)
+    secs = [timed(lambda b=b: single.train_step(*b, 4, hp)) for b in batches]
+    base = statistics.median(secs[1:])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    n_params = sum(p.numel() for p in single.model.parameters())
+    print(f"model: {n_params / 1e6:.2f} M params; {args.steps} steps of 16 samples (4 micro-batches)")
+    print(f"single       {base:.3f} s/step  1.00x  peak RSS {rss:.0f} MiB (this process)")
+    del single
+    rt = RayRuntime(num_cpus=max(args.ranks)).start()
+    try:
+        for n in args.ranks:
+            cell = TrainerCell(n, folder, hp, 7)
+            try:
+                secs = [timed(lambda b=b: cell.train_step(*b, 4, hp)) for b in batches]
+                med = statistics.median(secs[1:])
+                peaks = cell._all("peak_rss_mib")
+                print(f"fsdp2 x{n}     {med:.3f} s/step  {med / base:.2f}x  peak RSS per rank "
+                      + ", ".join(f"{m:.0f}" for m in peaks) + " MiB")
+            finally:
+                cell.close()
+    finally:
+        rt.stop()
+
+
+if __name__ == "__main__":
+    main()

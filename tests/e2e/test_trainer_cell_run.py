@@ -1,0 +1,130 @@
+"""trainer.backend fsdp2 through the real stack: the node's trainer process drives a 2-rank
+FSDP2 cell (Ray actors in a placement group). The same tiny run with backend single is the
+reference: per-step loss and final weights agree within float-sum reordering, and the cell's
+checkpoints (sharded, under the store's manifest) are written. A rank SIGKILLed mid-step:
+the run ends bitwise equal to its fault-free twin. No Ray process outlives the stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
+
+from tests.e2e.faults import (  # noqa: E402
+    assert_bitwise_equal,
+    final_weights,
+    progress,
+    run_to_end,
+    start_run,
+    wait_activity_started,
+)
+from tests.stack import Stack, running_stack, tiny_config, wait_for  # noqa: E402
+from workers.common import connect  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+STEPS = 2
+WEIGHT_ATOL = 1e-5  # as tests/unit/test_trainer_cell.py (measured there: 5e-7 after 3 steps)
+
+
+ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2"}  # a kill lands inside train_step
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("cell"), env=ENV) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def runs(stack: Stack) -> tuple[list, list]:
+    """The same tiny run with backend single ("single") and a 2-rank fsdp2 cell ("cell")."""
+    store = stack.workdir / "store"
+
+    async def main() -> tuple[list, list]:
+        client = await connect(stack.server.address)
+        single = await run_to_end(client, "single", cfg(store))
+        cell = await run_to_end(client, "cell", cfg(store, backend="fsdp2", ranks_per_cell=2))
+        assert single.policy_version == cell.policy_version == STEPS
+        return (await progress(client, "single")).steps, (await progress(client, "cell")).steps
+
+    return asyncio.run(main())
+
+
+def cfg(store: Path, **trainer: object) -> dict:
+    # 16 samples per step in micro-batches of 4: 2 per rank
+    return tiny_config(store, steps=STEPS, sft={"steps": 20}, train={"lr": 1e-3, "micro_batch_size": 4},
+                       checkpoint={"every": 1, "keep_last": 2}, eval={"enabled": False},
+                       engines={"num_engines": 1}, **({"trainer": trainer} if trainer else {}))
+
+
+def test_fsdp2_run_matches_single(stack: Stack, runs: tuple[list, list]) -> None:
+    store = stack.workdir / "store"
+    single_steps, cell_steps = runs
+    for a, b in zip(single_steps, cell_steps):
+        assert b.loss == pytest.approx(a.loss, rel=1e-5, abs=1e-7), (a, b)
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5), (a, b)
+    w_single, w_cell = final_weights(store, "single", STEPS), final_weights(store, "cell", STEPS)
+    assert w_single.keys() == w_cell.keys()
+    worst = max(float((w_single[k] - w_cell[k]).abs().max()) for k in w_single)
+    assert worst <= WEIGHT_ATOL, worst
+    manifest = json.loads((store / "runs" / "cell" / "checkpoints" / f"step-{STEPS:06d}" / "manifest.json").read_text())
+    shards = sorted(n for n in manifest["files"] if n.startswith("shards/") and n.endswith(".distcp"))
+    assert shards == ["shards/__0_0.distcp", "shards/__1_0.distcp"], manifest["files"].keys()
+
+
+def rank_pids(stack: Stack) -> list[int]:
+    """The live cell's rank pids, as the node's trainer process records them (``cell.json``)."""
+    path = stack.workdir / "nodes" / "node0" / "trainer" / "cell.json"
+    try:
+        return [r["pid"] for r in json.loads(path.read_text())["ranks"]]
+    except FileNotFoundError:
+        return []
+
+
+def test_rank_killed_mid_step_ends_bitwise_equal(stack: Stack, runs: tuple[list, list]) -> None:
+    """One rank SIGKILLed from outside inside step 2's train_step: the activity fails, the
+    trainer rebuilds the cell (new placement group, new ranks) from the sharded checkpoint,
+    and the run ends bitwise equal to the fault-free fsdp2 run."""
+    store = stack.workdir / "store"
+    run_id = "cell-rank-kill"
+
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        handle = await start_run(client, run_id, cfg(store, backend="fsdp2", ranks_per_cell=2))
+        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        ranks = wait_for(lambda: rank_pids(stack), timeout_s=60, what="the cell's rank pids")
+        os.kill(ranks[-1], signal.SIGKILL)
+        await asyncio.wait_for(handle.result(), 300)
+        step2 = (await progress(client, run_id)).steps[1]
+        assert step2.restored_from_step is not None, step2  # the cell was rebuilt from a checkpoint
+        assert ranks[-1] not in rank_pids(stack)
+
+    asyncio.run(main())
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), final_weights(store, "cell", STEPS))
+
+
+def test_no_ray_process_outlives_the_stack(stack: Stack) -> None:
+    """Last in this module: the stack that ran the cell, stopped (node agent -> trainer by pid,
+    the trainer's SIGTERM -> cell closed, ray.shutdown): none of the trainer's Ray processes is left."""
+    trainer = stack.node_pids("node0")["trainer"]
+    ray_pids = {p.pid for p in psutil.Process(trainer).children(recursive=True)}
+    assert ray_pids, "the trainer process runs no Ray processes (the cell's run was the last)"
+    ray_pids |= {p.pid for p in psutil.process_iter() if _pgid(p.pid) == trainer}  # agents raylet started
+    stack.stop()
+    left = [p for p in ray_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert left == [], f"processes of the cell outlived the stack: {left}"
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None

@@ -1,0 +1,202 @@
+"""trainer.backend fsdp2: a 2-rank FSDP2 cell (Ray actors, gloo) against the plain single trainer.
+
+The reference is ``PolicyTrainer`` in this process (one rank, the same recipe, the same
+samples). The cell runs ``PolicyTrainer.train_step`` itself on each rank's share of the
+micro-batches, so the only difference is the order of float sums (each rank accumulates its
+micro-batches, then FSDP adds the ranks' partial gradients), which is why weights are compared
+with a tolerance and the cell against itself bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
+
+from gpu_runtime.models.causal_lm import export_state_dict  # noqa: E402
+from gpu_runtime.models.model_folder import load_model_folder, weights_checksum  # noqa: E402
+from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
+from gpu_runtime.trainer.cell import CellRankDied, RayRuntime, TrainerCell  # noqa: E402
+from tests.stack import wait_for  # noqa: E402
+from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
+
+SEED = 7
+STEPS = 3
+# kl (reference kept per rank), 2 PPO epochs (ratio != 1 in the second), 8 samples in 4
+# micro-batches: 2 per rank, so each rank accumulates and the cell reduces
+HP = hparams(micro_batch_size=2, ppo_epochs=2, kl_coef=0.1, warmup_steps=0, lr=1e-3, entropy_coef=0.01)
+COMPARED = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "rollout_logprob_abs_diff",
+            "tokens", "reward_mean", "lr", "policy_version")
+# Tolerance against single. One step's gradient differs from the reference's by float32
+# rounding of a reordered sum (~1e-7 relative); AdamW divides by sqrt(v), so an element's
+# update error stays ~lr * 1e-7/|g| relative unless its gradient is itself a cancellation
+# near zero. Over 3 steps x 2 epochs at lr 1e-3, 1e-5 absolute bounds that with room; the
+# weights move by ~1e-3 per step, 100x more, so a wrong share, a missing reduction or a
+# doubled gradient (FSDP's default mean vs sum) fails it (checked: each of those breaks it).
+WEIGHT_ATOL = 1e-5
+METRIC_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    """The post-SFT policy both sides start from (the cell's ranks load an HF folder)."""
+    torch.set_num_threads(1)
+    tr = PolicyTrainer.create(base(SEED), HP, SEED)
+    tr.sft_warmup(ROWS, steps=3, batch_size=8, lr=1e-3, seed=SEED, betas=(0.9, 0.95))
+    out = Path(tempfile.mkdtemp(prefix="cell-base-")) / "policy"
+    tr.export_model_folder(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_runtime() -> Iterator[RayRuntime]:
+    rt = RayRuntime(num_cpus=2).start()
+    try:
+        yield rt
+    finally:
+        rt.stop()
+        assert rt.alive() == [], f"ray processes left after stop: {rt.alive()}"
+
+
+@pytest.fixture(scope="module")
+def reference(folder: Path) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)
+    tr = PolicyTrainer.create(folder, HP, SEED)
+    metrics = [tr.train_step(*rollout(s), 4, HP) for s in range(1, STEPS + 1)]
+    return metrics, tr.published_state()
+
+
+def run_cell(folder: Path, save_after: int | None = None, ckpt: Path | None = None,
+             restore: Path | None = None, first: int = 1, ranks: int = 2,
+             ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor], str]:
+    cell = TrainerCell(ranks, folder, HP, SEED)
+    try:
+        if restore is not None:
+            cell.load_state(restore)
+        if save_after is not None:  # version 0 too (as a run's first checkpoint): saving must not touch the state
+            assert ckpt is not None
+            cell.save_state(ckpt.with_name("step-0"))
+        metrics = []
+        for s in range(first, STEPS + 1):
+            metrics.append(cell.train_step(*rollout(s), 4, HP))
+            if s == save_after:
+                assert ckpt is not None
+                cell.save_state(ckpt)
+        return metrics, cell.published_state(), cell.checksum()
+    finally:
+        cell.close()
+
+
+@pytest.fixture(scope="module")
+def cell_run(folder: Path, ray_runtime: RayRuntime, tmp_path_factory: pytest.TempPathFactory):
+    ckpt = tmp_path_factory.mktemp("cell-ckpt") / "step-1"
+    metrics, weights, checksum = run_cell(folder, save_after=1, ckpt=ckpt)
+    return metrics, weights, checksum, ckpt
+
+
+def test_cell_matches_the_single_trainer(folder: Path, reference, cell_run) -> None:
+    ref_metrics, ref_w = reference
+    metrics, w, checksum, _ = cell_run
+    assert checksum == weights_checksum(w)
+    for step, (mine, theirs) in enumerate(zip(metrics, ref_metrics), start=1):
+        for k in COMPARED:
+            assert mine[k] == pytest.approx(theirs[k], rel=METRIC_RTOL, abs=1e-7), f"step {step} {k}"
+    assert set(w) == set(ref_w)
+    worst = max(float((w[k] - ref_w[k]).abs().max()) for k in w)
+    assert worst <= WEIGHT_ATOL, f"max |cell - single| = {worst}"
+    initial = load_model_folder_weights(folder)
+    moved = max(float((ref_w[k] - initial[k]).abs().max()) for k in ref_w)
+    assert moved > 100 * WEIGHT_ATOL, f"the steps barely moved the weights ({moved}): the comparison proves nothing"
+
+
+def load_model_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
+    model, _, _ = load_model_folder(folder)
+    return export_state_dict(model)
+
+
+def test_cell_is_bitwise_reproducible(folder: Path, ray_runtime: RayRuntime, cell_run) -> None:
+    metrics, w, checksum, _ = cell_run
+    again, w2, checksum2 = run_cell(folder)
+    assert checksum2 == checksum
+    assert all(torch.equal(w[k], w2[k]) for k in w)
+    assert [m["loss"] for m in again] == [m["loss"] for m in metrics]
+
+
+def test_sharded_checkpoint_restores_bitwise(folder: Path, ray_runtime: RayRuntime, cell_run) -> None:
+    """Saved after step 1 (every rank's shards + meta), restored into a new 2-rank cell,
+    steps 2..3 replayed: the same weights as the uninterrupted cell, bitwise."""
+    metrics, w, checksum, ckpt = cell_run
+    assert sorted(p.name for p in (ckpt / "shards").iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
+    resumed, w2, checksum2 = run_cell(folder, restore=ckpt, first=2)
+    assert checksum2 == checksum
+    assert all(torch.equal(w[k], w2[k]) for k in w)
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics[1:]]
+
+
+def test_two_rank_checkpoint_restores_into_one_rank(folder: Path, ray_runtime: RayRuntime, reference,
+                                                    cell_run) -> None:
+    """Reshard: the 2-rank checkpoint after step 1 loads into a 1-rank cell (load_state checks
+    the weights' checksum against the saved one), which then trains steps 2..3 like the
+    reference: AdamW's moments and step count came through (a fresh or misplaced optimizer
+    state moves every weight by a different amount, cf. the version-0 checkpoint)."""
+    metrics, w, _, ckpt = cell_run
+    ref_metrics, ref_w = reference
+    resumed, w1, _ = run_cell(folder, restore=ckpt, first=2, ranks=1)
+    for mine, theirs in zip(resumed, ref_metrics[1:]):
+        for k in COMPARED:
+            assert mine[k] == pytest.approx(theirs[k], rel=METRIC_RTOL, abs=1e-7), k
+    worst = max(float((w1[k] - ref_w[k]).abs().max()) for k in w1)
+    assert worst <= WEIGHT_ATOL, f"max |resharded - single| = {worst}"
+
+
+def test_restore_before_the_first_step(folder: Path, ray_runtime: RayRuntime, cell_run) -> None:
+    """The version-0 checkpoint holds no optimizer state (none exists yet): restored, the cell
+    trains steps 1..3 exactly as the cell that never stopped."""
+    metrics, w, checksum, ckpt = cell_run
+    resumed, w2, checksum2 = run_cell(folder, restore=ckpt.with_name("step-0"))
+    assert checksum2 == checksum
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in metrics]
+
+
+def test_export_is_the_gathered_weights(folder: Path, ray_runtime: RayRuntime, tmp_path: Path) -> None:
+    cell = TrainerCell(2, folder, HP, SEED)
+    try:
+        cell.train_step(*rollout(1), 4, HP)
+        checksum = cell.export_model_folder(tmp_path / "v1")
+        assert checksum == cell.checksum()
+        assert weights_checksum(load_model_folder_weights(tmp_path / "v1")) == checksum
+    finally:
+        cell.close()
+
+
+def test_a_killed_rank_fails_the_step_and_frees_the_cell(folder: Path, ray_runtime: RayRuntime) -> None:
+    """Rank 1 SIGKILLed: the next step fails with CellRankDied (rank 0, blocked in a collective
+    with the dead rank, does not hang the driver), close() ends rank 0 and frees the placement
+    group, and a new cell takes its CPUs."""
+    cell = TrainerCell(2, folder, HP, SEED)
+    try:
+        pids = cell.pids()
+        cell.train_step(*rollout(1), 4, HP)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(CellRankDied, match="rank 1 of the cell died"):
+            cell.train_step(*rollout(2), 4, HP)
+        assert cell.dead
+    finally:
+        cell.close()
+    wait_for(lambda: not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE,
+             timeout_s=60, what="rank 0 ended with its cell")
+    again = TrainerCell(2, folder, HP, SEED)  # the placement group's CPUs are free again
+    again.close()
+
+
+def test_unsatisfiable_placement_is_a_clear_error(folder: Path, ray_runtime: RayRuntime) -> None:
+    with pytest.raises(RuntimeError, match="placement group .* was not satisfied"):
+        TrainerCell(3, folder, HP, SEED, placement_timeout_s=3)

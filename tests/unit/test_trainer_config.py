@@ -1,0 +1,51 @@
+"""The ``trainer`` section: backend single | fsdp2, ranks_per_cell, and what fsdp2 refuses up front."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from workflows.config import RunConfig, format_validation_error
+
+# 4 prompts x 4 samples in micro-batches of 4: 4 micro-batches
+BASE = {"rollout": {"prompts_per_step": 4, "group_size": 4}, "train": {"micro_batch_size": 4}}
+
+
+def error(cfg: dict) -> str:
+    with pytest.raises(ValidationError) as info:
+        RunConfig.model_validate(cfg)
+    return format_validation_error(info.value)
+
+
+def test_defaults_are_one_process() -> None:
+    t = RunConfig().trainer
+    assert (t.backend, t.ranks_per_cell) == ("single", 1)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_fsdp2_cells_that_divide_the_micro_batches(ranks: int) -> None:
+    cfg = RunConfig.model_validate({**BASE, "trainer": {"backend": "fsdp2", "ranks_per_cell": ranks}})
+    assert cfg.trainer.ranks_per_cell == ranks
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"trainer": {"ranks_per_cell": 2}}, "trainer: ranks_per_cell 2 needs backend fsdp2"),
+    ({"trainer": {"backend": "fsdp2", "ranks_per_cell": 0}}, "trainer.ranks_per_cell: Input should be greater than"),
+    ({"trainer": {"backend": "fsdp3"}}, "trainer.backend: Input should be 'single' or 'fsdp2'"),
+    ({**BASE, "trainer": {"backend": "fsdp2", "ranks_per_cell": 3}}, "ranks_per_cell 3 must divide the step's 4 micro-batches"),
+    ({"trainer": {"backend": "fsdp2", "ranks_per_cell": 2}}, "must divide the step's 1 micro-batches"),
+    ({**BASE, "trainer": {"backend": "fsdp2"}, "rollout": {"mode": "one_step_off", "prompts_per_step": 4, "group_size": 4}},
+     "backend fsdp2 does not support train.tis_cap"),
+    ({**BASE, "trainer": {"backend": "fsdp2"}, "model": {"path": "/m", "lora": {"r": 4}}}, "does not support model.lora"),
+    ({**BASE, "trainer": {"backend": "fsdp2"}, "distill": {"teacher_path": "/t"}}, "does not support distill"),
+    ({"mode": "sft", "sft": {"steps": 0}, "trainer": {"backend": "fsdp2"}}, "does not support mode sft"),
+])
+def test_bad_trainer_sections_name_the_field(cfg: dict, message: str) -> None:
+    assert message in error(cfg)
+
+
+def test_one_step_off_with_tis_off_is_accepted() -> None:
+    cfg = RunConfig.model_validate({**BASE, "trainer": {"backend": "fsdp2", "ranks_per_cell": 2},
+                                    "rollout": {"mode": "one_step_off", "prompts_per_step": 4, "group_size": 4},
+                                    "train": {"micro_batch_size": 4, "tis_cap": None}})
+    assert cfg.train.tis_cap is None

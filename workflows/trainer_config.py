@@ -1,0 +1,54 @@
+"""The ``trainer`` section: how the policy is trained across processes (torch-free).
+
+``single`` is one trainer process holding the whole model. ``fsdp2`` is a cell of
+``ranks_per_cell`` ranks (Ray actors in one placement group, driven by the node's trainer
+process), the policy sharded with FSDP2 per decoder layer; see docs/trainer-backends.md.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from workflows.strict import Strict
+
+
+class TrainerSpec(Strict):
+    """Fixed for a run (unlike ``train``, which can change between steps): the placement
+    of the trainer's ranks."""
+
+    backend: Literal["single", "fsdp2"] = Field(
+        "single", description="single: one trainer process; fsdp2: a cell of ranks_per_cell FSDP2 ranks placed by Ray"
+    )
+    ranks_per_cell: int = Field(1, ge=1, description="ranks of the fsdp2 cell (one torch.distributed group)")
+
+    @model_validator(mode="after")
+    def _ranks(self) -> "TrainerSpec":
+        if self.backend == "single" and self.ranks_per_cell != 1:
+            raise ValueError(
+                f"ranks_per_cell {self.ranks_per_cell} needs backend fsdp2 (backend single is one process)"
+            )
+        return self
+
+
+def fsdp2_conflicts(*, mode: str, lora: bool, distill: bool, tis_cap: float | None, estimator: str = "grpo",
+                    agent: bool = False) -> list[str]:
+    """The run settings a fsdp2 cell does not implement yet, each with its reason."""
+    out = []
+    if mode != "rl":
+        out.append("mode sft (the cell trains the RL step only)")
+    if lora:
+        out.append("model.lora (the cell shards full fine-tuning only)")
+    if distill:
+        out.append("distill (the teacher is not sharded)")
+    if tis_cap is not None:
+        out.append("train.tis_cap (set it to null; rollout.mode one_step_off sets it by default)")
+    if estimator == "ppo":
+        out.append("train.estimator ppo (the critic is not sharded)")
+    if agent:
+        out.append("rollout.agent (multi-turn loss masks are not checked against the single trainer in a cell)")
+    return out
+
+
+__all__ = ["TrainerSpec", "fsdp2_conflicts"]
