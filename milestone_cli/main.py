@@ -79,7 +79,9 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 def format_progress(p: RunProgress) -> str:
     last = p.steps[-1] if p.steps else None
     line = f"{p.run_id} {_bar(p.step, p.total_steps)} step {p.step}/{p.total_steps} v{p.policy_version} {p.state}"
-    if last:
+    if last and p.mode == "sft":  # no rollout, no reward: the labels' loss is the number to watch
+        line += f" | sft loss {last.loss:.4f} | {last.step_seconds:.1f}s/step"
+    elif last:
         line += (
             f" | reward {last.reward_mean:.3f} acc {last.accuracy:.2f} loss {last.loss:+.4f}"
             f" | {last.step_seconds:.1f}s/step"

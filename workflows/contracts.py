@@ -403,6 +403,7 @@ class RunProgress(BaseModel):
     steps: list[StepSummary] = Field(default_factory=list)
     events: list[RunEvent] = Field(default_factory=list)
     engines: list[EngineSlotInfo] = Field(default_factory=list)
+    mode: str = "rl"  # the run's config.mode: rl | sft
 
 
 class RunSummary(BaseModel):

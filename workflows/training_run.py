@@ -311,6 +311,7 @@ class TrainingRun:
             steps=st.history,
             events=st.events,
             engines=st.engines,
+            mode=self.cfg.mode if self.cfg else "rl",
         )
 
     @workflow.signal

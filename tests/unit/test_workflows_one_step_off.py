@@ -121,16 +121,3 @@ def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest
 
     scenario(cluster, body)
 
-
-def test_the_progress_line_shows_staleness_and_overlap() -> None:
-    from milestone_cli.main import format_progress
-    from workflows.contracts import RunProgress, StepSummary
-
-    def line(**kw: object) -> str:
-        step = StepSummary(step=3, policy_version=3, data_cursor=12, reward_mean=0.5, reward_std=0.1, accuracy=0.5,
-                           loss=0.1, step_seconds=1.0, **kw)
-        return format_progress(RunProgress(run_id="r", state="running", step=3, total_steps=4, policy_version=3,
-                                           data_cursor=12, steps=[step]))
-
-    assert line(rollout_version=1, overlap_seconds=0.75).endswith("| samples v1 (staleness 1), 0.8s overlapped")
-    assert "staleness" not in line(rollout_version=2)  # sync: the batch of the version before, nothing overlapped

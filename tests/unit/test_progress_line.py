@@ -1,0 +1,29 @@
+"""``milestone status``'s progress line (``milestone_cli.main.format_progress``)."""
+
+from __future__ import annotations
+
+
+def test_the_progress_line_shows_staleness_and_overlap() -> None:
+    from milestone_cli.main import format_progress
+    from workflows.contracts import RunProgress, StepSummary
+
+    def line(**kw: object) -> str:
+        step = StepSummary(step=3, policy_version=3, data_cursor=12, reward_mean=0.5, reward_std=0.1, accuracy=0.5,
+                           loss=0.1, step_seconds=1.0, **kw)
+        return format_progress(RunProgress(run_id="r", state="running", step=3, total_steps=4, policy_version=3,
+                                           data_cursor=12, steps=[step]))
+
+    assert line(rollout_version=1, overlap_seconds=0.75).endswith("| samples v1 (staleness 1), 0.8s overlapped")
+    assert "staleness" not in line(rollout_version=2)  # sync: the batch of the version before, nothing overlapped
+
+
+def test_the_progress_line_of_an_sft_run_shows_its_loss_not_a_reward() -> None:
+    from milestone_cli.main import format_progress
+    from workflows.contracts import RunProgress, StepSummary
+
+    step = StepSummary(step=2, policy_version=2, data_cursor=64, reward_mean=0.0, reward_std=0.0, accuracy=0.0,
+                       loss=1.2345, step_seconds=0.5)
+    p = RunProgress(run_id="r", state="running", step=2, total_steps=4, policy_version=2, data_cursor=64,
+                    steps=[step], mode="sft")
+    assert format_progress(p).endswith("| sft loss 1.2345 | 0.5s/step")
+    assert "reward" not in format_progress(p)
