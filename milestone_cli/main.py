@@ -294,19 +294,24 @@ def parse_assignments(items: list[str]) -> HParamUpdate:
     """``KEY=VALUE`` pairs -> a validated update of the ``train`` section. Values are
     read as YAML scalars or lists: ``lr=1e-5``, ``ppo_epochs=2``, ``betas=[0.9,0.95]``."""
     fields: dict[str, object] = {}
+    unset: list[str] = []
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise CLIError(f"expected KEY=VALUE, got {item!r}", 2)
         try:
-            fields[key] = yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError as err:
             raise CLIError(f"{key}: cannot read {value!r}: {one_line(str(err))}", 2) from None
+        if parsed is None:  # KEY=null: back to unset (an optional knob turned off)
+            unset.append(key)
+        else:
+            fields[key] = parsed
     try:
-        return HParamUpdate(**fields)
+        return HParamUpdate(**fields, unset=unset)
     except ValidationError as err:
         unknown = any(e["type"] == "extra_forbidden" for e in err.errors())
-        hint = f" (settable: {', '.join(HParamUpdate.model_fields)})" if unknown else ""
+        hint = f" (settable: {', '.join(k for k in HParamUpdate.model_fields if k != 'unset')})" if unknown else ""
         raise CLIError(one_line(format_validation_error(err)) + hint, 2) from None
 
 

@@ -7,6 +7,7 @@ back to a default. ``load_run_config`` reports the YAML key path of a bad field.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -514,12 +515,26 @@ class RunConfig(Strict):
 
 
 class _TrainUpdate(Strict):
+    # optional knobs to set back to null (``milestone set tis_cap=null``): a field's None means "not given"
+    unset: list[str] = Field(default_factory=list)
+
+    @field_validator("unset")
+    @classmethod
+    def _unset(cls, v: list[str]) -> list[str]:
+        bad = [k for k in v if k not in NULLABLE_TRAIN_FIELDS]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: only these train fields can be null: {', '.join(NULLABLE_TRAIN_FIELDS)}")
+        return v
+
+    def _changes(self) -> dict[str, object]:
+        fields = self.model_dump(mode="json", exclude={"unset"})
+        return {**{k: v for k, v in fields.items() if v is not None}, **{k: None for k in self.unset}}
+
     def apply(self, train: TrainSpec) -> TrainSpec:
-        changes = {k: v for k, v in self.model_dump().items() if v is not None}
-        return TrainSpec.model_validate({**train.model_dump(), **changes})
+        return TrainSpec.model_validate({**train.model_dump(), **self._changes()})
 
     def given(self) -> dict[str, object]:
-        return {k: v for k, v in self.model_dump(mode="json").items() if v is not None}
+        return self._changes()
 
 
 def _all_optional(model: type[BaseModel]) -> dict[str, Any]:
@@ -529,6 +544,9 @@ def _all_optional(model: type[BaseModel]) -> dict[str, Any]:
         for name, f in model.model_fields.items()
     }
 
+
+# the ``train`` fields whose value may be null (off / unset), which ``set_hparams`` can set back to null
+NULLABLE_TRAIN_FIELDS = tuple(n for n, f in TrainSpec.model_fields.items() if type(None) in typing.get_args(f.annotation))
 
 # ``set_hparams``: any ``train`` field, changed between steps. Derived from TrainSpec
 # so a knob is declared once; ``apply`` re-validates the merged section.

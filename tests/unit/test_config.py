@@ -89,6 +89,18 @@ def test_milestone_set_reads_typed_values_and_names_bad_keys() -> None:
         parse_assignments(["betas=[0.9,1.5]"]).apply(TrainSpec())
 
 
+def test_milestone_set_null_turns_an_optional_knob_off() -> None:
+    from milestone_cli.errors import CLIError
+    from milestone_cli.main import parse_assignments
+
+    update = parse_assignments(["tis_cap=null", "lr=2e-5"])
+    assert update.given() == {"lr": 2e-5, "tis_cap": None}
+    new = update.apply(TrainSpec(tis_cap=2.0, clip_eps_high=0.28))
+    assert (new.tis_cap, new.lr, new.clip_eps_high) == (None, 2e-5, 0.28)  # the others keep their values
+    with pytest.raises(CLIError, match="lr: only these train fields can be null: clip_eps_high"):
+        parse_assignments(["lr=null"])
+
+
 def test_every_trainer_knob_is_settable_from_yaml(tmp_path: Path) -> None:
     p = write(tmp_path, "train:\n  warmup_steps: 4\n  clip_eps_high: 0.28\n  micro_batch_size: 16\n"
                         "  scale_adv_by_std: false\n  betas: [0.9, 0.95]\n  eps: 1.0e-6\n")
