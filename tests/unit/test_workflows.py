@@ -218,6 +218,24 @@ def test_set_hparams_accepted_applies_to_next_step() -> None:
     scenario(cluster, body)
 
 
+def test_set_hparams_null_turns_an_optional_knob_off_from_the_next_step() -> None:
+    cluster = Cluster()
+    held = cluster.gate("train_step", 1)
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=2, train={"lr": 1e-4, "tis_cap": 2.0}))
+        await held.wait_reached()
+        train = await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(unset=["tis_cap"]))
+        assert train["tis_cap"] is None and train["lr"] == 1e-4
+        held.release.set()
+        await finish(handle)
+        assert [(t.step, t.train.tis_cap) for t in cluster.train_inputs] == [(1, 2.0), (2, None)]
+        events = [e for e in (await progress(handle)).events if e.kind == "hparams_set"]
+        assert [e.detail for e in events] == ['{"tis_cap": null}']
+
+    scenario(cluster, body)
+
+
 @pytest.mark.parametrize(
     ("update", "message"),
     [(HParamUpdate(), "no field given"), (HParamUpdate(kl_coef=0.05), "kl_coef"),
