@@ -22,6 +22,7 @@ from activities.heartbeat import with_heartbeat
 from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import SGLangEngineBackend
 from gpu_runtime.engine.evaluate import run_eval
+from gpu_runtime.agent.tools import ToolNotFound
 from gpu_runtime.engine.fleet import EngineFleet, HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.rollout import NonFiniteLogprobs, RolloutStats, StaleWeights, run_rollout
 from gpu_runtime.models.tokenizer import Tokenizer
@@ -208,6 +209,8 @@ class NodeActivities:
             raise failure(Failure.NO_HEALTHY_ENGINE, f"{what}: {err}; restarted slots {restarted}") from err
         except NonFiniteLogprobs as err:
             raise failure(Failure.DIVERGENCE, str(err)) from err
+        except ToolNotFound as err:  # a rollout.agent tool or environment this node cannot import: not retried
+            raise failure(Failure.INVALID_INPUT, f"{what}: {err}") from err
         except StaleWeights as err:
             raise failure(Failure.STALE_WEIGHTS, str(err)) from err
 
