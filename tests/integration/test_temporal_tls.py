@@ -132,14 +132,17 @@ def test_control_worker_process_connects_from_env(endpoint: TlsEndpoint) -> None
 @pytest.mark.parametrize("case", ["no client certificate", "another server name", "plaintext"])
 def test_refused_without_the_right_credentials(endpoint: TlsEndpoint, case: str) -> None:
     """Each differs from the working settings above by one thing."""
-    reason = "transport error"  # the proxy drops the connection in the handshake
+    reasons = ("transport error",)  # the proxy drops the connection in the handshake
     if case == "no client certificate":
         settings = settings_from_env(env=endpoint.env(cert=False))
+        # TLS 1.3: the client finishes its side of the handshake before the server checks the
+        # (missing) certificate, so the drop shows either in the handshake or on the first call
+        reasons = ("transport error", "connection closed")
     elif case == "another server name":
         settings = settings_from_env(env=endpoint.env(server_name="other.test"))
-        reason = "InvalidCertificate"  # the client refuses the server
+        reasons = ("InvalidCertificate",)  # the client refuses the server
     else:
         settings = TemporalSettings(address=endpoint.address, namespace="default")
     with pytest.raises(RuntimeError, match="Failed client connect") as err:
         asyncio.run(asyncio.wait_for(connect_with(settings), 60))
-    assert reason in str(err.value)
+    assert any(r in str(err.value) for r in reasons), str(err.value)
