@@ -213,7 +213,7 @@ def main() -> None:
         print(f"{'plain loop':<14} {plain_wall:>8.3f} {1.0:>7.2f}x {'-':>10} {'0':>10}")
         for mode, r in runs.items():
             ss = [s for s in r["steps"] if s.step > 1]
-            stale = mean([s.policy_version - 1 - s.rollout_version for s in ss if s.rollout_version is not None])
+            stale = mean([s.staleness for s in ss if s.rollout_version is not None])
             print(f"{mode:<14} {cadence(r['closes']):>8.3f} {cadence(r['closes']) / plain_wall:>7.2f}x "
                   f"{mean([s.overlap_seconds for s in ss]):>10.3f} {stale:>10.2f}")
         final = read_meta(work / "store" / "runs" / RUN_ID / "weights" / f"v{cfg.steps:06d}").get("checksum")

@@ -37,7 +37,7 @@ from workers.common import connect, temporal_address
 from workers.payload_codec import PayloadKeyError
 from workers.temporal_connection import TemporalSettingsError
 from workflows.config import HParamUpdate, format_validation_error
-from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, StepSummary, TrainingRunInput
+from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
 
 UI_BASE = "http://localhost:8233"
 
@@ -91,15 +91,11 @@ def format_progress(p: RunProgress) -> str:
             line += f" | kept {d.groups_kept}/{d.groups_generated} groups in {d.rounds} round{'s' * (d.rounds > 1)}"
         if last.reward_errors:
             line += f" | {last.reward_errors} reward errors"
-        stale = staleness(last)
+        stale = last.staleness
         if stale or last.overlap_seconds:  # one_step_off: samples one version old, the next batch sampled ahead
             line += f" | samples v{last.rollout_version} (staleness {stale}), {last.overlap_seconds:.1f}s overlapped"
     return line
 
-
-def staleness(s: StepSummary) -> int:
-    """Policy versions between the weights that sampled a step's batch and the ones it trained."""
-    return 0 if s.rollout_version is None else s.policy_version - 1 - s.rollout_version
 
 
 def format_eval(p: RunProgress) -> str | None:

@@ -482,8 +482,7 @@ class RunConfig(Strict):
         rollout = info.data.get("rollout")
         if rollout is not None and rollout.mode == "one_step_off" and "tis_cap" not in v.model_fields_set:
             # off-policy samples get truncated IS unless the config says otherwise (tis_cap: null turns it off)
-            v = v.model_copy(update={"tis_cap": ONE_STEP_OFF_TIS_CAP})
-            v.model_fields_set.add("tis_cap")
+            v = v.model_copy(update={"tis_cap": ONE_STEP_OFF_TIS_CAP})  # counts as set: a re-validation keeps it
         return v
 
     @field_validator("trainer")

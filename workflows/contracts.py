@@ -363,6 +363,11 @@ class StepSummary(BaseModel):
     rollout_version: int | None = None  # the policy version that generated the trained samples
     overlap_seconds: float = 0.0  # one_step_off: the next step's sampling seconds that ran during this train_step
     next_sampled: Sampled | None = None  # one_step_off: the next step's batch (TrainingRun moves it to its state)
+
+    @property
+    def staleness(self) -> int:
+        """Policy versions between the weights that sampled the batch and the ones it trained."""
+        return 0 if self.rollout_version is None else self.policy_version - 1 - self.rollout_version
     agent: dict[str, float] | None = None  # rollout.agent: episode metrics of the step's rollout(s) (docs/agents.md)
 
 

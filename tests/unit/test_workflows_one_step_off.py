@@ -121,3 +121,14 @@ def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest
 
     scenario(cluster, body)
 
+
+
+def test_one_step_off_turns_truncated_is_on_unless_the_config_sets_tis_cap() -> None:
+    from workflows.config import ONE_STEP_OFF_TIS_CAP, RunConfig
+
+    on = RunConfig.model_validate({"rollout": {"mode": "one_step_off"}})
+    assert on.train.tis_cap == ONE_STEP_OFF_TIS_CAP
+    # stored and read back (a continue-as-new, a fork): the default is kept as if set
+    assert RunConfig.model_validate(on.model_dump(exclude_unset=True)).train.tis_cap == ONE_STEP_OFF_TIS_CAP
+    assert RunConfig.model_validate({"rollout": {"mode": "one_step_off"}, "train": {"tis_cap": None}}).train.tis_cap is None
+    assert RunConfig.model_validate({}).train.tis_cap is None  # sync: off by default
