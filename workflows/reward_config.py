@@ -46,7 +46,7 @@ class _RewardFields(Strict):
         None, description="custom: 'pkg.module:fn' with signature fn(prompt: str, response: str, row: dict) -> float"
     )
     timeout_s: float = Field(
-        10.0, gt=0, description="custom / math_verify: per call; http: per batch request; judge: per request"
+        10.0, gt=0, description="custom / math_verify / reasoning_gym: per call; http: per batch request; judge: per request"
     )
     error_policy: Literal["fail", "zero"] | None = Field(
         None, validate_default=True,

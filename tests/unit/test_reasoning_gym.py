@@ -57,6 +57,33 @@ def test_reward_kind_uses_the_generators_scorer() -> None:
     assert got[2].correct is False and got[2].reward < 1.0
 
 
+def test_a_hung_generator_scorer_is_killed_and_scores_zero(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The generator's scorer runs in the reward sandbox with reward.timeout_s per call: a
+    scorer that never returns (stood in by tests.reward_fns.hanging_reward, which hangs on
+    the response "67"; the child process and its kill are real) scores 0 with an error, and
+    the next sample is scored by a fresh child with the generator's own scorer."""
+    from gpu_runtime.data.rewards import scoring
+    from gpu_runtime.data.rewards.scoring import ScoreStats
+    from gpu_runtime.store.artifacts import Sample
+
+    rows = reasoning_gym.generate_rows("basic_arithmetic", {}, 1, seed=1)
+    monkeypatch.setenv("MILESTONE_TEST_PID_FILE", str(tmp_path / "pid"))
+    calls = iter(["tests.reward_fns:hanging_reward", scoring.REASONING_GYM_FN])
+    real_call = scoring.RewardSandbox.call
+    monkeypatch.setattr(scoring.RewardSandbox, "call", lambda self, path, args, timeout_s: real_call(
+        self, next(calls), args, timeout_s))
+    samples = [Sample(sample_id=f"s1-p0-g{i}", prompt_index=0, group_index=i, prompt_ids=[1], response_ids=[2],
+                      logprobs=[0.0], weight_version=0, finish_reason="stop", prompt_text=rows[0]["prompt"],
+                      response_text=text) for i, text in enumerate(["67", rows[0]["answer"]])]
+    stats = ScoreStats()
+    got = score_samples(samples, {0: rows[0]}, reward_settings(RewardSpec(kind="reasoning_gym", timeout_s=1.0)),
+                        stats=stats)
+    assert (got[0].reward, got[0].correct) == (0.0, False)
+    assert "timed out after 1 s (its process was killed)" in got[0].error
+    assert (got[1].reward, got[1].correct, got[1].error) == (1.0, True, "")
+    assert (stats.errors, stats.sandbox_kills) == (1, 1)
+
+
 def test_prepare_data_writes_train_and_disjoint_eval_rows(tmp_path: Path) -> None:
     data = DataSpec(kind="reasoning_gym", dataset="chain_sum", dataset_config=CHAIN, num_train=40)
     inp = PrepareDataInput(run_id="rg", store_uri=f"file://{tmp_path}", seed=5, data=data, reward=RewardSpec(

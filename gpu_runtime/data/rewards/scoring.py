@@ -2,7 +2,7 @@
 
 Every kind is a term; a plain reward is one term of weight 1, ``weighted`` sums its
 terms (each term's value is kept per sample in ``SampleReward.terms``). Custom
-functions and math-verify run in a killable child process (``sandbox``), the
+functions, math-verify and reasoning-gym's scorers run in a killable child process (``sandbox``), the
 endpoints through ``remote``, the rules in this process.
 """
 
@@ -23,6 +23,8 @@ from gpu_runtime.store.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
 MATH_VERIFY_FN = mathverify.CALL
+REASONING_GYM_FN = "gpu_runtime.data.rewards.reasoning_gym_call:reasoning_gym_reward"
+SANDBOXED = ("custom", "math_verify", "reasoning_gym")  # kinds that run third-party code in the child
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def score_samples(
         items.append(ScoreItem(i, s.sample_id, s.prompt_text, s.response_text, row))
     terms = spec.term_list()
     with ExitStack() as stack:
-        sandbox = stack.enter_context(RewardSandbox()) if {t.kind for t in terms} & {"custom", "math_verify"} else None
+        sandbox = stack.enter_context(RewardSandbox()) if {t.kind for t in terms} & set(SANDBOXED) else None
         per_term = [_score_term(t, items, ctx, sandbox, stats) for t in terms]
         stats.sandbox_kills += sandbox.kills if sandbox else 0
     out = []
@@ -125,10 +127,13 @@ def _score_term(
         if kind == "format":
             assert term.pattern is not None and term.format_score is not None
             return [_format(i, term.pattern, term.format_score) for i in items]
-        if kind == "reasoning_gym":
-            return [_reasoning_gym(i) for i in items]
     except ValueError as err:  # a label the rule cannot read: the dataset, not a retry, must change
         raise RewardFatal(f"reward.kind {kind}: {err}") from err
+    if kind == "reasoning_gym":
+        assert sandbox is not None
+        if not reasoning_gym.available():
+            raise RewardFatal(reasoning_gym.MISSING)
+        return [_reasoning_gym(term, i, sandbox) for i in items]
     if kind in ("custom", "math_verify"):
         assert sandbox is not None
         return [_in_sandbox(term, i, sandbox) for i in items]
@@ -155,9 +160,19 @@ def _math_answer(item: ScoreItem) -> TermScore:
     return TermScore(reward, correct, detail)
 
 
-def _reasoning_gym(item: ScoreItem) -> TermScore:
-    value = reasoning_gym.score(item.response, item.row)
-    return TermScore(value, value >= 1.0, f"reasoning_gym answer={reasoning_gym.extract(item.response)!r} "
+def _reasoning_gym(term: RewardTermSettings, item: ScoreItem, sandbox: RewardSandbox) -> TermScore:
+    """The generator's scorer on one sample in the killable child: a call that outlives
+    ``reward.timeout_s`` scores 0 (an answer the scorer cannot judge in time is not right),
+    one that raises (a row not made by the generator) fails the run."""
+    answer = reasoning_gym.extract(item.response)
+    try:
+        value = sandbox.call(REASONING_GYM_FN, [item.prompt, item.response, item.row], term.timeout_s)
+    except CallTimeout as err:
+        log.warning("reasoning_gym scorer on sample %s: %s: scored 0", item.sample_id, err)
+        return TermScore(0.0, False, f"reasoning_gym answer={answer!r} timed out", error=f"reasoning_gym {err}")
+    except CallFailed as err:
+        raise RewardFatal(f"reward.kind reasoning_gym on sample {item.sample_id}: {err}") from err
+    return TermScore(value, value >= 1.0, f"reasoning_gym answer={answer!r} "
                                           f"expected={item.row.get('answer')!r} score={value:g}")
 
 
