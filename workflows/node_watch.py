@@ -9,13 +9,19 @@ fails as ``NodeLost``, which ``TrainingRun`` answers by re-placing the run. With
 the watch a lost node is noticed by the work's own heartbeat and schedule-to-start
 timeouts (15 s each, about 30 s in all).
 
+When the run ends (or continues as new) it cancels the watch and waits until the node
+has acknowledged the cancel (``finish``), so a closed run lists no pending activity in
+the UI; on a node that is gone the heartbeat timeout ends the wait.
+
 Deterministic: only workflow APIs. Runs recorded before the watch existed replay
-without it (``workflow.patched(LIVENESS_PATCH)``).
+without it (``workflow.patched(LIVENESS_PATCH)``), and those recorded before ``finish``
+waited replay without the wait (``FINISH_WAIT_PATCH``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable
 from datetime import timedelta
 from typing import TypeVar
@@ -32,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
 
 T = TypeVar("T")
 LIVENESS_PATCH = "node-liveness"
+FINISH_WAIT_PATCH = "node-liveness-finish-wait"
 WATCH_LIFETIME = timedelta(days=7)  # a watch that outlives this (a long pause) is started again
 
 
@@ -54,7 +61,9 @@ class NodeWatch:
             heartbeat_timeout=timeout,
             schedule_to_start_timeout=timeout,
             retry_policy=RetryPolicy(maximum_attempts=1),
-            cancellation_type=ActivityCancellationType.TRY_CANCEL,
+            # a cancel completes when the node acknowledges it (or the heartbeat times out):
+            # ``finish`` waits for that; ``stop`` does not
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             summary=f"liveness of {queue} (timeout {spec.liveness_timeout_s:g}s)",
         )
         return self.handle
@@ -63,6 +72,15 @@ class NodeWatch:
         if self.handle is not None and not self.handle.done():
             self.handle.cancel()
         self.handle = self.queue = None
+
+    async def finish(self) -> None:
+        """Stop the watch and wait until it has ended, bounded by its heartbeat timeout:
+        the run closes with no pending activity."""
+        handle = self.handle
+        self.stop()
+        if handle is not None and workflow.patched(FINISH_WAIT_PATCH):
+            with contextlib.suppress(ActivityError, asyncio.CancelledError):
+                await handle
 
     async def on_live_node(self, run_id: str, queue: str, spec: NodeSpec, work: Awaitable[T]) -> T:
         """``work`` (on node ``queue``), cancelled and turned into ``NodeLost`` as soon

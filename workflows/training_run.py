@@ -113,7 +113,7 @@ class TrainingRun:
             await workflow.wait_condition(lambda: not self.st.paused)
             self.status = "running"
             if steps_this_run >= cfg.steps_per_workflow_run or workflow.info().is_continue_as_new_suggested():
-                self.watch.stop()  # the next execution watches the node again
+                await self.watch.finish()  # the next execution watches the node again
                 workflow.continue_as_new(TrainingRunInput(config=cfg, state=st, lineage=self.lineage))
             summary = await self._run_step(run_id, chash)
             # commit: the only place the cursor and the version move
@@ -130,7 +130,7 @@ class TrainingRun:
             st.next_step += 1
             steps_this_run += 1
 
-        self.watch.stop()
+        await self.watch.finish()
         self.status = "completed"
         self._publish()
         last = st.history[-SUMMARY_STEPS:]

@@ -49,3 +49,18 @@ def test_watch_off_starts_nothing() -> None:
         assert cluster.liveness_started == []
 
     scenario(cluster, body)
+
+
+def test_completed_run_has_no_pending_watch() -> None:
+    """The run waits for its watch's cancel to be acknowledged before it closes: no
+    pending activity is left on a completed run (the UI listed one before)."""
+    cluster = Cluster()
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=2, node=FAST))
+        assert (await finish(handle)).steps == 2
+        desc = await handle.describe()
+        assert list(desc.raw_description.pending_activities) == []
+        assert cluster.liveness_started == [cluster.queues[0]]
+
+    scenario(cluster, body)
