@@ -10,6 +10,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import TypeVar
@@ -56,6 +57,7 @@ from workflows.failures import Failure, failure
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 EXCLUDED_NODE_ATTEMPTS = 4
+CLAIM_HOLD_S = 30.0  # a claimed node is busy this long for other runs, or until the claiming run's watch starts
 # errors raised inside the trainer process that retrying cannot fix
 FINAL_REMOTE = {"ValueError": Failure.INVALID_INPUT, "ValidationError": Failure.INVALID_INPUT,
                 "Divergence": Failure.DIVERGENCE}
@@ -73,6 +75,8 @@ class NodeActivities:
     def __init__(self, runtime: NodeRuntime, report: Callable[[str, RunEvent], None] | None = None) -> None:
         self.rt = runtime
         self.report = report  # tells a run about an event outside any activity result (a signal)
+        self.watching: Counter[str] = Counter()  # run id -> its node_liveness watches running here
+        self.claimed: dict[str, float] = {}  # run id -> when it claimed this node (until its watch starts)
 
     # ---- fencing ------------------------------------------------------------------
     def _store(self, run_id: str, store_uri: str, epoch: int) -> FencedStore:
@@ -96,6 +100,15 @@ class NodeActivities:
         # alive after all (it was slow, not gone), so it may take the run back
         if self.rt.task_queue in inp.exclude_queues and activity.info().attempt < EXCLUDED_NODE_ATTEMPTS:
             raise failure(Failure.NODE_EXCLUDED, f"{self.rt.task_queue} is excluded for {inp.run_id}")
+        # one run per node: a node whose engines and trainer serve another live run (its
+        # liveness watch runs here) is not free; the claim is retried, by a free node or later
+        # (a claim holds the node for CLAIM_HOLD_S until the run's watch starts)
+        now = time.monotonic()
+        busy = sorted(({r for r, n in self.watching.items() if n}
+                       | {r for r, t in self.claimed.items() if now - t < CLAIM_HOLD_S}) - {inp.run_id})
+        if busy:
+            raise failure(Failure.NODE_BUSY, f"{self.rt.node_id} ({self.rt.task_queue}) serves run {busy[0]}")
+        self.claimed = {inp.run_id: now}
         self.rt.set_run(inp.run_id)
         epoch = next_epoch(open_store(inp.store_uri), inp.run_id) if inp.store_uri else 0
         return NodeClaim(node_id=self.rt.node_id, boot_id=self.rt.boot_id, task_queue=self.rt.task_queue, epoch=epoch)
@@ -105,6 +118,8 @@ class NodeActivities:
         """Heartbeat until the run cancels it. On the worker's event loop, not in the
         activity thread pool, so busy activities cannot delay it; a dead, stopped or
         partitioned agent stops heartbeating and the run moves (workflows/node_watch.py)."""
+        self.watching[inp.run_id] += 1
+        self.claimed.pop(inp.run_id, None)
         try:
             while True:
                 activity.heartbeat()
@@ -115,6 +130,9 @@ class NodeActivities:
                 raise ApplicationError("liveness watch ended", type="WatchEnded",
                                        category=ApplicationErrorCategory.BENIGN) from None
             raise
+        finally:  # the run ended or left this node
+            self.watching[inp.run_id] -= 1
+            self.claimed.pop(inp.run_id, None)
 
     @activity.defn(name="init_policy")
     def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:

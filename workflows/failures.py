@@ -17,6 +17,7 @@ class Failure(StrEnum):
     DIVERGENCE = "Divergence"  # NaN/inf: the run pauses on its last good state
     NODE_LOST = "NodeLost"  # the node's queue is not served: the workflow re-places the run
     NODE_EXCLUDED = "NodeExcluded"  # this node was lost by the run before: let another claim it
+    NODE_BUSY = "NodeBusy"  # this node serves another live run: let a free one claim it (or wait)
     NO_HEALTHY_ENGINE = "NoHealthyEngine"  # no engine can generate: slots restarted, then retried
     STALE_WEIGHTS = "StaleWeights"  # an engine served another weight version than the step's
     WEIGHT_MISMATCH = "WeightMismatch"  # engines' checksums differ from the trainer's

@@ -100,3 +100,20 @@ def test_partitioned_node_writes_nothing_the_run_uses(stack: Stack, store: Path)
     asyncio.run(main())
     assert_trained_exactly_once(store, run_id)
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
+
+
+def test_concurrent_runs_take_different_nodes(stack: Stack, store: Path) -> None:
+    """Two runs started together on two agents: the second claim is refused by the busy agent
+    (NodeBusy, retried) and lands on the free one; each run stays on its node."""
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        handles = [await start_run(client, run_id, tiny_config(store, **CFG)) for run_id in ("pair-a", "pair-b")]
+        await asyncio.wait_for(asyncio.gather(*(h.result() for h in handles)), 600)
+        claimed = []
+        for run_id in ("pair-a", "pair-b"):
+            events = (await progress(client, run_id)).events
+            claimed.append([e.detail for e in events if e.kind == "node_claimed"])
+            assert not [e for e in events if e.kind == "node_lost"], events
+        assert len(claimed[0]) == len(claimed[1]) == 1 and claimed[0] != claimed[1], claimed
+
+    asyncio.run(main())

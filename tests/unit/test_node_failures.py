@@ -1,7 +1,9 @@
-"""How ``NodeActivities._generating`` types the failures of generating work: the type
-decides whether Temporal retries (``workflows.failures.NON_RETRYABLE``)."""
+"""How ``NodeActivities`` types failures: of generating work (the type decides whether
+Temporal retries, ``workflows.failures.NON_RETRYABLE``) and of a claim on a busy node."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 from temporalio.exceptions import ApplicationError
@@ -35,3 +37,44 @@ def test_non_finite_logprobs_are_a_divergence() -> None:
     with pytest.raises(ApplicationError) as err:
         acts._generating("run", 1, "rollout step 1", raising(NonFiniteLogprobs("nan")))
     assert err.value.type == Failure.DIVERGENCE.value and err.value.non_retryable
+
+
+def test_a_node_serving_a_live_run_refuses_another_runs_claim() -> None:
+    """One run per node: once run A has claimed the node and while its liveness watch runs there, run B's claim fails
+    retryably with NodeBusy (the claim goes to a free node, or waits); A's own re-claim is
+    served; once A's watch has ended, B's claim is served. The activities are the node's
+    real ones in Temporal's activity environment; the runtime is reduced to the fields a
+    claim reads (no store: epoch 0)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from temporalio.testing import ActivityEnvironment
+
+    from workflows.contracts import ClaimNodeInput, NodeLivenessInput
+
+    acts = NodeActivities.__new__(NodeActivities)
+    acts.report, acts.watching, acts.claimed = None, Counter(), {}
+    acts.rt = SimpleNamespace(node_id="node0", boot_id="b", task_queue="gpu-node0", set_run=lambda run_id: None)
+
+    async def main() -> None:
+        claim = ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="A", exclude_queues=[], store_uri=""))
+        with pytest.raises(ApplicationError, match="serves run A"):  # claimed, its watch not yet started
+            ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="B", exclude_queues=[], store_uri=""))
+        watch_env = ActivityEnvironment()
+        watch = asyncio.ensure_future(watch_env.run(acts.node_liveness, NodeLivenessInput(run_id="A", interval_s=0.05)))
+        while not acts.watching["A"]:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ApplicationError) as err:
+            ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="B", exclude_queues=[], store_uri=""))
+        assert err.value.type == Failure.NODE_BUSY.value and not err.value.non_retryable
+        assert "node0 (gpu-node0) serves run A" in err.value.message
+        claim = ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="A", exclude_queues=[], store_uri=""))
+        assert claim.task_queue == "gpu-node0"
+        watch_env.cancel()
+        with pytest.raises(BaseException):
+            await watch
+        assert acts.watching["A"] == 0
+        claim = ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="B", exclude_queues=[], store_uri=""))
+        assert claim.node_id == "node0"
+
+    asyncio.run(main())
