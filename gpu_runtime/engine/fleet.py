@@ -151,6 +151,7 @@ class EngineFleet:
             s.url = f"http://{self._host}:{s.port}"
             log.warning("slot %d: port of %s is taken; the slot moves to %s", s.index, old_url, s.url)
         cmd = self.backend.command(model_path=model_path, port=s.port, host=self._host, weight_version=version)
+        cmd += self.backend.slot_args(s.index)
         logf = open(self.log_dir / f"engine-{s.index}.log", "ab")
         try:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.backend.env(),

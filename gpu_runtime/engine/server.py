@@ -1,6 +1,6 @@
 """A torch rollout engine speaking a subset of SGLang's native HTTP API.
 
-    python -m gpu_runtime.engine.server --model-path DIR --port P [--host 127.0.0.1] [--threads N]
+    python -m gpu_runtime.engine.server --model-path DIR --port P [--host 127.0.0.1] [--threads N] [--device cuda:0]
 
 Routes: POST /generate, GET /health, GET /health_generate,
 POST /update_weights_from_disk, POST /flush_cache, GET /get_model_info (and
@@ -49,12 +49,15 @@ BUSY_PROGRESS_OK_S = 5.0
 
 
 class EngineState:
-    def __init__(self, model_path: str, weight_version: str | None, step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, model_path: str, weight_version: str | None, step_delay_s: float = 0.0, device: str = "cpu"
+    ) -> None:
         self.lock = threading.Lock()
         self.step_delay_s = step_delay_s
+        self.device = device
         self.model_path = str(Path(model_path).resolve())
         model, tok, meta = load_model_folder(self.model_path)
-        self.model: PreTrainedModel = model
+        self.model: PreTrainedModel = model.to(device)  # float32 on every device (the checksum is of these bytes)
         self.tokenizer: Tokenizer = tok
         self.weight_version = str(weight_version if weight_version is not None else meta.get("weight_version", 0))
         self.checksum = model_checksum(model)
@@ -166,6 +169,7 @@ class EngineState:
             "checksum": self.checksum,
             "model_config": self.model.config.to_diff_dict() | {"model_type": self.model.config.model_type},
             "torch_threads": torch.get_num_threads(),
+            "device": self.device,
             "busy": self.busy,
             "num_generate_requests": self.num_generate_requests,
             "num_generated_tokens": self.num_generated_tokens,
@@ -264,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--weight-version", default=None, help="override the folder's weight_version")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model runs (sampling stays on CPU)")
     ap.add_argument("--step-delay-ms", type=float, default=0.0, help="fault-injection aid: sleep per decode step")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -277,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s engine:{args.port} %(levelname)s %(name)s: %(message)s",
     )
     torch.set_num_threads(max(1, args.threads))
-    state = EngineState(args.model_path, args.weight_version, args.step_delay_ms / 1000.0)
+    state = EngineState(args.model_path, args.weight_version, args.step_delay_ms / 1000.0, args.device)
     if args.parent_pid:
         exit_when_parent_dies(args.parent_pid)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state, token))

@@ -20,6 +20,7 @@ from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig, NoHe
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.node.devices import Placement
 from gpu_runtime.node.proc import free_port, free_port_block
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import NodeEvent, RunSetup
@@ -27,20 +28,24 @@ from gpu_runtime.trainer.process import TrainerProcess
 
 log = logging.getLogger(__name__)
 
+CPU_ONLY = Placement("cpu", ("cpu",))
 # update_weights restarts a fleet whose engines all died this many times before it gives up
 ENGINE_RECOVERY_ROUNDS = 3
 
 
 class NodeRuntime:
     def __init__(
-        self, node_id: str, boot_id: str, work_dir: Path, *, engine_threads: int = 1, trainer_threads: int = 1
+        self, node_id: str, boot_id: str, work_dir: Path, *, engine_threads: int = 1, trainer_threads: int = 1,
+        placement: Placement = CPU_ONLY,
     ) -> None:
         self.node_id = node_id
         self.boot_id = boot_id
         self.work_dir = work_dir
         self.engine_threads = engine_threads
+        self.placement = placement
         self.trainer = TrainerProcess(
-            work_dir / "trainer", work_dir / "logs" / "trainer.log", threads=trainer_threads, on_event=self._add_event
+            work_dir / "trainer", work_dir / "logs" / "trainer.log", threads=trainer_threads, on_event=self._add_event,
+            device=placement.trainer,
         )
         self.fleet: EngineFleet | None = None
         self.router: RouterProcess | None = None
@@ -136,10 +141,12 @@ class NodeRuntime:
 
     # ---- engines ------------------------------------------------------------------
     def _backend(self, name: str) -> EngineBackend:
+        gpus = tuple(int(d.split(":")[1]) for d in self.placement.engines if d.startswith("cuda:"))
         if name == "sglang":  # GPU nodes: real SGLang servers behind the same client and router
-            return SGLangEngineBackend()
+            return SGLangEngineBackend(gpus=gpus)
         return TorchEngineBackend(
             threads=self.engine_threads,
+            devices=self.placement.engines,
             # fault-injection aid for tests: slows decoding so a kill lands mid-rollout
             step_delay_ms=float(os.environ.get("MILESTONE_ENGINE_STEP_DELAY_MS", "0")),
         )
