@@ -3,7 +3,7 @@
     python -m gpu_runtime.engine.server --model-path DIR --port P [--host 127.0.0.1] [--threads N] [--device cuda:0]
 
 Routes: POST /generate, GET /health, GET /health_generate,
-POST /update_weights_from_disk, POST /flush_cache, GET /get_model_info (and
+POST /update_weights_from_disk, POST /update_weights_from_shared_memory (ours, not SGLang's), POST /flush_cache, GET /get_model_info (and
 /model_info), GET /get_server_info (and /server_info), GET /weights_checksum.
 Generation and weight updates are serialized by one lock; the info routes do
 not take it, so they answer while a batch is decoding. Logs go to stderr; the
@@ -38,6 +38,7 @@ from gpu_runtime.node.proc import exit_when_parent_dies
 from gpu_runtime.node.rpc import send_json
 from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.weight_sync import shared_memory
 
 log = logging.getLogger("gpu_runtime.engine.server")
 
@@ -148,6 +149,21 @@ class EngineState:
         log.info("updated weights from %s version=%s checksum=%s", path, self.weight_version, self.checksum[:12])
         return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
+    def update_weights_from_shared_memory(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Milestone's own route (``gpu_runtime.weight_sync.shared_memory``): load the
+        segment at ``path``, refused unless it holds ``weight_version`` and its bytes match
+        its checksum (the engine keeps its weights then)."""
+        path, version = body.get("path"), body.get("weight_version")
+        if not path or version is None:
+            raise ValueError("path and weight_version are required")
+        with self.lock:
+            seg = shared_memory.load_into(self.model, path, version=str(version), checksum=body.get("checksum"))
+            self.weight_version = seg.version
+            self.checksum = model_checksum(self.model)
+        log.info("updated weights from shared memory %s version=%s checksum=%s", path, self.weight_version,
+                 self.checksum[:12])
+        return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
+
     def model_info(self) -> dict[str, Any]:
         return {
             "model_path": self.model_path,
@@ -232,6 +248,8 @@ def make_handler(state: EngineState, token: str | None = None) -> type[BaseHTTPR
                     self._send(200, state.generate(body))
                 elif method == "POST" and path == "/update_weights_from_disk":
                     self._send(200, state.update_weights_from_disk(body))
+                elif method == "POST" and path == "/update_weights_from_shared_memory":
+                    self._send(200, state.update_weights_from_shared_memory(body))
                 elif method == "POST" and path == "/flush_cache":
                     self._send(200, {"success": True, "message": "cache flushed (no prefix cache)"})
                 elif method == "GET" and path in ("/get_model_info", "/model_info"):

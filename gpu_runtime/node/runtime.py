@@ -153,7 +153,7 @@ class NodeRuntime:
 
     def ensure_engines(
         self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch",
-        *, host: str = "127.0.0.1",
+        *, host: str = "127.0.0.1", weight_sync: str = "store",
     ) -> list[int]:
         """Gated recovery then weight push: returns the slots (re)started. A run whose
         engine settings differ from the running fleet's gets a new fleet (and a new
@@ -193,7 +193,7 @@ class NodeRuntime:
                 restarted = self.fleet.restart_empty_slots(model_path, version)
             for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
                 try:
-                    self.fleet.update_weights(model_path, version)
+                    self.fleet.update_weights(model_path, version, weight_sync)
                     break
                 except NoHealthyEngine:
                     # every engine died between the restart and the push (a health probe timed
