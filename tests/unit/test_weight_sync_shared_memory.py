@@ -96,3 +96,14 @@ def test_checksum_matches_the_store_path(models) -> None:  # type: ignore[no-unt
     """The segment's checksum is the one the trainer reports for the store path."""
     (_, _), (m2, _) = models
     assert weights_checksum(export_state_dict(m2)) == model_checksum(m2)
+
+
+def test_config_refuses_shared_memory_for_sglang_engines() -> None:
+    from pydantic import ValidationError
+
+    from workflows.config import EngineSpec
+
+    assert EngineSpec().weight_sync == "store"
+    assert EngineSpec(weight_sync="shared_memory").weight_sync == "shared_memory"
+    with pytest.raises(ValidationError, match="weight_sync shared_memory needs engines.backend torch"):
+        EngineSpec(backend="sglang", weight_sync="shared_memory")
