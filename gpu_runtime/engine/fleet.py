@@ -81,7 +81,7 @@ class EngineFleet:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._owns_router = False
-        self._segments = NodeSegments(f"fleet{os.getpid()}-{base_port}")  # engines.weight_sync shared_memory
+        self._segments = NodeSegments(f"fleet{base_port}")  # engines.weight_sync shared_memory
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:

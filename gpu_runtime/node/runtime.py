@@ -22,6 +22,7 @@ from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.devices import Placement
 from gpu_runtime.node.proc import free_port, free_port_block
+from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import NodeEvent, RunSetup
 from gpu_runtime.trainer.process import TrainerProcess
@@ -65,6 +66,7 @@ class NodeRuntime:
 
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        prune_orphans()  # weight segments of an agent killed on this machine (engines.weight_sync)
         self.trainer.start()
         self._write_children()
 

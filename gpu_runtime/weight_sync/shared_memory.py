@@ -175,10 +175,12 @@ def prune(root: Path, tag: str, keep: set[str]) -> list[Path]:
 
 class NodeSegments:
     """The segments one fleet publishes: the newest version only (older ones are deleted
-    when a new one is published, all of them on ``close``)."""
+    when a new one is published, all of them on ``close``). The tag starts with the
+    publishing process's pid, so a node agent that was killed before ``close`` leaves
+    segments ``prune_orphans`` can recognise."""
 
     def __init__(self, tag: str, root: Path = DEFAULT_ROOT) -> None:
-        self.tag, self.root = tag, root
+        self.tag, self.root = f"pid{os.getpid()}-{tag}", root
 
     def publish_folder(self, folder: str | Path, version: int | str) -> Segment:
         seg = publish_folder(folder, version, tag=self.tag, root=self.root)
@@ -187,3 +189,26 @@ class NodeSegments:
 
     def close(self) -> None:
         prune(self.root, self.tag, keep=set())
+
+
+def prune_orphans(root: Path = DEFAULT_ROOT) -> list[Path]:
+    """Delete the segments of ``NodeSegments`` whose publishing process is gone (RAM a killed
+    node agent would otherwise hold until reboot); returns the deleted paths."""
+    gone = []
+    for p in root.glob("milestone-weights-pid*"):
+        pid = p.name.removeprefix("milestone-weights-pid").split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        p.unlink(missing_ok=True)
+        gone.append(p)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

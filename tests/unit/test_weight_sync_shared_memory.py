@@ -3,6 +3,9 @@ process: round trip, refusals and pruning. Across real processes: the integratio
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,6 +80,7 @@ def test_publish_folder_uses_the_folder_checksum_and_node_segments_keep_the_newe
     c1 = save_model_folder(m1, tok, tmp_path / "v1", weight_version=1)
     c2 = save_model_folder(m2, tok, tmp_path / "v2", weight_version=2)
     segs = shm.NodeSegments("fleet1", root=tmp_path / "shm")
+    assert segs.tag.startswith(f"pid{os.getpid()}-")
     (tmp_path / "shm").mkdir()
     other = shm.publish(export_state_dict(m1), 1, tag="fleet2", root=tmp_path / "shm")  # another fleet's: kept
     s1 = segs.publish_folder(tmp_path / "v1", 1)
@@ -107,3 +111,14 @@ def test_config_refuses_shared_memory_for_sglang_engines() -> None:
     assert EngineSpec(weight_sync="shared_memory").weight_sync == "shared_memory"
     with pytest.raises(ValidationError, match="weight_sync shared_memory needs engines.backend torch"):
         EngineSpec(backend="sglang", weight_sync="shared_memory")
+
+
+def test_orphans_of_a_dead_publisher_are_pruned_and_live_ones_kept(models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (m1, _), _ = models
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # exited and reaped: its pid is gone
+    orphan = shm.publish(export_state_dict(m1), 1, tag=f"pid{dead_pid}-fleet9", root=tmp_path)
+    live = shm.publish(export_state_dict(m1), 1, tag=f"pid{os.getpid()}-fleet9", root=tmp_path)
+    other = shm.publish(export_state_dict(m1), 1, tag="bench", root=tmp_path)  # not a node's: never touched
+    assert shm.prune_orphans(tmp_path) == [orphan.path]
+    assert not orphan.path.exists() and live.path.exists() and other.path.exists()

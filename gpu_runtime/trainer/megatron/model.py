@@ -15,8 +15,9 @@ from gpu_runtime.trainer.megatron import config as mconfig
 from gpu_runtime.trainer.megatron.convert import Shape, hf_to_megatron, megatron_to_hf
 
 
-def init_single_process(port: int = 0) -> None:
-    """A world of one (gloo on CPU, nccl on CUDA) and Megatron's parallel state (TP=PP=1)."""
+def init_single_process(port: int = 0, seed: int = 0) -> None:
+    """A world of one (gloo on CPU, nccl on CUDA) and Megatron's parallel state (TP=PP=1);
+    on CUDA also its model-parallel RNG tracker, which GPU weight init draws from."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -29,6 +30,10 @@ def init_single_process(port: int = 0) -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def build_gpt(hf_config: Any, *, cpu_init: bool = False) -> Any:
