@@ -209,6 +209,7 @@ class Check:
         step_s: list[float] = []
         sync: dict[str, list[float]] = {"store": [], "shared_memory": []}
         nbytes = 0
+        shm_error: str | None = None
         rewards_mean = []
         for step in range(1, self.args.steps + 1):
             idx, prompts = self._prompts(step, self.args.prompts)
@@ -239,27 +240,35 @@ class Check:
             got = self.fleet.update_weights(folder, step, "store")
             sync["store"].append(time.perf_counter() - t0)
             self._gate(got, checksum, "store", step)
-            t0 = time.perf_counter()
-            seg = shm.publish(trainer.published_state(), step, tag=f"gpucheck{os.getpid()}", checksum=checksum)
-            got = self._push_segment(seg, step)
-            sync["shared_memory"].append(time.perf_counter() - t0)
-            self._gate(got, checksum, "shared_memory", step)
-            nbytes = seg.nbytes
-            shm.prune(shm.DEFAULT_ROOT, f"gpucheck{os.getpid()}", keep=set())
+            nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+            if shm_error is None:
+                t0 = time.perf_counter()
+                try:
+                    seg = shm.publish(trainer.published_state(), step, tag=f"gpucheck{os.getpid()}", checksum=checksum)
+                except OSError as err:  # a small /dev/shm (containers: 64 MB): report it, train on
+                    shm_error = str(err)
+                    continue
+                got = self._push_segment(seg, step)
+                sync["shared_memory"].append(time.perf_counter() - t0)
+                self._gate(got, checksum, "shared_memory", step)
+                shm.prune(shm.DEFAULT_ROOT, f"gpucheck{os.getpid()}", keep=set())
         final = model_checksum(trainer.model)
         del trainer
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         gb = nbytes / 1e9
-        med = {k: sorted(v)[len(v) // 2] for k, v in sync.items()}
-        return {"steps": self.args.steps, "samples_per_step": self.args.prompts * self.args.group,
-                "train_step_s": [round(x, 3) for x in step_s], "reward_mean": rewards_mean,
-                "weights_mb": round(nbytes / 2**20, 2),
-                "sync_store_ms": round(med["store"] * 1000, 1), "sync_store_gb_s": _sig(gb / med["store"]),
-                "sync_shm_ms": round(med["shared_memory"] * 1000, 1),
-                "sync_shm_gb_s": _sig(gb / med["shared_memory"]),
-                "sync_ratio_store_over_shm": round(med["store"] / med["shared_memory"], 2),
-                "final_checksum": final}
+        med = {k: sorted(v)[len(v) // 2] for k, v in sync.items() if v}
+        res: dict[str, Any] = {
+            "steps": self.args.steps, "samples_per_step": self.args.prompts * self.args.group,
+            "train_step_s": [round(x, 3) for x in step_s], "reward_mean": rewards_mean,
+            "weights_mb": round(nbytes / 2**20, 2),
+            "sync_store_ms": round(med["store"] * 1000, 1), "sync_store_gb_s": _sig(gb / med["store"])}
+        if "shared_memory" in med:
+            res.update(sync_shm_ms=round(med["shared_memory"] * 1000, 1), sync_shm_gb_s=_sig(gb / med["shared_memory"]),
+                       sync_ratio_store_over_shm=round(med["store"] / med["shared_memory"], 2))
+        else:
+            res["sync_shm_error"] = shm_error
+        return {**res, "final_checksum": final}
 
     def _push_segment(self, seg: Any, version: int) -> dict[int, str]:
         """What ``update_weights(..., "shared_memory")`` does after publishing, for a segment the

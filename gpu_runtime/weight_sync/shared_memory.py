@@ -31,7 +31,8 @@ from gpu_runtime.models.model_folder import weights_checksum
 
 MAGIC = b"MSWSHM01"
 ALIGN = 64
-DEFAULT_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+# $MILESTONE_SHM_DIR: another tmpfs (a container's /dev/shm is often 64 MB: --shm-size)
+DEFAULT_ROOT = Path(os.environ.get("MILESTONE_SHM_DIR") or ("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"))
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                                 torch.int32, torch.int8, torch.uint8, torch.bool)}
 
@@ -78,6 +79,10 @@ def publish(state_dict: dict[str, torch.Tensor], version: int | str, *, tag: str
     data_start = _align(len(MAGIC) + 8 + len(header))
     total = data_start + offset
     path = segment_path(root, tag, version)
+    st = os.statvfs(root)
+    if st.f_bavail * st.f_frsize < total:
+        raise OSError(f"{root}: {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free, a weight segment of version "
+                      f"{version} needs {total / 2**20:.0f} MiB (a container: --shm-size; or set MILESTONE_SHM_DIR)")
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(MAGIC + struct.pack("<Q", len(header)) + header)

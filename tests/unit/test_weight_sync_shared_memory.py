@@ -122,3 +122,17 @@ def test_orphans_of_a_dead_publisher_are_pruned_and_live_ones_kept(models, tmp_p
     other = shm.publish(export_state_dict(m1), 1, tag="bench", root=tmp_path)  # not a node's: never touched
     assert shm.prune_orphans(tmp_path) == [orphan.path]
     assert not orphan.path.exists() and live.path.exists() and other.path.exists()
+
+
+def test_a_segment_that_does_not_fit_is_refused_with_the_sizes(models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    (m1, _), _ = models
+    real = os.statvfs
+
+    class Small:
+        def __init__(self, st: os.statvfs_result) -> None:
+            self.f_frsize, self.f_bavail = st.f_frsize, 1
+
+    monkeypatch.setattr(shm.os, "statvfs", lambda p: Small(real(p)))
+    with pytest.raises(OSError, match="MiB free, a weight segment of version 1 needs"):
+        shm.publish(export_state_dict(m1), 1, tag="t", root=tmp_path)
+    assert not list(tmp_path.iterdir())
