@@ -67,7 +67,8 @@ def sample_token(
     if temperature <= 0.0 or generator is None:
         return int(torch.argmax(logits).item())
     x = _filter_logits(logits, temperature, top_p, top_k)
-    u = torch.rand(x.shape, generator=generator, dtype=torch.float64).clamp_(1e-20, 1.0 - 1e-16)
+    # on the logits' device (the CPU in generate_batch), whatever torch's default device is
+    u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device).clamp_(1e-20, 1.0 - 1e-16)
     gumbel = -torch.log(-torch.log(u))
     return int(torch.argmax(x.double() + gumbel).item())
 
@@ -115,10 +116,11 @@ def generate_batch(
 
     dev = model_device(model)
     width = max(len(p) for p in prompts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    key_mask = torch.zeros((b, width), dtype=torch.bool)
+    cpu = torch.device("cpu")  # built here, moved once (a CUDA trainer's default device is its GPU)
+    ids = torch.full((b, width), pad_id, dtype=torch.long, device=cpu)
+    key_mask = torch.zeros((b, width), dtype=torch.bool, device=cpu)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device=cpu)
         key_mask[i, width - len(p):] = True
     ids, key_mask = ids.to(dev), key_mask.to(dev)
     positions = positions_from_mask(key_mask)
@@ -129,7 +131,7 @@ def generate_batch(
     done = [False] * b
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits, dim=-1)
-        new_tokens = torch.full((b,), pad_id, dtype=torch.long)
+        new_tokens = torch.full((b,), pad_id, dtype=torch.long, device=cpu)
         for i in range(b):
             if done[i]:
                 continue

@@ -99,3 +99,22 @@ def test_trainer_on_a_missing_gpu_dies_at_start_with_the_reason(tmp_path) -> Non
     with pytest.raises(TrainerDied):
         tp.start()
     assert "--device cuda:0: no CUDA device visible to the trainer" in (tmp_path / "t.log").read_text()
+
+
+def test_generation_ignores_torchs_default_device() -> None:
+    """A CUDA trainer process makes its GPU torch's default device (``use_device``); the
+    engine code it shares (eval generation) must still build its inputs and draw its
+    samples on the CPU generators. ``meta`` stands in for the GPU here: any tensor that
+    followed the default device would fail; the tokens and logprobs must not change."""
+    import torch
+
+    from gpu_runtime.engine.generate import generate_batch
+    from tests.engine_fixtures import tiny_model
+
+    model, tok = tiny_model(1)
+    kw = dict(max_new_tokens=6, temperature=1.0, seed=3, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    prompts = [[1, 5, 6, 7], [1, 9]]
+    plain = generate_batch(model, prompts, **kw)
+    with torch.device("meta"):
+        moved = generate_batch(model, prompts, **kw)
+    assert [(r.output_ids, r.logprobs) for r in moved] == [(r.output_ids, r.logprobs) for r in plain]
