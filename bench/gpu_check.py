@@ -1,7 +1,8 @@
 """The one-shot device check behind ``bench/gpu_check.sh`` (and its CPU tiny mode).
 
 On one GPU, with nothing downloaded: builds a Qwen2-0.5B-shaped model folder (24 layers,
-hidden 896, 14 heads / 2 KV heads, random init, a BPE tokenizer trained here), then
+hidden 896, 14 heads / 2 KV heads, random init, a BPE tokenizer trained here on arithmetic
+text: 261 tokens, so 358M parameters — Qwen2-0.5B's body without its big embedding), then
 runs the node's own parts the way a ``--device cuda`` node does — engine processes
 (``gpu_runtime.engine.server --device cuda:0``) in an ``EngineFleet``, the
 ``PolicyTrainer`` on the GPU as its trainer process puts it (``use_device``) — without
