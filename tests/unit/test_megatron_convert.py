@@ -126,3 +126,51 @@ def test_a_real_gpt_model_takes_the_weights_and_gives_them_back(arch: str, tie: 
     out = subprocess.run([sys.executable, "-c", _BUILD, str(tmp_path / "m")], capture_output=True, text=True,
                          timeout=300, cwd=REPO)
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr[-3000:]
+
+
+class _HFAsGPT(torch.nn.Module):
+    """An HF causal LM called the way a Megatron GPTModel is (logits, causal, no key mask)."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: None) -> torch.Tensor:
+        assert attention_mask is None
+        return self.hf(input_ids=input_ids, position_ids=position_ids).logits
+
+
+def test_megatron_grpo_loss_is_the_single_trainers(tmp_path: Path) -> None:
+    """The loss plumbing of ``megatron.train`` (batches, advantages, per-token loss,
+    aggregation, causal-only attention on right-padded batches) against the plain
+    reference, ``PolicyTrainer.train_step``, on CPU: the same loss, grad norm and updated
+    weights from the same start. (The GPTModel forward itself needs CUDA: tests/integration/test_cuda_paths.py.)"""
+    import copy
+
+    from gpu_runtime.store.artifacts import Sample
+    from gpu_runtime.trainer.api import TrainerHParams
+    from gpu_runtime.trainer.megatron.train import grpo_step, unsupported
+    from gpu_runtime.trainer.policy import PolicyTrainer
+    from workflows.config import TrainSpec
+
+    model, tok = tiny_model(7)
+    save_model_folder(model, tok, tmp_path / "m", weight_version=0)
+    hp = TrainerHParams(**TrainSpec(lr=1e-3, micro_batch_size=3, loss_agg="seq_mean_token_mean").model_dump())
+    assert unsupported(hp) == []
+    samples = [Sample(sample_id=f"s1-p{p}-g{g}", prompt_index=p, group_index=g, prompt_ids=[1, 5 + p, 6],
+                      response_ids=[7, 8, 9 + g][: 1 + (g + p) % 3], logprobs=[-1.0] * (1 + (g + p) % 3),
+                      weight_version=0, finish_reason="length") for p in range(2) for g in range(4)]
+    rewards = [1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.25]
+    ref = PolicyTrainer.create(tmp_path / "m", hp, 0)
+    start = copy.deepcopy(ref.model)
+    want = ref.train_step(samples, rewards, 4, hp)
+    gpt = _HFAsGPT(start)
+    opt = torch.optim.AdamW(start.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
+                            foreach=False)
+    got = grpo_step(gpt, opt, samples, rewards, 4, hp, tok.pad_token_id)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    for (name, a), b in zip(start.state_dict().items(), ref.model.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    with pytest.raises(ValueError, match="kl_coef > 0"):
+        grpo_step(gpt, opt, samples, rewards, 4, hp.model_copy(update={"kl_coef": 0.1}), tok.pad_token_id)
