@@ -325,15 +325,26 @@ class Check:
             a = gpt(input_ids=ids, position_ids=pos, attention_mask=None).float()
             b = hf(input_ids=ids).logits.float()
         diff = float((a - b).abs().max())
-        t0 = time.perf_counter()
-        opt = torch.optim.AdamW(gpt.parameters(), lr=1e-5)
-        logits = gpt(input_ids=ids, position_ids=pos, attention_mask=None)
-        loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
-        loss.backward()
-        opt.step()
+        from gpu_runtime.models.tokenizer import Tokenizer
+        from gpu_runtime.store.artifacts import Sample
+        from gpu_runtime.trainer.api import TrainerHParams
+        from gpu_runtime.trainer.megatron.train import grpo_step
+        from workflows.config import TrainSpec
+
+        hp = TrainerHParams(**TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch).model_dump())
+        samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6, 7],
+                          response_ids=list(range(8, 8 + self.args.max_new_tokens)), logprobs=[-1.0] * self.args.max_new_tokens,
+                          weight_version=0, finish_reason="length") for g in range(self.args.group)]
+        rewards = [float(g % 2) for g in range(self.args.group)]
+        opt = torch.optim.AdamW(gpt.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps, foreach=False)
+        pad = Tokenizer.load(self.base).pad_token_id
+        grpo_step(gpt, opt, samples, rewards, self.args.group, hp, pad)  # warm-up
         torch.cuda.synchronize()
-        return {"logits_max_abs_diff_vs_hf": diff, "train_step_s": round(time.perf_counter() - t0, 3),
-                "matches_hf": diff < 1e-3}
+        t0 = time.perf_counter()
+        m = grpo_step(gpt, opt, samples, rewards, self.args.group, hp, pad)
+        torch.cuda.synchronize()
+        return {"logits_max_abs_diff_vs_hf": diff, "grpo_step_s": round(time.perf_counter() - t0, 3),
+                "grad_norm": m["grad_norm"], "matches_hf": diff < 1e-3}
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
