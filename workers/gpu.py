@@ -1,4 +1,4 @@
-"""Node agent: ``python -m workers.gpu --device cpu``.
+"""Node agent: ``python -m workers.gpu --device cpu`` (or ``--device cuda [--trainer-gpu 0] [--engine-gpus 0,1]``).
 
 Owns this node's trainer process and rollout engines. Listens on its own queue
 ``node-<node_id>-<boot_id>`` (a restarted process gets a new boot id, so work that
@@ -22,6 +22,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.node import NodeActivities
+from gpu_runtime.node.devices import cuda_device_count, parse_gpu_list, plan_placement
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.node import metrics
 from workers.common import connect, install_shutdown, settings_problem, setup_logging
@@ -49,7 +50,8 @@ async def run(args: argparse.Namespace) -> None:
     boot_id = uuid.uuid4().hex[:8]
     work_dir = Path(args.work_dir or f".milestone/nodes/{args.node_id}").resolve()
     runtime = NodeRuntime(
-        args.node_id, boot_id, work_dir, engine_threads=args.engine_threads, trainer_threads=args.trainer_threads
+        args.node_id, boot_id, work_dir, engine_threads=args.engine_threads, trainer_threads=args.trainer_threads,
+        placement=args.placement,
     )
     await asyncio.to_thread(runtime.start)
     client = await connect(args.address, args.namespace)
@@ -79,7 +81,12 @@ async def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: the trainer and the torch engines run on GPUs (float32; see docs/gpu.md)")
+    p.add_argument("--trainer-gpu", type=int, default=0, help="--device cuda: the trainer's GPU index (default 0)")
+    p.add_argument("--engine-gpus", default=None,
+                   help="--device cuda: comma-separated GPU indices the engines cycle over "
+                        "(default: the trainer's GPU, colocated)")
     p.add_argument("--node-id", default=socket.gethostname().split(".")[0])
     p.add_argument("--work-dir", default=None)
     p.add_argument("--engine-threads", type=int, default=1)
@@ -92,8 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if problem := settings_problem(args.address, args.namespace):
         p.error(problem)
-    if args.device == "cuda":
-        p.error("--device cuda: the GPU backends (SGLang, Megatron) are not wired into the node agent yet")
+    try:
+        gpus = cuda_device_count() if args.device == "cuda" else 0
+        args.placement = plan_placement(args.device, gpus, trainer_gpu=args.trainer_gpu,
+                                        engine_gpus=parse_gpu_list(args.engine_gpus))
+    except ValueError as err:
+        p.error(str(err))
     metrics.serve(args.metrics_port, args.metrics_host)
     setup_logging(f"gpu[{args.node_id}]")
     asyncio.run(run(args))

@@ -322,6 +322,12 @@ class EngineSpec(Strict):
 
     backend: Literal["torch", "sglang"] = "torch"
     num_engines: int = Field(2, ge=1)
+    weight_sync: Literal["store", "shared_memory"] = Field(
+        "store",
+        description="how a new version reaches the node's engines: store (each engine loads the version's folder "
+        "from local disk) or shared_memory (the folder is read once into a /dev/shm segment the engines map; "
+        "version-stamped and checksum-verified; torch engines only). The store stays the durable copy either way",
+    )
     health_check_interval_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(5.0, gt=0)
     # ge=0, not gt=0: runs recorded with 0 must still decode (0 = the 120 s default)
@@ -334,6 +340,13 @@ class EngineSpec(Strict):
         description="address the node's engines and router bind; a non-loopback one needs $MILESTONE_ENGINE_TOKEN "
         "on the node (every request then carries it as a bearer token)",
     )
+
+    @model_validator(mode="after")
+    def _weight_sync(self) -> "EngineSpec":
+        if self.weight_sync == "shared_memory" and self.backend != "torch":
+            raise ValueError("engines.weight_sync shared_memory needs engines.backend torch "
+                             "(SGLang engines load from disk or their own tensor API)")
+        return self
 
     @field_validator("host")
     @classmethod

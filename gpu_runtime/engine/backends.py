@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from gpu_runtime.node.devices import child_env
+
 
 @runtime_checkable
 class EngineBackend(Protocol):
@@ -25,6 +27,8 @@ class EngineBackend(Protocol):
 
     def env(self) -> dict[str, str]: ...
 
+    def slot_args(self, slot: int) -> list[str]: ...  # per-slot placement flags
+
 
 @dataclass
 class TorchEngineBackend:
@@ -32,6 +36,7 @@ class TorchEngineBackend:
     python: str = sys.executable
     step_delay_ms: float = 0.0  # fault-injection aid for tests: slows each decode step
     watch_parent: bool = True  # the engine exits if the launching process disappears
+    devices: tuple[str, ...] = ("cpu",)  # slot i runs on devices[i % len]; "cuda:N": model + KV cache there
     name: str = "torch"
     supports_checksum: bool = True
 
@@ -51,12 +56,17 @@ class TorchEngineBackend:
             cmd += ["--step-delay-ms", str(self.step_delay_ms)]
         return cmd
 
+    def slot_args(self, slot: int) -> list[str]:
+        """The slot's device (``--device cuda:N``); nothing on CPU."""
+        device = self.devices[slot % len(self.devices)]
+        return [] if device == "cpu" else ["--device", device]
+
     def env(self) -> dict[str, str]:
         n = str(self.threads)
         # the engine must import gpu_runtime whatever the launcher's working directory
         root = str(Path(__file__).resolve().parents[2])
         pp = os.environ.get("PYTHONPATH")
-        return {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n,
+        return {**child_env("cuda" if any(d.startswith("cuda") for d in self.devices) else "cpu"), "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n,
                 "PYTHONPATH": root + (os.pathsep + pp if pp else "")}
 
 
@@ -66,6 +76,7 @@ class SGLangEngineBackend:
     tp_size: int = 1
     mem_fraction_static: float = 0.8
     extra_args: list[str] = field(default_factory=list)
+    gpus: tuple[int, ...] = ()  # slot i serves on GPU gpus[i % len] (``--base-gpu-id``); empty: SGLang's default
     python: str = sys.executable
     name: str = "sglang"
     supports_checksum: bool = False
@@ -92,6 +103,9 @@ class SGLangEngineBackend:
         if weight_version is not None:
             cmd += ["--weight-version", str(weight_version)]
         return cmd + list(self.extra_args)
+
+    def slot_args(self, slot: int) -> list[str]:
+        return ["--base-gpu-id", str(self.gpus[slot % len(self.gpus)])] if self.gpus else []
 
     def env(self) -> dict[str, str]:
         root = str(Path(__file__).resolve().parents[2])  # keyed_launch must import from any cwd

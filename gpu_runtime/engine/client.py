@@ -94,6 +94,16 @@ class EngineClient:
             raise EngineError(self.base_url, f"update_weights_from_disk failed: {out.get('message')}")
         return out
 
+    def update_weights_from_shared_memory(self, path: str, version: int | str, checksum: str | None = None) -> dict[str, Any]:
+        """Load a ``gpu_runtime.weight_sync.shared_memory`` segment (torch engines only)."""
+        body: dict[str, Any] = {"path": str(path), "weight_version": str(version)}
+        if checksum is not None:
+            body["checksum"] = checksum
+        out = self._request("POST", "/update_weights_from_shared_memory", json=body)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError(self.base_url, f"update_weights_from_shared_memory failed: {out.get('message')}")
+        return out
+
     def flush_cache(self) -> None:
         self._request("POST", "/flush_cache")
 

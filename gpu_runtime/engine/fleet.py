@@ -41,6 +41,7 @@ from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
 from gpu_runtime.models.model_folder import read_meta
 from gpu_runtime.node.proc import free_port, port_free
+from gpu_runtime.weight_sync.shared_memory import NodeSegments
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class EngineFleet:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._owns_router = False
+        self._segments = NodeSegments(f"fleet{base_port}")  # engines.weight_sync shared_memory
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -102,6 +104,7 @@ class EngineFleet:
         self._monitor.start()
 
     def stop(self) -> None:
+        self._segments.close()
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=self.health.timeout_s + 5)
@@ -151,6 +154,7 @@ class EngineFleet:
             s.url = f"http://{self._host}:{s.port}"
             log.warning("slot %d: port of %s is taken; the slot moves to %s", s.index, old_url, s.url)
         cmd = self.backend.command(model_path=model_path, port=s.port, host=self._host, weight_version=version)
+        cmd += self.backend.slot_args(s.index)
         logf = open(self.log_dir / f"engine-{s.index}.log", "ab")
         try:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.backend.env(),
@@ -332,19 +336,25 @@ class EngineFleet:
             return None
         return read_meta(model_path).get("checksum")
 
-    def update_weights(self, model_path: str | Path, version: int | str) -> dict[int, str]:
+    def update_weights(self, model_path: str | Path, version: int | str, sync: str = "store") -> dict[int, str]:
         """Push weights to every healthy engine in parallel, then verify that every engine
         reports the expected checksum (the folder's meta, else the first engine's).
+        ``sync`` ``shared_memory`` (torch engines): the folder is read once into a shared
+        memory segment the engines load from (``gpu_runtime.weight_sync``).
         Returns {slot: checksum}; raises WeightMismatch naming the disagreeing slots."""
         path, ver = str(model_path), str(version)
         targets = [s for s in self.slots if s.state == "healthy"]
         if not targets:
             raise NoHealthyEngine(f"no healthy engine to update (slots: {[s.state for s in self.slots]})")
+        seg = self._segments.publish_folder(path, ver) if sync == "shared_memory" else None
 
         def push(s: _Slot) -> str | None:
             c = EngineClient(s.url, timeout_s=self.generate_timeout_s)
             try:
-                c.update_weights_from_disk(path, ver)
+                if seg is not None:
+                    c.update_weights_from_shared_memory(str(seg.path), ver, seg.checksum)
+                else:
+                    c.update_weights_from_disk(path, ver)
                 return None
             except EngineError as e:
                 return str(e)

@@ -4,7 +4,10 @@ A batch is left-padded, prefilled once, then decoded one token per step with
 a KV cache. Sample ``i`` draws its randomness from its own
 ``torch.Generator`` seeded with ``derive_seed(seed, i)`` (Gumbel-max over the
 temperature / top-k / top-p filtered distribution), so its tokens depend only
-on (weights, its prompt, seed, i) for a given batch. Finished samples keep
+on (weights, its prompt, seed, i) for a given batch. On a CUDA model the forward
+runs on the GPU and each step's logits come back to the CPU for sampling, so the
+generators (and the Gumbel draws) are CPU ones on every device: the same seed draws
+the same noise on CPU and GPU. Finished samples keep
 being fed padding until every sample is done, so the batch shape — and hence
 every float — is the same on every run of the same batch.
 
@@ -64,7 +67,8 @@ def sample_token(
     if temperature <= 0.0 or generator is None:
         return int(torch.argmax(logits).item())
     x = _filter_logits(logits, temperature, top_p, top_k)
-    u = torch.rand(x.shape, generator=generator, dtype=torch.float64).clamp_(1e-20, 1.0 - 1e-16)
+    # on the logits' device (the CPU in generate_batch), whatever torch's default device is
+    u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device).clamp_(1e-20, 1.0 - 1e-16)
     gumbel = -torch.log(-torch.log(u))
     return int(torch.argmax(x.double() + gumbel).item())
 
@@ -110,21 +114,24 @@ def generate_batch(
     for i in range(b):
         gens.append(torch.Generator().manual_seed(derive_seed(seed, i)) if temperature > 0 else None)
 
+    dev = model_device(model)
     width = max(len(p) for p in prompts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    key_mask = torch.zeros((b, width), dtype=torch.bool)
+    cpu = torch.device("cpu")  # built here, moved once (a CUDA trainer's default device is its GPU)
+    ids = torch.full((b, width), pad_id, dtype=torch.long, device=cpu)
+    key_mask = torch.zeros((b, width), dtype=torch.bool, device=cpu)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device=cpu)
         key_mask[i, width - len(p):] = True
+    ids, key_mask = ids.to(dev), key_mask.to(dev)
     positions = positions_from_mask(key_mask)
     next_pos = positions[:, -1] + 1
 
     cache = new_cache(model)
-    logits = lm_logits(model, ids, key_mask, positions, cache)[:, -1, :]
+    logits = lm_logits(model, ids, key_mask, positions, cache)[:, -1, :].cpu()
     done = [False] * b
     for step in range(max_new_tokens):
         logp = torch.log_softmax(logits, dim=-1)
-        new_tokens = torch.full((b,), pad_id, dtype=torch.long)
+        new_tokens = torch.full((b,), pad_id, dtype=torch.long, device=cpu)
         for i in range(b):
             if done[i]:
                 continue
@@ -146,10 +153,15 @@ def generate_batch(
             on_step(step)
         if all(done) or step == max_new_tokens - 1:
             break
-        key_mask = torch.cat([key_mask, torch.ones((b, 1), dtype=torch.bool)], dim=1)
-        logits = lm_logits(model, new_tokens[:, None], key_mask, next_pos[:, None], cache)[:, -1, :]
+        key_mask = torch.cat([key_mask, torch.ones((b, 1), dtype=torch.bool, device=dev)], dim=1)
+        logits = lm_logits(model, new_tokens[:, None].to(dev), key_mask, next_pos[:, None], cache)[:, -1, :].cpu()
         next_pos = next_pos + 1
     return results
+
+
+def model_device(model: PreTrainedModel) -> torch.device:
+    """Where the model's weights are (inputs go there; sampling stays on the CPU)."""
+    return next(model.parameters()).device
 
 
 def stop_string_hit(text: str, prev_len: int, stop: Sequence[str]) -> tuple[str | None, int]:
@@ -171,9 +183,9 @@ def greedy_full_recompute(
     out = GenResult()
     seq = list(prompt)
     for _ in range(max_new_tokens):
-        ids = torch.tensor([seq], dtype=torch.long)
+        ids = torch.tensor([seq], dtype=torch.long, device=model_device(model))
         mask = torch.ones_like(ids, dtype=torch.bool)
-        logits = lm_logits(model, ids, mask, positions_from_mask(mask))[0, -1]
+        logits = lm_logits(model, ids, mask, positions_from_mask(mask))[0, -1].cpu()
         tok = int(torch.argmax(logits).item())
         out.output_ids.append(tok)
         out.logprobs.append(float(torch.log_softmax(logits, -1)[tok].item()))

@@ -1,9 +1,9 @@
 """A torch rollout engine speaking a subset of SGLang's native HTTP API.
 
-    python -m gpu_runtime.engine.server --model-path DIR --port P [--host 127.0.0.1] [--threads N]
+    python -m gpu_runtime.engine.server --model-path DIR --port P [--host 127.0.0.1] [--threads N] [--device cuda:0]
 
 Routes: POST /generate, GET /health, GET /health_generate,
-POST /update_weights_from_disk, POST /flush_cache, GET /get_model_info (and
+POST /update_weights_from_disk, POST /update_weights_from_shared_memory (ours, not SGLang's), POST /flush_cache, GET /get_model_info (and
 /model_info), GET /get_server_info (and /server_info), GET /weights_checksum.
 Generation and weight updates are serialized by one lock; the info routes do
 not take it, so they answer while a batch is decoding. Logs go to stderr; the
@@ -38,6 +38,7 @@ from gpu_runtime.node.proc import exit_when_parent_dies
 from gpu_runtime.node.rpc import send_json
 from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.weight_sync import shared_memory
 
 log = logging.getLogger("gpu_runtime.engine.server")
 
@@ -49,12 +50,15 @@ BUSY_PROGRESS_OK_S = 5.0
 
 
 class EngineState:
-    def __init__(self, model_path: str, weight_version: str | None, step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, model_path: str, weight_version: str | None, step_delay_s: float = 0.0, device: str = "cpu"
+    ) -> None:
         self.lock = threading.Lock()
         self.step_delay_s = step_delay_s
+        self.device = device
         self.model_path = str(Path(model_path).resolve())
         model, tok, meta = load_model_folder(self.model_path)
-        self.model: PreTrainedModel = model
+        self.model: PreTrainedModel = model.to(device)  # float32 on every device (the checksum is of these bytes)
         self.tokenizer: Tokenizer = tok
         self.weight_version = str(weight_version if weight_version is not None else meta.get("weight_version", 0))
         self.checksum = model_checksum(model)
@@ -145,6 +149,21 @@ class EngineState:
         log.info("updated weights from %s version=%s checksum=%s", path, self.weight_version, self.checksum[:12])
         return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
+    def update_weights_from_shared_memory(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Milestone's own route (``gpu_runtime.weight_sync.shared_memory``): load the
+        segment at ``path``, refused unless it holds ``weight_version`` and its bytes match
+        its checksum (the engine keeps its weights then)."""
+        path, version = body.get("path"), body.get("weight_version")
+        if not path or version is None:
+            raise ValueError("path and weight_version are required")
+        with self.lock:
+            seg = shared_memory.load_into(self.model, path, version=str(version), checksum=body.get("checksum"))
+            self.weight_version = seg.version
+            self.checksum = model_checksum(self.model)
+        log.info("updated weights from shared memory %s version=%s checksum=%s", path, self.weight_version,
+                 self.checksum[:12])
+        return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
+
     def model_info(self) -> dict[str, Any]:
         return {
             "model_path": self.model_path,
@@ -166,6 +185,7 @@ class EngineState:
             "checksum": self.checksum,
             "model_config": self.model.config.to_diff_dict() | {"model_type": self.model.config.model_type},
             "torch_threads": torch.get_num_threads(),
+            "device": self.device,
             "busy": self.busy,
             "num_generate_requests": self.num_generate_requests,
             "num_generated_tokens": self.num_generated_tokens,
@@ -228,6 +248,8 @@ def make_handler(state: EngineState, token: str | None = None) -> type[BaseHTTPR
                     self._send(200, state.generate(body))
                 elif method == "POST" and path == "/update_weights_from_disk":
                     self._send(200, state.update_weights_from_disk(body))
+                elif method == "POST" and path == "/update_weights_from_shared_memory":
+                    self._send(200, state.update_weights_from_shared_memory(body))
                 elif method == "POST" and path == "/flush_cache":
                     self._send(200, {"success": True, "message": "cache flushed (no prefix cache)"})
                 elif method == "GET" and path in ("/get_model_info", "/model_info"):
@@ -264,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--weight-version", default=None, help="override the folder's weight_version")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model runs (sampling stays on CPU)")
     ap.add_argument("--step-delay-ms", type=float, default=0.0, help="fault-injection aid: sleep per decode step")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -277,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s engine:{args.port} %(levelname)s %(name)s: %(message)s",
     )
     torch.set_num_threads(max(1, args.threads))
-    state = EngineState(args.model_path, args.weight_version, args.step_delay_ms / 1000.0)
+    state = EngineState(args.model_path, args.weight_version, args.step_delay_ms / 1000.0, args.device)
     if args.parent_pid:
         exit_when_parent_dies(args.parent_pid)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state, token))

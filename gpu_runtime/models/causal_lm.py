@@ -25,13 +25,16 @@ ATTENTION = "eager"
 
 
 def load_causal_lm(folder: str | Path) -> PreTrainedModel:
-    """The folder's model in float32 (no hub access: ``folder`` is a local directory)."""
+    """The folder's model in float32 on torch's default device (the CPU, unless a CUDA
+    trainer process set its GPU: ``gpu_runtime.trainer.server --device``); no hub access:
+    ``folder`` is a local directory."""
     folder = Path(folder)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder}: not a model folder (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=torch.float32, attn_implementation=ATTENTION, local_files_only=True
     )
+    model.to(torch.get_default_device())
     model.eval()
     return model
 

@@ -37,7 +37,7 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # no copy (tobytes was 2/3 of the time)
     return h.hexdigest()
 
 

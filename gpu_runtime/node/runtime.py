@@ -20,27 +20,33 @@ from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig, NoHe
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.node.devices import Placement
 from gpu_runtime.node.proc import free_port, free_port_block
+from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import NodeEvent, RunSetup
 from gpu_runtime.trainer.process import TrainerProcess
 
 log = logging.getLogger(__name__)
 
+CPU_ONLY = Placement("cpu", ("cpu",))
 # update_weights restarts a fleet whose engines all died this many times before it gives up
 ENGINE_RECOVERY_ROUNDS = 3
 
 
 class NodeRuntime:
     def __init__(
-        self, node_id: str, boot_id: str, work_dir: Path, *, engine_threads: int = 1, trainer_threads: int = 1
+        self, node_id: str, boot_id: str, work_dir: Path, *, engine_threads: int = 1, trainer_threads: int = 1,
+        placement: Placement = CPU_ONLY,
     ) -> None:
         self.node_id = node_id
         self.boot_id = boot_id
         self.work_dir = work_dir
         self.engine_threads = engine_threads
+        self.placement = placement
         self.trainer = TrainerProcess(
-            work_dir / "trainer", work_dir / "logs" / "trainer.log", threads=trainer_threads, on_event=self._add_event
+            work_dir / "trainer", work_dir / "logs" / "trainer.log", threads=trainer_threads, on_event=self._add_event,
+            device=placement.trainer,
         )
         self.fleet: EngineFleet | None = None
         self.router: RouterProcess | None = None
@@ -60,6 +66,7 @@ class NodeRuntime:
 
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        prune_orphans()  # weight segments of an agent killed on this machine (engines.weight_sync)
         self.trainer.start()
         self._write_children()
 
@@ -136,17 +143,19 @@ class NodeRuntime:
 
     # ---- engines ------------------------------------------------------------------
     def _backend(self, name: str) -> EngineBackend:
+        gpus = tuple(int(d.split(":")[1]) for d in self.placement.engines if d.startswith("cuda:"))
         if name == "sglang":  # GPU nodes: real SGLang servers behind the same client and router
-            return SGLangEngineBackend()
+            return SGLangEngineBackend(gpus=gpus)
         return TorchEngineBackend(
             threads=self.engine_threads,
+            devices=self.placement.engines,
             # fault-injection aid for tests: slows decoding so a kill lands mid-rollout
             step_delay_ms=float(os.environ.get("MILESTONE_ENGINE_STEP_DELAY_MS", "0")),
         )
 
     def ensure_engines(
         self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch",
-        *, host: str = "127.0.0.1",
+        *, host: str = "127.0.0.1", weight_sync: str = "store",
     ) -> list[int]:
         """Gated recovery then weight push: returns the slots (re)started. A run whose
         engine settings differ from the running fleet's gets a new fleet (and a new
@@ -186,7 +195,7 @@ class NodeRuntime:
                 restarted = self.fleet.restart_empty_slots(model_path, version)
             for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
                 try:
-                    self.fleet.update_weights(model_path, version)
+                    self.fleet.update_weights(model_path, version, weight_sync)
                     break
                 except NoHealthyEngine:
                     # every engine died between the restart and the push (a health probe timed

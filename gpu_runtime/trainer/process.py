@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from gpu_runtime.node.metrics import TRAINER_RESTARTS
+from gpu_runtime.node.devices import child_env
 from gpu_runtime.node.proc import spawn, stop_pid
 from gpu_runtime.node.rpc import RPCClient
 from gpu_runtime.trainer.api import (
@@ -42,9 +43,10 @@ class TrainerDied(RuntimeError):
 class TrainerProcess:
     def __init__(
         self, work_dir: Path, log_path: Path, threads: int = 1, start_timeout_s: float = 120.0,
-        on_event: Callable[[NodeEvent], None] | None = None,
+        on_event: Callable[[NodeEvent], None] | None = None, device: str = "cpu",
     ) -> None:
         self.work_dir = work_dir
+        self.device = device  # "cpu" or "cuda:N" (gpu_runtime.node.devices)
         self.log_path = log_path
         self.threads = threads
         self.start_timeout_s = start_timeout_s
@@ -85,8 +87,8 @@ class TrainerProcess:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "gpu_runtime.trainer.server", "--work-dir", str(self.work_dir),
-               "--threads", str(self.threads), "--parent-pid", str(os.getpid())]
-        self.proc = spawn(cmd, self.log_path, stdout_pipe=True)
+               "--threads", str(self.threads), "--parent-pid", str(os.getpid()), "--device", self.device]
+        self.proc = spawn(cmd, self.log_path, stdout_pipe=True, env=child_env(self.device))
         line = _read_line(self.proc, self.start_timeout_s)
         m = re.match(r"READY port=(\d+)", line or "")
         if not m:

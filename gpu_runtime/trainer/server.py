@@ -36,12 +36,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (fixed for bitwise replay)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the policy trains (float32 weights)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainer %(levelname)s %(message)s")
     if args.parent_pid:
         exit_when_parent_dies(args.parent_pid)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
+    use_device(args.device)
     svc = TrainerService(args.work_dir)
     server = RPCServer(args.host, args.port, build_methods(svc))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a stop ends a fsdp2 cell's Ray processes
@@ -50,6 +52,21 @@ def main(argv: list[str] | None = None) -> None:
         server.serve_forever()
     finally:
         svc.close()
+
+
+def use_device(device: str) -> None:
+    """Make ``device`` this process's default: models load there and every tensor the
+    trainer builds (batches, masks, rewards) is created there, so the CPU code is the CUDA
+    code. Training stays float32 (fp32 weights, fp32 AdamW, TF32 off) for bitwise replay;
+    cuBLAS determinism comes from CUBLAS_WORKSPACE_CONFIG (``gpu_runtime.node.devices``)."""
+    if device == "cpu":
+        return
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: no CUDA device visible to the trainer")
+    torch.cuda.set_device(torch.device(device))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_default_device(device)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

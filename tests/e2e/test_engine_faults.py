@@ -63,14 +63,14 @@ async def _activity_attempts(client: Client, workflow_id: str, activity: str) ->
 
 
 def _kill_engines_during_step2_rollout(
-    stack: Stack, store: Path, run_id: str, slots: list[int]
+    stack: Stack, store: Path, run_id: str, slots: list[int], cfg: dict | None = None
 ) -> tuple[RunProgress, list[int], int]:
     """Kill engine ``slots`` while step 2 generates; returns the run's progress, the
     killed engines' pids and the attempt on which step 2's rollout succeeded."""
 
     async def main() -> tuple[RunProgress, list[int], int]:
         client = await connect(stack.server.address)
-        handle = await start_run(client, run_id, tiny_config(store, steps=STEPS))
+        handle = await start_run(client, run_id, cfg or tiny_config(store, steps=STEPS))
         await wait_activity_started(client, f"{run_id}/step-2", "rollout")
         engines = stack.node_pids("node0")["engines"]
         for slot in slots:
@@ -114,3 +114,17 @@ def test_all_engines_killed_run_waits_and_continues(engine_stack: Stack, store: 
     assert [s.step for s in p.steps] == [1, 2, 3]
     assert p.data_cursor == STEPS * 4
     assert_bitwise_equal(final_weights(store, "kill-all", STEPS), baseline)
+
+
+def test_shared_memory_weight_sync_with_an_engine_killed(engine_stack: Stack, store: Path, baseline: dict) -> None:
+    """``engines.weight_sync: shared_memory``: every push goes through a /dev/shm segment, an
+    engine killed mid-rollout is healed (from the folder), and the run ends bitwise equal to
+    the store-synced baseline: the sync path changes nothing the run computes."""
+    cfg = tiny_config(store, steps=STEPS, engines={"weight_sync": "shared_memory"})
+    p, old_pids, _ = _kill_engines_during_step2_rollout(engine_stack, store, "kill-one-shm", [0], cfg)
+    assert "engine_dead" in [e.kind for e in p.events]
+    assert all(e.state == "healthy" for e in p.engines) and p.engines[0].pid != old_pids[0]
+    assert {e.weight_version for e in p.engines} == {STEPS} and len({e.checksum for e in p.engines}) == 1
+    assert_bitwise_equal(final_weights(store, "kill-one-shm", STEPS), baseline)
+    survivor_log = engine_stack.workdir / "nodes" / "node0" / "logs" / "engine-1.log"
+    assert "updated weights from shared memory" in survivor_log.read_text()

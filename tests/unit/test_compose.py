@@ -126,7 +126,7 @@ def test_worker_commands_use_flags_the_workers_accept(services: dict[str, dict])
             assert f'add_argument("{flag}"' in source, f"{name}: {module.name} has no {flag}"
         if cmd[2] == "workers.gpu":
             node_ids.append(flag_value(cmd, "--node-id"))
-            assert flag_value(cmd, "--device") == "cpu"  # the node agent refuses cuda today
+            assert flag_value(cmd, "--device") == "cpu"  # the compose file is the CPU profile
         assert flag_value(cmd, "--metrics-host") == "0.0.0.0", f"{name}: /metrics must be reachable from Prometheus"
     assert len(node_ids) == len(set(node_ids)) >= 2  # distinct ids: a spare to move a run to
 

@@ -1,0 +1,107 @@
+"""Weight push on one node: the store path (model folder on disk) vs a shared-memory segment.
+
+For one random Qwen2-shaped model, times what a version costs to hand from the trainer
+to an engine on the same node, in the two ways ``engines.weight_sync`` offers:
+
+- ``store``: the trainer writes the version's folder (``save_model_folder``: hash +
+  safetensors), the engine loads it (``load_weights_into``) and re-hashes its weights;
+- ``shared_memory``: the trainer writes a ``/dev/shm`` segment (``publish``: hash +
+  copy), the engine maps it, verifies its bytes against the header's checksum, loads it
+  (``load_into``) and re-hashes its weights.
+
+Write and read sides are reported apart (the fleet path publishes once per node and
+every engine reads), with GB/s over the weights' bytes and the ratio disk / shm. The
+engine's re-hash after a load (the fleet's checksum gate) is the same in both and shown
+separately. ``--device cuda`` puts the engine-side model on the GPU.
+
+    .venv/bin/python -m bench.bench_weight_sync [--hidden 896 --layers 24] [--repeats 3] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_runtime.models.causal_lm import export_state_dict
+from gpu_runtime.models.hf_factory import build_hf_model, train_bpe_tokenizer
+from gpu_runtime.models.model_folder import load_weights_into, model_checksum, save_model_folder
+from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.weight_sync import shared_memory as shm
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def measure(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, repeats: int,
+            device: str = "cpu", work: Path | None = None) -> dict:
+    tok = train_bpe_tokenizer(["the quick brown fox jumps over the lazy dog 0123456789 +-*/="] * 20, 300)
+    args = dict(arch="qwen2", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                tokenizer=tok, tie_word_embeddings=True)
+    trainer = build_hf_model(**args, seed=1)
+    engine = build_hf_model(**args, seed=2).to(device)
+    tokenizer = Tokenizer(tok)
+    sd = export_state_dict(trainer)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    work = Path(work or tempfile.mkdtemp(prefix="bench-ws-"))
+    rows: dict[str, list[float]] = {k: [] for k in ("disk_write", "disk_read", "shm_write", "shm_read", "rehash")}
+    expected = model_checksum(trainer)
+    for r in range(repeats):
+        folder = work / f"v{r}"
+        rows["disk_write"].append(_timed(lambda: save_model_folder(trainer, tokenizer, folder, weight_version=r)))
+        rows["disk_read"].append(_timed(lambda: load_weights_into(engine, folder)))
+        rows["rehash"].append(_timed(lambda: model_checksum(engine)))
+        box: dict = {}
+        rows["shm_write"].append(_timed(lambda: box.update(seg=shm.publish(sd, r, tag="bench", checksum=expected))))
+        rows["shm_read"].append(_timed(lambda: shm.load_into(engine, box["seg"].path, version=r, checksum=expected)))
+        assert model_checksum(engine) == expected
+        shm.prune(shm.DEFAULT_ROOT, "bench", keep=set())
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    gb = nbytes / 1e9
+    out = {
+        "params_m": round(sum(t.numel() for t in sd.values()) / 1e6, 1), "weights_gb": round(gb, 3),
+        "device": device, "repeats": repeats, "shm_root": str(shm.DEFAULT_ROOT),
+    }
+    for k, v in med.items():
+        out[f"{k}_ms"] = round(v * 1000, 1)
+        out[f"{k}_gb_s"] = round(gb / v, 2)
+    out["write_ratio_disk_over_shm"] = round(med["disk_write"] / med["shm_write"], 2)
+    out["read_ratio_disk_over_shm"] = round(med["disk_read"] / med["shm_read"], 2)
+    out["push_ms_store"] = round((med["disk_write"] + med["disk_read"] + med["rehash"]) * 1000, 1)
+    out["push_ms_shared_memory"] = round((med["shm_write"] + med["shm_read"] + med["rehash"]) * 1000, 1)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    res = measure(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
+                  intermediate=a.intermediate, repeats=a.repeats, device=a.device)
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
