@@ -92,8 +92,9 @@ def format_progress(p: RunProgress) -> str:
         if last.reward_errors:
             line += f" | {last.reward_errors} reward errors"
         stale = last.staleness
-        if stale or last.overlap_seconds:  # one_step_off: samples one version old, the next batch sampled ahead
-            line += f" | samples v{last.rollout_version} (staleness {stale}), {last.overlap_seconds:.1f}s overlapped"
+        if stale or last.overlap_seconds or last.buffer_depth:  # one_step_off / fully_async: batches sampled ahead
+            line += (f" | samples v{last.rollout_version} (staleness {stale}), {last.buffer_depth} ahead,"
+                     f" {last.overlap_seconds:.1f}s overlapped")
     return line
 
 
