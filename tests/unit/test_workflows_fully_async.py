@@ -274,3 +274,46 @@ def test_a_buffer_that_does_not_start_at_the_committed_cursor_fails_the_run() ->
         assert cluster.train_inputs == []
 
     scenario(cluster, body)
+
+
+def test_a_fork_mid_buffer_takes_the_parents_batches_and_keeps_its_schedule() -> None:
+    """``milestone fork`` at step 2 of a fully_async run: the fork's state carries the two
+    batches the parent had sampled ahead (read from the parent's step-2 workflow), so the
+    fork trains steps 3 and 4 on the parent's batches and samples only step 5's, on the
+    version the parent did. A fork that changes the rollout samples afresh."""
+    from milestone_cli.fork import parent_buffer, with_parent_buffer
+    from workflows.contracts import CONTROL_QUEUE, ForkPoint, RunState, RunSummary, TrainingRunInput
+
+    cluster = Cluster()
+    cfg = fully_async()
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, cfg)
+        await finish(handle)
+        parent = TrainingRunInput(config=cfg)
+        state = RunState(next_step=3, policy_version=2, data_cursor=2 * P, initialized=True,
+                         dataset=DatasetInfo(key="runs/x/data/train.jsonl", n_rows=64, sha256="0" * 64), train=cfg.train)
+        fork = TrainingRunInput(config=cfg, state=state, lineage=[ForkPoint(run_id=handle.id, step=2)])
+        buffer, note = await parent_buffer(env.client, fork, parent)
+        assert [(b.policy_version, b.data_cursor) for b in buffer] == [(0, 2 * P), (1, 3 * P)]
+        assert [{step_of(k) for k in b.chunk_keys} for b in buffer] == [{3}, {4}]
+        assert note == f"carries 2 batch(es) {handle.id} sampled ahead after step 2"
+        # fewer steps left than batches: only the ones the fork will train
+        short = fork.model_copy(update={"config": fully_async(steps=3)})
+        assert len((await parent_buffer(env.client, short, TrainingRunInput(config=short.config)))[0]) == 1
+        changed = fork.model_copy(update={"config": fully_async(k=3)})
+        assert (await parent_buffer(env.client, changed, parent))[0] == []
+
+        fork, _ = await with_parent_buffer(env.client, fork, parent)
+        cluster.rollout_inputs.clear()
+        cluster.train_inputs.clear()
+        fork_handle = await env.client.start_workflow(
+            TrainingRun.run, fork, id="fork-mid-buffer", task_queue=CONTROL_QUEUE, result_type=RunSummary)
+        summary = await finish(fork_handle)
+        assert (summary.steps, summary.data_cursor) == (STEPS, STEPS * P)
+        assert [(i.step, i.policy_version, i.data_cursor) for i in cluster.rollout_inputs] == [(5, 2, 4 * P)]
+        assert [(t.step, {step_of(k) for k in t.chunk_keys}) for t in cluster.train_inputs] == [
+            (3, {3}), (4, {4}), (5, {5})]
+        assert [s.rollout_version for s in (await progress(fork_handle)).steps] == [0, 1, 2]  # as the parent's
+
+    scenario(cluster, body)
