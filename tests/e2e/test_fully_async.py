@@ -4,7 +4,8 @@ train_step. The control worker killed mid-run and the Temporal server restarted 
 (both while a batch for a later step generates beside a train step) each end bitwise
 equal to the fault-free fully_async run, every prompt trained once (asserted by the
 prompt ids stored with each trained sample): the schedule is replayed from history,
-never re-raced."""
+never re-raced. A fork at step 2 (two batches buffered) without change carries the
+parent's buffer and ends bitwise equal to it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime.data.datasets import prompts_for_step
+from tests.e2e.test_fork import cli
 from tests.e2e.faults import (
     assert_bitwise_equal,
     baseline_weights,
@@ -133,3 +135,20 @@ def test_temporal_server_restarted_while_a_later_batch_generates(stack: Stack, s
     asyncio.run(main())
     assert_schedule_and_exactly_once(store, run_id)
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
+
+
+def test_fork_mid_buffer_without_change_equals_the_parent(stack: Stack, store: Path, baseline: dict) -> None:
+    out = cli(stack, "fork", "baseline", "--from-step", "2", "--run-id", "fa-fork", "--wait")
+    assert out.returncode == 0, out.stderr
+    assert "fully_async: carries 2 batch(es) baseline sampled ahead after step 2" in out.stdout, out.stdout
+
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        p = await progress(client, "fa-fork")
+        assert [s.step for s in p.steps] == [3, 4] and p.policy_version == STEPS
+        assert [s.staleness for s in p.steps] == STALENESS[2:]
+
+    asyncio.run(main())
+    for step in (3, 4):  # the parent's batches, trained once each, by the fork
+        assert trained_samples(store, "fa-fork", step) == trained_samples(store, "baseline", step)
+    assert_bitwise_equal(final_weights(store, "fa-fork", STEPS), baseline)
