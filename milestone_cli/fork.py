@@ -191,6 +191,9 @@ async def parent_buffer(client: Client, inp: TrainingRunInput, parent: TrainingR
     buffer = buffer[: cfg.steps - step]  # batch k is step step+1+k's
     if not buffer:
         return [], ""
+    if buffer[0].data_cursor != inp.state.data_cursor:  # the step would refuse it: say so here instead
+        return [], (f"the first step samples its batch afresh (the buffered batch starts at cursor "
+                    f"{buffer[0].data_cursor}, the fork at {inp.state.data_cursor})")
     return buffer, f"carries {len(buffer)} batch(es) {owner} sampled ahead after step {step}"
 
 
