@@ -117,7 +117,7 @@ def checkpoint_request(inp: CheckpointInput) -> CheckpointRequest:
 
 
 # rollout fields the workflow acts on (dynamic sampling rounds), not the rollout activity
-ROLLOUT_WORKFLOW_ONLY = {"oversample", "dynamic_filter", "mode"}  # the workflow schedules these; engines never see them
+ROLLOUT_WORKFLOW_ONLY = {"oversample", "dynamic_filter", "mode", "max_staleness"}  # the workflow schedules these; engines never see them
 
 
 def rollout_request(inp: RolloutInput, n_rows: int) -> RolloutRequest:

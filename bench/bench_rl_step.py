@@ -13,12 +13,14 @@ Prints per-phase mean seconds per step, step wall time, the sum of the activity
 times, the orchestration overhead (step wall - activities) and its share, and the
 ratio Temporal / plain loop. Step 1 is excluded from every mean (warm-up).
 
-With ``--modes sync,one_step_off`` (the default) the Temporal run is made once per
-``rollout.mode``, each on a fresh stack, and a last table gives each mode's step
-cadence (close-to-close of the RLStep children: in one_step_off a step's rollout runs
-during the step before, so only the cadence compares) against the plain loop.
+With ``--modes sync,one_step_off`` (the default; add ``fully_async``, whose buffer depth
+is ``--max-staleness``, default 2) the Temporal run is made once per ``rollout.mode``,
+each on a fresh stack, and a last table gives each mode's step cadence (close-to-close
+of the RLStep children: in one_step_off and fully_async a step's rollout runs during an
+earlier step, so only the cadence compares) against the plain loop.
 
-    .venv/bin/python -m bench.bench_rl_step [--steps 12] [--sft-steps 50] [--every 4] [--modes sync,one_step_off]
+    .venv/bin/python -m bench.bench_rl_step [--steps 12] [--sft-steps 50] [--every 4] \
+        [--modes sync,one_step_off,fully_async] [--max-staleness 2]
 """
 
 from __future__ import annotations
@@ -90,10 +92,12 @@ def measure_temporal(cfg: RunConfig, work: Path, run_id: str = RUN_ID) -> dict:
         stack.stop()
 
 
-def with_mode(cfg: RunConfig, mode: str) -> RunConfig:
-    """``cfg`` with ``rollout.mode``, validated again (one_step_off brings its TIS default)."""
+def with_mode(cfg: RunConfig, mode: str, max_staleness: int = 2) -> RunConfig:
+    """``cfg`` with ``rollout.mode``, validated again (one_step_off and fully_async bring their
+    TIS default; fully_async its ``max_staleness``)."""
     raw = cfg.model_dump(mode="json", exclude_unset=True)
-    raw["rollout"] = {**raw.get("rollout", {}), "mode": mode}
+    raw["rollout"] = {**raw.get("rollout", {}), "mode": mode,
+                      **({"max_staleness": max_staleness} if mode == "fully_async" else {})}
     return RunConfig.model_validate(raw)
 
 
@@ -154,11 +158,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--sft-steps", type=int, default=50)
     ap.add_argument("--every", type=int, default=4, help="checkpoint every k steps")
-    ap.add_argument("--modes", default="sync,one_step_off", help="rollout.mode values to run, comma-separated")
+    ap.add_argument("--modes", default="sync,one_step_off",
+                    help="rollout.mode values to run, comma-separated (sync, one_step_off, fully_async)")
+    ap.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness of the fully_async run")
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or modes[0] != "sync":
         ap.error("--modes must start with sync (the per-phase table and the bitwise check compare it)")
+    bad = [m for m in modes if m not in ("sync", "one_step_off", "fully_async")]
+    if bad:
+        ap.error(f"--modes: {', '.join(bad)}: not a rollout.mode (sync, one_step_off, fully_async)")
+    if args.max_staleness < 1:
+        ap.error("--max-staleness must be >= 1")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is excluded as warm-up)")
@@ -175,7 +186,7 @@ def main() -> None:
         runs: dict[str, dict] = {}
         for mode in modes:
             run_id = RUN_ID if mode == "sync" else f"{RUN_ID}-{mode.replace('_', '-')}"
-            runs[mode] = measure_temporal(with_mode(cfg, mode), work, run_id)
+            runs[mode] = measure_temporal(with_mode(cfg, mode, args.max_staleness), work, run_id)
             print(f"temporal {mode}: stack start {runs[mode]['stack_start']:.1f}s, run {runs[mode]['total']:.1f}s "
                   f"(init incl. SFT {runs[mode]['init']:.1f}s)", flush=True)
         tem = runs["sync"]
@@ -209,13 +220,14 @@ def main() -> None:
         print(f"ratio temporal / plain loop: {wall / plain_wall:.2f}x (RLStep wall), "
               f"{cadence(tem['closes']) / plain_wall:.2f}x (cadence incl. parent workflow between steps)")
         print()
-        print(f"{'rollout.mode':<14} {'s/step':>8} {'/ plain':>8} {'overlap s':>10} {'staleness':>10}")
-        print(f"{'plain loop':<14} {plain_wall:>8.3f} {1.0:>7.2f}x {'-':>10} {'0':>10}")
+        print(f"{'rollout.mode':<14} {'s/step':>8} {'/ plain':>8} {'overlap s':>10} {'staleness':>10} {'buffer':>7}")
+        print(f"{'plain loop':<14} {plain_wall:>8.3f} {1.0:>7.2f}x {'-':>10} {'0':>10} {'-':>7}")
         for mode, r in runs.items():
             ss = [s for s in r["steps"] if s.step > 1]
             stale = mean([s.staleness for s in ss if s.rollout_version is not None])
             print(f"{mode:<14} {cadence(r['closes']):>8.3f} {cadence(r['closes']) / plain_wall:>7.2f}x "
-                  f"{mean([s.overlap_seconds for s in ss]):>10.3f} {stale:>10.2f}")
+                  f"{mean([s.overlap_seconds for s in ss]):>10.3f} {stale:>10.2f} "
+                  f"{mean([s.buffer_depth for s in ss]):>7.2f}")
         final = read_meta(work / "store" / "runs" / RUN_ID / "weights" / f"v{cfg.steps:06d}").get("checksum")
         print(f"final weights v{cfg.steps}: temporal {str(final)[:12]} plain {plain['checksum'][:12]} "
               f"bitwise equal: {final == plain['checksum']}")

@@ -5,6 +5,10 @@ restores RUN's newest checkpoint at or before N and replays RUN's stored steps u
 N (as any restore does), then trains steps N+1.. under its own prefix. RUN's
 artifacts are read, never written. Without a change the fork ends bitwise equal to
 RUN; with one (a learning rate, a reward) it equals RUN up to step N and differs after.
+
+A fork of a one_step_off or fully_async run also takes the batches RUN had sampled ahead
+after step N (its buffer, read from the result of RUN's step-N workflow in Temporal),
+when the fork samples and scores as RUN did; otherwise its first step samples afresh.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from gpu_runtime.store import lineage as lin
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.store.object_store import ObjectStore
 from milestone_cli.resume import ResumeError, stored_dataset
-from workflows.config import RunConfig, TrainSpec, format_validation_error
-from workflows.contracts import ForkPoint, RunEvent, RunState, TrainingRunInput
+from workflows.config import OFF_POLICY_MODES, RunConfig, TrainSpec, format_validation_error
+from workflows.contracts import ForkPoint, RunEvent, RunState, Sampled, StepSummary, TrainingRunInput
 
 # what the steps up to N were trained with: a fork cannot change it
 FIXED = ("seed", "model", "data", "sft", "store")
@@ -161,3 +165,44 @@ def fork_input(
         initialized=True, dataset=dataset, train=train, events=[forked],
     )
     return TrainingRunInput(config=cfg, state=state, lineage=[ForkPoint(run_id=r, step=s) for r, s in lineage])
+
+
+async def parent_buffer(client: Client, inp: TrainingRunInput, parent: TrainingRunInput | None) -> tuple[list[Sampled], str]:
+    """The batches the run owning the fork point had sampled ahead after it (one_step_off,
+    fully_async), for the fork's state, and a line saying what was carried or why not.
+    Carried only when the fork samples and scores as the parent did (its ``rollout`` and
+    ``reward`` unchanged): then its first steps train the batches the parent trained, and a
+    fork without change stays bitwise equal to the parent."""
+    assert inp.state is not None
+    cfg, step = inp.config, inp.state.next_step - 1
+    if cfg.mode != "rl" or cfg.rollout.mode not in OFF_POLICY_MODES or step == 0:
+        return [], ""
+    if parent is None or (parent.config.rollout, parent.config.reward) != (cfg.rollout, cfg.reward):
+        return [], "the first step samples its batch afresh (rollout or reward differ from the parent's)"
+    owner = inp.lineage[-1].run_id
+    if [(a.run_id, a.step) for a in parent.lineage] != [(a.run_id, a.step) for a in inp.lineage[:-1]]:
+        # the step belongs to an ancestor of the parent, whose config this fork was not checked against
+        return [], f"the first step samples its batch afresh (step {step} is {owner}'s, an ancestor of the parent)"
+    try:
+        summary = await client.get_workflow_handle(f"{owner}/step-{step}", result_type=StepSummary).result()
+    except Exception as err:  # noqa: BLE001  the step's workflow is gone (retention) or failed: sample afresh
+        return [], f"the first step samples its batch afresh ({owner}/step-{step}: {type(err).__name__})"
+    buffer = summary.next_buffer or ([summary.next_sampled] if summary.next_sampled else [])
+    buffer = buffer[: cfg.steps - step]  # batch k is step step+1+k's
+    if not buffer:
+        return [], ""
+    if buffer[0].data_cursor != inp.state.data_cursor:  # the step would refuse it: say so here instead
+        return [], (f"the first step samples its batch afresh (the buffered batch starts at cursor "
+                    f"{buffer[0].data_cursor}, the fork at {inp.state.data_cursor})")
+    return buffer, f"carries {len(buffer)} batch(es) {owner} sampled ahead after step {step}"
+
+
+async def with_parent_buffer(
+    client: Client, inp: TrainingRunInput, parent: TrainingRunInput | None,
+) -> tuple[TrainingRunInput, str]:
+    """``inp`` with the parent's buffer in its state (``parent_buffer``)."""
+    assert inp.state is not None
+    buffer, note = await parent_buffer(client, inp, parent)
+    if buffer:
+        inp = inp.model_copy(update={"state": inp.state.model_copy(update={"buffer": buffer})})
+    return inp, note

@@ -29,7 +29,7 @@ from temporalio.service import RPCError
 
 from gpu_runtime.store.object_store import StoreError
 from milestone_cli.errors import CLIError, connect_error, describe_error, failure_text, one_line
-from milestone_cli.fork import ForkError, fork_input, parent_record
+from milestone_cli.fork import ForkError, fork_input, parent_record, with_parent_buffer
 from milestone_cli.preflight import PreflightError, check_config, check_new_run_id
 from milestone_cli.resume import NothingToResume, ResumeError, resume_state
 from gpu_runtime.store.uri import open_store
@@ -92,8 +92,9 @@ def format_progress(p: RunProgress) -> str:
         if last.reward_errors:
             line += f" | {last.reward_errors} reward errors"
         stale = last.staleness
-        if stale or last.overlap_seconds:  # one_step_off: samples one version old, the next batch sampled ahead
-            line += f" | samples v{last.rollout_version} (staleness {stale}), {last.overlap_seconds:.1f}s overlapped"
+        if stale or last.overlap_seconds or last.buffer_depth:  # one_step_off / fully_async: batches sampled ahead
+            line += (f" | samples v{last.rollout_version} (staleness {stale}), {last.buffer_depth} ahead,"
+                     f" {last.overlap_seconds:.1f}s overlapped")
     return line
 
 
@@ -166,6 +167,7 @@ async def cmd_fork(args: argparse.Namespace) -> int:
                          train_from_config=bool(args.config))
     except ForkError as err:
         raise CLIError(str(err), 2) from None
+    inp, carried = await with_parent_buffer(client, inp, parent)
     check_new_run_id(inp.config, args.run_id)
     assert inp.state is not None
     try:
@@ -178,6 +180,8 @@ async def cmd_fork(args: argparse.Namespace) -> int:
         raise CLIError(f"run id {args.run_id!r} is taken: Temporal already has a workflow {args.run_id}", 2) from None
     print(f"forked {args.run} at step {args.from_step} as {args.run_id} (policy v{inp.state.policy_version}, "
           f"data cursor {inp.state.data_cursor}, lr {inp.state.train.lr if inp.state.train else '?'})")
+    if carried:
+        print(f"  rollout.mode {inp.config.rollout.mode}: {carried}")
     print(f"started {args.run_id}\n  UI: {ui_link(args.run_id, client.namespace)}")
     return await watch(client, args.run_id) if args.wait else 0
 

@@ -51,10 +51,16 @@ def render_report(p: RunProgress, out: Path, window: int = 10) -> Path:
     ax[1][0].legend(loc="upper right")
     ax[1][1].stackplot(steps, *[[s.phase_seconds.get(ph, 0.0) for s in p.steps] for ph in PHASES], labels=PHASES)
     ax[1][1].plot(steps, [s.step_seconds for s in p.steps], "k-", lw=1, label="step wall")
-    if any(s.overlap_seconds for s in p.steps):  # one_step_off: the next batch sampled during train
-        ax[1][1].plot(steps, [s.overlap_seconds for s in p.steps], "k--", lw=1, label="overlapped (next batch)")
+    if any(s.overlap_seconds for s in p.steps):  # one_step_off / fully_async: later batches sampled during train
+        ax[1][1].plot(steps, [s.overlap_seconds for s in p.steps], "k--", lw=1, label="overlapped (later batches)")
     ax[1][1].set_title("seconds per step")
     ax[1][1].legend(loc="upper right", fontsize=7)
+    if any(s.staleness or s.buffer_depth for s in p.steps):  # off-policy modes: versions, on a right-hand axis
+        versions = ax[1][1].twinx()
+        versions.step(steps, [s.staleness for s in p.steps], "m-", where="mid", lw=1, label="staleness (versions)")
+        versions.step(steps, [s.buffer_depth for s in p.steps], "c:", where="mid", lw=1, label="buffer depth (batches)")
+        versions.set_ylim(bottom=0)
+        versions.legend(loc="upper left", fontsize=7)
     if evals:  # a third column, both rows high
         plot_eval(fig.add_subplot(grid[:, 2]), evals, steps, [s.accuracy for s in p.steps])
     for a in fig.axes:

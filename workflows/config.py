@@ -135,6 +135,9 @@ class DynamicFilterSpec(Strict):
     )
 
 
+DEFAULT_MAX_STALENESS = 2  # rollout.max_staleness (fully_async): batches sampled ahead
+
+
 class RolloutSpec(Strict):
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1, description="samples per prompt (GRPO group)")
@@ -154,10 +157,17 @@ class RolloutSpec(Strict):
         1.0, ge=1.0, description="with dynamic_filter: each round draws ceil(prompts_per_step * oversample) prompts"
     )
     dynamic_filter: DynamicFilterSpec = DynamicFilterSpec()
-    mode: Literal["sync", "one_step_off"] = Field(
+    mode: Literal["sync", "one_step_off", "fully_async"] = Field(
         "sync",
         description="sync: step n samples on the policy step n-1 produced; one_step_off: step n+1's rollout runs on "
-        "the same weights as step n's, during step n's train_step (samples one version old, corrected by TIS)",
+        "the same weights as step n's, during step n's train_step (samples one version old, corrected by TIS); "
+        "fully_async: a buffer of up to max_staleness batches sampled ahead, each step trains the oldest "
+        "(docs/rollout-modes.md)",
+    )
+    max_staleness: int = Field(
+        DEFAULT_MAX_STALENESS, ge=1,
+        description="fully_async: batches sampled ahead (the buffer's depth), so a trained batch is at most this "
+        "many policy versions older than the weights it trains",
     )
     agent: AgentSpec | None = Field(
         None, description="multi-turn tool-calling episodes (docs/agents.md); unset: one response per prompt"
@@ -183,6 +193,11 @@ class RolloutSpec(Strict):
             raise ValueError("dynamic_filter.enabled needs group_size >= 2 (a group of one never varies)")
         if self.oversample != 1.0 and not self.dynamic_filter.enabled:
             raise ValueError("oversample applies with dynamic_filter.enabled only (set it, or leave oversample at 1)")
+        if self.mode != "fully_async" and self.max_staleness != DEFAULT_MAX_STALENESS:
+            raise ValueError(
+                f"max_staleness applies to mode fully_async (mode {self.mode} has staleness "
+                f"{1 if self.mode == 'one_step_off' else 0}): set mode: fully_async, or remove max_staleness"
+            )
         return self
 
     @property
@@ -356,8 +371,9 @@ class EngineSpec(Strict):
         return v
 
 
-# the truncated-IS cap a one_step_off run gets when its config does not set train.tis_cap
+# the truncated-IS cap a one_step_off or fully_async run gets when its config does not set train.tis_cap
 ONE_STEP_OFF_TIS_CAP = 2.0
+OFF_POLICY_MODES = ("one_step_off", "fully_async")  # rollout.mode values that train on older weights' samples
 
 # ``train`` knobs only the RL loss reads: in mode sft each must keep its default
 RL_ONLY_TRAIN_FIELDS = ("estimator", "clip_eps", "clip_eps_high", "dual_clip_c", "kl_coef", "kl_estimator",
@@ -454,7 +470,7 @@ class RunConfig(Strict):
         if info.data.get("mode") == "sft" and v.dynamic_filter.enabled:
             raise ValueError("dynamic_filter applies to mode rl (mode sft samples nothing)")
         if info.data.get("mode") == "sft" and v.mode != "sync":
-            raise ValueError("mode one_step_off overlaps rollout with training: mode sft has no rollout (use sync)")
+            raise ValueError(f"mode {v.mode} overlaps rollout with training: mode sft has no rollout (use sync)")
         if info.data.get("mode") == "sft" and v.agent is not None:
             raise ValueError("agent applies to mode rl (mode sft samples nothing)")
         data = info.data.get("data")
@@ -493,7 +509,7 @@ class RunConfig(Strict):
                 "log-likelihood): leave them at their defaults"
             )
         rollout = info.data.get("rollout")
-        if rollout is not None and rollout.mode == "one_step_off" and "tis_cap" not in v.model_fields_set:
+        if rollout is not None and rollout.mode in OFF_POLICY_MODES and "tis_cap" not in v.model_fields_set:
             # off-policy samples get truncated IS unless the config says otherwise (tis_cap: null turns it off)
             v = v.model_copy(update={"tis_cap": ONE_STEP_OFF_TIS_CAP})  # counts as set: a re-validation keeps it
         return v

@@ -161,8 +161,10 @@ class SamplingStats(BaseModel):
 
 class Sampled(BaseModel):
     """A step's sampled batch (rollout and rewards, after any dynamic sampling): what the
-    step trains on, and what its summary reports of the sampling. In ``one_step_off`` the
-    step before produces it, and ``TrainingRun`` carries it to the step that trains on it."""
+    step trains on, and what its summary reports of the sampling. In ``one_step_off`` and
+    ``fully_async`` an earlier step produces it (stamped with the version that generated it
+    and the cursor it drew from), and ``TrainingRun`` carries it, in its buffer, to the step
+    that trains on it."""
 
     chunk_keys: list[str]
     rewards_key: str
@@ -328,8 +330,11 @@ class RLStepInput(BaseModel):
     dataset: DatasetInfo
     node_queue: str
     epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
-    # one_step_off: this step's batch, sampled during the previous step (None: the step samples it)
-    prefetched: Sampled | None = None
+    # batches sampled during earlier steps, oldest first: this step trains the first (one_step_off,
+    # fully_async; empty: the step samples its own). The step's own batch is for step ``step``, the
+    # next for ``step + 1``, and so on.
+    buffer: list[Sampled] = []
+    prefetched: Sampled | None = None  # the one-batch buffer as recorded before ``buffer`` existed (read only)
 
 
 class StepSummary(BaseModel):
@@ -361,8 +366,10 @@ class StepSummary(BaseModel):
     reward_errors: int = 0  # samples scored 0 after a failed reward call (error_policy zero)
     sampling: SamplingStats | None = None  # dynamic sampling (None: off)
     rollout_version: int | None = None  # the policy version that generated the trained samples
-    overlap_seconds: float = 0.0  # one_step_off: the next step's sampling seconds that ran during this train_step
-    next_sampled: Sampled | None = None  # one_step_off: the next step's batch (TrainingRun moves it to its state)
+    overlap_seconds: float = 0.0  # sampling seconds of later steps' batches that ran during this train_step
+    buffer_depth: int = 0  # batches sampled ahead when the step ended (one_step_off: 1, fully_async: up to K)
+    next_buffer: list[Sampled] = []  # those batches, oldest first (TrainingRun moves them to its state)
+    next_sampled: Sampled | None = None  # one_step_off's next batch as recorded before ``next_buffer`` (read only)
 
     @property
     def staleness(self) -> int:
@@ -387,7 +394,8 @@ class RunState(BaseModel):
     engines: list[EngineSlotInfo] = []
     first_rewards: list[float] = []
     eval_before: EvalResult | None = None  # the post-SFT policy (v0) on the held-out split
-    prefetched: Sampled | None = None  # one_step_off: the next step's batch, sampled during the last step
+    buffer: list[Sampled] = []  # batches sampled ahead for the next steps, oldest first (one_step_off, fully_async)
+    prefetched: Sampled | None = None  # the one-batch buffer as carried before ``buffer`` existed (read only)
 
 
 class TrainingRunInput(BaseModel):

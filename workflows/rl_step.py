@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsResult,
     )
     from workflows.failures import Failure, failure_in
+    from workflows.rollout_schedule import buffer_depth, buffered, check_batch, steps_ahead
     from workflows.sampling import sample_step
 
 EVAL_PATCH = "eval-activity"  # steps recorded before the eval existed replay without it
@@ -54,15 +55,26 @@ class RLStep:
                               reward_std=0.0, accuracy=0.0, reward_errors=0, response_len_mean=0.0,
                               chunks_reused=0, engine_retries=0, phases={},
                               policy_version=inp.policy_version, data_cursor=inp.data_cursor)
-        else:
-            sampled = inp.prefetched or await sample_step(inp)
+        depth = buffer_depth(cfg)
+        rest: list[Sampled] = []
+        if sft_rows is None:
+            buffer = buffered(inp)
+            if buffer:  # sampled during an earlier step: the oldest is this step's
+                sampled, rest = buffer[0], buffer[1:]
+                bad = check_batch(sampled, inp, depth)
+                if bad is not None:
+                    raise bad
+            else:
+                sampled = await sample_step(inp)
         cursor = inp.data_cursor + sampled.prompts
-        # one_step_off: the next step's batch is sampled during this train_step, on the weights
-        # the engines serve now (this step's); update_weights waits for it (the engines serve one version)
+        # one_step_off / fully_async: later steps' batches are sampled during this train_step, on the
+        # weights the engines serve now (this step's); update_weights waits for them (the engines serve
+        # one version). Which ones is a function of the step number and the depth (rollout_schedule).
         ahead = None
-        if cfg.rollout.mode == "one_step_off" and inp.step < cfg.steps:
-            nxt = inp.model_copy(update={"step": inp.step + 1, "data_cursor": cursor, "prefetched": None})
-            ahead = asyncio.create_task(sample_step(nxt))
+        later = steps_ahead(inp.step, cfg.steps, len(rest), depth)
+        if later:
+            start = rest[-1].data_cursor + rest[-1].prompts if rest else cursor
+            ahead = asyncio.create_task(sample_ahead(inp, later, start))
         try:
             trained = await run_activity(
                 "train_step",
@@ -73,7 +85,7 @@ class RLStep:
                 ),
                 TrainStepResult, task_queue=node, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
             )
-            next_sampled = await ahead if ahead is not None else None
+            sampled_ahead = await ahead if ahead is not None else []
         except BaseException:
             if ahead is not None and not ahead.done():  # the step is re-run as a whole: stop its prefetch
                 ahead.cancel()
@@ -144,10 +156,23 @@ class RLStep:
             reward_errors=sampled.reward_errors,
             sampling=sampled.sampling,
             rollout_version=sampled.policy_version,
-            overlap_seconds=min(trained.seconds, sum(next_sampled.phases.values())) if next_sampled else 0.0,
-            next_sampled=next_sampled,
+            overlap_seconds=min(trained.seconds, sum(sum(b.phases.values()) for b in sampled_ahead)),
+            buffer_depth=len(rest) + len(sampled_ahead),
+            next_buffer=[*rest, *sampled_ahead],
             agent=sampled.agent,
         )
+
+
+async def sample_ahead(inp: RLStepInput, steps: list[int], cursor: int) -> list[Sampled]:
+    """The batches of ``steps``, one after another on the engines' current weights, each
+    drawing its prompts where the one before stopped (dynamic sampling may draw more)."""
+    out: list[Sampled] = []
+    for step in steps:
+        out.append(await sample_step(
+            inp.model_copy(update={"step": step, "data_cursor": cursor, "prefetched": None, "buffer": []})
+        ))
+        cursor = out[-1].data_cursor + out[-1].prompts
+    return out
 
 
 async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, list[RunEvent]]:

@@ -43,7 +43,7 @@ def fsdp2_conflicts(*, mode: str, lora: bool, distill: bool, tis_cap: float | No
     if distill:
         out.append("distill (the teacher is not sharded)")
     if tis_cap is not None:
-        out.append("train.tis_cap (set it to null; rollout.mode one_step_off sets it by default)")
+        out.append("train.tis_cap (set it to null; rollout.mode one_step_off and fully_async set it by default)")
     if estimator == "ppo":
         out.append("train.estimator ppo (the critic is not sharded)")
     if agent:

@@ -119,9 +119,13 @@ class TrainingRun:
             # commit: the only place the cursor and the version move
             st.policy_version = summary.policy_version
             st.data_cursor = summary.data_cursor
-            st.prefetched = summary.next_sampled  # one_step_off: the next step's batch, already sampled
+            # one_step_off / fully_async: the next steps' batches, already sampled (a summary recorded
+            # before the buffer existed carries one_step_off's as next_sampled)
+            st.buffer = summary.next_buffer or ([summary.next_sampled] if summary.next_sampled else [])
+            st.prefetched = None
             st.history = [
-                *st.history, summary.model_copy(update={"events": [], "engines": [], "next_sampled": None})
+                *st.history,
+                summary.model_copy(update={"events": [], "engines": [], "next_sampled": None, "next_buffer": []}),
             ][-HISTORY_KEEP:]
             st.events = [*st.events, *summary.events][-100:]
             st.engines = summary.engines
@@ -183,7 +187,7 @@ class TrainingRun:
                     run_id=run_id, step=st.next_step, config=cfg, train=st.train,
                     policy_version=st.policy_version, data_cursor=st.data_cursor,
                     dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
-                    prefetched=st.prefetched,
+                    buffer=st.buffer or ([st.prefetched] if st.prefetched else []),
                 ),
                 id=f"{run_id}/step-{st.next_step}",
                 task_queue=CONTROL_QUEUE,

@@ -13,7 +13,10 @@ def test_the_progress_line_shows_staleness_and_overlap() -> None:
         return format_progress(RunProgress(run_id="r", state="running", step=3, total_steps=4, policy_version=3,
                                            data_cursor=12, steps=[step]))
 
-    assert line(rollout_version=1, overlap_seconds=0.75).endswith("| samples v1 (staleness 1), 0.8s overlapped")
+    assert line(rollout_version=1, overlap_seconds=0.75, buffer_depth=1).endswith(
+        "| samples v1 (staleness 1), 1 ahead, 0.8s overlapped")
+    # fully_async, buffer full, the last steps: nothing sampled beside this train step
+    assert line(rollout_version=0, buffer_depth=2).endswith("| samples v0 (staleness 2), 2 ahead, 0.0s overlapped")
     assert "staleness" not in line(rollout_version=2)  # sync: the batch of the version before, nothing overlapped
 
 

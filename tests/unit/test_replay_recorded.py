@@ -31,10 +31,17 @@ HISTORIES = sorted(HISTORY_DIR.glob("*.json"))
 # rl_step_eval: the last step of a run with its held-out eval; rl_step_dynamic: a step with dynamic
 # sampling that drew two rounds (recorded by tests/e2e/test_rewards_sampling.py); rl_step_sft: an
 # SFT-mode step with its checkpoint (tests/e2e/test_sft_distill.py);
-# training_run_watch: a run with the node liveness watch and placement epochs
+# training_run_watch: a run with the node liveness watch and placement epochs;
+# training_run_one_step_off / rl_step_one_step_off: a 4-step rollout.mode one_step_off run and its
+# step 2 (a prefetched batch in, the next one out), recorded on the workflow harness before
+# fully_async existed (the buffer of that mode must leave one_step_off's commands unchanged);
+# training_run_fully_async / rl_step_fully_async: a 5-step fully_async run (max_staleness 2) and its
+# step 3 (two buffered batches in, step 5's sampled beside the train step), on the harness
 WORKFLOW_IDS = {
     "training_run": "e2e-run", "rl_step": "e2e-run/step-1", "rl_step_eval": "e2e-run/step-3",
     "rl_step_dynamic": "e2e-dyn/step-2", "rl_step_sft": "sft/step-2", "training_run_watch": "e2e-run",
+    "training_run_one_step_off": "osf-run", "rl_step_one_step_off": "osf-run/step-2",
+    "training_run_fully_async": "fa-run", "rl_step_fully_async": "fa-run/step-3",
 }
 
 
@@ -48,6 +55,7 @@ def test_recorded_history_replays(path: Path) -> None:
 def test_recordings_exist() -> None:
     assert {p.stem for p in HISTORIES} >= {
         "training_run", "rl_step", "rl_step_eval", "rl_step_dynamic", "rl_step_sft", "training_run_watch",
+        "training_run_one_step_off", "rl_step_one_step_off", "training_run_fully_async", "rl_step_fully_async",
     }
 
 

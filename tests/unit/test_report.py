@@ -29,3 +29,24 @@ def test_report_plots_eval_accuracy_when_present(tmp_path: Path) -> None:
     assert widths[0] > widths[1]  # the eval column
     assert format_eval(p) == "  eval after step 4 (v4, 8 held-out prompts): greedy 0.200, pass@4 0.400"
     assert format_eval(p.model_copy(update={"steps": steps[:1]})) is None
+
+
+def test_report_of_a_fully_async_run_plots_staleness_and_buffer_depth(tmp_path: Path) -> None:
+    from unittest import mock
+
+    import matplotlib.axes
+
+    steps = [
+        StepSummary(step=n, policy_version=n, data_cursor=4 * n, reward_mean=0.1, reward_std=0.1, accuracy=0.1,
+                    loss=0.5, step_seconds=1.0, phase_seconds={"rollout": 0.5, "train": 0.4},
+                    rollout_version=max(0, n - 3) if n > 1 else 0, buffer_depth=min(2, 4 - n),
+                    overlap_seconds=0.3 if n < 3 else 0.0)
+        for n in range(1, 5)
+    ]
+    p = RunProgress(run_id="r", state="completed", step=4, total_steps=4, policy_version=4, data_cursor=16, steps=steps)
+    with mock.patch.object(matplotlib.axes.Axes, "step", autospec=True,
+                           side_effect=matplotlib.axes.Axes.step) as drawn:
+        render_report(p, tmp_path / "async.png")
+    labels = [call.kwargs.get("label") for call in drawn.call_args_list]
+    assert labels == ["staleness (versions)", "buffer depth (batches)"]
+    assert [list(call.args[2]) for call in drawn.call_args_list] == [[0, 1, 2, 2], [2, 2, 1, 0]]
