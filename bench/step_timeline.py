@@ -57,6 +57,7 @@ async def child_timeline(client: Client, workflow_id: str) -> dict[str, float]:
     scheduled: dict[int, tuple[str, float]] = {}  # scheduled event id -> (activity, time)
     started: dict[int, float] = {}
     wt_scheduled: float | None = None
+    wt_started = 0.0
     first = last = None
     async for ev in client.get_workflow_handle(workflow_id).fetch_history_events():
         t = _t(ev)
@@ -79,7 +80,11 @@ async def child_timeline(client: Client, workflow_id: str) -> dict[str, float]:
             out["payload bytes out"] += sum(len(p.data) for p in a.result.payloads)
         elif et == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED:
             wt_scheduled = t
+        elif et == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED and wt_scheduled is not None:
+            out["workflow task queue"] += t - wt_scheduled
+            wt_started = t
         elif et == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and wt_scheduled is not None:
+            out["workflow task run"] += t - wt_started
             out["workflow tasks"] += t - wt_scheduled
             out["workflow task count"] += 1
             wt_scheduled = None
@@ -133,7 +138,8 @@ def main() -> None:
         inside = statistics.fmean(s.phase_seconds.get(phase, 0.0) for s in steps)
         print(f"  {name + ' outside':<28} {run - inside:>10.4f}  (server-seen run {run:.4f} - in-activity {inside:.4f})")
     print(f"  {'between steps':<28} {statistics.fmean(gaps) if gaps else float('nan'):>10.4f}")
-    acts = statistics.fmean(sum(v for k, v in r.items() if k.endswith((" queue", " run"))) for r in rows)
+    acts = statistics.fmean(sum(v for k, v in r.items() if k.endswith((" queue", " run"))
+                                and not k.startswith("workflow")) for r in rows)
     wts = statistics.fmean(r["workflow tasks"] for r in rows)
     wall = statistics.fmean(r["child wall"] for r in rows)
     print(f"  {'unattributed (child)':<28} {wall - acts - wts:>10.4f}  (child wall {wall:.4f})")
