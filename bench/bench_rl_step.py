@@ -9,7 +9,8 @@ step ``generate_batch`` over the same chunks (same seeds), ``score_samples``,
 ``PolicyTrainer.train_step``, a weight copy into the generation model, and every
 ``--every`` steps ``save_state`` + ``CheckpointStore.save`` (async upload, local store).
 
-Prints per-phase mean seconds per step, step wall time, the sum of the activity
+Prints the 1-minute load average before and after each run (the ratios compare runs made
+one after another: on a shared machine they move with the load), per-phase mean seconds per step, step wall time, the sum of the activity
 times, the orchestration overhead (step wall - activities) and its share, and the
 ratio Temporal / plain loop. Step 1 is excluded from every mean (warm-up).
 
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import copy
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -175,13 +177,16 @@ def main() -> None:
         runs: dict[str, dict] = {}
         for mode in modes:
             run_id = RUN_ID if mode == "sync" else f"{RUN_ID}-{mode.replace('_', '-')}"
+            load = os.getloadavg()[0]
             runs[mode] = measure_temporal(with_mode(cfg, mode), work, run_id)
             print(f"temporal {mode}: stack start {runs[mode]['stack_start']:.1f}s, run {runs[mode]['total']:.1f}s "
-                  f"(init incl. SFT {runs[mode]['init']:.1f}s)", flush=True)
+                  f"(init incl. SFT {runs[mode]['init']:.1f}s), load average {load:.1f} -> {os.getloadavg()[0]:.1f}",
+                  flush=True)
         tem = runs["sync"]
-        t = time.monotonic()
+        t, load = time.monotonic(), os.getloadavg()[0]
         plain = measure_plain(cfg, work)
-        print(f"plain loop: {time.monotonic() - t:.1f}s incl. SFT", flush=True)
+        print(f"plain loop: {time.monotonic() - t:.1f}s incl. SFT, load average {load:.1f} -> "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
 
         ts = [s for s in tem["steps"] if s.step > 1]
         ps = plain["steps"][1:]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import statistics
 import sys
 import tempfile
@@ -124,7 +125,7 @@ def main() -> None:
             stack.start()
             t = time.monotonic()
             rows, steps = asyncio.run(timeline(stack.server.address, cfg, RUN_ID))
-            print(f"run {time.monotonic() - t:.1f}s")
+            print(f"run {time.monotonic() - t:.1f}s, load average {os.getloadavg()[0]:.1f}")
         finally:
             stack.stop()
     rows, steps = rows[1:], steps[1:]  # step 1 is warm-up
@@ -136,7 +137,8 @@ def main() -> None:
     for name, phase in PHASE_OF.items():
         run = statistics.fmean(r.get(f"{name} run", 0.0) for r in rows)
         inside = statistics.fmean(s.phase_seconds.get(phase, 0.0) for s in steps)
-        print(f"  {name + ' outside':<28} {run - inside:>10.4f}  (server-seen run {run:.4f} - in-activity {inside:.4f})")
+        print(f"  {name + ' outside':<28} {run - inside:>10.4f}  "
+              f"(server-seen run {run:.4f} - in-activity {inside:.4f})")
     print(f"  {'between steps':<28} {statistics.fmean(gaps) if gaps else float('nan'):>10.4f}")
     acts = statistics.fmean(sum(v for k, v in r.items() if k.endswith((" queue", " run"))
                                 and not k.startswith("workflow")) for r in rows)
