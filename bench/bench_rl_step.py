@@ -9,10 +9,10 @@ step ``generate_batch`` over the same chunks (same seeds), ``score_samples``,
 ``PolicyTrainer.train_step``, a weight copy into the generation model, and every
 ``--every`` steps ``save_state`` + ``CheckpointStore.save`` (async upload, local store).
 
-Prints the 1-minute load average before and after each run (the ratios compare runs made
-one after another: on a shared machine they move with the load), per-phase mean seconds per step, step wall time, the sum of the activity
-times, the orchestration overhead (step wall - activities) and its share, and the
-ratio Temporal / plain loop. Step 1 is excluded from every mean (warm-up).
+Prints the 1-minute load average before and after each run (the ratios compare runs
+made one after another: on a shared machine they move with the load), per-phase mean
+seconds per step, step wall time, the sum of the activity times, the orchestration
+overhead (step wall - activities) and its share, and the ratio Temporal / plain loop. Step 1 is excluded from every mean (warm-up).
 
 With ``--modes sync,one_step_off`` (the default) the Temporal run is made once per
 ``rollout.mode``, each on a fresh stack, and a last table gives each mode's step
