@@ -1,8 +1,9 @@
 """Cost of running each RL step as a Temporal workflow, against a plain in-process loop.
 
 Runs a short RL run of the demo model (examples/demo.yaml: 2.4 M parameters,
-16 prompts x 8 samples, 2 torch engines) on a real stack (Temporal dev server +
-``workers.control`` + ``workers.gpu``; trainer and engines are their own processes),
+16 prompts x 8 samples, 2 torch engines; no held-out eval, like the plain loop) on a
+real stack (Temporal dev server + ``workers.control`` + ``workers.gpu``; trainer and
+engines are their own processes),
 SFT cut to ``--sft-steps`` and a checkpoint every ``--every`` steps, store in a temp
 dir. Then does the same work without Temporal in one process: the same SFT, then per
 step ``generate_batch`` over the same chunks (same seeds), ``score_samples``,
@@ -169,6 +170,9 @@ def main() -> None:
         work = Path(tmp)
         cfg = demo_config(work / "store", steps=args.steps, sft_steps=args.sft_steps, every=args.every,
                           keep_last=3, name=RUN_ID)
+        # the plain loop evaluates nothing: neither does the run (demo.yaml evaluates after the last
+        # step, which put ~1 s of held-out eval into one step's wall and the cadence)
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"enabled": False})})
         print(f"demo model {cfg.model.init.hidden_size}h x {cfg.model.init.num_hidden_layers}L, "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples/step, "
               f"{cfg.engines.num_engines} engines, SFT {cfg.sft.steps} steps, {cfg.steps} RL steps, "
