@@ -259,7 +259,7 @@ class NodeActivities:
             check_exposure(e.host, engine_token(), "engines")
         except ValueError as err:
             raise failure(Failure.INVALID_INPUT, f"engines.host: {err}") from err
-        folder = self.rt.local_weights(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key)
+        folder = self.rt.local_weights(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key, inp.checksum)
         health = HealthConfig(
             interval_s=e.health_check_interval_s, timeout_s=e.health_check_timeout_s,
             first_wait_s=e.health_check_first_wait_s or 120.0, failure_threshold=e.health_check_failure_threshold,

@@ -1,17 +1,19 @@
 """Cost of running each RL step as a Temporal workflow, against a plain in-process loop.
 
 Runs a short RL run of the demo model (examples/demo.yaml: 2.4 M parameters,
-16 prompts x 8 samples, 2 torch engines) on a real stack (Temporal dev server +
-``workers.control`` + ``workers.gpu``; trainer and engines are their own processes),
+16 prompts x 8 samples, 2 torch engines; no held-out eval, like the plain loop) on a
+real stack (Temporal dev server + ``workers.control`` + ``workers.gpu``; trainer and
+engines are their own processes),
 SFT cut to ``--sft-steps`` and a checkpoint every ``--every`` steps, store in a temp
 dir. Then does the same work without Temporal in one process: the same SFT, then per
 step ``generate_batch`` over the same chunks (same seeds), ``score_samples``,
 ``PolicyTrainer.train_step``, a weight copy into the generation model, and every
 ``--every`` steps ``save_state`` + ``CheckpointStore.save`` (async upload, local store).
 
-Prints per-phase mean seconds per step, step wall time, the sum of the activity
-times, the orchestration overhead (step wall - activities) and its share, and the
-ratio Temporal / plain loop. Step 1 is excluded from every mean (warm-up).
+Prints the 1-minute load average before and after each run (the ratios compare runs
+made one after another: on a shared machine they move with the load), per-phase mean
+seconds per step, step wall time, the sum of the activity times, the orchestration
+overhead (step wall - activities) and its share, and the ratio Temporal / plain loop. Step 1 is excluded from every mean (warm-up).
 
 With ``--modes sync,one_step_off`` (the default; add ``fully_async``, whose buffer depth
 is ``--max-staleness``, default 2) the Temporal run is made once per ``rollout.mode``,
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import copy
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -178,6 +181,9 @@ def main() -> None:
         work = Path(tmp)
         cfg = demo_config(work / "store", steps=args.steps, sft_steps=args.sft_steps, every=args.every,
                           keep_last=3, name=RUN_ID)
+        # the plain loop evaluates nothing: neither does the run (demo.yaml evaluates after the last
+        # step, which put ~1 s of held-out eval into one step's wall and the cadence)
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"enabled": False})})
         print(f"demo model {cfg.model.init.hidden_size}h x {cfg.model.init.num_hidden_layers}L, "
               f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples/step, "
               f"{cfg.engines.num_engines} engines, SFT {cfg.sft.steps} steps, {cfg.steps} RL steps, "
@@ -186,13 +192,16 @@ def main() -> None:
         runs: dict[str, dict] = {}
         for mode in modes:
             run_id = RUN_ID if mode == "sync" else f"{RUN_ID}-{mode.replace('_', '-')}"
+            load = os.getloadavg()[0]
             runs[mode] = measure_temporal(with_mode(cfg, mode, args.max_staleness), work, run_id)
             print(f"temporal {mode}: stack start {runs[mode]['stack_start']:.1f}s, run {runs[mode]['total']:.1f}s "
-                  f"(init incl. SFT {runs[mode]['init']:.1f}s)", flush=True)
+                  f"(init incl. SFT {runs[mode]['init']:.1f}s), load average {load:.1f} -> {os.getloadavg()[0]:.1f}",
+                  flush=True)
         tem = runs["sync"]
-        t = time.monotonic()
+        t, load = time.monotonic(), os.getloadavg()[0]
         plain = measure_plain(cfg, work)
-        print(f"plain loop: {time.monotonic() - t:.1f}s incl. SFT", flush=True)
+        print(f"plain loop: {time.monotonic() - t:.1f}s incl. SFT, load average {load:.1f} -> "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
 
         ts = [s for s in tem["steps"] if s.step > 1]
         ps = plain["steps"][1:]

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from gpu_runtime.engine.auth import bearer_headers, engine_token
+from gpu_runtime.node.http_client import http_client
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class EngineClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0, *, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = httpx.Client(timeout=timeout_s, headers=bearer_headers(token or engine_token()))
+        self._http = http_client(timeout=timeout_s, headers=bearer_headers(token or engine_token()))
 
     def close(self) -> None:
         self._http.close()

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from gpu_runtime.engine.auth import ENGINE_TOKEN_ENV, bearer_headers, check_exposure, engine_token
+from gpu_runtime.node.http_client import http_client
 from gpu_runtime.node.proc import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class RouterProcess:
         self.request_timeout_s = request_timeout_s
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen | None = None
-        self._http = httpx.Client(timeout=30.0, headers=bearer_headers(self.token))
+        self._http = http_client(timeout=30.0, headers=bearer_headers(self.token))
 
     @property
     def url(self) -> str:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from gpu_runtime.models.causal_lm import export_state_dict, load_causal_lm, load_exported_state_dict
+from gpu_runtime.models.causal_lm import export_state_dict, load_causal_lm, load_exported_state_dict, tied_embeddings
 from gpu_runtime.models.tokenizer import Tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -42,7 +42,12 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
 
 
 def model_checksum(model: PreTrainedModel) -> str:
-    return weights_checksum(export_state_dict(model))
+    """``weights_checksum`` of what ``export_state_dict`` would save, without copying the
+    weights first (an engine hashes after every weight push)."""
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if tied_embeddings(model):
+        sd.pop("lm_head.weight", None)
+    return weights_checksum(sd)
 
 
 def save_model_folder(

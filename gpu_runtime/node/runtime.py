@@ -18,18 +18,21 @@ from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig, NoHealthyEngine
 from gpu_runtime.engine.router import RouterProcess
-from gpu_runtime.models.model_folder import prune_version_folders
+from gpu_runtime.models.model_folder import WEIGHTS_FILE, prune_version_folders, read_meta
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.devices import Placement
 from gpu_runtime.node.proc import free_port, free_port_block
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
-from gpu_runtime.trainer.api import NodeEvent, RunSetup
+from gpu_runtime.trainer.api import NodeEvent, RunSetup, weights_folder
 from gpu_runtime.trainer.process import TrainerProcess
 
 log = logging.getLogger(__name__)
 
 CPU_ONLY = Placement("cpu", ("cpu",))
+# what a model folder's tokenizer is loaded from (transformers' AutoTokenizer files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "config.json")
 # update_weights restarts a fleet whose engines all died this many times before it gives up
 ENGINE_RECOVERY_ROUNDS = 3
 
@@ -54,6 +57,7 @@ class NodeRuntime:
         self.run_id: str | None = None
         self.setups: dict[str, RunSetup] = {}  # run id -> what its trainer needs
         self.tokenizer: Tokenizer | None = None  # the served model's (rollout encodes prompts with it)
+        self._tokenizer_files: tuple[bytes | None, ...] = ()  # what it was loaded from
         self._undrained: list[NodeEvent] = []
         self.engine_deaths = 0  # total, for per-activity deltas
         self._rows: dict[str, list[dict]] = {}
@@ -128,18 +132,45 @@ class NodeRuntime:
                 self._rows[key] = load_jsonl(path)
             return self._rows[key]
 
-    def local_weights(self, store_uri: str, run_id: str, version: int, weights_key: str) -> Path:
-        """The version's model folder on local disk (downloaded from the store once)."""
+    def local_weights(
+        self, store_uri: str, run_id: str, version: int, weights_key: str, checksum: str | None = None,
+    ) -> Path:
+        """The version's model folder on local disk: hard links to this node's trainer export
+        when it is that version with ``checksum`` (same disk: no copy), else downloaded from
+        the store (another node trained it, or the export is gone). Once per version."""
         folder = self.work_dir / "weights" / run_id / f"v{version:06d}"
-        if not (folder / "model.safetensors").exists():
-            store = open_store(store_uri)
+        if not (folder / WEIGHTS_FILE).exists():
             tmp = folder.with_name(folder.name + ".download")
-            for key in store.list(weights_key + "/"):  # nested files (a LoRA adapter/ folder) keep their place
-                store.get_file(key, tmp / key.removeprefix(weights_key + "/"))
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not self._link_export(run_id, version, checksum, tmp):
+                store = open_store(store_uri)
+                for key in store.list(weights_key + "/"):  # nested files (a LoRA adapter/ folder) keep their place
+                    store.get_file(key, tmp / key.removeprefix(weights_key + "/"))
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
         prune_version_folders(folder.parent, version)
         return folder
+
+    def _link_export(self, run_id: str, version: int, checksum: str | None, dst: Path) -> bool:
+        """Hard-link the trainer's export of ``version`` into ``dst`` if its meta names that
+        version and ``checksum``. The trainer never rewrites a file in place (it writes a new
+        folder and renames it), so a link is as good as a copy; the engines' checksum gate
+        still checks what they load. False (nothing left in ``dst``) when it cannot."""
+        src = weights_folder(self.trainer.work_dir, run_id, version)
+        try:
+            meta = read_meta(src)
+            if checksum is None or meta.get("checksum") != checksum or meta.get("weight_version") != version:
+                return False
+            for f in sorted(p for p in src.rglob("*") if p.is_file()):
+                target = dst / f.relative_to(src)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(f, target)
+            if (dst / WEIGHTS_FILE).exists():
+                return True
+        except (OSError, ValueError) as err:  # pruned or replaced meanwhile, another disk: download instead
+            log.info("weights v%d: no link to the trainer export (%s): downloading", version, err)
+        shutil.rmtree(dst, ignore_errors=True)
+        return False
 
     # ---- engines ------------------------------------------------------------------
     def _backend(self, name: str) -> EngineBackend:
@@ -207,9 +238,17 @@ class NodeRuntime:
                     log.warning("no healthy engine to update (slots %s): restarting them (round %d of %d)",
                                 states, attempt, ENGINE_RECOVERY_ROUNDS)
                     restarted += [i for i in self.fleet.restart_empty_slots(model_path, version) if i not in restarted]
-            self.tokenizer = Tokenizer.load(model_path)
+            self._load_tokenizer(model_path)
             self._write_children()
             return restarted
+
+    def _load_tokenizer(self, model_path: Path) -> None:
+        """The served model's tokenizer, loaded again only when its files change (every
+        version of a run has the same ones: a load per weight push cost ~8 ms)."""
+        files = tuple((model_path / f).read_bytes() if (model_path / f).exists() else None for f in TOKENIZER_FILES)
+        if self.tokenizer is None or files != self._tokenizer_files:
+            self.tokenizer = Tokenizer.load(model_path)
+            self._tokenizer_files = files
 
     def set_run(self, run_id: str) -> None:
         if self.run_id not in (None, run_id):

@@ -9,9 +9,16 @@ test keeps the mirrored field sets equal.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
+
+
+def weights_folder(work_dir: Path, run_id: str, version: int) -> Path:
+    """Where the trainer process (``--work-dir work_dir``) exports a version's model folder.
+    The node agent links a version it pushes to its engines from there (same disk, no copy)."""
+    return Path(work_dir) / run_id / "weights" / f"v{version:06d}"
 
 
 class Message(BaseModel):

@@ -94,6 +94,8 @@ class TrainerProcess:
         if not m:
             stop_pid(self.proc.pid, self.proc)
             raise TrainerDied(f"trainer did not start (see {self.log_path}): {line!r}")
+        if self.client is not None:  # the dead predecessor's
+            self.client.close()
         self.client = RPCClient(f"http://127.0.0.1:{m.group(1)}")
         log.info("trainer pid %d on port %s", self.proc.pid, m.group(1))
 

@@ -36,6 +36,7 @@ from gpu_runtime.trainer.api import (
     TrainResult,
     VersionInfo,
     stored_step_batch,
+    weights_folder,
 )
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.policy import PolicyTrainer
@@ -250,7 +251,7 @@ class TrainerService:
 
     def _weights_dir(self, version: int) -> Path:
         assert self.setup is not None
-        return self.work_dir / self.setup.run_id / "weights" / f"v{version:06d}"
+        return weights_folder(self.work_dir, self.setup.run_id, version)
 
     def _publish_weights(self) -> VersionInfo:
         """Export the current version as a model folder, locally and to the store."""

@@ -6,6 +6,8 @@ a bad dataset row fails the run (InvalidInput, not retried); the held-out eval s
 
 from __future__ import annotations
 
+import hashlib
+import json
 import tempfile
 from pathlib import Path
 
@@ -245,3 +247,33 @@ def test_rewards_and_judge_records_of_a_left_behind_placement_are_refused(
         current = ActivityEnvironment().run(compute_rewards, judged.model_copy(update={"epoch": 2}))
     assert current.n == 2 and len(store.list(art.judge_prefix("r", 1) + "/")) == 2
     assert store.exists(art.rewards_key("r", 1))
+
+
+def test_the_dataset_is_parsed_once_per_content_hash(
+    step_inputs: tuple[str, DatasetInfo, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compute_rewards keeps a split's parsed rows while their bytes hash to the DatasetInfo's
+    sha256; a split with other content (another hash) is read again, so labels never go stale."""
+    import activities.control as control
+
+    uri, data, key = step_inputs
+    parsed: list[str] = []
+    monkeypatch.setattr(control, "load_jsonl", lambda path: parsed.append(str(path)) or load_jsonl(path))
+    control._ROWS.clear()
+    default = RewardSpec()  # the rule reward: the row's answer decides
+    first = rewards(step_inputs, "", **default.model_dump(exclude_unset=True))
+    again = rewards(step_inputs, "", **default.model_dump(exclude_unset=True))
+    assert len(parsed) == 1 and again.reward_mean == first.reward_mean
+
+    store = open_store(uri)
+    rows = [json.loads(line) for line in store.get_bytes(data.key).decode().splitlines() if line.strip()]
+    for answer, right in (("2", "s1-p0-g0"), ("3", "s1-p0-g1")):  # the samples answered "2" and "3"
+        rows[0]["answer"] = answer
+        content = ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
+        store.put_bytes(data.key, content)
+        changed = DatasetInfo(key=data.key, n_rows=data.n_rows, sha256=hashlib.sha256(content).hexdigest())
+        inp = RewardInput(run_id="r", step=1, store_uri=uri, chunk_keys=[key], dataset=changed, reward=default)
+        got = ActivityEnvironment().run(compute_rewards, inp)
+        scored = art.get_model(store, got.rewards_key, art.StepRewards).rewards
+        assert max(scored, key=lambda r: r.reward).sample_id == right
+    assert len(parsed) == 3

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from gpu_runtime.data.rewards.settings import RewardError, RewardFatal, RewardTermSettings
+from gpu_runtime.node.http_client import http_client
 from gpu_runtime.store.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def score_http(items: Sequence[RemoteItem], term: RewardTermSettings, *, backoff
     each answer must be a JSON list of as many finite numbers."""
     assert term.url and term.batch_size and term.max_retries is not None
     out: list[float] = []
-    with httpx.Client() as client:
+    with http_client() as client:
         for start in range(0, len(items), term.batch_size):
             batch = items[start : start + term.batch_size]
             what = f"reward.kind http, samples {batch[0].sample_id}..{batch[-1].sample_id}"
@@ -168,7 +169,7 @@ def score_judge(
         return score
 
     first_error: BaseException | None = None
-    with httpx.Client() as client, ThreadPoolExecutor(max_workers=term.concurrency) as pool:
+    with http_client() as client, ThreadPoolExecutor(max_workers=term.concurrency) as pool:
         futures: dict[Future, RemoteItem] = {pool.submit(judge, client, item): item for item in todo}
         for fut in as_completed(futures):
             try:

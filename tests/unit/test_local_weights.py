@@ -1,0 +1,62 @@
+"""``NodeRuntime.local_weights``: a version the node's own trainer exported is hard-linked
+(no copy), anything else comes from the store; the version and checksum decide."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime.models.model_folder import META_FILE, WEIGHTS_FILE
+from gpu_runtime.node.runtime import NodeRuntime
+from gpu_runtime.store.object_store import LocalStore
+from gpu_runtime.trainer.api import weights_folder
+
+RUN = "run-a"
+KEY = f"runs/{RUN}/weights/v000003"
+
+
+def _folder(path: Path, version: int, checksum: str, weights: bytes) -> None:
+    (path / "adapter").mkdir(parents=True)
+    (path / WEIGHTS_FILE).write_bytes(weights)
+    (path / "adapter" / "adapter_config.json").write_text("{}")
+    (path / META_FILE).write_text(json.dumps({"weight_version": version, "checksum": checksum}))
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> tuple[NodeRuntime, str]:
+    rt = NodeRuntime("n0", "b0", tmp_path / "node")  # the trainer process is not started
+    store = tmp_path / "store"
+    _folder(store / KEY, 3, "sum-3", b"from the store")
+    return rt, f"file://{store}"
+
+
+def test_the_trainers_export_is_linked_not_copied(node: tuple[NodeRuntime, str]) -> None:
+    rt, uri = node
+    export = weights_folder(rt.trainer.work_dir, RUN, 3)
+    _folder(export, 3, "sum-3", b"exported by the trainer")
+    got = rt.local_weights(uri, RUN, 3, KEY, "sum-3")
+    assert (got / WEIGHTS_FILE).read_bytes() == b"exported by the trainer"
+    assert (got / WEIGHTS_FILE).stat().st_ino == (export / WEIGHTS_FILE).stat().st_ino
+    assert (got / "adapter" / "adapter_config.json").exists()  # nested files keep their place
+    export.joinpath(WEIGHTS_FILE).unlink()  # the trainer prunes its export: the node's folder stays whole
+    assert (got / WEIGHTS_FILE).read_bytes() == b"exported by the trainer"
+
+
+@pytest.mark.parametrize("meta", [(3, "other-sum"), (2, "sum-3")], ids=["checksum differs", "version differs"])
+def test_another_export_is_downloaded(node: tuple[NodeRuntime, str], meta: tuple[int, str]) -> None:
+    rt, uri = node
+    _folder(weights_folder(rt.trainer.work_dir, RUN, 3), *meta, b"exported by the trainer")
+    got = rt.local_weights(uri, RUN, 3, KEY, "sum-3")
+    assert (got / WEIGHTS_FILE).read_bytes() == b"from the store"
+    assert not got.with_name(got.name + ".download").exists()
+
+
+def test_no_export_or_no_checksum_downloads(node: tuple[NodeRuntime, str]) -> None:
+    rt, uri = node
+    assert (rt.local_weights(uri, RUN, 3, KEY, "sum-3") / WEIGHTS_FILE).read_bytes() == b"from the store"
+    _folder(weights_folder(rt.trainer.work_dir, RUN, 4), 4, "sum-4", b"exported by the trainer")
+    key4 = KEY.replace("v000003", "v000004")
+    _folder(Path(uri.removeprefix("file://")) / key4, 4, "sum-4", b"v4 from the store")
+    assert (rt.local_weights(uri, RUN, 4, key4) / WEIGHTS_FILE).read_bytes() == b"v4 from the store"
