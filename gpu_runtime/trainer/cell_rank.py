@@ -47,8 +47,9 @@ CELL_FORMAT_VERSION = 1
 
 
 def unsupported(hp: TrainerHParams) -> list[str]:
-    """The ``train`` knobs a cell does not implement yet (each would need a reduction of its own)."""
-    return ["train.tis_cap"] if hp.tis_cap is not None else []
+    """The ``train`` knobs a cell does not implement yet (each would need a reduction of its own):
+    the PPO critic is not sharded."""
+    return ["train.estimator ppo"] if hp.estimator == "ppo" else []
 
 
 def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
