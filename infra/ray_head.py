@@ -29,7 +29,8 @@ def ray_executable() -> str | None:
 
 
 def head_env() -> dict[str, str]:
-    """Ray 2.60 asks for a token unless told otherwise; the head listens on 127.0.0.1 only."""
+    """Ray 2.60 asks for a token unless told otherwise (the head is for this machine: its
+    workers register as 127.0.0.1, though GCS itself listens on every interface)."""
     return {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -70,16 +71,31 @@ def stop_head(pid: int, timeout_s: float = 20.0) -> list[int]:
                 p.send_signal(signal.SIGTERM)
             except psutil.NoSuchProcess:
                 pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
     killed = []
-    for p in alive:
+    for p in _alive(procs):
         try:
             p.kill()
             killed.append(p.pid)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=5)
+    deadline = time.monotonic() + 5
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return killed
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def wait_ready(pid: int, port: int, timeout_s: float = 120.0) -> None:

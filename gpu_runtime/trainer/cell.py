@@ -307,6 +307,7 @@ class TrainerCell:
         except (ray.exceptions.RaySystemError, ConnectionError) as err:
             raise RayUnavailable(f"placing the cell: the Ray cluster is unreachable: {err}") from None
         self.dead = False  # a rank failed: the cell cannot take another step
+        self.failure: CellFailed | None = None  # why, when it was the cell (not a rank's Python error)
         actor = ray.remote(_Rank)
         self.actors = [
             actor.options(num_cpus=cpus_per_rank, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -336,32 +337,45 @@ class TrainerCell:
             try:
                 done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             except (ray.exceptions.RaySystemError, ConnectionError) as err:
-                self.dead = True
-                raise RayUnavailable(f"{method}: the Ray cluster is unreachable: {err}") from None
+                raise self._fail(RayUnavailable(f"{method}: the Ray cluster is unreachable: {err}")) from None
             if not done:
-                self.dead = True
                 late = [refs.index(r) for r in pending]
-                raise CellRankHung(
+                raise self._fail(CellRankHung(
                     f"ranks {late} of the cell did not finish {method} within {timeout:.0f} s of their peers "
                     "(a rank hung or stopped)"
-                )
+                ))
             first_done = True
             try:
                 ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
-                self.dead = True
-                raise CellRankDied(f"rank {refs.index(done[0])} of the cell died during {method}: {err}") from None
+                raise self._lost(refs.index(done[0]), method, err) from None
             except ray.exceptions.RayTaskError as err:
                 self.dead = True  # a rank raised: its peers may wait in a collective forever
                 cause = err.as_instanceof_cause()
                 if _collective_timed_out(err):
-                    raise CellRankHung(
+                    raise self._fail(CellRankHung(
                         f"rank {refs.index(done[0])} of the cell: a collective timed out after "
                         f"{self.collective_timeout_s:.0f} s during {method} (trainer.collective_timeout_s: a peer "
                         f"rank hung or stopped): {str(err.cause).splitlines()[0] if err.cause else err}"
-                    ) from None
+                    )) from None
                 raise cause from None
         return ray.get(refs)
+
+    def _fail(self, err: CellFailed) -> CellFailed:
+        """The cell cannot take another step: remember why (``CellHost`` reports it)."""
+        self.dead = True
+        self.failure = err
+        return err
+
+    def _lost(self, rank: int, method: str, err: Exception) -> CellFailed:
+        """A rank's actor is gone: the rank died, or the whole Ray cluster did (its GCS no
+        longer answers: the head stopped or restarted, taking every actor with it)."""
+        gcs = _gcs_address()
+        if gcs and not _reachable(gcs):
+            return self._fail(RayUnavailable(
+                f"the Ray cluster's head ({gcs}) is unreachable: rank {rank} of the cell was lost during {method} "
+                "(the head stopped or restarted; the next call reconnects)"))
+        return self._fail(CellRankDied(f"rank {rank} of the cell died during {method}: {err}"))
 
     def _call(self, method: str, *args: Any) -> Any:
         return self._all("call", method, *args)[0]
@@ -391,7 +405,12 @@ class TrainerCell:
     def policy_version(self) -> int:
         import ray
 
-        return int(ray.get(self.actors[0].get.remote("policy_version")))
+        try:
+            return int(ray.get(self.actors[0].get.remote("policy_version"), timeout=self.collective_timeout_s))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            raise self._lost(0, "policy_version", err) from None
+        except ray.exceptions.GetTimeoutError:
+            raise self._fail(CellRankHung(f"rank 0 did not answer within {self.collective_timeout_s:.0f} s")) from None
 
     def pids(self) -> list[int]:
         return [int(w["pid"]) for w in self.where]
@@ -402,6 +421,10 @@ class TrainerCell:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        gcs = _gcs_address()
+        if gcs and not _reachable(gcs):  # the cluster is gone and took the actors with it (Ray calls would hang)
+            log.warning("closing the cell: the Ray cluster's head %s is unreachable, nothing to end", gcs)
+            return
         try:
             if not self.dead and self.actors:
                 self._all("close")
@@ -417,6 +440,24 @@ class TrainerCell:
                 remove_placement_group(self.pg)
             except Exception as err:  # noqa: BLE001
                 log.warning("removing the placement group: %s", err)
+
+
+def _gcs_address() -> str | None:
+    import ray
+
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:  # noqa: BLE001 - not connected
+        return None
+
+
+def _reachable(address: str, timeout_s: float = 2.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _collective_timed_out(err: Exception) -> bool:

@@ -80,6 +80,12 @@ class CellHost:
     def failed(self, err: BaseException) -> None:
         """A call on the cell failed: remember why (an event), and on a lost Ray cluster drop
         the connection so the next call reconnects."""
+        if getattr(err, "_noted", False):  # one event per failure, whichever caller sees it first
+            return
+        try:
+            setattr(err, "_noted", True)
+        except AttributeError:
+            pass
         kind = err.kind if isinstance(err, CellFailed) else "cell_failed"
         self.note(kind, f"cell {self.generation}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         if kind == "ray_unavailable":

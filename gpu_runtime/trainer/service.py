@@ -77,6 +77,9 @@ class TrainerService:
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
         if getattr(self.trainer, "dead", False):  # a fsdp2 cell that lost a rank: rebuilt from a checkpoint
+            failure = getattr(self.trainer, "failure", None)
+            if failure is not None and self.cell_host is not None:
+                self.cell_host.failed(failure)
             self.trainer = None
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup

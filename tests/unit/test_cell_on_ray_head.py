@@ -20,7 +20,7 @@ pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip i
 
 from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
 from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
-from gpu_runtime.trainer.cell import RayRuntime  # noqa: E402
+from gpu_runtime.trainer.cell import RayRuntime, RayUnavailable  # noqa: E402
 from gpu_runtime.trainer.cell_host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
 from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
@@ -36,22 +36,46 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def head() -> Iterator[tuple[int, str]]:
-    """A Ray head of 2 CPUs on a free port (its own temp dir), stopped by pid."""
-    port = _free_port()
-    temp = Path(tempfile.mkdtemp(prefix="ray-head-", dir="/tmp"))
-    log = open(temp / "head.log", "ab")
-    proc = subprocess.Popen(head_command(port, temp, 2), env={**os.environ, **head_env()}, stdout=log, stderr=log,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_ready(proc.pid, port)
-        yield proc.pid, f"127.0.0.1:{port}"
-    finally:
+class Head:
+    """A Ray head of 2 CPUs on a fixed port (its own temp dir), started and stopped by pid."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.temp = Path(tempfile.mkdtemp(prefix="ray-head-", dir="/tmp"))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> None:
+        with open(self.temp / "head.log", "ab") as log:
+            self.proc = subprocess.Popen(head_command(self.port, self.temp, 2), env={**os.environ, **head_env()},
+                                         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_ready(self.proc.pid, self.port)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
         stop_head(proc.pid)
         proc.wait(timeout=30)
-        log.close()
         assert [p.pid for p in head_processes(proc.pid) if p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[Head]:
+    h = Head()
+    try:
+        h.start()
+        yield h
+    finally:
+        h.stop()
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +88,18 @@ def folder() -> Path:
     return out
 
 
-def test_a_cell_on_an_existing_head_leaves_it_running(head: tuple[int, str], folder: Path, tmp_path: Path,
+SETTINGS = TrainerBackendSettings(backend="fsdp2", ranks_per_cell=2, placement="strict_pack", ray_address=None,
+                                  collective_timeout_s=60)
+
+
+def test_a_cell_on_an_existing_head_leaves_it_running(head: Head, folder: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    head_pid, address = head
+    head_pid, address = head.pid, head.address
     before = {p.pid for p in head_processes(head_pid)}
     monkeypatch.setenv(RAY_ADDRESS_ENV, address)  # the node's address (the run config leaves ray_address unset)
     host = CellHost(tmp_path)
-    settings = TrainerBackendSettings(backend="fsdp2", ranks_per_cell=2, placement="strict_pack", ray_address=None,
-                                      collective_timeout_s=60)
     try:
-        cell = host.build(settings, folder, HP, SEED)
+        cell = host.build(SETTINGS, folder, HP, SEED)
         state = host.report()
         assert state is not None and state.ray_address == address
         ranks = [r.pid for r in state.ranks]
@@ -98,3 +124,28 @@ def test_a_cell_on_an_existing_head_leaves_it_running(head: tuple[int, str], fol
     finally:
         rt.stop()
     assert psutil.pid_exists(head_pid)
+
+
+def test_a_head_restart_fails_the_call_clearly_and_the_next_one_reconnects(head: Head, folder: Path,
+                                                                           tmp_path: Path) -> None:
+    """The head stopped under a live cell (every actor goes with it): the next call fails at
+    once with RayUnavailable naming the head (not a hang, not a rank's death), the host drops
+    the cell and its connection (a ``ray_unavailable`` event), and once the head is back on
+    its address the next build reconnects and trains."""
+    host = CellHost(tmp_path)
+    settings = SETTINGS.model_copy(update={"ray_address": head.address})  # the run config's address this time
+    try:
+        cell = host.build(settings, folder, HP, SEED)
+        cell.train_step(*rollout(1), 4, HP)
+        head.stop()
+        with pytest.raises(RayUnavailable, match=f"head \\(.*:{head.port}\\) is unreachable"):
+            cell.train_step(*rollout(2), 4, HP)
+        host.failed(cell.failure)  # what the trainer service does with a failed call
+        assert host.cell is None and host.ray is None
+        assert [e["kind"] for e in host.take_events()] == ["cell_started", "ray_unavailable"]
+        head.start()
+        again = host.build(settings, folder, HP, SEED)
+        assert again.train_step(*rollout(1), 4, HP)["policy_version"] == 1.0
+        assert host.report() is not None and host.report().generation == 2
+    finally:
+        host.close()
