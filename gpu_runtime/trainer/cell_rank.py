@@ -174,7 +174,7 @@ class CellRankTrainer(PolicyTrainer):
         import statistics
         import time
 
-        n = sum(p.numel() for p in self.model.parameters())  # the sharded local numel
+        n = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())  # this shard
         full = torch.zeros(n * self.world, dtype=torch.float32)
         local = torch.ones(n, dtype=torch.float32)
 
