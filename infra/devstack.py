@@ -9,7 +9,7 @@ With the ``cells`` extra (Ray) installed, ``up`` also starts a local Ray head
 (``ray start --head --block`` on 127.0.0.1:6379, ``$MILESTONE_RAY_PORT`` to change it;
 temp dir ``.milestone/ray``) and gives the node agent its address as
 ``$MILESTONE_RAY_ADDRESS``: fsdp2 cells are placed on it. ``down`` stops it by pid
-(``infra.ray_head.stop_head``), never with ``ray stop``.
+(``infra.ray_head.stop_head``), never with ``ray stop``. ``up --no-ray`` starts none.
 
 ``up --temporal-address HOST:PORT`` starts no dev server: the workers connect to that
 frontend with the TLS / mTLS / API-key settings of the environment
@@ -77,7 +77,7 @@ def s3_env() -> dict[str, str]:
     }
 
 
-def up(node_id: str = "node0", *, s3: bool = False, temporal_address: str | None = None) -> None:
+def up(node_id: str = "node0", *, s3: bool = False, temporal_address: str | None = None, ray: bool = True) -> None:
     settings = settings_from_env(temporal_address)  # a bad TLS file or key fails here, naming the variable
     codec = codec_from_env()
     if temporal_address is None and settings.uses_tls:
@@ -105,7 +105,7 @@ def up(node_id: str = "node0", *, s3: bool = False, temporal_address: str | None
     else:
         _check_reachable(settings)
     worker_env = {"MILESTONE_TEMPORAL_ADDRESS": settings.address, "MILESTONE_TEMPORAL_NAMESPACE": settings.namespace}
-    ray_address = start_ray_head()
+    ray_address = start_ray_head() if ray else None
     gpu_env = {**worker_env, **({"MILESTONE_RAY_ADDRESS": ray_address} if ray_address else {})}
     _start("control", [env_py, "-m", "workers.control", "--metrics-port", str(METRICS_PORTS["control"])], worker_env)
     _start(
@@ -180,13 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--s3", action="store_true", help="also start SeaweedFS (S3 on :8333) for s3:// stores")
+    p.add_argument("--no-ray", action="store_true", help="start no Ray head (fsdp2 trainers then start their own)")
     p.add_argument("--temporal-address", default=None, metavar="HOST:PORT",
                    help="use this Temporal frontend (TLS / API key from MILESTONE_TEMPORAL_*) instead of a dev server")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.action == "up":
         try:
-            up(s3=args.s3, temporal_address=args.temporal_address)
+            up(s3=args.s3, temporal_address=args.temporal_address, ray=not args.no_ray)
         except ValueError as err:  # TemporalSettingsError, PayloadKeyError: names the variable
             raise SystemExit(f"error: {err}") from None
     elif args.action == "down":
