@@ -55,6 +55,10 @@ class RayRuntime:
         ends, and the trainer serves each RPC connection on a short-lived thread."""
         if self.pid_file is not None and self.address is None:
             end_recorded(self.pid_file)
+        if self.address is not None and ":" in self.address and "://" not in self.address \
+                and not _reachable(self.address):  # ray.init would wait for a dead head for minutes
+            raise RayUnavailable(f"cannot reach the Ray head at {self.address} (trainer.ray_address / "
+                                 "$MILESTONE_RAY_ADDRESS): is it running?")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if self.address is None and self.temp_dir is None:
             self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))

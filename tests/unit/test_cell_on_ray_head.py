@@ -130,8 +130,9 @@ def test_a_head_restart_fails_the_call_clearly_and_the_next_one_reconnects(head:
                                                                            tmp_path: Path) -> None:
     """The head stopped under a live cell (every actor goes with it): the next call fails at
     once with RayUnavailable naming the head (not a hang, not a rank's death), the host drops
-    the cell and its connection (a ``ray_unavailable`` event), and once the head is back on
-    its address the next build reconnects and trains."""
+    the cell and its connection (a ``ray_unavailable`` event); a build while the head is down
+    fails at once too (``ray.init`` would wait minutes), and once the head is back on its
+    address the next build reconnects and trains."""
     host = CellHost(tmp_path)
     settings = SETTINGS.model_copy(update={"ray_address": head.address})  # the run config's address this time
     try:
@@ -143,6 +144,8 @@ def test_a_head_restart_fails_the_call_clearly_and_the_next_one_reconnects(head:
         host.failed(cell.failure)  # what the trainer service does with a failed call
         assert host.cell is None and host.ray is None
         assert [e["kind"] for e in host.take_events()] == ["cell_started", "ray_unavailable"]
+        with pytest.raises(RayUnavailable, match="cannot reach the Ray head"):  # still down: at once, not a hang
+            host.build(settings, folder, HP, SEED)
         head.start()
         again = host.build(settings, folder, HP, SEED)
         assert again.train_step(*rollout(1), 4, HP)["policy_version"] == 1.0
