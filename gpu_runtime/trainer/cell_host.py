@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from gpu_runtime.trainer.api import CellRankState, CellState, TrainerBackendSettings, TrainerHParams
+from gpu_runtime.trainer.api import CellRankState, CellState, NodeEvent, TrainerBackendSettings, TrainerHParams
 from gpu_runtime.trainer.cell import CellFailed, RayRuntime, TrainerCell
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class CellHost:
         self.ray: RayRuntime | None = None
         self.cell: TrainerCell | None = None
         self.generation = 0  # cells built by this process (a rebuilt cell is the next one)
-        self.events: list[dict] = []  # cell_started / cell_rank_died / ...: reported with the next result
+        self.events: list[NodeEvent] = []  # cell_started / cell_rank_died / ...: reported with the next result
         self.cell_file = work_dir / CELL_FILE  # the live cell's ranks and pids, for tools on this node
 
     def build(self, settings: TrainerBackendSettings, folder: str | Path, hparams: TrainerHParams,
@@ -75,7 +75,7 @@ class CellHost:
         )
 
     def note(self, kind: str, detail: str) -> None:
-        self.events.append({"kind": kind, "at": time.time(), "detail": detail})
+        self.events.append(NodeEvent(at=time.time(), kind=kind, detail=detail))
 
     def failed(self, err: BaseException) -> None:
         """A call on the cell failed: remember why (an event), and on a lost Ray cluster drop
@@ -93,7 +93,7 @@ class CellHost:
             self.cell_file.unlink(missing_ok=True)
             self._disconnect()
 
-    def take_events(self) -> list[dict]:
+    def take_events(self) -> list[NodeEvent]:
         out, self.events = self.events, []
         return out
 

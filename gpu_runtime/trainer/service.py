@@ -150,19 +150,19 @@ class TrainerService:
         return self.cell_host.report() if self._fsdp2() and self.cell_host is not None else None
 
     def new_events(self) -> list[NodeEvent]:
-        """Checkpoint store events (corrupt checkpoint, failed upload) not yet reported."""
+        """Events not yet reported: the fsdp2 cell's (started, failed) and the checkpoint
+        store's (corrupt checkpoint, failed upload, refused write)."""
         if self.ckpts is None:
             return []
         cells = self.cell_host.take_events() if self.cell_host is not None else []
         events = self.ckpts.events[self._events_seen :]
         self._events_seen += len(events)
-        events, self._refused = [*cells, *events, *self._refused], []
+        events, self._refused = [*events, *self._refused], []
         now = time.time()
-        return [
-            NodeEvent(at=float(e.get("at", now)), kind=str(e["kind"]), detail=str(e["detail"])) if "detail" in e
-            else NodeEvent(at=now, kind=str(e["kind"]), detail=", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
+        return [*cells, *(
+            NodeEvent(at=now, kind=str(e["kind"]), detail=", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
             for e in events
-        ]
+        )]
 
     def _new_trainer(self) -> PolicyTrainer:
         s = self.setup

@@ -106,7 +106,7 @@ def test_a_cell_on_an_existing_head_leaves_it_running(head: Head, folder: Path, 
         assert set(ranks) <= {p.pid for p in head_processes(head_pid)}, "the ranks are the head's workers"
         m = cell.train_step(*rollout(1), 4, HP)
         assert m["policy_version"] == 1.0
-        assert [e["kind"] for e in host.take_events()] == ["cell_started"]
+        assert [e.kind for e in host.take_events()] == ["cell_started"]
     finally:
         host.close()
     assert not (tmp_path / "ray-pids.json").exists(), "nothing of an existing cluster is recorded as ours"
@@ -143,7 +143,7 @@ def test_a_head_restart_fails_the_call_clearly_and_the_next_one_reconnects(head:
             cell.train_step(*rollout(2), 4, HP)
         host.failed(cell.failure)  # what the trainer service does with a failed call
         assert host.cell is None and host.ray is None
-        assert [e["kind"] for e in host.take_events()] == ["cell_started", "ray_unavailable"]
+        assert [e.kind for e in host.take_events()] == ["cell_started", "ray_unavailable"]
         with pytest.raises(RayUnavailable, match="cannot reach the Ray head"):  # still down: at once, not a hang
             host.build(settings, folder, HP, SEED)
         head.start()
