@@ -38,8 +38,9 @@ test: install $(CHROMIUM)
 	$(PY) -m pytest
 
 # make up S3=1 also starts SeaweedFS (S3 on :8333) for configs whose store is s3://
+# make up starts a local Ray head for fsdp2 cells (127.0.0.1:6379, stopped by pid by make down); RAY=0: none
 up: install
-	$(PY) -m infra.devstack up $(if $(S3),--s3,)
+	$(PY) -m infra.devstack up $(if $(S3),--s3,) $(if $(filter 0,$(RAY)),--no-ray,)
 
 down:
 	@if [ -x $(PY) ]; then $(PY) -m infra.devstack down; fi

@@ -145,7 +145,7 @@ class NodeActivities:
         setup = self.rt.setups[inp.run_id] = translate.run_setup(inp, self.rt.node_id)
         info = self._trainer_call(inp.run_id, inp.epoch, "init_policy",
                                   lambda: self.rt.trainer.ensure_version(setup, inp.policy_version))
-        return translate.policy_info(info, self.rt.drain_events())
+        return translate.policy_info(info, self.rt.drain_events(), self.rt.node_id)
 
     # ---- the RL step --------------------------------------------------------------
     @activity.defn(name="rollout")
@@ -241,7 +241,7 @@ class NodeActivities:
         bad = [k for k, v in res.metrics.items() if not math.isfinite(v)]
         if bad:
             raise failure(Failure.DIVERGENCE, f"step {inp.step}: non-finite {bad}")
-        result = translate.train_step_result(res, self.rt.drain_events())
+        result = translate.train_step_result(res, self.rt.drain_events(), self.rt.node_id)
         metrics.record_train(result.metrics, result.seconds, len(result.replayed_steps))
         metrics.POLICY_VERSION.set(result.policy_version)
         return result

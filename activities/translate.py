@@ -19,6 +19,7 @@ from gpu_runtime.engine.fleet_types import SlotInfo
 from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
     Ancestor,
+    CellState,
     CheckpointRequest,
     CheckpointSaved,
     DistillSettings,
@@ -40,6 +41,8 @@ from workflows.agent_config import AgentSpec
 from workflows.trainer_config import TrainerSpec
 from workflows.config import DataSpec, DistillSpec, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
 from workflows.contracts import (
+    CellInfo,
+    CellRankInfo,
     CheckpointInput,
     CheckpointResult,
     EngineSlotInfo,
@@ -172,18 +175,26 @@ def _trainer_state(rebuild: Rebuild | None, version: int, events: list[NodeEvent
     }
 
 
-def policy_info(info: VersionInfo, node_events: list[NodeEvent]) -> PolicyInfo:
+def cell_info(cell: CellState | None, node: str) -> CellInfo | None:
+    """The trainer's cell for the run's status (None: backend single)."""
+    if cell is None:
+        return None
+    return CellInfo(node=node, generation=cell.generation, placement=cell.placement, ray_address=cell.ray_address,
+                    ranks=[CellRankInfo(**r.model_dump()) for r in cell.ranks])
+
+
+def policy_info(info: VersionInfo, node_events: list[NodeEvent], node: str = "") -> PolicyInfo:
     return PolicyInfo(
         policy_version=info.policy_version, checksum=info.checksum, weights_key=info.weights_key,
-        sft_metrics=info.sft_metrics, seconds=info.seconds,
+        sft_metrics=info.sft_metrics, seconds=info.seconds, cell=cell_info(info.cell, node),
         **_trainer_state(info.rebuild, info.policy_version, [*node_events, *info.events]),
     )
 
 
-def train_step_result(res: TrainResult, node_events: list[NodeEvent]) -> TrainStepResult:
+def train_step_result(res: TrainResult, node_events: list[NodeEvent], node: str = "") -> TrainStepResult:
     return TrainStepResult(
         policy_version=res.policy_version, checksum=res.checksum, weights_key=res.weights_key,
-        metrics=res.metrics, seconds=res.seconds,
+        metrics=res.metrics, seconds=res.seconds, cell=cell_info(res.cell, node),
         **_trainer_state(res.rebuild, res.policy_version - 1, [*node_events, *res.events]),
     )
 

@@ -4,7 +4,9 @@ A random-init Qwen2-style model (``--hidden``/``--layers``, BPE tokenizer from t
 rows) trains ``--steps`` RL steps on fixed synthetic samples (``tests/unit``'s helpers):
 once in this process with ``PolicyTrainer`` (the baseline) and once per rank count in
 ``--ranks`` as a ``TrainerCell`` (Ray actors, gloo, 1 torch thread each). Prints s/step
-(median over steps after the first), the ratio to the baseline, and each rank's peak RSS.
+(median over steps after the first), the ratio to the baseline, each rank's peak RSS, and
+what gloo's collectives cost per cell: the full state dict gathered for publication, one
+all-gather and one reduce-scatter of the parameters' size, and the step's count of them.
 On a 2-core machine the ranks share the cores, so the ratio shows the cost of the
 collectives and the per-rank duplication of small work, not a speed-up.
 
@@ -74,6 +76,14 @@ def main() -> None:
                 peaks = cell._all("peak_rss_mib")
                 print(f"fsdp2 x{n}     {med:.3f} s/step  {med / base:.2f}x  peak RSS per rank "
                       + ", ".join(f"{m:.0f}" for m in peaks) + " MiB")
+                c = cell._call("collective_seconds", 5)
+                t = timed(lambda: cell.published_state())  # gather on rank 0 + the Ray transfer to this process
+                per_step = 4 // n * hp.ppo_epochs  # micro-batches per rank: each forward + backward
+                print(f"  gloo, {c['param_mib']:.1f} MiB of float32 params: full state dict gather (publication) "
+                      f"{c['gather_state_dict'] * 1e3:.1f} ms (+ to the driver {t * 1e3:.0f} ms); one all-gather "
+                      f"{c['all_gather'] * 1e3:.1f} ms, one reduce-scatter {c['reduce_scatter'] * 1e3:.1f} ms; per step "
+                      f"{per_step} micro-batches x (2 all-gathers + 1 reduce-scatter) ~ "
+                      f"{per_step * (2 * c['all_gather'] + c['reduce_scatter']) * 1e3:.0f} ms")
             finally:
                 cell.close()
     finally:

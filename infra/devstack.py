@@ -5,6 +5,12 @@ UI on :8233, search attributes registered), ``python -m workers.control`` and on
 ``python -m workers.gpu --device cpu``. Every pid goes into ``.milestone/pids/``;
 ``down`` stops exactly those (process groups, by pid).
 
+With the ``cells`` extra (Ray) installed, ``up`` also starts a local Ray head
+(``ray start --head --block`` on 127.0.0.1:6379, ``$MILESTONE_RAY_PORT`` to change it;
+temp dir ``.milestone/ray``) and gives the node agent its address as
+``$MILESTONE_RAY_ADDRESS``: fsdp2 cells are placed on it. ``down`` stops it by pid
+(``infra.ray_head.stop_head``), never with ``ray stop``. ``up --no-ray`` starts none.
+
 ``up --temporal-address HOST:PORT`` starts no dev server: the workers connect to that
 frontend with the TLS / mTLS / API-key settings of the environment
 (``workers.temporal_connection``). With ``MILESTONE_PAYLOAD_KEY`` set, ``up`` also starts
@@ -29,7 +35,7 @@ log = logging.getLogger("devstack")
 STATE = Path(os.environ.get("MILESTONE_HOME", ".milestone"))
 TEMPORAL_PORT = 7233
 UI_PORT = 8233
-SERVICES = ("codec", "temporal", "control", "gpu")
+SERVICES = ("ray", "codec", "temporal", "control", "gpu")
 CODEC_PORT = 8234
 METRICS_PORTS = {"control": 9465, "gpu": 9464}  # Prometheus /metrics (see infra/prometheus.yml)
 
@@ -71,7 +77,7 @@ def s3_env() -> dict[str, str]:
     }
 
 
-def up(node_id: str = "node0", *, s3: bool = False, temporal_address: str | None = None) -> None:
+def up(node_id: str = "node0", *, s3: bool = False, temporal_address: str | None = None, ray: bool = True) -> None:
     settings = settings_from_env(temporal_address)  # a bad TLS file or key fails here, naming the variable
     codec = codec_from_env()
     if temporal_address is None and settings.uses_tls:
@@ -99,12 +105,14 @@ def up(node_id: str = "node0", *, s3: bool = False, temporal_address: str | None
     else:
         _check_reachable(settings)
     worker_env = {"MILESTONE_TEMPORAL_ADDRESS": settings.address, "MILESTONE_TEMPORAL_NAMESPACE": settings.namespace}
+    ray_address = start_ray_head() if ray else None
+    gpu_env = {**worker_env, **({"MILESTONE_RAY_ADDRESS": ray_address} if ray_address else {})}
     _start("control", [env_py, "-m", "workers.control", "--metrics-port", str(METRICS_PORTS["control"])], worker_env)
     _start(
         "gpu",
         [env_py, "-m", "workers.gpu", "--device", "cpu", "--node-id", node_id,
          "--metrics-port", str(METRICS_PORTS["gpu"]), "--work-dir", str(STATE / "nodes" / node_id)],
-        worker_env,
+        gpu_env,
     )
     if temporal_address is None:
         print(f"Temporal UI: http://localhost:{UI_PORT}   (stop everything with: make down)")
@@ -112,6 +120,22 @@ def up(node_id: str = "node0", *, s3: bool = False, temporal_address: str | None
         print(f"workers connected to {settings.address} (namespace {settings.namespace}; stop with: make down)")
     if codec_url:
         print(f"codec server: {codec_url} (the UI decrypts payloads through it)")
+
+
+def start_ray_head() -> str | None:
+    """The local Ray head fsdp2 cells are placed on (None: the ``cells`` extra is not installed;
+    a fsdp2 trainer then starts a Ray instance of its own)."""
+    from infra.ray_head import RAY_HEAD_PORT, head_command, head_env, ray_executable, wait_ready
+
+    if ray_executable() is None:
+        log.info("ray is not installed (the cells extra): no Ray head started")
+        return None
+    temp_dir = (STATE / "ray").resolve()
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    pid = _start("ray", head_command(RAY_HEAD_PORT, temp_dir, os.cpu_count() or 1), head_env())
+    wait_ready(pid, RAY_HEAD_PORT)
+    print(f"Ray head: 127.0.0.1:{RAY_HEAD_PORT} (pid {pid})")
+    return f"127.0.0.1:{RAY_HEAD_PORT}"
 
 
 def _check_reachable(settings: TemporalSettings) -> None:
@@ -127,7 +151,12 @@ def down() -> None:
     for name in reversed(SERVICES):
         pid = running(name)
         if pid:
-            stop_pid(pid, timeout_s=20)
+            if name == "ray":  # the head and every process of it, by pid (never ``ray stop``)
+                from infra.ray_head import stop_head
+
+                stop_head(pid)
+            else:
+                stop_pid(pid, timeout_s=20)
             log.info("%s stopped (pid %d)", name, pid)
         _pidfile(name).unlink(missing_ok=True)
     for children in (STATE / "nodes").glob("*/children.json"):  # left by a SIGKILLed agent
@@ -151,13 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--s3", action="store_true", help="also start SeaweedFS (S3 on :8333) for s3:// stores")
+    p.add_argument("--no-ray", action="store_true", help="start no Ray head (fsdp2 trainers then start their own)")
     p.add_argument("--temporal-address", default=None, metavar="HOST:PORT",
                    help="use this Temporal frontend (TLS / API key from MILESTONE_TEMPORAL_*) instead of a dev server")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.action == "up":
         try:
-            up(s3=args.s3, temporal_address=args.temporal_address)
+            up(s3=args.s3, temporal_address=args.temporal_address, ray=not args.no_ray)
         except ValueError as err:  # TemporalSettingsError, PayloadKeyError: names the variable
             raise SystemExit(f"error: {err}") from None
     elif args.action == "down":

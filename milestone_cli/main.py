@@ -99,6 +99,15 @@ def format_progress(p: RunProgress) -> str:
 
 
 
+def format_cells(p: RunProgress) -> list[str]:
+    """One line per fsdp2 cell and per rank (pid, Ray node, state), as the trainer last reported them."""
+    lines = []
+    for c in p.cells:
+        lines.append(f"  cell {c.generation} on {c.node or '?'}: {len(c.ranks)} ranks, {c.placement}, ray {c.ray_address}")
+        lines += [f"    rank {r.rank}: pid {r.pid} node {r.node_ip} {r.state}" for r in c.ranks]
+    return lines
+
+
 def format_eval(p: RunProgress) -> str | None:
     """The newest held-out eval of the run, or None before the first."""
     s = next((s for s in reversed(p.steps) if s.eval_greedy is not None), None)
@@ -259,6 +268,8 @@ async def cmd_status(client: Client, args: argparse.Namespace) -> int:
             parent = p.lineage[-1]
             print(f"  forked from {parent.run_id} at step {parent.step}")
         if (line := format_eval(p)) is not None:
+            print(line)
+        for line in format_cells(p):
             print(line)
     else:
         print(f"{args.run} {state} (progress unavailable, is a control worker running? {one_line(unavailable or '')})")

@@ -522,7 +522,6 @@ class RunConfig(Strict):
         model, train, rollout = info.data.get("model"), info.data.get("train"), info.data.get("rollout")
         bad = fsdp2_conflicts(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,
                               distill=info.data.get("distill") is not None,
-                              tis_cap=None if train is None else train.tis_cap,
                               estimator="grpo" if train is None else train.estimator,
                               agent=rollout is not None and rollout.agent is not None)
         if bad:

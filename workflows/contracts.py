@@ -78,6 +78,24 @@ class InitPolicyInput(BaseModel):
     trainer: TrainerSpec = TrainerSpec()  # single process, or a fsdp2 cell of ranks
 
 
+class CellRankInfo(BaseModel):
+    rank: int
+    pid: int
+    node_ip: str  # the Ray node the rank runs on
+    node_id: str  # Ray's node id
+    state: str  # alive | failed, as of the trainer's last result
+
+
+class CellInfo(BaseModel):
+    """A fsdp2 cell as the node's trainer last reported it (``milestone status`` lists it)."""
+
+    node: str  # the node agent whose trainer process drives the cell
+    generation: int  # cells that trainer process built; a rebuilt cell is the next
+    placement: str  # strict_pack | spread
+    ray_address: str  # "local": a Ray instance the trainer process started
+    ranks: list[CellRankInfo]
+
+
 class PolicyInfo(BaseModel):
     policy_version: int
     checksum: str
@@ -87,6 +105,7 @@ class PolicyInfo(BaseModel):
     restored_from_step: int | None = None
     replayed_steps: list[int] = []
     node_events: list[RunEvent] = []
+    cell: CellInfo | None = None  # backend fsdp2: the cell that holds this version
 
 
 class RolloutInput(BaseModel):
@@ -243,6 +262,7 @@ class TrainStepResult(BaseModel):
     restored_from_step: int | None = None
     seconds: float
     node_events: list[RunEvent] = []
+    cell: CellInfo | None = None  # backend fsdp2: the cell that trained the step
 
 
 class UpdateWeightsInput(BaseModel):
@@ -359,6 +379,7 @@ class StepSummary(BaseModel):
     replayed_steps: list[int] = []  # ... and these steps were replayed from stored artifacts
     events: list[RunEvent] = []
     engines: list[EngineSlotInfo] = []
+    cell: CellInfo | None = None  # backend fsdp2: the cell that trained the step (TrainingRun moves it to its state)
     eval_greedy: float | None = None  # held-out greedy accuracy after this step (None: not evaluated)
     eval_pass_at_k: float | None = None
     eval_k: int | None = None
@@ -392,6 +413,7 @@ class RunState(BaseModel):
     history: list[StepSummary] = []
     events: list[RunEvent] = []
     engines: list[EngineSlotInfo] = []
+    cells: list[CellInfo] = []  # backend fsdp2: the node's cell, as last reported
     first_rewards: list[float] = []
     eval_before: EvalResult | None = None  # the post-SFT policy (v0) on the held-out split
     buffer: list[Sampled] = []  # batches sampled ahead for the next steps, oldest first (one_step_off, fully_async)
@@ -416,6 +438,7 @@ class RunProgress(BaseModel):
     steps: list[StepSummary] = Field(default_factory=list)
     events: list[RunEvent] = Field(default_factory=list)
     engines: list[EngineSlotInfo] = Field(default_factory=list)
+    cells: list[CellInfo] = Field(default_factory=list)  # backend fsdp2: cells and their ranks (pid, node, state)
     mode: str = "rl"  # the run's config.mode: rl | sft
 
 

@@ -144,6 +144,7 @@ class RLStep:
             weights_key=trained.weights_key,
             restored_from_step=trained.restored_from_step,
             replayed_steps=trained.replayed_steps,
+            cell=trained.cell,
             events=[
                 *sampled.node_events, *trained.node_events, *synced.node_events, *(ckpt.node_events if ckpt else []),
                 *(evaluated.node_events if evaluated else []), *eval_events,

@@ -22,6 +22,18 @@ class TrainerSpec(Strict):
         "single", description="single: one trainer process; fsdp2: a cell of ranks_per_cell FSDP2 ranks placed by Ray"
     )
     ranks_per_cell: int = Field(1, ge=1, description="ranks of the fsdp2 cell (one torch.distributed group)")
+    placement: Literal["strict_pack", "spread"] = Field(
+        "strict_pack", description="the cell's Ray placement group: strict_pack (all ranks on one node) or spread "
+        "(ranks on different nodes where the cluster has them)"
+    )
+    ray_address: str | None = Field(
+        None, description="an existing Ray cluster to place the cell on (e.g. 127.0.0.1:6379); unset: "
+        "$MILESTONE_RAY_ADDRESS on the node, else a Ray instance the trainer process starts and stops itself"
+    )
+    collective_timeout_s: float = Field(
+        120.0, gt=0, description="a collective (gloo/NCCL) waiting longer fails the step retryably: a hung or "
+        "stopped rank costs this, not gloo's 30-minute default"
+    )
 
     @model_validator(mode="after")
     def _ranks(self) -> "TrainerSpec":
@@ -29,11 +41,12 @@ class TrainerSpec(Strict):
             raise ValueError(
                 f"ranks_per_cell {self.ranks_per_cell} needs backend fsdp2 (backend single is one process)"
             )
+        if self.backend == "single" and (self.placement != "strict_pack" or self.ray_address is not None):
+            raise ValueError("placement and ray_address need backend fsdp2 (backend single uses no Ray)")
         return self
 
 
-def fsdp2_conflicts(*, mode: str, lora: bool, distill: bool, tis_cap: float | None, estimator: str = "grpo",
-                    agent: bool = False) -> list[str]:
+def fsdp2_conflicts(*, mode: str, lora: bool, distill: bool, estimator: str = "grpo", agent: bool = False) -> list[str]:
     """The run settings a fsdp2 cell does not implement yet, each with its reason."""
     out = []
     if mode != "rl":
@@ -42,8 +55,6 @@ def fsdp2_conflicts(*, mode: str, lora: bool, distill: bool, tis_cap: float | No
         out.append("model.lora (the cell shards full fine-tuning only)")
     if distill:
         out.append("distill (the teacher is not sharded)")
-    if tis_cap is not None:
-        out.append("train.tis_cap (set it to null; rollout.mode one_step_off and fully_async set it by default)")
     if estimator == "ppo":
         out.append("train.estimator ppo (the critic is not sharded)")
     if agent:

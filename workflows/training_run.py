@@ -125,10 +125,12 @@ class TrainingRun:
             st.prefetched = None
             st.history = [
                 *st.history,
-                summary.model_copy(update={"events": [], "engines": [], "next_sampled": None, "next_buffer": []}),
+                summary.model_copy(update={"events": [], "engines": [], "cell": None, "next_sampled": None,
+                                           "next_buffer": []}),
             ][-HISTORY_KEEP:]
             st.events = [*st.events, *summary.events][-100:]
             st.engines = summary.engines
+            st.cells = [summary.cell] if summary.cell is not None else []
             if len(st.first_rewards) < SUMMARY_STEPS:
                 st.first_rewards.append(summary.reward_mean)
             st.next_step += 1
@@ -249,6 +251,7 @@ class TrainingRun:
             summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
         )
         st.events = [*st.events, *policy.node_events][-100:]
+        st.cells = [policy.cell] if policy.cell is not None else []
         synced = await run_activity(
             "update_weights",
             UpdateWeightsInput(
@@ -315,6 +318,7 @@ class TrainingRun:
             steps=st.history,
             events=st.events,
             engines=st.engines,
+            cells=st.cells,
             mode=self.cfg.mode if self.cfg else "rl",
         )
 

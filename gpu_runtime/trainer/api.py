@@ -132,6 +132,9 @@ class TrainerBackendSettings(Message):
 
     backend: Literal["single", "fsdp2"]
     ranks_per_cell: int
+    placement: Literal["strict_pack", "spread"]
+    ray_address: str | None
+    collective_timeout_s: float
 
 
 class RunSetup(Message):
@@ -197,6 +200,25 @@ class Rebuild(Message):
     replayed_steps: list[int]
 
 
+class CellRankState(Message):
+    """One rank of a fsdp2 cell, as the trainer process built it."""
+
+    rank: int
+    pid: int
+    node_ip: str  # the Ray node the rank runs on
+    node_id: str
+    state: str  # alive | failed (a call on the cell failed; it is rebuilt by the next call)
+
+
+class CellState(Message):
+    """The trainer's live fsdp2 cell (``milestone status`` lists it)."""
+
+    generation: int  # cells this trainer process built; a rebuilt cell is the next
+    placement: str  # strict_pack | spread
+    ray_address: str  # "local": a Ray instance the trainer process started
+    ranks: list[CellRankState]
+
+
 class VersionInfo(Message):
     """The trainer's current policy version, published as a model folder."""
 
@@ -208,6 +230,7 @@ class VersionInfo(Message):
     rebuild: Rebuild | None = None
     seconds: float = 0.0
     events: list[NodeEvent] = []
+    cell: CellState | None = None  # backend fsdp2: the cell that holds this version
 
 
 class TrainResult(Message):
@@ -218,6 +241,7 @@ class TrainResult(Message):
     rebuild: Rebuild | None = None
     seconds: float
     events: list[NodeEvent] = []
+    cell: CellState | None = None  # backend fsdp2: the cell that trained the step
 
 
 class CheckpointRequest(Message):

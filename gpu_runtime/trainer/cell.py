@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,14 @@ PLACEMENT_TIMEOUT_S = 60.0  # a placement group not ready by then cannot be sati
 
 @dataclass
 class RayRuntime:
-    """A Ray instance started by this process (``ray.init``), stopped by ``stop``: ``ray.shutdown``
-    and then a check, by pid, that every process Ray started is gone (never ``ray stop``)."""
+    """This process's connection to Ray. Without ``address``: a Ray instance started here
+    (``ray.init``), stopped by ``stop`` with ``ray.shutdown`` and then a check, by pid, that
+    every process Ray started is gone (never ``ray stop``). With ``address``: an existing
+    cluster this process only connects to; ``stop`` disconnects and leaves it running."""
 
     num_cpus: int
-    temp_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp")))
+    address: str | None = None  # an existing cluster (``trainer.ray_address`` / $MILESTONE_RAY_ADDRESS)
+    temp_dir: Path | None = None
     pids: list[int] = field(default_factory=list)
     pid_file: Path | None = None  # where the pids are recorded, so a successor can end what a SIGKILL left
     _stopped: threading.Event = field(default_factory=threading.Event)
@@ -49,9 +53,15 @@ class RayRuntime:
         """``ray.init`` on a thread of its own that lives until ``stop``: Ray starts GCS and
         raylet with PR_SET_PDEATHSIG, which kills them when the *thread* that started them
         ends, and the trainer serves each RPC connection on a short-lived thread."""
-        if self.pid_file is not None:
+        if self.pid_file is not None and self.address is None:
             end_recorded(self.pid_file)
+        if self.address is not None and ":" in self.address and "://" not in self.address \
+                and not _reachable(self.address):  # ray.init would wait for a dead head for minutes
+            raise RayUnavailable(f"cannot reach the Ray head at {self.address} (trainer.ray_address / "
+                                 "$MILESTONE_RAY_ADDRESS): is it running?")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if self.address is None and self.temp_dir is None:
+            self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
         self._before = {p.pid for p in psutil.Process().children(recursive=True)}
         started = threading.Event()
         failed: list[BaseException] = []
@@ -60,8 +70,11 @@ class RayRuntime:
             import ray
 
             try:
-                ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self.temp_dir),
-                         _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+                if self.address is not None:
+                    ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+                else:
+                    ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self.temp_dir),
+                             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 failed.append(err)
             started.set()
@@ -73,6 +86,8 @@ class RayRuntime:
         self._owner.start()
         started.wait()
         if failed:
+            if self.address is not None:
+                raise RayUnavailable(f"cannot connect to the Ray cluster at {self.address}: {failed[0]}") from failed[0]
             raise failed[0]
         self.record()
         return self
@@ -80,7 +95,9 @@ class RayRuntime:
     def record(self) -> None:
         """Note Ray's processes (this process's descendants it did not have before ``start``;
         its agents start a little later, so this is called again once a cell is up) and
-        write them to ``pid_file``."""
+        write them to ``pid_file``. Connected to an existing cluster: nothing is ours."""
+        if self.address is not None:
+            return
         now = {p.pid for p in psutil.Process().children(recursive=True)} - self._before
         self.pids = sorted({*self.pids, *now})
         if self.pid_file is not None:
@@ -107,8 +124,13 @@ class RayRuntime:
         import ray
 
         self.record()  # Ray's agents may have started after ``start`` looked
-        ray.shutdown()
+        try:
+            ray.shutdown()
+        except Exception as err:  # noqa: BLE001 - a lost cluster: nothing left to disconnect from
+            log.warning("ray.shutdown: %s", err)
         self._stopped.set()
+        if self.address is not None:  # an existing cluster: it keeps running, none of its processes is ours
+            return
         deadline = time.monotonic() + timeout_s
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -118,7 +140,8 @@ class RayRuntime:
                 psutil.Process(pid).kill()
             except psutil.NoSuchProcess:
                 pass
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
         if self.pid_file is not None:
             self.pid_file.unlink(missing_ok=True)
 
@@ -148,28 +171,76 @@ def end_recorded(pid_file: Path) -> list[int]:
     return ended
 
 
-class CellRankDied(RuntimeError):
-    """A rank's actor is gone (killed, crashed, its node lost): the cell is rebuilt by the next call."""
+class CellFailed(RuntimeError):
+    """The cell cannot take another step: the call fails (retryably) and the next call
+    rebuilds the cell from the last durable checkpoint plus replay. ``kind`` is the run
+    event the trainer reports once a rebuilt cell answers."""
+
+    kind = "cell_failed"
+
+
+class CellRankDied(CellFailed):
+    """A rank's actor is gone (killed, crashed, its node lost)."""
+
+    kind = "cell_rank_died"
+
+
+class CellRankHung(CellFailed):
+    """A rank did not answer: a collective timed out on its peers (``trainer.collective_timeout_s``),
+    or the driver's bounded wait for the last ranks ran out (a rank stopped, e.g. SIGSTOP)."""
+
+    kind = "cell_rank_hung"
+
+
+class CellPlacementFailed(CellFailed):
+    """The cell's placement group was not satisfied in time: the cluster lacks the resources."""
+
+    kind = "cell_placement_failed"
+
+
+class RayUnavailable(CellFailed):
+    """The Ray cluster cannot be reached (an existing cluster's head stopped or restarted):
+    the next call reconnects."""
+
+    kind = "ray_unavailable"
 
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return int(s.getsockname()[1])
 
 
 class _Rank:
     """One rank's process (a Ray actor): joins the cell's group, then hosts a ``CellRankTrainer``."""
 
-    def __init__(self, rank: int, world: int, port: int, threads: int) -> None:
+    def __init__(self, rank: int, threads: int) -> None:
         import torch
-        import torch.distributed as dist
 
         torch.set_num_threads(threads)  # a fixed thread count: the step is bitwise reproducible
         torch.use_deterministic_algorithms(True)  # as the single trainer process
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         self.rank = rank
         self.trainer: Any = None
+
+    def where(self) -> dict[str, Any]:
+        """This rank's pid and Ray node (``milestone status`` lists them)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id()}
+
+    def rendezvous(self) -> str:
+        """The group's TCP rendezvous on this rank's node (rank 0's): ``ip:port``."""
+        import ray
+
+        return f"{ray.util.get_node_ip_address()}:{_free_port()}"
+
+    def join(self, master: str, world: int, timeout_s: float) -> None:
+        """Join the cell's group; every collective waiting longer than ``timeout_s`` raises."""
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=self.rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
 
     def pid(self) -> int:
         return os.getpid()
@@ -198,58 +269,117 @@ class _Rank:
             dist.destroy_process_group()
 
 
+STRATEGIES = {"strict_pack": "STRICT_PACK", "spread": "SPREAD"}  # trainer.placement -> Ray's strategy
+STRAGGLER_GRACE_S = 30.0  # after the first rank answers, the others get the collective timeout plus this
+
+
 class TrainerCell:
     """N FSDP2 ranks as Ray actors in one placement group; the calls ``TrainerService`` makes
     of a ``PolicyTrainer`` (train_step, save_state, load_state, checksum, export) on all ranks.
-    ``ray.init`` must have run in this process (``RayRuntime``)."""
+    ``ray.init`` must have run in this process (``RayRuntime``).
+
+    No call waits forever on a rank: a dead rank ends the wait at once (``CellRankDied``);
+    a stopped one makes its peers' collectives time out after ``collective_timeout_s``, and
+    once one rank has answered the others get that long again (``CellRankHung``)."""
 
     def __init__(self, ranks: int, base_folder: str | Path, hparams: TrainerHParams, seed: int, *,
-                 strategy: str = "STRICT_PACK", cpus_per_rank: float = 1.0, threads: int = 1,
-                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+                 placement: str = "strict_pack", cpus_per_rank: float = 1.0, threads: int = 1,
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S, collective_timeout_s: float = 120.0) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if ranks < 1:
             raise ValueError(f"trainer.ranks_per_cell must be >= 1, got {ranks}")
+        if placement not in STRATEGIES:
+            raise ValueError(f"trainer.placement must be one of {sorted(STRATEGIES)}, got {placement!r}")
         self.ranks = ranks
-        self.pg = placement_group([{"CPU": cpus_per_rank}] * ranks, strategy=strategy)
+        self.placement = placement
+        self.collective_timeout_s = collective_timeout_s
+        self.actors: list[Any] = []
+        strategy = STRATEGIES[placement]
         try:
+            self.pg = placement_group([{"CPU": cpus_per_rank}] * ranks, strategy=strategy)
             ray.get(self.pg.ready(), timeout=placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
+            resources = ray.cluster_resources()
             remove_placement_group(self.pg)
-            raise RuntimeError(
+            raise CellPlacementFailed(
                 f"the cell's placement group ({ranks} bundles of {cpus_per_rank} CPU, {strategy}) was not "
-                f"satisfied within {placement_timeout_s:.0f} s: the Ray cluster has {ray.cluster_resources()}"
+                f"satisfied within {placement_timeout_s:.0f} s: the Ray cluster has {resources}"
             ) from None
+        except (ray.exceptions.RaySystemError, ConnectionError) as err:
+            raise RayUnavailable(f"placing the cell: the Ray cluster is unreachable: {err}") from None
         self.dead = False  # a rank failed: the cell cannot take another step
+        self.failure: CellFailed | None = None  # why, when it was the cell (not a rank's Python error)
         actor = ray.remote(_Rank)
-        port = _free_port()
         self.actors = [
             actor.options(num_cpus=cpus_per_rank, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=i)).remote(i, ranks, port, threads)
+                placement_group=self.pg, placement_group_bundle_index=i)).remote(i, threads)
             for i in range(ranks)
         ]
-        self._all("build", str(base_folder), hparams, seed)
+        try:
+            master = ray.get(self.actors[0].rendezvous.remote(), timeout=placement_timeout_s)
+            self._all("join", master, ranks, collective_timeout_s)
+            self.where = self._all("where")
+            self._all("build", str(base_folder), hparams, seed)
+        except BaseException:
+            self.close()
+            raise
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        """``method`` on every rank; the first rank that fails ends the wait (its peers may be
-        blocked in a collective with it, and are killed when the cell is closed)."""
+        """``method`` on every rank. The first rank that fails ends the wait (its peers may be
+        blocked in a collective with it, and are killed when the cell is closed); once one
+        rank has answered, the others have ``collective_timeout_s`` plus a grace to follow."""
         import ray
 
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         pending = list(refs)
+        first_done = False
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            timeout = self.collective_timeout_s + STRAGGLER_GRACE_S if first_done else None
+            try:
+                done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            except (ray.exceptions.RaySystemError, ConnectionError) as err:
+                raise self._fail(RayUnavailable(f"{method}: the Ray cluster is unreachable: {err}")) from None
+            if not done:
+                late = [refs.index(r) for r in pending]
+                raise self._fail(CellRankHung(
+                    f"ranks {late} of the cell did not finish {method} within {timeout:.0f} s of their peers "
+                    "(a rank hung or stopped)"
+                ))
+            first_done = True
             try:
                 ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
-                self.dead = True
-                raise CellRankDied(f"rank {refs.index(done[0])} of the cell died during {method}: {err}") from None
+                raise self._lost(refs.index(done[0]), method, err) from None
             except ray.exceptions.RayTaskError as err:
                 self.dead = True  # a rank raised: its peers may wait in a collective forever
-                raise err.as_instanceof_cause() from None
+                cause = err.as_instanceof_cause()
+                if _collective_timed_out(err):
+                    raise self._fail(CellRankHung(
+                        f"rank {refs.index(done[0])} of the cell: a collective timed out after "
+                        f"{self.collective_timeout_s:.0f} s during {method} (trainer.collective_timeout_s: a peer "
+                        f"rank hung or stopped): {str(err.cause).splitlines()[0] if err.cause else err}"
+                    )) from None
+                raise cause from None
         return ray.get(refs)
+
+    def _fail(self, err: CellFailed) -> CellFailed:
+        """The cell cannot take another step: remember why (``CellHost`` reports it)."""
+        self.dead = True
+        self.failure = err
+        return err
+
+    def _lost(self, rank: int, method: str, err: Exception) -> CellFailed:
+        """A rank's actor is gone: the rank died, or the whole Ray cluster did (its GCS no
+        longer answers: the head stopped or restarted, taking every actor with it)."""
+        gcs = _gcs_address()
+        if gcs and not _reachable(gcs):
+            return self._fail(RayUnavailable(
+                f"the Ray cluster's head ({gcs}) is unreachable: rank {rank} of the cell was lost during {method} "
+                "(the head stopped or restarted; the next call reconnects)"))
+        return self._fail(CellRankDied(f"rank {rank} of the cell died during {method}: {err}"))
 
     def _call(self, method: str, *args: Any) -> Any:
         return self._all("call", method, *args)[0]
@@ -279,25 +409,66 @@ class TrainerCell:
     def policy_version(self) -> int:
         import ray
 
-        return int(ray.get(self.actors[0].get.remote("policy_version")))
+        try:
+            return int(ray.get(self.actors[0].get.remote("policy_version"), timeout=self.collective_timeout_s))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+            raise self._lost(0, "policy_version", err) from None
+        except ray.exceptions.GetTimeoutError:
+            raise self._fail(CellRankHung(f"rank 0 did not answer within {self.collective_timeout_s:.0f} s")) from None
 
     def pids(self) -> list[int]:
-        return [int(p) for p in self._all("pid")]
+        return [int(w["pid"]) for w in self.where]
 
     def close(self) -> None:
-        """Leave the group, end the actors and free the placement group."""
+        """Leave the group, end the actors and free the placement group (on an existing
+        cluster: only this cell's actors and placement group)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        gcs = _gcs_address()
+        if gcs and not _reachable(gcs):  # the cluster is gone and took the actors with it (Ray calls would hang)
+            log.warning("closing the cell: the Ray cluster's head %s is unreachable, nothing to end", gcs)
+            return
         try:
-            if not self.dead:
+            if not self.dead and self.actors:
                 self._all("close")
         except Exception as err:  # noqa: BLE001 - a dead rank: the actors are killed below anyway
             log.warning("closing the cell: %s", err)
         finally:
             for a in self.actors:
-                ray.kill(a)
-            remove_placement_group(self.pg)
+                try:
+                    ray.kill(a)
+                except Exception as err:  # noqa: BLE001 - a lost cluster took them already
+                    log.warning("ending a rank: %s", err)
+            try:
+                remove_placement_group(self.pg)
+            except Exception as err:  # noqa: BLE001
+                log.warning("removing the placement group: %s", err)
 
 
-__all__ = ["CellRankDied", "RayRuntime", "TrainerCell", "end_recorded"]
+def _gcs_address() -> str | None:
+    import ray
+
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:  # noqa: BLE001 - not connected
+        return None
+
+
+def _reachable(address: str, timeout_s: float = 2.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _collective_timed_out(err: Exception) -> bool:
+    """A gloo/NCCL collective that gave up waiting for a peer (``collective_timeout_s``)."""
+    text = str(getattr(err, "cause", None) or err)
+    return "Timed out" in text or "timed out" in text or "Timeout" in text
+
+
+__all__ = ["CellFailed", "CellPlacementFailed", "CellRankDied", "CellRankHung", "RayRuntime", "RayUnavailable",
+           "TrainerCell", "end_recorded"]

@@ -1,18 +1,30 @@
-"""The trainer process's side of ``trainer.backend: fsdp2``: one local Ray instance and at
-most one live cell. A new cell ends the previous one first (its placement group holds the
-node's CPUs); ``close`` ends the cell and stops Ray by pid."""
+"""The trainer process's side of ``trainer.backend: fsdp2``: one Ray connection and at most
+one live cell. A new cell ends the previous one first (its placement group holds the
+node's CPUs); ``close`` ends the cell and stops Ray by pid (or, on an existing cluster,
+only disconnects). What happened to cells (one started, one failed) is kept as events the
+trainer reports with its next result, and ``report`` describes the live cell for
+``milestone status``."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
-from gpu_runtime.trainer.api import TrainerBackendSettings, TrainerHParams
-from gpu_runtime.trainer.cell import RayRuntime, TrainerCell
+from gpu_runtime.trainer.api import CellRankState, CellState, NodeEvent, TrainerBackendSettings, TrainerHParams
+from gpu_runtime.trainer.cell import CellFailed, RayRuntime, TrainerCell
 
 log = logging.getLogger(__name__)
 CELL_FILE = "cell.json"
+RAY_ADDRESS_ENV = "MILESTONE_RAY_ADDRESS"  # the node's existing Ray cluster (trainer.ray_address wins)
+
+
+def ray_address(settings: TrainerBackendSettings) -> str | None:
+    """The existing Ray cluster to use: the run's ``trainer.ray_address``, else the node's
+    $MILESTONE_RAY_ADDRESS, else None (the trainer starts its own Ray instance)."""
+    return settings.ray_address or os.environ.get(RAY_ADDRESS_ENV) or None
 
 
 class CellHost:
@@ -21,23 +33,69 @@ class CellHost:
         self.threads = threads  # torch threads per rank
         self.ray: RayRuntime | None = None
         self.cell: TrainerCell | None = None
-        self.cell_file = work_dir / CELL_FILE  # the live cell's ranks and pids, for tools and tests
+        self.generation = 0  # cells built by this process (a rebuilt cell is the next one)
+        self.events: list[NodeEvent] = []  # cell_started / cell_rank_died / ...: reported with the next result
+        self.cell_file = work_dir / CELL_FILE  # the live cell's ranks and pids, for tools on this node
 
     def build(self, settings: TrainerBackendSettings, folder: str | Path, hparams: TrainerHParams,
               seed: int) -> TrainerCell:
         """A fresh cell of ``settings.ranks_per_cell`` ranks over the model folder."""
         self.end_cell()
+        address = ray_address(settings)
+        if self.ray is not None and self.ray.address != address:
+            self._disconnect()
         if self.ray is None:
-            self.ray = RayRuntime(num_cpus=settings.ranks_per_cell, pid_file=self.work_dir / "ray-pids.json").start()
-        self.cell = TrainerCell(settings.ranks_per_cell, folder, hparams, seed, threads=self.threads)
-        pids = self.cell.pids()
+            self.ray = RayRuntime(num_cpus=settings.ranks_per_cell, address=address,
+                                  pid_file=self.work_dir / "ray-pids.json").start()
+        self.cell = TrainerCell(settings.ranks_per_cell, folder, hparams, seed, threads=self.threads,
+                                placement=settings.placement, collective_timeout_s=settings.collective_timeout_s)
+        self.generation += 1
         self.ray.record()
-        log.info("fsdp2 cell of %d ranks: pids %s", settings.ranks_per_cell, pids)
+        state = self.report()
+        assert state is not None
+        log.info("fsdp2 cell %d of %d ranks: %s", self.generation, settings.ranks_per_cell,
+                 [(r.pid, r.node_ip) for r in state.ranks])
+        self.note("cell_started", f"cell {self.generation}: {settings.ranks_per_cell} ranks, {settings.placement}, "
+                  f"pids {[r.pid for r in state.ranks]}, ray {address or 'local'}")
         tmp = self.cell_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"ranks": [{"rank": r, "pid": p} for r, p in enumerate(pids)],
-                                   "strategy": "STRICT_PACK", "node_ip": "127.0.0.1"}))
+        tmp.write_text(state.model_dump_json())
         tmp.replace(self.cell_file)
         return self.cell
+
+    def report(self) -> CellState | None:
+        """The live cell (None: none): its ranks' pids and Ray nodes, as built."""
+        cell = self.cell
+        if cell is None or self.ray is None:
+            return None
+        state = "failed" if cell.dead else "alive"
+        return CellState(
+            generation=self.generation, placement=cell.placement, ray_address=self.ray.address or "local",
+            ranks=[CellRankState(rank=r, pid=int(w["pid"]), node_ip=str(w["node_ip"]), node_id=str(w["node_id"]),
+                                 state=state) for r, w in enumerate(cell.where)],
+        )
+
+    def note(self, kind: str, detail: str) -> None:
+        self.events.append(NodeEvent(at=time.time(), kind=kind, detail=detail))
+
+    def failed(self, err: BaseException) -> None:
+        """A call on the cell failed: remember why (an event), and on a lost Ray cluster drop
+        the connection so the next call reconnects."""
+        if getattr(err, "_noted", False):  # one event per failure, whichever caller sees it first
+            return
+        try:
+            setattr(err, "_noted", True)
+        except AttributeError:
+            pass
+        kind = err.kind if isinstance(err, CellFailed) else "cell_failed"
+        self.note(kind, f"cell {self.generation}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        if kind == "ray_unavailable":
+            self.cell = None  # its actors and placement group went with the cluster
+            self.cell_file.unlink(missing_ok=True)
+            self._disconnect()
+
+    def take_events(self) -> list[NodeEvent]:
+        out, self.events = self.events, []
+        return out
 
     def end_cell(self) -> None:
         self.cell_file.unlink(missing_ok=True)
@@ -45,13 +103,16 @@ class CellHost:
             cell, self.cell = self.cell, None
             cell.close()
 
+    def _disconnect(self) -> None:
+        if self.ray is not None:
+            ray, self.ray = self.ray, None
+            ray.stop()
+
     def close(self) -> None:
         try:
             self.end_cell()
         finally:
-            if self.ray is not None:
-                ray, self.ray = self.ray, None
-                ray.stop()
+            self._disconnect()
 
 
-__all__ = ["CellHost"]
+__all__ = ["CellHost", "RAY_ADDRESS_ENV", "ray_address"]

@@ -47,8 +47,9 @@ CELL_FORMAT_VERSION = 1
 
 
 def unsupported(hp: TrainerHParams) -> list[str]:
-    """The ``train`` knobs a cell does not implement yet (each would need a reduction of its own)."""
-    return ["train.tis_cap"] if hp.tis_cap is not None else []
+    """The ``train`` knobs a cell does not implement yet (each would need a reduction of its own):
+    the PPO critic is not sharded."""
+    return ["train.estimator ppo"] if hp.estimator == "ppo" else []
 
 
 def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
@@ -163,6 +164,36 @@ class CellRankTrainer(PolicyTrainer):
             out = [save_model_folder(self.model, self.tokenizer, folder, weight_version=self.policy_version, weights=sd)]
         dist.broadcast_object_list(out, src=0)
         return str(out[0])
+
+    def collective_seconds(self, reps: int) -> dict[str, float]:
+        """What the cell's collectives cost here (bench/bench_trainer_cell.py), median of
+        ``reps``: the full state dict gathered to CPU for publication, and one all-gather /
+        reduce-scatter of a flat float32 buffer the size of the parameters (FSDP2 runs one
+        all-gather per forward and per backward and one reduce-scatter per backward of every
+        micro-batch, layer by layer). Every rank must call it."""
+        import statistics
+        import time
+
+        n = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.model.parameters())  # this shard
+        full = torch.zeros(n * self.world, dtype=torch.float32)
+        local = torch.ones(n, dtype=torch.float32)
+
+        def timed(fn: object) -> float:
+            out = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()  # type: ignore[operator]
+                out.append(time.perf_counter() - t0)
+            return statistics.median(out)
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            "gather_state_dict": timed(lambda: get_model_state_dict(self.model, options=opts)),
+            "all_gather": timed(lambda: dist.all_gather_into_tensor(full, local)),
+            "reduce_scatter": timed(lambda: dist.reduce_scatter_tensor(local, full)),
+            "param_mib": n * self.world * 4 / 2**20,
+        }
 
     # ------------------------------------------------------------- state
     def _state(self, with_optimizer: bool) -> dict[str, object]:

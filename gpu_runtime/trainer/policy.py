@@ -263,14 +263,14 @@ class PolicyTrainer:
             assert self.teacher is not None
             terms, distill_kl = distill_lib.distill_terms(self.teacher, batches, old_lps, self.distill.coef)  # type: ignore[arg-type]
             advs = [a + t for a, t in zip(advs, terms)]
-        tis: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tis: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by micro-batch (a cell's rank has a share of them)
         own = self.micro_batch_share(len(batches))  # all of them, unless this is one rank of a cell
         self.model.train()
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0}
         if hp.dual_clip_c is not None:
             sums["dual_clip_fraction"] = 0.0
         if reward_kl is not None:
-            sums["kl"] = sum(float(agg(kl, b.tmask)) for kl, b in zip(reward_kl, batches))
+            sums["kl"] = sum(float(agg(reward_kl[k], batches[k].tmask)) for k in own)  # a cell adds its ranks' shares
         grad_norm = 0.0
         lr = self.lr_at(self.opt_steps, hp)
         for epoch in range(hp.ppo_epochs):
@@ -286,8 +286,8 @@ class PolicyTrainer:
                     old_lps[k] = lp.detach()
                 old = old_lps[k]
                 assert old is not None
-                if hp.tis_cap is not None and len(tis) == k:
-                    tis.append(tis_weights(old, b.engine_logprobs(), hp.tis_cap))
+                if hp.tis_cap is not None and k not in tis:
+                    tis[k] = tis_weights(old, b.engine_logprobs(), hp.tis_cap)
                 terms = policy_loss_per_token(hp.estimator, lp, old, advs[k], tmask, clip_eps=hp.clip_eps,
                                               clip_eps_high=hp.clip_eps_high, dual_clip_c=hp.dual_clip_c)
                 per_token = terms.loss * tis[k][0] if tis else terms.loss
@@ -328,6 +328,11 @@ class PolicyTrainer:
             critic.critic.steps += 1
         self.policy_version += 1
         gap_total, gap_count = logprob_gap_sums(batches, old_lps)
+        if tis:  # token-share weighted over this process's micro-batches (a cell adds its ranks' sums)
+            shares = {k: float(batches[k].tmask.sum()) / max(n_tokens, 1) for k in tis}
+            sums["tis_weight_mean"] = sum(float(masked_mean(wt, batches[k].tmask)) * shares[k] for k, (wt, _) in tis.items())
+            sums["tis_clip_fraction"] = sum(
+                float(masked_mean(c.to(torch.float32), batches[k].tmask)) * shares[k] for k, (_, c) in tis.items())
         sums = self.reduce_over_cell({**sums, "gap_total": gap_total, "gap_count": gap_count})
         gap_total, gap_count = sums.pop("gap_total"), sums.pop("gap_count")
         secs = time.perf_counter() - t0
@@ -336,12 +341,6 @@ class PolicyTrainer:
             metrics.update(critic.metrics(hp, n_tokens))
         if distill_kl is not None:
             metrics["distill_kl"] = distill_kl
-        if tis:
-            shares = [float(b.tmask.sum()) / max(n_tokens, 1) for b in batches]
-            metrics["tis_weight_mean"] = sum(
-                float(masked_mean(wt, b.tmask)) * f for (wt, _), b, f in zip(tis, batches, shares))
-            metrics["tis_clip_fraction"] = sum(
-                float(masked_mean(c.to(torch.float32), b.tmask)) * f for (_, c), b, f in zip(tis, batches, shares))
         lens = [float(len(s.response_ids)) for s in samples]
         metrics.update(
             grad_norm=grad_norm, lr=lr, tokens=float(n_tokens), tokens_per_s=n_tokens * hp.ppo_epochs / max(secs, 1e-9),

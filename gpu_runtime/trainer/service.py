@@ -28,6 +28,7 @@ from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
+    CellState,
     CheckpointSaved,
     NodeEvent,
     Rebuild,
@@ -39,6 +40,7 @@ from gpu_runtime.trainer.api import (
     weights_folder,
 )
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
+from gpu_runtime.trainer.cell import CellFailed  # no Ray import: that waits for a fsdp2 cell
 from gpu_runtime.trainer.policy import PolicyTrainer
 
 if TYPE_CHECKING:
@@ -76,6 +78,9 @@ class TrainerService:
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
         if getattr(self.trainer, "dead", False):  # a fsdp2 cell that lost a rank: rebuilt from a checkpoint
+            failure = getattr(self.trainer, "failure", None)
+            if failure is not None and self.cell_host is not None:
+                self.cell_host.failed(failure)
             self.trainer = None
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup
@@ -138,21 +143,27 @@ class TrainerService:
         info = self._publish_weights()
         return info.model_copy(update={
             "rebuild": rebuild, "sft_metrics": sft_metrics, "seconds": time.perf_counter() - t0,
-            "events": self.new_events(),
+            "events": self.new_events(), "cell": self.cell_state(),
         })
 
+    def cell_state(self) -> CellState | None:
+        """The live fsdp2 cell's ranks (None for backend single)."""
+        return self.cell_host.report() if self._fsdp2() and self.cell_host is not None else None
+
     def new_events(self) -> list[NodeEvent]:
-        """Checkpoint store events (corrupt checkpoint, failed upload) not yet reported."""
+        """Events not yet reported: the fsdp2 cell's (started, failed) and the checkpoint
+        store's (corrupt checkpoint, failed upload, refused write)."""
         if self.ckpts is None:
             return []
+        cells = self.cell_host.take_events() if self.cell_host is not None else []
         events = self.ckpts.events[self._events_seen :]
         self._events_seen += len(events)
         events, self._refused = [*events, *self._refused], []
         now = time.time()
-        return [
+        return [*cells, *(
             NodeEvent(at=now, kind=str(e["kind"]), detail=", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
             for e in events
-        ]
+        )]
 
     def _new_trainer(self) -> PolicyTrainer:
         s = self.setup
@@ -211,6 +222,10 @@ class TrainerService:
                 self.trainer = trainer
                 log.info("restored checkpoint step %d (v%d)", got.step, trainer.policy_version)
                 return got.step, {}
+            except CellFailed as err:  # the cell, not the checkpoint: an older one would not help
+                if self.cell_host is not None:
+                    self.cell_host.failed(err)
+                raise
             except Exception as err:  # corrupt / missing: fall back to an older one
                 log.warning("checkpoint step %d unusable: %s", info.step, err)
             finally:
@@ -322,9 +337,11 @@ class TrainerService:
         except FloatingPointError as err:
             self.trainer = None  # possibly half-updated: the next call restores a checkpoint
             raise Divergence(f"step {batch.step}: {err}") from err
-        except Exception:
+        except Exception as err:
             if self._fsdp2():  # a cell that failed mid-step (a rank died): rebuilt by restore + replay
                 self.trainer = None
+                if self.cell_host is not None:
+                    self.cell_host.failed(err)
             raise
         info = self._publish_weights()
         result = TrainResult(
@@ -335,6 +352,7 @@ class TrainerService:
             rebuild=before.rebuild if before else None,
             seconds=time.perf_counter() - t0,
             events=[*(before.events if before else []), *self.new_events()],
+            cell=self.cell_state(),
         )
         art.put_model(self.store, result_key, result)
         return result

@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from tests.e2e.faults import (  # noqa: E402
     start_run,
     wait_activity_started,
 )
-from tests.stack import Stack, running_stack, tiny_config, wait_for  # noqa: E402
+from tests.stack import ROOT, Stack, async_wait_for, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -80,32 +82,60 @@ def test_fsdp2_run_matches_single(stack: Stack, runs: tuple[list, list]) -> None
     assert shards == ["shards/__0_0.distcp", "shards/__1_0.distcp"], manifest["files"].keys()
 
 
-def rank_pids(stack: Stack) -> list[int]:
-    """The live cell's rank pids, as the node's trainer process records them (``cell.json``)."""
-    path = stack.workdir / "nodes" / "node0" / "trainer" / "cell.json"
+def status(stack: Stack, run_id: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "milestone_cli.main", "--address", stack.server.address,
+                           "status", run_id, *flags], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def cells(stack: Stack, run_id: str) -> list[dict]:
+    """The run's cells as ``milestone status --json`` lists them (as the trainer last reported)."""
+    out = status(stack, run_id, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout).get("cells", [])
+
+
+async def _committed(client: object, run_id: str, step: int) -> bool:
     try:
-        return [r["pid"] for r in json.loads(path.read_text())["ranks"]]
-    except FileNotFoundError:
-        return []
+        return (await progress(client, run_id)).step >= step  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - not queryable yet
+        return False
+
+
+def rank_pids(stack: Stack, run_id: str) -> list[int]:
+    return [r["pid"] for c in cells(stack, run_id) for r in c["ranks"]]
 
 
 def test_rank_killed_mid_step_ends_bitwise_equal(stack: Stack, runs: tuple[list, list]) -> None:
-    """One rank SIGKILLed from outside inside step 2's train_step: the activity fails, the
-    trainer rebuilds the cell (new placement group, new ranks) from the sharded checkpoint,
-    and the run ends bitwise equal to the fault-free fsdp2 run."""
+    """One rank SIGKILLed from outside inside step 2's train_step, its pid read from
+    ``milestone status --json`` (the cell and ranks the trainer last reported): the activity
+    fails, the trainer rebuilds the cell (new placement group, new ranks) from the sharded checkpoint,
+    and the run ends bitwise equal to the fault-free fsdp2 run; status then lists the new
+    cell and a ``cell_rank_died`` event."""
     store = stack.workdir / "store"
     run_id = "cell-rank-kill"
 
     async def main() -> None:
         client = await connect(stack.server.address)
         handle = await start_run(client, run_id, cfg(store, backend="fsdp2", ranks_per_cell=2))
+        # the cell that trained step 1 (status lists it once step 1 is committed) trains step 2;
+        # read before step 2's train_step starts, so the kill lands inside it (the CLI takes seconds)
+        await async_wait_for(lambda: _committed(client, run_id, 1), timeout_s=300, what="step 1 committed")
+        before = cells(stack, run_id)
+        assert len(before) == 1 and before[0]["node"] == "node0" and len(before[0]["ranks"]) == 2, before
+        assert all(r["state"] == "alive" and r["node_ip"] for r in before[0]["ranks"]), before
+        ranks = [r["pid"] for r in before[0]["ranks"]]
+        assert all(psutil.pid_exists(p) for p in ranks), ranks
         await wait_activity_started(client, f"{run_id}/step-2", "train_step")
-        ranks = wait_for(lambda: rank_pids(stack), timeout_s=60, what="the cell's rank pids")
         os.kill(ranks[-1], signal.SIGKILL)
         await asyncio.wait_for(handle.result(), 300)
-        step2 = (await progress(client, run_id)).steps[1]
-        assert step2.restored_from_step is not None, step2  # the cell was rebuilt from a checkpoint
-        assert ranks[-1] not in rank_pids(stack)
+        p = await progress(client, run_id)
+        assert p.steps[1].restored_from_step is not None, p.steps[1]  # the cell was rebuilt from a checkpoint
+        after = cells(stack, run_id)
+        assert after[0]["generation"] > before[0]["generation"] and ranks[-1] not in rank_pids(stack, run_id)
+        died = [e for e in p.events if e.kind == "cell_rank_died"]
+        assert died and "rank 1 of the cell died" in died[0].detail, [(e.kind, e.detail) for e in p.events]
+        human = status(stack, run_id).stdout
+        assert f"rank 1: pid {after[0]['ranks'][1]['pid']} node " in human, human
 
     asyncio.run(main())
     assert_bitwise_equal(final_weights(store, run_id, STEPS), final_weights(store, "cell", STEPS))

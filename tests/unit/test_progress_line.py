@@ -30,3 +30,27 @@ def test_the_progress_line_of_an_sft_run_shows_its_loss_not_a_reward() -> None:
                     steps=[step], mode="sft")
     assert format_progress(p).endswith("| sft loss 1.2345 | 0.5s/step")
     assert "reward" not in format_progress(p)
+
+
+def test_status_lists_the_cell_and_its_ranks() -> None:
+    """A fsdp2 run's cell as the trainer reported it (train_step result -> TrainingRun state ->
+    progress): one line per cell, one per rank with pid, Ray node and state."""
+    from activities import translate
+    from gpu_runtime.trainer.api import CellRankState, CellState, TrainResult
+    from milestone_cli.main import format_cells
+    from workflows.contracts import RunProgress
+
+    cell = CellState(generation=2, placement="strict_pack", ray_address="local", ranks=[
+        CellRankState(rank=r, pid=100 + r, node_ip="127.0.0.1", node_id=f"n{r}", state="alive") for r in range(2)])
+    res = TrainResult(policy_version=3, checksum="c", weights_key="w", metrics={}, seconds=1.0, cell=cell)
+    out = translate.train_step_result(res, [], "node0")
+    assert out.cell is not None and out.cell.node == "node0" and [r.pid for r in out.cell.ranks] == [100, 101]
+    assert translate.train_step_result(res.model_copy(update={"cell": None}), []).cell is None  # backend single
+    p = RunProgress(run_id="r", state="running", step=3, total_steps=4, policy_version=3, data_cursor=0,
+                    cells=[out.cell])
+    assert format_cells(p) == [
+        "  cell 2 on node0: 2 ranks, strict_pack, ray local",
+        "    rank 0: pid 100 node 127.0.0.1 alive",
+        "    rank 1: pid 101 node 127.0.0.1 alive",
+    ]
+    assert RunProgress.model_validate_json(p.model_dump_json()).cells[0].ranks[1].pid == 101  # the --json shape

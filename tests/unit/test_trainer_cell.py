@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -24,7 +24,8 @@ pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip i
 from gpu_runtime.models.causal_lm import export_state_dict  # noqa: E402
 from gpu_runtime.models.model_folder import load_model_folder, weights_checksum  # noqa: E402
 from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.cell import CellRankDied, RayRuntime, TrainerCell  # noqa: E402
+from gpu_runtime.trainer.api import TrainerHParams  # noqa: E402
+from gpu_runtime.trainer.cell import CellPlacementFailed, CellRankDied, CellRankHung, RayRuntime, TrainerCell  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
 from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
 
@@ -75,9 +76,10 @@ def reference(folder: Path) -> tuple[list[dict[str, float]], dict[str, torch.Ten
 
 
 def run_cell(folder: Path, save_after: int | None = None, ckpt: Path | None = None,
-             restore: Path | None = None, first: int = 1, ranks: int = 2,
+             restore: Path | None = None, first: int = 1, ranks: int = 2, hp: TrainerHParams = HP,
+             samples: Callable[[int], tuple[list, list[float]]] = rollout,
              ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor], str]:
-    cell = TrainerCell(ranks, folder, HP, SEED)
+    cell = TrainerCell(ranks, folder, hp, SEED)
     try:
         if restore is not None:
             cell.load_state(restore)
@@ -86,7 +88,7 @@ def run_cell(folder: Path, save_after: int | None = None, ckpt: Path | None = No
             cell.save_state(ckpt.with_name("step-0"))
         metrics = []
         for s in range(first, STEPS + 1):
-            metrics.append(cell.train_step(*rollout(s), 4, HP))
+            metrics.append(cell.train_step(*samples(s), 4, hp))
             if s == save_after:
                 assert ckpt is not None
                 cell.save_state(ckpt)
@@ -198,5 +200,72 @@ def test_a_killed_rank_fails_the_step_and_frees_the_cell(folder: Path, ray_runti
 
 
 def test_unsatisfiable_placement_is_a_clear_error(folder: Path, ray_runtime: RayRuntime) -> None:
-    with pytest.raises(RuntimeError, match="placement group .* was not satisfied"):
+    with pytest.raises(CellPlacementFailed, match="placement group .* was not satisfied"):
         TrainerCell(3, folder, HP, SEED, placement_timeout_s=3)
+    again = TrainerCell(2, folder, HP, SEED, placement="spread")  # the failed group freed what it held
+    try:
+        assert len(set(again.pids())) == 2
+    finally:
+        again.close()
+
+
+def test_a_stopped_rank_fails_the_step_within_the_collective_timeout(folder: Path, ray_runtime: RayRuntime) -> None:
+    """Rank 1 SIGSTOPped (a hung rank): rank 0's collective gives up after
+    ``collective_timeout_s`` and the step fails with CellRankHung instead of waiting gloo's
+    30 minutes; the cell is closed (the stopped rank killed) and its CPUs take a new cell."""
+    cell = TrainerCell(2, folder, HP, SEED, collective_timeout_s=5)
+    pids = cell.pids()
+    try:
+        cell.train_step(*rollout(1), 4, HP)
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(CellRankHung, match="collective timed out|did not finish"):
+            cell.train_step(*rollout(2), 4, HP)
+        assert cell.dead
+    finally:
+        cell.close()  # no SIGCONT: ending the cell must end a stopped rank too
+    wait_for(lambda: all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+                         for p in pids), timeout_s=60, what="the hung cell's ranks ended")
+    again = TrainerCell(2, folder, HP, SEED)
+    again.close()
+
+
+# truncated importance sampling (one_step_off's default) in a cell: the weights are per token,
+# the metrics token-share sums, so they reduce over the ranks like the others
+HP_TIS = HP.model_copy(update={"tis_cap": 1.2})
+
+
+def off_policy(step: int) -> tuple[list, list[float]]:
+    """``rollout(step)`` with engine logprobs that make some weights exceed the cap (-8) and
+    others fall below 1 (-1): as samples from an older policy."""
+    samples, rewards = rollout(step)
+    return [s.model_copy(update={"logprobs": [-1.0 if i % 2 else -8.0 for i in range(len(s.logprobs))]})
+            for s in samples], rewards
+
+
+def test_tis_cap_in_a_cell_matches_the_single_trainer(folder: Path, ray_runtime: RayRuntime) -> None:
+    torch.set_num_threads(1)
+    tr = PolicyTrainer.create(folder, HP_TIS, SEED)
+    ref = [tr.train_step(*off_policy(s), 4, HP_TIS) for s in range(1, STEPS + 1)]
+    ref_w = tr.published_state()
+    assert any(m["tis_clip_fraction"] > 0 for m in ref), "the cap never bites: the test proves little"
+    assert any(m["tis_weight_mean"] < 1 for m in ref)
+    metrics, w, _ = run_cell(folder, hp=HP_TIS, samples=off_policy)
+    for step, (mine, theirs) in enumerate(zip(metrics, ref), start=1):
+        for k in (*COMPARED, "tis_weight_mean", "tis_clip_fraction"):
+            assert mine[k] == pytest.approx(theirs[k], rel=METRIC_RTOL, abs=1e-7), f"step {step} {k}"
+    worst = max(float((w[k] - ref_w[k]).abs().max()) for k in w)
+    assert worst <= WEIGHT_ATOL, f"max |cell - single| = {worst}"
+
+
+def test_one_rank_checkpoint_restores_into_two_ranks(folder: Path, ray_runtime: RayRuntime, reference,
+                                                     tmp_path: Path) -> None:
+    """Reshard the other way: a 1-rank cell's checkpoint after step 1 loads into 2 ranks,
+    whose steps 2..3 match the single reference."""
+    ref_metrics, ref_w = reference
+    run_cell(folder, save_after=1, ckpt=tmp_path / "step-1", ranks=1)
+    resumed, w2, _ = run_cell(folder, restore=tmp_path / "step-1", first=2, ranks=2)
+    for mine, theirs in zip(resumed, ref_metrics[1:]):
+        for k in COMPARED:
+            assert mine[k] == pytest.approx(theirs[k], rel=METRIC_RTOL, abs=1e-7), k
+    worst = max(float((w2[k] - ref_w[k]).abs().max()) for k in w2)
+    assert worst <= WEIGHT_ATOL, f"max |resharded - single| = {worst}"

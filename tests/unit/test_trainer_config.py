@@ -19,7 +19,8 @@ def error(cfg: dict) -> str:
 
 def test_defaults_are_one_process() -> None:
     t = RunConfig().trainer
-    assert (t.backend, t.ranks_per_cell) == ("single", 1)
+    assert (t.backend, t.ranks_per_cell, t.placement, t.ray_address, t.collective_timeout_s) == (
+        "single", 1, "strict_pack", None, 120.0)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
@@ -34,14 +35,27 @@ def test_fsdp2_cells_that_divide_the_micro_batches(ranks: int) -> None:
     ({"trainer": {"backend": "fsdp3"}}, "trainer.backend: Input should be 'single' or 'fsdp2'"),
     ({**BASE, "trainer": {"backend": "fsdp2", "ranks_per_cell": 3}}, "ranks_per_cell 3 must divide the step's 4 micro-batches"),
     ({"trainer": {"backend": "fsdp2", "ranks_per_cell": 2}}, "must divide the step's 1 micro-batches"),
-    ({**BASE, "trainer": {"backend": "fsdp2"}, "rollout": {"mode": "one_step_off", "prompts_per_step": 4, "group_size": 4}},
-     "backend fsdp2 does not support train.tis_cap"),
+    ({"trainer": {"placement": "spread"}}, "trainer: placement and ray_address need backend fsdp2"),
+    ({"trainer": {"ray_address": "10.0.0.1:6379"}}, "trainer: placement and ray_address need backend fsdp2"),
+    ({**BASE, "trainer": {"backend": "fsdp2", "placement": "pack"}}, "trainer.placement: Input should be 'strict_pack' or 'spread'"),
+    ({**BASE, "trainer": {"backend": "fsdp2", "collective_timeout_s": 0}}, "trainer.collective_timeout_s: Input should be greater than 0"),
+    ({**BASE, "trainer": {"backend": "fsdp2"}, "train": {"micro_batch_size": 4, "estimator": "ppo"}},
+     "does not support train.estimator ppo"),
     ({**BASE, "trainer": {"backend": "fsdp2"}, "model": {"path": "/m", "lora": {"r": 4}}}, "does not support model.lora"),
     ({**BASE, "trainer": {"backend": "fsdp2"}, "distill": {"teacher_path": "/t"}}, "does not support distill"),
     ({"mode": "sft", "sft": {"steps": 0}, "trainer": {"backend": "fsdp2"}}, "does not support mode sft"),
 ])
 def test_bad_trainer_sections_name_the_field(cfg: dict, message: str) -> None:
     assert message in error(cfg)
+
+
+def test_one_step_off_keeps_its_tis_cap_in_a_cell() -> None:
+    cfg = RunConfig.model_validate({**BASE, "trainer": {"backend": "fsdp2", "ranks_per_cell": 2, "placement": "spread",
+                                                        "ray_address": "127.0.0.1:6379", "collective_timeout_s": 30},
+                                    "rollout": {"mode": "one_step_off", "prompts_per_step": 4, "group_size": 4}})
+    assert cfg.train.tis_cap is not None
+    assert (cfg.trainer.placement, cfg.trainer.ray_address, cfg.trainer.collective_timeout_s) == (
+        "spread", "127.0.0.1:6379", 30)
 
 
 def test_one_step_off_with_tis_off_is_accepted() -> None:

@@ -207,9 +207,12 @@ def test_run_setup_carries_lora_and_distill() -> None:
 def test_run_setup_carries_the_trainer_backend() -> None:
     inp = InitPolicyInput(
         run_id="r", store_uri="file:///s", seed=5, model=ModelSpec(), sft=SFTSpec(), train=TRAIN, dataset=DATASET,
-        checkpoint=CheckpointSpec(), config_hash="abc", trainer=TrainerSpec(backend="fsdp2", ranks_per_cell=4),
+        checkpoint=CheckpointSpec(), config_hash="abc", trainer=TrainerSpec(backend="fsdp2", ranks_per_cell=4, placement="spread",
+                                                                         ray_address="10.0.0.2:6379", collective_timeout_s=9),
     )
     setup = translate.run_setup(inp)
-    assert setup.trainer is not None and setup.trainer.model_dump() == {"backend": "fsdp2", "ranks_per_cell": 4}
+    assert setup.trainer is not None and setup.trainer.model_dump() == {
+        "backend": "fsdp2", "ranks_per_cell": 4, "placement": "spread", "ray_address": "10.0.0.2:6379",
+        "collective_timeout_s": 9}
     default = translate.run_setup(inp.model_copy(update={"trainer": TrainerSpec()}))
     assert default.trainer is not None and default.trainer.backend == "single"
