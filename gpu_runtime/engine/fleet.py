@@ -44,6 +44,7 @@ from gpu_runtime.node.proc import free_port, port_free
 from gpu_runtime.weight_sync.shared_memory import NodeSegments
 
 log = logging.getLogger(__name__)
+PORT_MOVES = 3  # a starting engine whose port another process took moves this many times at most
 
 
 class EngineFleet:
@@ -163,7 +164,7 @@ class EngineFleet:
             logf.close()
         with self._lock:
             s.proc, s.state, s.failures = proc, "starting", 0
-            s.weight_version, s.checksum = None, None
+            s.weight_version, s.checksum, s.launched = None, None, (model_path, version)
         log.info("slot %d: started pid=%d %s", s.index, proc.pid, " ".join(cmd))
 
     def _wait_all_healthy(self, slots: list[_Slot]) -> list[bool]:
@@ -176,10 +177,23 @@ class EngineFleet:
         """Wait until a starting engine answers /health_generate; fills version and checksum."""
         deadline = time.monotonic() + self.health.first_wait_s
         probe = EngineClient(s.url, timeout_s=self.health.timeout_s)
+        moves = 0
         try:
             while time.monotonic() < deadline and not self._stop.is_set():
                 proc = s.proc
                 if proc is None or proc.poll() is not None:
+                    if proc is not None and moves < PORT_MOVES and s.launched and self._lost_its_port(s):
+                        # the port was free when chosen, but another process (often an outgoing
+                        # connection's ephemeral port) bound it while the engine loaded its model
+                        moves += 1
+                        old, s.port = s.url, free_port()
+                        s.url = f"http://{self._host}:{s.port}"
+                        log.warning("slot %d: %s was taken while its engine started; the slot moves to %s",
+                                    s.index, old, s.url)
+                        self._spawn(s, *s.launched)
+                        probe.close()
+                        probe = EngineClient(s.url, timeout_s=self.health.timeout_s)
+                        continue
                     log.error("slot %d: engine exited during start (rc=%s)", s.index, proc and proc.returncode)
                     return False
                 if probe.health() and probe.health_generate(self.health.timeout_s):
@@ -192,6 +206,16 @@ class EngineFleet:
             return False
         finally:
             probe.close()
+
+    def _lost_its_port(self, s: _Slot) -> bool:
+        """Whether the slot's engine exited because its port was in use (the end of its log)."""
+        try:
+            with open(self.log_dir / f"engine-{s.index}.log", "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4096))
+                return b"Address already in use" in f.read()
+        except OSError:
+            return False
 
     def _read_weights(self, c: EngineClient) -> tuple[str | None, str | None]:
         try:

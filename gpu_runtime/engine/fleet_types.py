@@ -63,3 +63,4 @@ class _Slot:
     checksum: str | None = None
     restart_count: int = 0
     failures: int = 0
+    launched: tuple[str, str | None] | None = None  # (model path, version) of the last spawn

@@ -184,3 +184,28 @@ def test_sampled_weight_probe_for_engines_without_a_checksum(model_dirs, tmp_pat
         assert not fleet._probe_mismatch(fleet.slots[1], str(model_dirs["v2"]))
     finally:
         fleet.stop()
+
+
+def test_an_engine_whose_port_is_taken_while_it_starts_moves(model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The fleet picks a free port, but another process may bind it while the engine loads
+    its model (CI saw an outgoing connection's ephemeral port do so): the engine exits with
+    EADDRINUSE and the slot moves to a new port instead of failing the fleet's start."""
+    f = EngineFleet(TorchEngineBackend(threads=1), 1, model_dirs["v1"], free_port_block(1), tmp_path / "logs",
+                    health=HEALTH)
+    blocked = f.slots[0].port
+    starter = threading.Thread(target=f.start)
+    with socket.socket() as squatter:
+        try:
+            starter.start()
+            wait_for(lambda: f.slots[0].proc is not None, 30, "the engine spawned")
+            squatter.bind(("127.0.0.1", blocked))  # before the engine binds: it is still importing torch
+            squatter.listen()
+            starter.join(120)
+            assert not starter.is_alive()
+            (slot,) = f.snapshot()
+            assert slot.state == "healthy" and slot.url != f"http://127.0.0.1:{blocked}", slot
+            assert EngineClient(slot.url, timeout_s=5).health()
+            assert b"Address already in use" in (tmp_path / "logs" / "engine-0.log").read_bytes()
+        finally:
+            f.stop()
+            starter.join(30)
