@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 import torch
 from safetensors.torch import load_file
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
-from tests.stack import Stack, async_wait_for
+from tests.stack import Stack, async_wait_for, running_stack
 from workers.common import connect
 from workflows.config import RunConfig
 from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
@@ -75,3 +78,25 @@ def baseline_weights(stack: Stack, store: Path, cfg: dict, run_id: str = "baseli
 
     summary = asyncio.run(main())
     return final_weights(store, run_id, summary.policy_version)
+
+
+def module_stack_fixtures(name: str, env: dict[str, str], config: Callable[[Path], dict]) -> tuple:
+    """The module-scoped ``stack``, ``store`` and ``baseline`` fixtures of a fault-injection
+    module: one stack per module (its agents get ``env``) and the fault-free run of
+    ``config(store)`` whose final weights every faulted run must equal bitwise. Use as
+    ``stack, store, baseline = module_stack_fixtures("name", ENV, cfg)``."""
+
+    @pytest.fixture(scope="module")
+    def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+        with running_stack(tmp_path_factory.mktemp(name), env=env) as s:
+            yield s
+
+    @pytest.fixture(scope="module")
+    def store(stack: Stack) -> Path:
+        return stack.workdir / "store"
+
+    @pytest.fixture(scope="module")
+    def baseline(stack: Stack, store: Path) -> dict[str, torch.Tensor]:
+        return baseline_weights(stack, store, config(store))
+
+    return stack, store, baseline

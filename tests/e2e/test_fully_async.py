@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,13 @@ from gpu_runtime.data.datasets import prompts_for_step
 from tests.e2e.test_fork import cli
 from tests.e2e.faults import (
     assert_bitwise_equal,
-    baseline_weights,
+    module_stack_fixtures,
     final_weights,
     progress,
     start_run,
     wait_activity_started,
 )
-from tests.stack import Stack, running_stack, tiny_config
+from tests.stack import Stack, tiny_config
 from workers.common import connect
 
 pytestmark = pytest.mark.e2e
@@ -45,20 +44,7 @@ def cfg(store: Path) -> dict:
     return tiny_config(store, **CFG)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("fully-async"), env=ENV) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def store(stack: Stack) -> Path:
-    return stack.workdir / "store"
-
-
-@pytest.fixture(scope="module")
-def baseline(stack: Stack, store: Path) -> dict:
-    return baseline_weights(stack, store, cfg(store))
+stack, store, baseline = module_stack_fixtures("fully-async", ENV, cfg)
 
 
 def trained_samples(store: Path, run_id: str, step: int) -> list[dict]:

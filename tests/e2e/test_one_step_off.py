@@ -8,21 +8,20 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.faults import (
     assert_bitwise_equal,
-    baseline_weights,
+    module_stack_fixtures,
     final_weights,
     progress,
     start_run,
     wait_activity_started,
 )
 from tests.e2e.test_process_faults import assert_trained_exactly_once
-from tests.stack import Stack, running_stack, tiny_config
+from tests.stack import Stack, tiny_config
 from workers.common import connect
 
 pytestmark = pytest.mark.e2e
@@ -40,20 +39,7 @@ def cfg(store: Path) -> dict:
     return c
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("one-step-off"), env=ENV) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def store(stack: Stack) -> Path:
-    return stack.workdir / "store"
-
-
-@pytest.fixture(scope="module")
-def baseline(stack: Stack, store: Path) -> dict:
-    return baseline_weights(stack, store, cfg(store))
+stack, store, baseline = module_stack_fixtures("one-step-off", ENV, cfg)
 
 
 def sample_versions(store: Path, run_id: str, step: int) -> set[int]:
