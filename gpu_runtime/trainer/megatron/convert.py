@@ -16,7 +16,6 @@ megatron-core, and works on any device and dtype.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +51,6 @@ _PLAIN = {
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
 }
 _TOP = {"model.embed_tokens.weight": "embedding.word_embeddings.weight", "model.norm.weight": "decoder.final_layernorm.weight"}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_MLAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Shape) -> torch.Tensor:
@@ -75,22 +72,38 @@ def split_qkv(qkv: torch.Tensor, s: Shape) -> tuple[torch.Tensor, torch.Tensor, 
             v.reshape(g * d, *rest).contiguous())
 
 
+class _Source:
+    """A state dict read by name: a missing name is a ValueError naming it, and ``check_all_used``
+    names what no read took (a weight the conversion has no place for)."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], what: str) -> None:
+        self.sd, self.what, self.used = sd, what, set[str]()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sd
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.sd:
+            raise ValueError(f"{self.what} state dict has no {name}")
+        self.used.add(name)
+        return self.sd[name]
+
+    def check_all_used(self, why: str) -> None:
+        left = sorted(set(self.sd) - self.used)
+        if left:
+            raise ValueError(f"{self.what} weights with no {why}: {left[:5]}")
+
+
 def hf_to_megatron(sd: dict[str, torch.Tensor], s: Shape) -> dict[str, torch.Tensor]:
     """An HF state dict (``export_state_dict`` naming; ``lm_head.weight`` optional when tied)
     -> Megatron GPTModel's. Unknown or missing names are a ValueError naming them."""
+    src = _Source(sd, "HF")
+    take = src.take
     out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
-            raise ValueError(f"HF state dict has no {name}")
-        used.add(name)
-        return sd[name]
-
     for hf, mg in _TOP.items():
         out[mg] = take(hf)
     if s.tied:
-        used.add("lm_head.weight")  # the embedding, if present at all
+        src.used.add("lm_head.weight")  # the embedding, if present at all
     else:
         out["output_layer.weight"] = take("lm_head.weight")
     for i in range(s.num_layers):
@@ -100,29 +113,20 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], s: Shape) -> dict[str, torch.Ten
         a = p + "self_attn."
         out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
             take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight"), s)
-        if a + "q_proj.bias" in sd:  # Qwen2: qkv biases; Llama: none
+        if a + "q_proj.bias" in src:  # Qwen2: qkv biases; Llama: none
             out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias"), s)
         out[m + "mlp.linear_fc1.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
-    left = sorted(set(sd) - used)
-    if left:
-        raise ValueError(f"HF weights with no Megatron place (unsupported architecture?): {left[:5]}")
+    src.check_all_used("Megatron place (unsupported architecture?)")
     return out
 
 
 def megatron_to_hf(sd: dict[str, torch.Tensor], s: Shape) -> dict[str, torch.Tensor]:
     """Megatron GPTModel's state dict (``_extra_state`` entries ignored) -> HF naming, with
     ``lm_head.weight`` left out when tied (what ``export_state_dict`` gives)."""
-    sd = {k: v for k, v in sd.items() if not k.endswith("._extra_state")}
+    src = _Source({k: v for k, v in sd.items() if not k.endswith("._extra_state")}, "Megatron")
+    take = src.take
     out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
-            raise ValueError(f"Megatron state dict has no {name}")
-        used.add(name)
-        return sd[name]
-
     for hf, mg in _TOP.items():
         out[hf] = take(mg)
     if not s.tied:
@@ -134,12 +138,10 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], s: Shape) -> dict[str, torch.Ten
         a = p + "self_attn."
         q, k, v = split_qkv(take(m + "self_attention.linear_qkv.weight"), s)
         out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
-        if m + "self_attention.linear_qkv.bias" in sd:
+        if m + "self_attention.linear_qkv.bias" in src:
             q, k, v = split_qkv(take(m + "self_attention.linear_qkv.bias"), s)
             out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
         gate, up = torch.chunk(take(m + "mlp.linear_fc1.weight"), 2, dim=0)
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
-    left = sorted(set(sd) - used)
-    if left:
-        raise ValueError(f"Megatron weights with no HF place: {left[:5]}")
+    src.check_all_used("HF place")
     return out
