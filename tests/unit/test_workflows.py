@@ -13,7 +13,6 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
-from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
@@ -99,14 +98,7 @@ def test_lost_node_is_replaced_and_the_step_rerun(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(TIMINGS, "train_step", replace(TIMINGS["train_step"], schedule_to_start=timedelta(seconds=1)))
     cluster = Cluster(n_nodes=2)
     node_a, node_b = cluster.queues
-    a_stopping = asyncio.Event()
-
-    async def last_call_on_a(queue: str, attempt: int) -> None:
-        if queue == node_a:
-            a_stopping.set()
-            await activity.wait_for_worker_shutdown()  # finish this call, then A is gone
-
-    cluster.hooks[("rollout", 2)] = last_call_on_a
+    a_stopping = cluster.last_call_on(node_a, "rollout", 2)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3))

@@ -14,7 +14,6 @@ from datetime import timedelta
 
 import pytest
 from pydantic import ValidationError
-from temporalio import activity
 from temporalio.client import WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
@@ -205,14 +204,7 @@ def test_lost_node_reruns_the_step_from_the_recorded_buffer(monkeypatch: pytest.
         monkeypatch.setitem(TIMINGS, name, replace(TIMINGS[name], schedule_to_start=timedelta(seconds=1)))
     cluster = Cluster(n_nodes=2)
     node_a, node_b = cluster.queues
-    a_stopping = asyncio.Event()
-
-    async def last_call_on_a(queue: str, attempt: int) -> None:
-        if queue == node_a:
-            a_stopping.set()
-            await activity.wait_for_worker_shutdown()
-
-    cluster.hooks[("rollout", 5)] = last_call_on_a
+    a_stopping = cluster.last_call_on(node_a, "rollout", 5)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, fully_async())

@@ -11,7 +11,6 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
-from temporalio import activity
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -94,14 +93,7 @@ def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest
         monkeypatch.setitem(TIMINGS, name, replace(TIMINGS[name], schedule_to_start=timedelta(seconds=1)))
     cluster = Cluster(n_nodes=2)
     node_a, node_b = cluster.queues
-    a_stopping = asyncio.Event()
-
-    async def last_call_on_a(queue: str, attempt: int) -> None:
-        if queue == node_a:
-            a_stopping.set()
-            await activity.wait_for_worker_shutdown()
-
-    cluster.hooks[("rollout", 4)] = last_call_on_a
+    a_stopping = cluster.last_call_on(node_a, "rollout", 4)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, one_step_off())

@@ -158,6 +158,19 @@ class Cluster:
         self.hooks[(name, step)] = g.hook
         return g
 
+    def last_call_on(self, queue: str, name: str, step: int) -> asyncio.Event:
+        """Node ``queue`` finishes its ``name`` call of ``step`` and then stops (its worker
+        shut down by the test once the returned event is set): a node lost mid-run."""
+        stopping = asyncio.Event()
+
+        async def hook(q: str, attempt: int) -> None:
+            if q == queue:
+                stopping.set()
+                await activity.wait_for_worker_shutdown()  # finish this call, then the node is gone
+
+        self.hooks[(name, step)] = hook
+        return stopping
+
     def served(self, name: str, step: int | None = None) -> list[Call]:
         return [c for c in self.calls if c.name == name and (step is None or c.step == step)]
 
