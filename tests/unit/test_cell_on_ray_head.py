@@ -14,17 +14,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
 
-from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
 from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
 from gpu_runtime.trainer.cell import RayRuntime, RayUnavailable  # noqa: E402
 from gpu_runtime.trainer.cell_host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
 from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
-from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
+from tests.unit.test_policy_trainer import hparams, rollout  # noqa: E402
+from tests.unit.test_trainer_cell import post_sft_folder  # noqa: E402
 
 SEED = 7
 HP = hparams(micro_batch_size=2, ppo_epochs=1, kl_coef=0.0, warmup_steps=0, lr=1e-3)
@@ -80,12 +79,7 @@ def head() -> Iterator[Head]:
 
 @pytest.fixture(scope="module")
 def folder() -> Path:
-    torch.set_num_threads(1)
-    tr = PolicyTrainer.create(base(SEED), HP, SEED)
-    tr.sft_warmup(ROWS, steps=2, batch_size=8, lr=1e-3, seed=SEED, betas=(0.9, 0.95))
-    out = Path(tempfile.mkdtemp(prefix="cell-head-")) / "policy"
-    tr.export_model_folder(out)
-    return out
+    return post_sft_folder(HP, 2, "cell-head-")
 
 
 SETTINGS = TrainerBackendSettings(backend="fsdp2", ranks_per_cell=2, placement="strict_pack", ray_address=None,

@@ -46,15 +46,20 @@ WEIGHT_ATOL = 1e-5
 METRIC_RTOL = 1e-5
 
 
+def post_sft_folder(hp: TrainerHParams, sft_steps: int, prefix: str) -> Path:
+    """A policy after ``sft_steps`` of SFT on ROWS, exported as the HF folder a cell's ranks load."""
+    torch.set_num_threads(1)
+    tr = PolicyTrainer.create(base(SEED), hp, SEED)
+    tr.sft_warmup(ROWS, steps=sft_steps, batch_size=8, lr=1e-3, seed=SEED, betas=(0.9, 0.95))
+    out = Path(tempfile.mkdtemp(prefix=prefix)) / "policy"
+    tr.export_model_folder(out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def folder() -> Path:
     """The post-SFT policy both sides start from (the cell's ranks load an HF folder)."""
-    torch.set_num_threads(1)
-    tr = PolicyTrainer.create(base(SEED), HP, SEED)
-    tr.sft_warmup(ROWS, steps=3, batch_size=8, lr=1e-3, seed=SEED, betas=(0.9, 0.95))
-    out = Path(tempfile.mkdtemp(prefix="cell-base-")) / "policy"
-    tr.export_model_folder(out)
-    return out
+    return post_sft_folder(HP, 3, "cell-base-")
 
 
 @pytest.fixture(scope="module")
