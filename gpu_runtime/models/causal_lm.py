@@ -72,13 +72,19 @@ def tied_embeddings(model: PreTrainedModel) -> bool:
     return bool(getattr(model.config, "tie_word_embeddings", False))
 
 
-def export_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """Contiguous, untied copies of every tensor, in ``save_pretrained`` naming
-    (safetensors refuses shared storage; a tied ``lm_head`` is left out)."""
-    sd = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+def exported_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The tensors ``export_state_dict`` saves, as detached views of the model's own (no
+    copy): ``save_pretrained`` naming, a tied ``lm_head`` left out."""
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
     if tied_embeddings(model):
         sd.pop("lm_head.weight", None)
     return sd
+
+
+def export_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Contiguous, untied copies of every tensor, in ``save_pretrained`` naming
+    (safetensors refuses shared storage; a tied ``lm_head`` is left out)."""
+    return {k: v.contiguous().clone() for k, v in exported_tensors(model).items()}
 
 
 def load_exported_state_dict(model: PreTrainedModel, sd: dict[str, torch.Tensor]) -> None:

@@ -18,7 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from gpu_runtime.models.causal_lm import export_state_dict, load_causal_lm, load_exported_state_dict, tied_embeddings
+from gpu_runtime.models.causal_lm import (
+    export_state_dict,
+    exported_tensors,
+    load_causal_lm,
+    load_exported_state_dict,
+)
 from gpu_runtime.models.tokenizer import Tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -44,10 +49,7 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
 def model_checksum(model: PreTrainedModel) -> str:
     """``weights_checksum`` of what ``export_state_dict`` would save, without copying the
     weights first (an engine hashes after every weight push)."""
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    if tied_embeddings(model):
-        sd.pop("lm_head.weight", None)
-    return weights_checksum(sd)
+    return weights_checksum(exported_tensors(model))
 
 
 def save_model_folder(
