@@ -28,6 +28,7 @@ import torch
 
 from gpu_runtime.models.causal_lm import load_exported_state_dict
 from gpu_runtime.models.model_folder import weights_checksum
+from gpu_runtime.node.proc import pid_alive
 
 MAGIC = b"MSWSHM01"
 ALIGN = 64
@@ -202,18 +203,9 @@ def prune_orphans(root: Path = DEFAULT_ROOT) -> list[Path]:
     gone = []
     for p in root.glob("milestone-weights-pid*"):
         pid = p.name.removeprefix("milestone-weights-pid").split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         p.unlink(missing_ok=True)
         gone.append(p)
     return gone
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
