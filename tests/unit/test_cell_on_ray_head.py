@@ -21,6 +21,7 @@ from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
 from gpu_runtime.trainer.cell import RayRuntime, RayUnavailable  # noqa: E402
 from gpu_runtime.trainer.cell_host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
 from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready  # noqa: E402
+from gpu_runtime.node.proc import pid_alive  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
 from tests.unit.test_policy_trainer import hparams, rollout  # noqa: E402
 from tests.unit.test_trainer_cell import post_sft_folder  # noqa: E402
@@ -104,9 +105,8 @@ def test_a_cell_on_an_existing_head_leaves_it_running(head: Head, folder: Path, 
     finally:
         host.close()
     assert not (tmp_path / "ray-pids.json").exists(), "nothing of an existing cluster is recorded as ours"
-    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                             for p in ranks), timeout_s=60, what="the cell's rank processes ended")
-    assert psutil.pid_exists(head_pid) and psutil.Process(head_pid).status() != psutil.STATUS_ZOMBIE
+    wait_for(lambda: not any(pid_alive(p) for p in ranks), timeout_s=60, what="the cell's rank processes ended")
+    assert pid_alive(head_pid)
     alive = {p.pid for p in head_processes(head_pid)}
     assert before - {*ranks} <= alive, f"head processes gone: {before - alive}"
     # the placement group and actors are gone: a new client sees all of the head's CPUs free
@@ -117,7 +117,7 @@ def test_a_cell_on_an_existing_head_leaves_it_running(head: Head, folder: Path, 
         wait_for(lambda: ray.available_resources().get("CPU") == 2.0, timeout_s=60, what="the head's 2 CPUs free")
     finally:
         rt.stop()
-    assert psutil.pid_exists(head_pid)
+    assert pid_alive(head_pid)
 
 
 def test_a_head_restart_fails_the_call_clearly_and_the_next_one_reconnects(head: Head, folder: Path,

@@ -15,7 +15,6 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -26,6 +25,7 @@ from gpu_runtime.models.model_folder import load_model_folder, weights_checksum 
 from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
 from gpu_runtime.trainer.api import TrainerHParams  # noqa: E402
 from gpu_runtime.trainer.cell import CellPlacementFailed, CellRankDied, CellRankHung, RayRuntime, TrainerCell  # noqa: E402
+from gpu_runtime.node.proc import pid_alive  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
 from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
 
@@ -198,8 +198,7 @@ def test_a_killed_rank_fails_the_step_and_frees_the_cell(folder: Path, ray_runti
         assert cell.dead
     finally:
         cell.close()
-    wait_for(lambda: not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE,
-             timeout_s=60, what="rank 0 ended with its cell")
+    wait_for(lambda: not pid_alive(pids[0]), timeout_s=60, what="rank 0 ended with its cell")
     again = TrainerCell(2, folder, HP, SEED)  # the placement group's CPUs are free again
     again.close()
 
@@ -228,8 +227,7 @@ def test_a_stopped_rank_fails_the_step_within_the_collective_timeout(folder: Pat
         assert cell.dead
     finally:
         cell.close()  # no SIGCONT: ending the cell must end a stopped rank too
-    wait_for(lambda: all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
-                         for p in pids), timeout_s=60, what="the hung cell's ranks ended")
+    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout_s=60, what="the hung cell's ranks ended")
     again = TrainerCell(2, folder, HP, SEED)
     again.close()
 
