@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,18 +165,30 @@ class RouterProcess:
     def worker_urls(self) -> set[str]:
         return {w["url"] for w in self.list_workers()}
 
-    def add_worker(self, url: str, timeout_s: float = 30.0) -> None:
+    def add_worker(self, url: str, timeout_s: float = 60.0) -> None:
+        """Register ``url`` and wait until the router lists it.
+
+        0.3.2 registers in a background job that probes the worker's ``/health`` and
+        retries every 5 s on its own. It is POSTed once: a second POST starts a second job,
+        which can list the url again after ``remove_worker`` (measured). On a timeout the
+        error carries the router's last warnings, which say which probe failed."""
         body = {"url": url, "api_key": self.token} if self.token else {"url": url}
         r = self._call("POST", "/workers", json=body)
         if r.status_code not in (200, 201, 202):
             raise RouterError(f"add worker {url}: HTTP {r.status_code} {r.text[:200]}")
-        # registration may be asynchronous: wait until the worker is listed
         deadline = time.monotonic() + timeout_s
         while url not in self.worker_urls():
             if time.monotonic() > deadline:
-                raise RouterError(f"worker {url} not listed by the router within {timeout_s}s")
+                raise RouterError(f"worker {url} not listed by the router within {timeout_s}s{self._log_tail()}")
             time.sleep(0.05)
         log.info("router: added %s", url)
+
+    def _log_tail(self, lines: int = 5) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
+        tail = [ln[:400] for ln in text.splitlines() if "WARN" in ln or "ERROR" in ln][-lines:]
+        return ("; router log " + str(self.log_path) + ":\n  " + "\n  ".join(tail)) if tail else ""
 
     def remove_worker(self, url: str, timeout_s: float = 30.0) -> bool:
         """Delete every entry with this url and wait until it is unlisted (the router

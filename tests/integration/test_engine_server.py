@@ -13,7 +13,7 @@ import torch
 from gpu_runtime.engine.backends import SGLangEngineBackend, TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.generate import generate_batch
-from gpu_runtime.engine.router import RouterProcess
+from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.models.model_folder import load_model_folder
 from tests.engine_fixtures import free_port, model_dirs, procs, start_engine, stop_pid, wait_for  # noqa: F401
 
@@ -121,6 +121,25 @@ def test_generation_through_sglang_router_equals_direct(model_dirs, procs, tmp_p
         assert router.worker_urls() == {clients[1].base_url}
         assert [r["output_ids"] for r in via.generate(BATCH, SP)] == [r["output_ids"] for r in direct]
         via.close()
+    finally:
+        router.stop()
+
+
+def test_router_add_worker_waits_for_a_late_engine_and_names_the_failed_probe(model_dirs, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    router = RouterProcess(free_port(), [], log_path=tmp_path / "router.log")
+    try:
+        router.start()
+        # nothing listens yet: the router's background job keeps failing its health probe,
+        # and the error quotes the router's own warning about it
+        with pytest.raises(RouterError, match=r"(?s)not listed by the router within 6.0s; router log .*health"):
+            router.add_worker(url, timeout_s=6.0)
+        # the router keeps retrying that job: once an engine answers there, it is listed
+        procs.append(start_engine(model_dirs["v1"], port, tmp_path / "engine.log"))
+        wait_for(lambda: router.worker_urls() == {url}, 120, "the late engine listed")
+        assert [w["url"] for w in router.list_workers()] == [url]
+        assert router.remove_worker(url) and router.worker_urls() == set()
     finally:
         router.stop()
 
