@@ -135,6 +135,7 @@ class TrainerBackendSettings(Message):
     placement: Literal["strict_pack", "spread"]
     ray_address: str | None
     collective_timeout_s: float
+    cells: int = 1  # independent data-parallel cells joined by torchft (gpu_runtime.trainer.dp)
 
 
 class RunSetup(Message):
@@ -219,6 +220,27 @@ class CellState(Message):
     ranks: list[CellRankState]
 
 
+class DPCellInfo(Message):
+    """One data-parallel cell (``trainer.cells``) as its group last saw it."""
+
+    index: int
+    pid: int
+    state: str  # alive | lost | starting
+    why: str = ""  # why it was lost
+    restarts: int = 0
+    policy_version: int = 0
+    state_checksum: str = ""  # weights + AdamW + schedule + version, after its last call
+    healed_from_step: int | None = None  # its state was last copied from a peer (it held this version)
+
+
+class DPState(Message):
+    """The trainer's DP cells and their torchft lighthouse (``milestone status`` lists them)."""
+
+    lighthouse_pid: int
+    lighthouse_restarts: int = 0
+    cells: list[DPCellInfo]
+
+
 class VersionInfo(Message):
     """The trainer's current policy version, published as a model folder."""
 
@@ -231,6 +253,7 @@ class VersionInfo(Message):
     seconds: float = 0.0
     events: list[NodeEvent] = []
     cell: CellState | None = None  # backend fsdp2: the cell that holds this version
+    dp: DPState | None = None  # trainer.cells > 1: the DP cells
 
 
 class TrainResult(Message):
@@ -242,6 +265,7 @@ class TrainResult(Message):
     seconds: float
     events: list[NodeEvent] = []
     cell: CellState | None = None  # backend fsdp2: the cell that trained the step
+    dp: DPState | None = None  # trainer.cells > 1: the DP cells after the step
 
 
 class CheckpointRequest(Message):

@@ -320,6 +320,9 @@ class PolicyTrainer:
                         values.append(("dual_clip_fraction", masked_mean(terms.dual_clipped.to(lp.dtype), tmask), share))
                     for name, v, weight in values:
                         sums[name] += float(v.detach()) * weight
+            if last:  # the metric sums are complete: reduced before the last update, so a DP cell
+                # votes on both allreduces at once (``gpu_runtime.trainer.dp``)
+                sums = self._step_sums(sums, batches, old_lps, tis, n_tokens)
             if train_policy:
                 grad_norm = self.take_optimizer_step(hp, "train_step")
             if critic is not None:
@@ -327,13 +330,6 @@ class PolicyTrainer:
         if critic is not None:
             critic.critic.steps += 1
         self.policy_version += 1
-        gap_total, gap_count = logprob_gap_sums(batches, old_lps)
-        if tis:  # token-share weighted over this process's micro-batches (a cell adds its ranks' sums)
-            shares = {k: float(batches[k].tmask.sum()) / max(n_tokens, 1) for k in tis}
-            sums["tis_weight_mean"] = sum(float(masked_mean(wt, batches[k].tmask)) * shares[k] for k, (wt, _) in tis.items())
-            sums["tis_clip_fraction"] = sum(
-                float(masked_mean(c.to(torch.float32), batches[k].tmask)) * shares[k] for k, (_, c) in tis.items())
-        sums = self.reduce_over_cell({**sums, "gap_total": gap_total, "gap_count": gap_count})
         gap_total, gap_count = sums.pop("gap_total"), sums.pop("gap_count")
         secs = time.perf_counter() - t0
         metrics = dict(sums)
@@ -352,6 +348,18 @@ class PolicyTrainer:
             if v != v or v in (float("inf"), float("-inf")):
                 raise FloatingPointError(f"train_step: metric {k} is not finite ({v})")
         return metrics
+
+    def _step_sums(self, sums: dict[str, float], batches: list, old_lps: list, tis: dict,
+                   n_tokens: int) -> dict[str, float]:
+        """The step's metric sums over every process that trained it: this process's loss
+        sums plus the rollout-logprob gap and the TIS weights of its micro-batches."""
+        gap_total, gap_count = logprob_gap_sums(batches, old_lps)
+        if tis:  # token-share weighted over this process's micro-batches (a cell adds its ranks' sums)
+            shares = {k: float(batches[k].tmask.sum()) / max(n_tokens, 1) for k in tis}
+            sums["tis_weight_mean"] = sum(float(masked_mean(wt, batches[k].tmask)) * shares[k] for k, (wt, _) in tis.items())
+            sums["tis_clip_fraction"] = sum(
+                float(masked_mean(c.to(torch.float32), batches[k].tmask)) * shares[k] for k, (_, c) in tis.items())
+        return self.reduce_over_cell({**sums, "gap_total": gap_total, "gap_count": gap_count})
 
     # ------------------------------------------ a cell's rank overrides these
     def micro_batch_share(self, n: int) -> list[int]:

@@ -89,7 +89,7 @@ class TrainerProcess:
         cmd = [sys.executable, "-m", "gpu_runtime.trainer.server", "--work-dir", str(self.work_dir),
                "--threads", str(self.threads), "--parent-pid", str(os.getpid()), "--device", self.device]
         self.proc = spawn(cmd, self.log_path, stdout_pipe=True, env=child_env(self.device))
-        line = _read_line(self.proc, self.start_timeout_s)
+        line = read_line(self.proc, self.start_timeout_s)
         m = re.match(r"READY port=(\d+)", line or "")
         if not m:
             stop_pid(self.proc.pid, self.proc)
@@ -118,7 +118,7 @@ class TrainerProcess:
             stop_pid(self.proc.pid, self.proc)
 
 
-def _read_line(proc: Any, timeout_s: float) -> str | None:
+def read_line(proc: Any, timeout_s: float) -> str | None:
     out: list[str] = []
     t = threading.Thread(target=lambda: out.append(proc.stdout.readline().decode()), daemon=True)
     t.start()

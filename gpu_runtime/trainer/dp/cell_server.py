@@ -1,0 +1,147 @@
+"""One DP cell's process: ``python -m gpu_runtime.trainer.dp.cell_server --index K
+--lighthouse URL --work-dir D``. Prints ``READY port=<p> pid=<pid>`` once it serves the RPC
+(``gpu_runtime.node.rpc``) its group (``gpu_runtime.trainer.dp.group``) calls; ``build``
+creates the cell's trainer and joins torchft. One call at a time."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+import torch
+from pydantic import BaseModel
+
+from gpu_runtime.node.proc import exit_when_parent_dies
+from gpu_runtime.node.rpc import Method, RPCServer
+from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.trainer.api import TrainerHParams
+from gpu_runtime.trainer.dp.cell_trainer import DPCellTrainer, new_manager
+
+
+class BuildCall(BaseModel):
+    folder: str  # the HF model folder every cell starts from (a restarted one heals from a peer)
+    hparams: TrainerHParams
+    seed: int
+
+
+class PathCall(BaseModel):
+    path: str
+
+
+class Empty(BaseModel):
+    pass
+
+
+class StepInput(BaseModel):
+    """One step's samples and rewards, written once by the group for all its cells."""
+
+    samples: list[Sample]
+    rewards: list[float]
+    group_size: int
+    hparams: TrainerHParams
+
+
+class TrainCall(BaseModel):
+    input_path: str  # a ``StepInput`` JSON file
+    forced_participants: int | None = None  # replay of a step fewer cells committed
+
+
+class CellReport(BaseModel):
+    index: int
+    pid: int
+    policy_version: int
+    state_checksum: str  # weights + AdamW + schedule + version
+    healed_from_step: int | None = None  # this call's quorum copied a peer's state (from this version)
+    metrics: dict[str, float] = {}
+    seconds: float = 0.0
+
+
+class Text(BaseModel):
+    text: str
+
+
+class CellService:
+    def __init__(self, index: int, lighthouse: str, timeout_s: float) -> None:
+        self.index, self.lighthouse, self.timeout_s = index, lighthouse, timeout_s
+        self.trainer: DPCellTrainer | None = None
+        self.manager = None
+
+    def _t(self) -> DPCellTrainer:
+        if self.trainer is None:
+            raise RuntimeError(f"cell {self.index}: not built")
+        return self.trainer
+
+    def report(self, **extra: object) -> CellReport:
+        t = self._t()
+        return CellReport(index=self.index, pid=os.getpid(), policy_version=t.policy_version,
+                          state_checksum=t.state_checksum(), **extra)  # type: ignore[arg-type]
+
+    def build(self, a: BuildCall) -> CellReport:
+        if self.manager is not None:
+            raise RuntimeError(f"cell {self.index}: already built (a cell is built once; the group restarts it)")
+        self.trainer = DPCellTrainer.create(a.folder, a.hparams, a.seed)  # type: ignore[assignment]
+        self.manager = new_manager(self._t(), self.index, self.lighthouse, self.timeout_s)
+        return self.report()
+
+    def load_state(self, a: PathCall) -> CellReport:
+        t = self._t()
+        t.load_state(a.path)
+        t.sync_manager_step()
+        return self.report()
+
+    def train_step(self, a: TrainCall) -> CellReport:
+        t0 = time.perf_counter()
+        t = self._t()
+        step = StepInput.model_validate_json(open(a.input_path, "rb").read())
+        t.forced_participants = a.forced_participants
+        try:
+            metrics = t.train_step(step.samples, step.rewards, step.group_size, step.hparams)
+        finally:
+            t.forced_participants = None
+        return self.report(healed_from_step=t.healed_from_step, metrics=metrics, seconds=time.perf_counter() - t0)
+
+    def save_state(self, a: PathCall) -> CellReport:
+        self._t().save_state(a.path)
+        return self.report()
+
+    def export_model_folder(self, a: PathCall) -> Text:
+        return Text(text=self._t().export_model_folder(a.path))
+
+    def info(self, a: Empty) -> CellReport:
+        return self.report()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--lighthouse", required=True)
+    p.add_argument("--timeout-s", type=float, default=120.0, help="cross-cell collectives and the commit vote")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--parent-pid", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s cell{args.index} %(levelname)s %(name)s %(message)s")
+    if args.parent_pid:
+        exit_when_parent_dies(args.parent_pid)
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    svc = CellService(args.index, args.lighthouse, args.timeout_s)
+    server = RPCServer("127.0.0.1", 0, {
+        "build": Method(BuildCall, svc.build),
+        "load_state": Method(PathCall, svc.load_state),
+        "train_step": Method(TrainCall, svc.train_step),
+        "save_state": Method(PathCall, svc.save_state),
+        "export_model_folder": Method(PathCall, svc.export_model_folder),
+        "info": Method(Empty, svc.info),
+    })
+    signal.signal(signal.SIGTERM, lambda s, f: os._exit(128 + s))  # torchft's threads would hold a clean exit
+    print(f"READY port={server.port} pid={os.getpid()}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

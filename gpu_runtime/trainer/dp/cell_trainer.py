@@ -1,0 +1,222 @@
+"""The policy trainer of one data-parallel cell (``trainer.cells: K``).
+
+The loss code is ``PolicyTrainer.train_step`` itself; this class overrides three hooks:
+
+- ``micro_batch_share``: the step's quorum has ``n`` participating cells and this one is
+  participant ``r``; it trains micro-batches ``r, r+n, r+2n, ...``. The share follows the
+  quorum of the attempt, so a step retried with fewer cells gives each more.
+- ``reduce_over_cell``: the metric sums, allreduced (SUM) through the torchft manager.
+- ``take_optimizer_step``: the grads, flattened into one buffer and allreduced (SUM: each
+  micro-batch's loss is already weighted by its share of the *global* batch, so the sum is
+  the global gradient), then torchft's commit vote. A failed vote (a peer died or hung
+  mid-allreduce) raises ``NotCommitted`` before anything changed, and ``train_step`` runs
+  the step again in a new quorum of the cells still alive.
+
+A cell restarted after a loss starts at torchft step 0; its first quorum sees peers ahead
+of it and copies their state (``heal_state`` / ``load_heal_state``: weights, reference,
+AdamW state, schedule position, RNGs, version) over torchft's HTTP checkpoint transport
+before the step, so it trains the step as a full participant. The manager's step is the
+policy version at all times.
+
+Only one optimizer step per train step (``train.ppo_epochs: 1``): a retry re-runs the
+whole step, which a second epoch's failure could not do after the first had committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.trainer import lora as lora_lib
+from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
+from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.state import _load_optimizer, _optimizer_tensors
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 20  # quorums one step may take before the cell gives up (each failed one is a peer lost)
+
+
+class NotCommitted(RuntimeError):
+    """torchft's vote failed: the step's grads are discarded and it is tried again."""
+
+
+class StepNotCommitted(RuntimeError):
+    """The step failed its commit vote ``MAX_ATTEMPTS`` times in a row."""
+
+
+def _fault_delay(index: int, version: int) -> None:
+    """Tests set MILESTONE_FAULT_CELL_DELAY="<cell>:<seconds>" so a SIGKILL / SIGSTOP lands while
+    that cell is inside a quorum, before its allreduce; the log line is what they wait for."""
+    spec = os.environ.get("MILESTONE_FAULT_CELL_DELAY", "")
+    if spec and int(spec.split(":")[0]) == index:
+        log.warning("fault delay before the allreduce of v%d: %s s", version, spec.split(":")[1])
+        time.sleep(float(spec.split(":")[1]))
+
+
+def dp_unsupported(hp: TrainerHParams) -> list[str]:
+    """The ``train`` knobs a DP cell does not implement: a second epoch could not be retried
+    after the first committed, and the PPO critic's grads are not reduced."""
+    out = []
+    if hp.ppo_epochs != 1:
+        out.append(f"train.ppo_epochs {hp.ppo_epochs} (DP cells retry a whole step: 1 epoch)")
+    if hp.estimator == "ppo":
+        out.append("train.estimator ppo (the critic's grads are not reduced across cells)")
+    return out
+
+
+class DPCellTrainer(PolicyTrainer):
+    """``PolicyTrainer`` of one DP cell; ``attach`` gives it its torchft manager."""
+
+    manager: Any = None
+    index: int = 0
+    healed_from_step: int | None = None  # set when this cell's state came from a peer
+    attempts: int = 0  # quorums the last step took
+    participants: int = 0  # cells that trained the last step
+    forced_participants: int | None = None  # a replay of a step that committed with fewer cells
+    _share: tuple[int, int] = (0, 1)
+
+    def attach(self, manager: Any, index: int) -> None:
+        self.manager, self.index = manager, index
+        manager.register_state_dict_fn("policy", self.load_heal_state, self.heal_state)
+        self.sync_manager_step()
+
+    def sync_manager_step(self) -> None:
+        """The manager's step is the policy version (it decides who heals whom)."""
+        self.manager.load_state_dict({"step": self.policy_version, "batches_committed": 0})
+
+    # ---------------------------------------------------------------- the step
+    def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
+                   hparams: TrainerHParams) -> dict[str, float]:
+        bad = dp_unsupported(hparams)
+        if bad:
+            raise ValueError(f"{'; '.join(bad)}: not supported with trainer.cells > 1")
+        self.healed_from_step = None
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            before = self.policy_version
+            self.manager.start_quorum()  # synchronous: a healing cell has its peer's state after this
+            if self.policy_version != before:
+                self.healed_from_step = before
+                log.info("cell %d healed from a peer: v%d -> v%d", self.index, before, self.policy_version)
+            rank, n = self.manager.participating_rank(), self.manager.num_participants()
+            if rank is None:
+                raise RuntimeError(f"cell {self.index}: not a participant of quorum {self.manager._quorum_id}")
+            self._share = (rank, n)
+            try:
+                metrics = super().train_step(samples, rewards, group_size, hparams)
+            except NotCommitted as err:
+                log.warning("cell %d: step v%d attempt %d not committed (%s); new quorum", self.index,
+                            self.policy_version + 1, attempt, err)
+                continue
+            self.attempts, self.participants = attempt, self._participating()[1]
+            return {**metrics, "dp_cells": float(self.participants), "dp_attempts": float(attempt)}
+        raise StepNotCommitted(f"cell {self.index}: step v{self.policy_version + 1} failed its commit vote "
+                               f"{MAX_ATTEMPTS} times")
+
+    def _participating(self) -> tuple[int, int]:
+        rank, n = self._share
+        if self.forced_participants is not None:  # replaying a step that fewer cells trained
+            return (rank if rank < self.forced_participants else -1), self.forced_participants
+        return rank, n
+
+    def micro_batch_share(self, n: int) -> list[int]:
+        rank, cells = self._participating()
+        return [] if rank < 0 else list(range(rank, n, cells))
+
+    def reduce_over_cell(self, sums: dict[str, float]) -> dict[str, float]:
+        from torch.distributed import ReduceOp
+
+        names = sorted(sums)
+        t = torch.tensor([sums[k] for k in names], dtype=torch.float64)
+        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        return {k: float(v) for k, v in zip(names, t.tolist())}
+
+    def take_optimizer_step(self, hp: TrainerHParams, what: str) -> float:
+        from torch.distributed import ReduceOp
+
+        _fault_delay(self.index, self.policy_version + 1)
+        params = list(lora_lib.trainable_parameters(self.model))
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        if not self.manager.should_commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NotCommitted(str(self.manager.errored() or "the quorum voted not to commit"))
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+        return super().take_optimizer_step(hp, what)
+
+    # ---------------------------------------------------------------- state
+    def heal_state(self) -> dict[str, Any]:
+        """What a peer sends a healing cell (torchft's HTTP transport, torch serialization)."""
+        tensors, groups = _optimizer_tensors(self.optimizer)
+        py = random.getstate()
+        return {
+            "weights": {k: v.detach().clone() for k, v in self._trained_state(self.model).items()},
+            "ref": ({k: v.detach().clone() for k, v in self._trained_state(self.ref_model).items()}
+                    if self.ref_model is not None else None),
+            "optimizer": tensors, "param_groups": groups,
+            "opt_steps": self.opt_steps, "policy_version": self.policy_version,
+            "hparams": self.hparams.model_dump(mode="json"),
+            "rng": torch.get_rng_state(), "py_random": [py[0], list(py[1]), py[2]],
+        }
+
+    def load_heal_state(self, st: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self._load_trained_state(self.model, st["weights"])
+            if st["ref"] is not None:
+                if self.ref_model is None:
+                    self.ref_model = self._frozen_copy(self.model)
+                self._load_trained_state(self.ref_model, st["ref"])
+            else:
+                self.ref_model = None
+        self.hparams = stored_hparams(st["hparams"])
+        self.optimizer = self._new_optimizer(self.hparams)
+        _load_optimizer(self.optimizer, st["optimizer"], st["param_groups"])
+        torch.set_rng_state(st["rng"])
+        v, internal, gauss = st["py_random"]
+        random.setstate((v, tuple(internal), gauss))
+        self.opt_steps = int(st["opt_steps"])
+        self.policy_version = int(st["policy_version"])
+        self.model.train()
+
+    def state_checksum(self) -> str:
+        """Weights + AdamW state + schedule position + version: equal on every cell after a
+        step, or the cells have diverged."""
+        h = hashlib.sha256(self.checksum().encode())
+        tensors, _ = _optimizer_tensors(self.optimizer)
+        for k in sorted(tensors):
+            h.update(k.encode())
+            h.update(tensors[k].numpy().tobytes())
+        h.update(f"{self.opt_steps}:{self.policy_version}".encode())
+        return h.hexdigest()
+
+
+def new_manager(trainer: DPCellTrainer, index: int, lighthouse_addr: str, timeout_s: float) -> Any:
+    """The cell's torchft manager: a one-rank replica group (its own TCPStore), gloo across
+    cells, synchronous quorum (a healing cell trains the step it healed in)."""
+    from torch.distributed import TCPStore
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
+        use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=max(60.0, timeout_s)),
+        connect_timeout=timedelta(seconds=30), rank=0, world_size=1, store_addr="127.0.0.1",
+        store_port=store.port, lighthouse_addr=lighthouse_addr, replica_id=f"cell{index}",
+        hostname="127.0.0.1", init_sync=False,
+    )
+    manager._milestone_store = store  # the store must outlive the manager
+    trainer.attach(manager, index)
+    return manager

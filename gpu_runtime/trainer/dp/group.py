@@ -1,0 +1,326 @@
+"""The trainer process's handle on its K data-parallel cells (``trainer.cells: K``).
+
+It answers the calls ``TrainerService`` makes of a ``PolicyTrainer`` (train_step,
+save_state, load_state, export_model_folder, policy_version) by driving K cell processes
+(``cell_server``) that train each step together through torchft.
+
+- A step goes to every live cell at once. A cell that dies mid-step (its RPC connection
+  drops) is *lost*; its peers' allreduce fails, their commit vote fails, and they run the
+  step again in a quorum without it (``cell_trainer``). A cell that hangs (SIGSTOP) stops
+  heartbeating; its peers' allreduce times out after ``timeout_s``, they commit without it,
+  and once one cell has answered the others get ``timeout_s`` plus a grace before they are
+  SIGKILLed by pid and lost.
+- After a step every answering cell reports its state checksum (weights + AdamW + schedule
+  + version); a difference raises ``CellsDiverged`` naming the cells.
+- A lost cell stays lost until ``restart`` (the workflow calls it on its backoff schedule);
+  the new process joins the next step's quorum and copies its state from a peer first.
+- When every cell is lost the group is ``dead``: the service rebuilds from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from gpu_runtime.node.proc import spawn, stop_pid
+from gpu_runtime.node.rpc import RemoteError, RPCClient
+from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.trainer.api import DPCellInfo, DPState, NodeEvent, TrainerHParams
+from gpu_runtime.trainer.dp.cell_server import BuildCall, CellReport, Empty, PathCall, StepInput, Text, TrainCall
+from gpu_runtime.trainer.dp.lighthouse import Lighthouse
+from gpu_runtime.trainer.process import read_line
+
+log = logging.getLogger(__name__)
+STRAGGLER_GRACE_S = 10.0
+START_TIMEOUT_S = 120.0
+PASSED_THROUGH = {"FloatingPointError": FloatingPointError, "ValueError": ValueError}  # deterministic: every cell raises it
+
+
+class DPCellsLost(RuntimeError):
+    """Every cell of the group is lost: the trainer rebuilds from a checkpoint."""
+
+
+class CellsDiverged(RuntimeError):
+    """Cells that committed the same step hold different state (never retried: a bug)."""
+
+
+@dataclass
+class _Cell:
+    index: int
+    proc: subprocess.Popen | None = None
+    client: RPCClient | None = None
+    state: str = "starting"  # alive | lost | starting
+    why: str = ""  # why it was lost
+    report: CellReport | None = None
+    healed_from_step: int | None = None
+    restarts: int = 0
+    joining: bool = False  # restarted, not yet through a step: it must join the quorum first
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+@dataclass
+class DPGroup:
+    cells: int
+    folder: Path  # the HF folder every cell (and every restarted one) is built from
+    hparams: TrainerHParams
+    seed: int
+    work_dir: Path
+    lighthouse: Lighthouse
+    timeout_s: float = 120.0
+    threads: int = 1
+    members: list[_Cell] = field(default_factory=list)
+    events: list[NodeEvent] = field(default_factory=list)
+    version: int = 0
+    dead: bool = False
+    failure: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        if self.cells < 2:
+            raise ValueError(f"trainer.cells must be >= 2 for a DP group, got {self.cells}")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.lighthouse.ensure_running()
+        self.members = [_Cell(i) for i in range(self.cells)]
+        try:
+            with ThreadPoolExecutor(self.cells) as pool:
+                reports = list(pool.map(self._start, self.members))
+        except BaseException:
+            self.close()
+            raise
+        self.version = reports[0].policy_version
+        self._note("cells_started", f"{self.cells} DP cells, pids {[c.pid for c in self.members]}, "
+                   f"lighthouse pid {self.lighthouse.pid}")
+
+    # ---- processes ---------------------------------------------------------------
+    def _start(self, c: _Cell) -> CellReport:
+        cmd = [sys.executable, "-m", "gpu_runtime.trainer.dp.cell_server", "--index", str(c.index),
+               "--lighthouse", self.lighthouse.address, "--timeout-s", str(self.timeout_s),
+               "--threads", str(self.threads), "--parent-pid", str(os.getpid())]
+        c.proc = spawn(cmd, self.work_dir / f"cell{c.index}.log", stdout_pipe=True)
+        line = read_line(c.proc, START_TIMEOUT_S)
+        m = re.match(r"READY port=(\d+)", line or "")
+        if not m:
+            stop_pid(c.proc.pid, c.proc)
+            raise RuntimeError(f"DP cell {c.index} did not start (see {self.work_dir / f'cell{c.index}.log'}): {line!r}")
+        if c.client is not None:
+            c.client.close()
+        c.client = RPCClient(f"http://127.0.0.1:{m.group(1)}")
+        c.report = c.client.call("build", BuildCall(folder=str(self.folder), hparams=self.hparams, seed=self.seed),
+                                 CellReport, timeout_s=START_TIMEOUT_S)
+        c.state, c.why, c.healed_from_step = "alive", "", None
+        return c.report
+
+    def _lose(self, c: _Cell, why: str) -> None:
+        if c.state == "lost":
+            return
+        if c.proc is not None and c.proc.poll() is None:
+            try:
+                os.kill(c.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGKILL's cleanup otherwise
+            except ProcessLookupError:
+                pass
+            stop_pid(c.proc.pid, c.proc, timeout_s=2.0)
+        c.state, c.why = "lost", why
+        self._note("cell_lost", f"cell {c.index} (pid {c.pid}): {why}")
+        log.warning("DP cell %d lost: %s", c.index, why)
+
+    def restart(self, index: int) -> str:
+        """Start lost cell ``index`` again; it heals from a peer in the next step's quorum.
+        'alive' when it was not lost."""
+        c = self.members[index]
+        if c.state == "alive":
+            return "alive"
+        old = c.pid
+        try:
+            self._start(c)
+        except BaseException:
+            if c.proc is not None and c.proc.poll() is None:
+                stop_pid(c.proc.pid, c.proc)
+            c.state = "lost"
+            raise
+        c.restarts += 1
+        c.joining = True
+        self._note("cell_restarted", f"cell {index}: pid {old} -> {c.pid}; heals from a peer at the next step")
+        return "restarted"
+
+    def live(self) -> list[_Cell]:
+        return [c for c in self.members if c.state == "alive"]
+
+    # ---- the calls a trainer answers ---------------------------------------------
+    def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
+                   hparams: TrainerHParams, forced_participants: int | None = None) -> dict[str, float]:
+        if self.lighthouse.ensure_running():
+            self._note("lighthouse_restarted", f"torchft lighthouse restarted as pid {self.lighthouse.pid}")
+        path = self.work_dir / "step-input.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(StepInput(samples=samples, rewards=rewards, group_size=group_size,
+                                 hparams=hparams).model_dump_json())
+        tmp.replace(path)
+        done = self._on_live("train_step", TrainCall(input_path=str(path), forced_participants=forced_participants),
+                             lead=[c for c in self.live() if c.joining])
+        for c, r in done:
+            c.joining = False
+            if r.healed_from_step is not None:
+                c.healed_from_step = r.healed_from_step
+                self._note("cell_healed", f"cell {c.index} copied v{r.policy_version - 1} from a peer "
+                           f"(it held v{r.healed_from_step}) and trained v{r.policy_version} with it")
+        self._check_equal(done)
+        first = done[0][1]
+        self.version = first.policy_version
+        return {**first.metrics, "dp_cells_alive": float(len(self.live()))}
+
+    def save_state(self, folder: str | Path) -> None:
+        self._one("save_state", PathCall(path=str(folder)), CellReport)
+
+    def load_state(self, folder: str | Path) -> None:
+        done = self._on_live("load_state", PathCall(path=str(folder)))
+        self._check_equal(done)
+        self.version = done[0][1].policy_version
+
+    def export_model_folder(self, folder: str | Path) -> str:
+        return self._one("export_model_folder", PathCall(path=str(folder)), Text).text
+
+    def checksum(self) -> str:
+        return self._one("info", Empty(), CellReport).state_checksum
+
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
+    # ---- fan-out -----------------------------------------------------------------
+    def _one(self, method: str, arg: BaseModel, result: type) -> object:
+        """``method`` on the first live cell (they are equal); a dead one is lost and the next asked."""
+        for c in self.live():
+            assert c.client is not None
+            try:
+                return c.client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0))
+            except ConnectionError as err:
+                self._lose(c, f"died during {method}: {err}")
+        raise self._all_lost(method)
+
+    def _on_live(self, method: str, arg: BaseModel, lead: list[_Cell] | None = None) -> list[tuple[_Cell, CellReport]]:
+        """``method`` on every live cell at once. A cell whose connection drops is lost; once one
+        has answered, the others have ``timeout_s`` + a grace, then are killed and lost.
+
+        ``lead`` (restarted cells) are called first, and the others only once the lighthouse
+        holds their quorum requests: torchft forms a "fast quorum" of the previous step's
+        cells as soon as they have all asked, leaving out a cell that asks a moment later
+        (which would then wait for a quorum nobody else joins)."""
+        cells = self.live()
+        lead = [c for c in (lead or []) if c in cells]
+        cells = lead + [c for c in cells if c not in lead]
+        if not cells:
+            raise self._all_lost(method)
+        results: dict[int, CellReport] = {}
+        errors: dict[int, BaseException] = {}
+        cond = threading.Condition()
+
+        def run(c: _Cell) -> None:
+            assert c.client is not None
+            try:
+                r = c.client.call(method, arg, CellReport)
+                with cond:
+                    results[c.index] = r
+            except BaseException as err:  # noqa: BLE001 - sorted out below
+                with cond:
+                    errors[c.index] = err
+            with cond:
+                cond.notify_all()
+
+        threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in cells]
+        for i, t in enumerate(threads):
+            if lead and i == len(lead):
+                self._wait_joined(len(lead))
+            t.start()
+        deadline: float | None = None
+        with cond:
+            while len(results) + len(errors) < len(cells):
+                if results and deadline is None:
+                    deadline = time.monotonic() + self.timeout_s + STRAGGLER_GRACE_S
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if deadline is not None and wait == 0.0:
+                    break
+                cond.wait(timeout=wait if wait is not None else 1.0)
+        for c in cells:
+            if c.index in results:
+                continue
+            err = errors.get(c.index)
+            if err is None:
+                self._lose(c, f"no answer to {method} within {self.timeout_s + STRAGGLER_GRACE_S:.0f} s of its "
+                              "peers (hung or stopped)")
+            elif isinstance(err, ConnectionError) or (c.proc is not None and c.proc.poll() is not None):
+                self._lose(c, f"died during {method}: {err}")
+        if not results:
+            passed = [e for e in errors.values() if isinstance(e, RemoteError) and e.error_type in PASSED_THROUGH]
+            if passed and self.live():  # the cells are fine: the input is not (every cell raises it)
+                raise PASSED_THROUGH[passed[0].error_type](passed[0].message)  # type: ignore[index]
+            other = next((e for e in errors.values() if isinstance(e, RemoteError)), None)
+            if other is not None and self.live():
+                raise RuntimeError(f"DP cells: {method}: {other}")
+            raise self._all_lost(method)
+        return [(self.members[i], results[i]) for i in sorted(results)]
+
+    def _wait_joined(self, n: int, timeout_s: float = 60.0) -> None:
+        """Until the lighthouse's next quorum has ``n`` requests (its /status page)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.lighthouse.pending_requests() >= n:
+                return
+            time.sleep(0.02)
+        log.warning("the lighthouse did not list %d restarted cell(s) as waiting within %.0f s", n, timeout_s)
+
+    def _all_lost(self, method: str) -> DPCellsLost:
+        self.dead = True
+        self.failure = DPCellsLost(f"every DP cell is lost ({method}): "
+                                   + "; ".join(f"cell {c.index}: {c.why}" for c in self.members))
+        return self.failure  # type: ignore[return-value]
+
+    def _check_equal(self, done: list[tuple[_Cell, CellReport]]) -> None:
+        sums = {(r.policy_version, r.state_checksum) for _, r in done}
+        if len(sums) > 1:
+            detail = ", ".join(f"cell {c.index}: v{r.policy_version} {r.state_checksum[:12]}" for c, r in done)
+            self._note("checksum_mismatch", detail)
+            self.dead = True
+            raise CellsDiverged(f"DP cells hold different state after the same step: {detail}")
+        for c, r in done:
+            c.report = r
+
+    # ---- reporting ---------------------------------------------------------------
+    def _note(self, kind: str, detail: str) -> None:
+        self.events.append(NodeEvent(at=time.time(), kind=kind, detail=detail))
+
+    def take_events(self) -> list[NodeEvent]:
+        out, self.events = self.events, []
+        return out
+
+    def state(self) -> DPState:
+        return DPState(
+            lighthouse_pid=self.lighthouse.pid or 0, lighthouse_restarts=self.lighthouse.restarts,
+            cells=[DPCellInfo(index=c.index, pid=c.pid or 0, state=c.state, why=c.why, restarts=c.restarts,
+                              policy_version=c.report.policy_version if c.report else 0,
+                              state_checksum=c.report.state_checksum if c.report else "",
+                              healed_from_step=c.healed_from_step) for c in self.members],
+        )
+
+    def close(self) -> None:
+        for c in self.members:
+            if c.proc is not None and c.proc.poll() is None:
+                try:
+                    os.kill(c.proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                stop_pid(c.proc.pid, c.proc, timeout_s=5.0)
+            if c.client is not None:
+                c.client.close()

@@ -1,0 +1,116 @@
+"""torchft's lighthouse (the quorum server every DP cell's manager talks to) as a
+supervised subprocess: started on a fixed port, restarted on the same port if it dies
+(the cells' managers reconnect to the address they were given), stopped by pid."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from gpu_runtime.node.http_client import http_client
+from gpu_runtime.node.proc import free_port, spawn, stop_pid
+
+log = logging.getLogger(__name__)
+
+
+class LighthouseFailed(RuntimeError):
+    pass
+
+
+def lighthouse_command(port: int, *, min_replicas: int = 1, join_timeout_ms: int = 1000,
+                       heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 100) -> list[str]:
+    """``torchft_lighthouse`` (the console script of ``torchft-nightly``, beside this Python)."""
+    exe = Path(sys.executable).parent / "torchft_lighthouse"
+    head = [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from torchft._torchft import "
+                                            "lighthouse_main; sys.argv[0] = 'torchft_lighthouse'; lighthouse_main()"]
+    return [*head, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
+            "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+            "--quorum_tick_ms", str(quorum_tick_ms)]
+
+
+class Lighthouse:
+    """One lighthouse for a group of cells. ``heartbeat_timeout_ms`` is how long a silent
+    cell (dead or SIGSTOPped) stays in the quorum; ``join_timeout_ms`` how long a quorum
+    waits for a live cell that has not joined the step yet."""
+
+    def __init__(self, log_path: Path, *, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1000,
+                 start_timeout_s: float = 30.0) -> None:
+        self.log_path = log_path
+        self.join_timeout_ms = join_timeout_ms
+        self.heartbeat_timeout_ms = heartbeat_timeout_ms
+        self.start_timeout_s = start_timeout_s
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._http: httpx.Client | None = None
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        if self.port == 0:
+            self.port = free_port()
+        self.proc = spawn(lighthouse_command(self.port, join_timeout_ms=self.join_timeout_ms,
+                                             heartbeat_timeout_ms=self.heartbeat_timeout_ms), self.log_path)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not _listening(self.port):
+            if self.proc.poll() is not None:
+                raise LighthouseFailed(f"torchft lighthouse exited with {self.proc.returncode}; see {self.log_path}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise LighthouseFailed(f"torchft lighthouse not listening on :{self.port} within "
+                                       f"{self.start_timeout_s:.0f} s; see {self.log_path}")
+            time.sleep(0.05)
+        log.info("torchft lighthouse pid %d on %s", self.proc.pid, self.address)
+
+    def ensure_running(self) -> bool:
+        """Restart a dead lighthouse on its port; whether it had to."""
+        if self.alive():
+            return False
+        was = self.proc
+        if was is not None:
+            was.wait()
+        self.start()
+        if was is not None:
+            self.restarts += 1
+            log.warning("torchft lighthouse pid %d exited with %s; restarted as pid %s", was.pid, was.returncode, self.pid)
+        return was is not None
+
+    def pending_requests(self) -> int:
+        """How many cells have asked for the next quorum (parsed from the lighthouse's
+        /status page, e.g. "New quorum not ready, only have 1 participants"); -1 when
+        the page does not say."""
+        try:
+            if self._http is None:
+                self._http = http_client(timeout=2.0)
+            text = self._http.get(self.address + "/status").text
+        except httpx.HTTPError:
+            return -1
+        m = re.search(r"only have (\d+) participants", text)
+        return int(m.group(1)) if m else -1
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            stop_pid(proc.pid, proc)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
