@@ -60,7 +60,8 @@ EXCLUDED_NODE_ATTEMPTS = 4
 CLAIM_HOLD_S = 30.0  # a claimed node is busy this long for other runs, or until the claiming run's watch starts
 # errors raised inside the trainer process that retrying cannot fix
 FINAL_REMOTE = {"ValueError": Failure.INVALID_INPUT, "ValidationError": Failure.INVALID_INPUT,
-                "Divergence": Failure.DIVERGENCE}
+                "Divergence": Failure.DIVERGENCE,
+                "CellsDiverged": Failure.DIVERGENCE}  # DP cells that committed one step hold different state
 
 
 def _trainer_error(err: Exception, what: str) -> ApplicationError:

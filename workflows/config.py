@@ -18,7 +18,7 @@ from workflows.agent_config import AgentSpec
 from workflows.model_config import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec  # noqa: F401  (sections; re-exported)
 from workflows.reward_config import RewardSpec, RewardTerm  # noqa: F401  (a section of RunConfig; re-exported)
 from workflows.strict import Strict
-from workflows.trainer_config import TrainerSpec, fsdp2_conflicts
+from workflows.trainer_config import TrainerSpec, dp_conflicts, fsdp2_conflicts
 
 
 _DATA_SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet", ".pq")}
@@ -517,9 +517,16 @@ class RunConfig(Strict):
     @field_validator("trainer")
     @classmethod
     def _trainer_backend(cls, v: TrainerSpec, info: ValidationInfo) -> TrainerSpec:
+        model, train, rollout = info.data.get("model"), info.data.get("train"), info.data.get("rollout")
+        if v.cells > 1:
+            bad = dp_conflicts(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,
+                               distill=info.data.get("distill") is not None,
+                               estimator="grpo" if train is None else train.estimator,
+                               ppo_epochs=1 if train is None else train.ppo_epochs)
+            if bad:
+                raise ValueError(f"cells {v.cells} does not support {'; '.join(bad)}")
         if v.backend != "fsdp2":
             return v
-        model, train, rollout = info.data.get("model"), info.data.get("train"), info.data.get("rollout")
         bad = fsdp2_conflicts(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,
                               distill=info.data.get("distill") is not None,
                               estimator="grpo" if train is None else train.estimator,

@@ -32,8 +32,17 @@ class TrainerSpec(Strict):
     )
     collective_timeout_s: float = Field(
         120.0, gt=0, description="a collective (gloo/NCCL) waiting longer fails the step retryably: a hung or "
-        "stopped rank costs this, not gloo's 30-minute default"
+        "stopped rank costs this, not gloo's 30-minute default; with cells > 1 also what a hung cell costs its peers"
     )
+    cells: int = Field(
+        1, ge=1, le=64, description="independent data-parallel cells joined by torchft: a lost cell never stops "
+        "the step (its peers commit it), and the run restarts it, healed from a peer (docs/dp-cells.md)"
+    )
+    cell_restart_backoff_s: float = Field(
+        5.0, gt=0, description="a lost DP cell is restarted this long after its loss, then after 2x, 4x, ... "
+        "as restarts fail (5 s * 2^k, like Miles' FT controller)"
+    )
+    cell_restart_backoff_max_s: float = Field(300.0, gt=0, description="the cap of that backoff")
 
     @model_validator(mode="after")
     def _ranks(self) -> "TrainerSpec":
@@ -43,6 +52,9 @@ class TrainerSpec(Strict):
             )
         if self.backend == "single" and (self.placement != "strict_pack" or self.ray_address is not None):
             raise ValueError("placement and ray_address need backend fsdp2 (backend single uses no Ray)")
+        if self.cells > 1 and self.backend != "single":
+            raise ValueError(f"cells {self.cells} needs backend single (each cell one process); "
+                             "fsdp2 cells joined by torchft are not built yet")
         return self
 
 
@@ -62,4 +74,20 @@ def fsdp2_conflicts(*, mode: str, lora: bool, distill: bool, estimator: str = "g
     return out
 
 
-__all__ = ["TrainerSpec", "fsdp2_conflicts"]
+def dp_conflicts(*, mode: str, lora: bool, distill: bool, estimator: str, ppo_epochs: int) -> list[str]:
+    """The run settings DP cells (``trainer.cells > 1``) do not implement yet, each with its reason."""
+    out = []
+    if mode != "rl":
+        out.append("mode sft (the cells train the RL step only)")
+    if lora:
+        out.append("model.lora (a healed cell copies full weights only)")
+    if distill:
+        out.append("distill (not tested across cells yet)")
+    if estimator == "ppo":
+        out.append("train.estimator ppo (the critic's grads are not reduced across cells)")
+    if ppo_epochs != 1:
+        out.append(f"train.ppo_epochs {ppo_epochs} (a step a cell loss interrupts is retried whole: one epoch)")
+    return out
+
+
+__all__ = ["TrainerSpec", "dp_conflicts", "fsdp2_conflicts"]

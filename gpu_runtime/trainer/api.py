@@ -135,7 +135,9 @@ class TrainerBackendSettings(Message):
     placement: Literal["strict_pack", "spread"]
     ray_address: str | None
     collective_timeout_s: float
-    cells: int = 1  # independent data-parallel cells joined by torchft (gpu_runtime.trainer.dp)
+    cells: int  # independent data-parallel cells joined by torchft (gpu_runtime.trainer.dp)
+    cell_restart_backoff_s: float  # the workflow's, mirrored (a lost cell's restart schedule)
+    cell_restart_backoff_max_s: float
 
 
 class RunSetup(Message):
@@ -241,6 +243,15 @@ class DPState(Message):
     cells: list[DPCellInfo]
 
 
+class CellsRestarted(Message):
+    """What ``restart_cells`` did to each DP cell asked for: restarted | alive (it was not
+    lost) | no_group (no live cells: the next call builds them all) | failed: <why>."""
+
+    outcome: dict[str, str]
+    events: list[NodeEvent] = []
+    dp: DPState | None = None
+
+
 class VersionInfo(Message):
     """The trainer's current policy version, published as a model folder."""
 
@@ -291,6 +302,11 @@ class EnsureVersionCall(Message):
 class TrainStepCall(Message):
     setup: RunSetup
     batch: StepBatch
+
+
+class RestartCellsCall(Message):
+    setup: RunSetup
+    cells: list[int]
 
 
 class CheckpointCall(Message):

@@ -23,8 +23,10 @@ from gpu_runtime.trainer.api import (
     CheckpointCall,
     CheckpointRequest,
     CheckpointSaved,
+    CellsRestarted,
     EnsureVersionCall,
     NodeEvent,
+    RestartCellsCall,
     RunSetup,
     StepBatch,
     TrainResult,
@@ -66,6 +68,10 @@ class TrainerProcess:
 
     def checkpoint(self, setup: RunSetup, request: CheckpointRequest) -> CheckpointSaved:
         return self._call("checkpoint", CheckpointCall(setup=setup, request=request), CheckpointSaved)
+
+    def restart_cells(self, setup: RunSetup, cells: list[int]) -> CellsRestarted:
+        """Start lost DP cells again (``trainer.cells``); they heal from a peer at the next step."""
+        return self._call("restart_cells", RestartCellsCall(setup=setup, cells=cells), CellsRestarted)
 
     def _call(self, method: str, arg: BaseModel, result_type: type[R]) -> R:
         self.ensure_running()

@@ -16,7 +16,7 @@ import torch
 
 from gpu_runtime.node.proc import exit_when_parent_dies
 from gpu_runtime.node.rpc import Method, RPCServer
-from gpu_runtime.trainer.api import CheckpointCall, EnsureVersionCall, TrainStepCall
+from gpu_runtime.trainer.api import CheckpointCall, EnsureVersionCall, RestartCellsCall, TrainStepCall
 from gpu_runtime.trainer.service import TrainerService
 
 
@@ -26,6 +26,7 @@ def build_methods(svc: TrainerService) -> dict[str, Method]:
         "ensure_version": Method(EnsureVersionCall, lambda a: svc.ensure_version(a.setup, a.target)),
         "train_step": Method(TrainStepCall, lambda a: svc.train_step(a.setup, a.batch)),
         "checkpoint": Method(CheckpointCall, lambda a: svc.checkpoint(a.setup, a.request)),
+        "restart_cells": Method(RestartCellsCall, lambda a: svc.restart_cells(a.setup, a.cells)),
     }
 
 

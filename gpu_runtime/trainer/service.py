@@ -28,7 +28,9 @@ from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import (
     CheckpointRequest,
+    CellsRestarted,
     CellState,
+    DPState,
     CheckpointSaved,
     NodeEvent,
     Rebuild,
@@ -45,6 +47,8 @@ from gpu_runtime.trainer.policy import PolicyTrainer
 
 if TYPE_CHECKING:
     from gpu_runtime.trainer.cell_host import CellHost
+    from gpu_runtime.trainer.dp.group import DPGroup
+    from gpu_runtime.trainer.dp.lighthouse import Lighthouse
 
 log = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"  # an adapter export's folder inside each published version
@@ -74,14 +78,18 @@ class TrainerService:
         self._events_seen = 0
         self._refused: list[dict] = []  # writes the run's fence refused (reported with the checkpoint events)
         self.cell_host: CellHost | None = None  # backend fsdp2: Ray and the live cell (created on first use)
+        self.dp_group: DPGroup | None = None  # trainer.cells > 1: the live DP cells
+        self.lighthouse: Lighthouse | None = None  # trainer.cells > 1: torchft's lighthouse (outlives groups)
+        self._dp_events: list[NodeEvent] = []  # of closed groups, reported with the next result
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
-        if getattr(self.trainer, "dead", False):  # a fsdp2 cell that lost a rank: rebuilt from a checkpoint
+        if getattr(self.trainer, "dead", False):  # a fsdp2 cell that lost a rank / every DP cell lost: rebuilt
             failure = getattr(self.trainer, "failure", None)
             if failure is not None and self.cell_host is not None:
                 self.cell_host.failed(failure)
             self.trainer = None
+            self._end_dp_group()
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup
             self.store.epoch, self.store.node = setup.epoch, setup.node_id  # this call's placement
@@ -143,8 +151,12 @@ class TrainerService:
         info = self._publish_weights()
         return info.model_copy(update={
             "rebuild": rebuild, "sft_metrics": sft_metrics, "seconds": time.perf_counter() - t0,
-            "events": self.new_events(), "cell": self.cell_state(),
+            "events": self.new_events(), "cell": self.cell_state(), "dp": self.dp_state(),
         })
+
+    def dp_state(self) -> DPState | None:
+        """The DP cells (None unless trainer.cells > 1)."""
+        return self.dp_group.state() if self._dp() and self.dp_group is not None else None
 
     def cell_state(self) -> CellState | None:
         """The live fsdp2 cell's ranks (None for backend single)."""
@@ -156,6 +168,8 @@ class TrainerService:
         if self.ckpts is None:
             return []
         cells = self.cell_host.take_events() if self.cell_host is not None else []
+        cells += self._dp_events + (self.dp_group.take_events() if self.dp_group is not None else [])
+        self._dp_events = []
         events = self.ckpts.events[self._events_seen :]
         self._events_seen += len(events)
         events, self._refused = [*events, *self._refused], []
@@ -170,10 +184,53 @@ class TrainerService:
         assert s is not None
         if self._fsdp2():  # a cell answers the calls this service makes of a trainer
             return self._cells().build(s.trainer, self._base_folder(), s.hparams, s.seed)  # type: ignore[arg-type,return-value]
+        if self._dp():  # so does a group of DP cells
+            return self._new_dp_group(self._base_folder())  # type: ignore[return-value]
         return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
 
     def _fsdp2(self) -> bool:
         return self.setup is not None and self.setup.trainer is not None and self.setup.trainer.backend == "fsdp2"
+
+    def _dp(self) -> bool:
+        return self.setup is not None and self.setup.trainer is not None and self.setup.trainer.cells > 1
+
+    def _new_dp_group(self, folder: Path) -> "DPGroup":
+        """Fresh DP cells over ``folder`` (the previous group's processes end first)."""
+        from gpu_runtime.trainer.dp.group import DPGroup  # torchft: the optional ``cells`` extra
+        from gpu_runtime.trainer.dp.lighthouse import Lighthouse
+
+        s = self.setup
+        assert s is not None and s.trainer is not None
+        self._end_dp_group()
+        if self.lighthouse is None:
+            self.lighthouse = Lighthouse(self.work_dir / "lighthouse.log")
+        self.dp_group = DPGroup(s.trainer.cells, folder, s.hparams, s.seed, self.work_dir / s.run_id / "dp",
+                                self.lighthouse, timeout_s=s.trainer.collective_timeout_s)
+        return self.dp_group
+
+    def _end_dp_group(self) -> None:
+        if self.dp_group is not None:
+            self._dp_events += self.dp_group.take_events()
+            self.dp_group.close()
+            self.dp_group = None
+
+    def restart_cells(self, setup: RunSetup, indices: list[int]) -> CellsRestarted:
+        """Start the given lost DP cells again (the workflow's heal, on its backoff schedule).
+        Each heals from a peer in the next step's quorum. A cell that is not lost is left
+        alone; with no live group there is nothing to heal (the next call builds all cells)."""
+        self._bind(setup)
+        outcome: dict[str, str] = {}
+        group = self.dp_group if self._dp() and self.trainer is self.dp_group else None
+        for i in indices:
+            if group is None:
+                outcome[str(i)] = "no_group"
+                continue
+            try:
+                outcome[str(i)] = group.restart(i)
+            except Exception as err:  # noqa: BLE001 - reported; the workflow backs off and tries again
+                log.warning("restarting DP cell %d failed: %s", i, err)
+                outcome[str(i)] = f"failed: {err}"
+        return CellsRestarted(outcome=outcome, events=self.new_events(), dp=self.dp_state())
 
     def _cells(self) -> "CellHost":
         if self.cell_host is None:
@@ -187,24 +244,29 @@ class TrainerService:
         process whose post-SFT weights the cell then loads."""
         s = self.setup
         assert s is not None
-        if not self._fsdp2():
+        if not (self._fsdp2() or self._dp()):
             return self._new_trainer()
         return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
 
     def _after_sft(self, trainer: PolicyTrainer) -> PolicyTrainer:
         s = self.setup
         assert s is not None
-        if not self._fsdp2():
+        if not (self._fsdp2() or self._dp()):
             return trainer
         folder = self.work_dir / s.run_id / "post-sft"
         trainer.export_model_folder(folder)
         del trainer  # one full copy at a time in this process
+        if self._dp():
+            return self._new_dp_group(folder)  # type: ignore[return-value]
         return self._cells().build(s.trainer, folder, s.hparams, s.seed)  # type: ignore[arg-type,return-value]
 
     def close(self) -> None:
-        """End the cell and its Ray processes (backend fsdp2); nothing to do for single."""
+        """End the cell and its Ray processes (backend fsdp2), the DP cells and their lighthouse."""
         if self.cell_host is not None:
             self.cell_host.close()
+        self._end_dp_group()
+        if self.lighthouse is not None:
+            self.lighthouse.stop()
 
     def _base_folder(self) -> Path:
         s = self.setup
@@ -258,11 +320,23 @@ class TrainerService:
             key = art.step_batch_key(self._owner(step), step)
             if not self.store.exists(key):
                 raise RuntimeError(f"cannot replay step {step}: {key} missing from the store")
-            self._train(stored_step_batch(self.store.get_bytes(key)))
+            self._train(stored_step_batch(self.store.get_bytes(key)), self._recorded_cells(step))
             replayed.append(step)
         if self.trainer.policy_version != target:
             raise RuntimeError(f"trainer at v{self.trainer.policy_version} is ahead of target v{target}")
         return replayed
+
+    def _recorded_cells(self, step: int) -> int | None:
+        """How many DP cells trained ``step`` when it committed (None: not a DP run, or not
+        recorded): a replay splits the step the same way, so it is bitwise the original."""
+        if not self._dp():
+            return None
+        assert self.store is not None
+        key = f"{art.step_prefix(self._owner(step), step)}/train_result.json"
+        if not self.store.exists(key):
+            return None
+        cells = art.get_model(self.store, key, TrainResult).metrics.get("dp_cells")
+        return int(cells) if cells else None
 
     def _weights_dir(self, version: int) -> Path:
         assert self.setup is not None
@@ -305,7 +379,7 @@ class TrainerService:
         return str(inner.root / prefix) if isinstance(inner, LocalStore) else inner.uri(prefix)
 
     # ---- training -----------------------------------------------------------------
-    def _train(self, batch: StepBatch) -> dict[str, float]:
+    def _train(self, batch: StepBatch, cells: int | None = None) -> dict[str, float]:
         assert self.trainer is not None and self.store is not None and self.setup is not None
         if batch.sft is not None:  # SFT mode: the rows at the step's data positions
             rows = self._rows()
@@ -317,6 +391,9 @@ class TrainerService:
         rewards = art.get_model(self.store, batch.rewards_key, art.StepRewards).rewards
         if [r.sample_id for r in rewards] != [s.sample_id for s in samples]:
             raise ValueError(f"step {batch.step}: rewards do not match the rollout samples")
+        if cells is not None and self.dp_group is not None and self.trainer is self.dp_group:
+            return self.dp_group.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams,
+                                            forced_participants=cells)
         return self.trainer.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams)
 
     def train_step(self, setup: RunSetup, batch: StepBatch) -> TrainResult:
@@ -342,6 +419,9 @@ class TrainerService:
                 self.trainer = None
                 if self.cell_host is not None:
                     self.cell_host.failed(err)
+            if self._dp() and getattr(self.trainer, "dead", False):  # every DP cell lost, or they diverged
+                self.trainer = None
+                self._end_dp_group()
             raise
         info = self._publish_weights()
         result = TrainResult(
@@ -353,6 +433,7 @@ class TrainerService:
             seconds=time.perf_counter() - t0,
             events=[*(before.events if before else []), *self.new_events()],
             cell=self.cell_state(),
+            dp=self.dp_state(),
         )
         art.put_model(self.store, result_key, result)
         return result

@@ -84,7 +84,8 @@ def folder() -> Path:
 
 
 SETTINGS = TrainerBackendSettings(backend="fsdp2", ranks_per_cell=2, placement="strict_pack", ray_address=None,
-                                  collective_timeout_s=60)
+                                  collective_timeout_s=60, cells=1, cell_restart_backoff_s=5,
+                                  cell_restart_backoff_max_s=300)
 
 
 def test_a_cell_on_an_existing_head_leaves_it_running(head: Head, folder: Path, tmp_path: Path,

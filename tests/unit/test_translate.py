@@ -213,6 +213,8 @@ def test_run_setup_carries_the_trainer_backend() -> None:
     setup = translate.run_setup(inp)
     assert setup.trainer is not None and setup.trainer.model_dump() == {
         "backend": "fsdp2", "ranks_per_cell": 4, "placement": "spread", "ray_address": "10.0.0.2:6379",
-        "collective_timeout_s": 9}
+        "collective_timeout_s": 9, "cells": 1, "cell_restart_backoff_s": 5.0, "cell_restart_backoff_max_s": 300.0}
+    dp = translate.run_setup(inp.model_copy(update={"trainer": TrainerSpec(cells=3, cell_restart_backoff_s=1)}))
+    assert dp.trainer is not None and (dp.trainer.cells, dp.trainer.cell_restart_backoff_s) == (3, 1.0)
     default = translate.run_setup(inp.model_copy(update={"trainer": TrainerSpec()}))
     assert default.trainer is not None and default.trainer.backend == "single"

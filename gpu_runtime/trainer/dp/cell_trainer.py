@@ -122,8 +122,9 @@ class DPCellTrainer(PolicyTrainer):
 
     def _participating(self) -> tuple[int, int]:
         rank, n = self._share
-        if self.forced_participants is not None:  # replaying a step that fewer cells trained
-            return (rank if rank < self.forced_participants else -1), self.forced_participants
+        f = self.forced_participants
+        if f is not None and f <= n:  # replaying a step that fewer cells trained: the first f split it
+            return (rank if rank < f else -1), f
         return rank, n
 
     def micro_batch_share(self, n: int) -> list[int]:
