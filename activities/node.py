@@ -38,12 +38,15 @@ from workflows.contracts import (
     CheckpointInput,
     CheckpointResult,
     ClaimNodeInput,
+    DPCells,
     EvalInput,
     EvalResult,
     InitPolicyInput,
     NodeClaim,
     NodeLivenessInput,
     PolicyInfo,
+    RestartCellsInput,
+    RestartCellsResult,
     RolloutInput,
     RolloutResult,
     RunEvent,
@@ -245,6 +248,18 @@ class NodeActivities:
         result = translate.train_step_result(res, self.rt.drain_events(), self.rt.node_id)
         metrics.record_train(result.metrics, result.seconds, len(result.replayed_steps))
         metrics.POLICY_VERSION.set(result.policy_version)
+        _record_dp(result.dp, result.node_events)
+        return result
+
+    @activity.defn(name="restart_cells")
+    def restart_cells(self, inp: RestartCellsInput) -> RestartCellsResult:
+        """Start the run's lost DP cells again (``trainer.cells``); each heals from a peer in the
+        next step's quorum. A restart that fails is reported in ``outcome``, not raised."""
+        setup = self._setup(inp.run_id, inp.epoch)
+        res = self._trainer_call(inp.run_id, inp.epoch, f"restart DP cells {inp.cells}",
+                                 lambda: self.rt.trainer.restart_cells(setup, inp.cells))
+        result = translate.cells_restarted(res, self.rt.drain_events(), self.rt.node_id)
+        _record_dp(result.dp, result.node_events)
         return result
 
     @activity.defn(name="update_weights")
@@ -329,5 +344,10 @@ class NodeActivities:
 
     def all(self) -> list:
         return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate,
-                self.node_liveness]
+                self.node_liveness, self.restart_cells]
+
+
+def _record_dp(dp: DPCells | None, events: list[RunEvent]) -> None:
+    if dp is not None:
+        metrics.record_dp(sum(c.state == "alive" for c in dp.cells), [e.kind for e in events])
 

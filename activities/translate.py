@@ -19,10 +19,12 @@ from gpu_runtime.engine.fleet_types import SlotInfo
 from gpu_runtime.engine.rollout import RolloutRequest
 from gpu_runtime.trainer.api import (
     Ancestor,
+    CellsRestarted,
     CellState,
     CheckpointRequest,
     CheckpointSaved,
     DistillSettings,
+    DPState,
     LoraSettings,
     ModelInit,
     ModelSource,
@@ -45,11 +47,14 @@ from workflows.contracts import (
     CellRankInfo,
     CheckpointInput,
     CheckpointResult,
+    DPCells,
+    DPCellStatus,
     EngineSlotInfo,
     EvalInput,
     EvalResult,
     InitPolicyInput,
     PolicyInfo,
+    RestartCellsResult,
     RolloutInput,
     RunEvent,
     TrainStepInput,
@@ -183,10 +188,23 @@ def cell_info(cell: CellState | None, node: str) -> CellInfo | None:
                     ranks=[CellRankInfo(**r.model_dump()) for r in cell.ranks])
 
 
+def dp_cells(dp: DPState | None, node: str) -> DPCells | None:
+    """The trainer's DP cells for the run's status (None unless trainer.cells > 1)."""
+    if dp is None:
+        return None
+    return DPCells(node=node, lighthouse_pid=dp.lighthouse_pid, lighthouse_restarts=dp.lighthouse_restarts,
+                   cells=[DPCellStatus(**c.model_dump()) for c in dp.cells])
+
+
+def cells_restarted(res: CellsRestarted, node_events: list[NodeEvent], node: str = "") -> RestartCellsResult:
+    return RestartCellsResult(outcome=res.outcome, node_events=run_events([*node_events, *res.events]),
+                              dp=dp_cells(res.dp, node))
+
+
 def policy_info(info: VersionInfo, node_events: list[NodeEvent], node: str = "") -> PolicyInfo:
     return PolicyInfo(
         policy_version=info.policy_version, checksum=info.checksum, weights_key=info.weights_key,
-        sft_metrics=info.sft_metrics, seconds=info.seconds, cell=cell_info(info.cell, node),
+        sft_metrics=info.sft_metrics, seconds=info.seconds, cell=cell_info(info.cell, node), dp=dp_cells(info.dp, node),
         **_trainer_state(info.rebuild, info.policy_version, [*node_events, *info.events]),
     )
 
@@ -194,7 +212,7 @@ def policy_info(info: VersionInfo, node_events: list[NodeEvent], node: str = "")
 def train_step_result(res: TrainResult, node_events: list[NodeEvent], node: str = "") -> TrainStepResult:
     return TrainStepResult(
         policy_version=res.policy_version, checksum=res.checksum, weights_key=res.weights_key,
-        metrics=res.metrics, seconds=res.seconds, cell=cell_info(res.cell, node),
+        metrics=res.metrics, seconds=res.seconds, cell=cell_info(res.cell, node), dp=dp_cells(res.dp, node),
         **_trainer_state(res.rebuild, res.policy_version - 1, [*node_events, *res.events]),
     )
 

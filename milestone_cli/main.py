@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,23 @@ def format_cells(p: RunProgress) -> list[str]:
     for c in p.cells:
         lines.append(f"  cell {c.generation} on {c.node or '?'}: {len(c.ranks)} ranks, {c.placement}, ray {c.ray_address}")
         lines += [f"    rank {r.rank}: pid {r.pid} node {r.node_ip} {r.state}" for r in c.ranks]
+    if p.dp is not None:
+        alive = sum(c.state == "alive" for c in p.dp.cells)
+        lines.append(f"  DP cells on {p.dp.node or '?'}: {alive}/{len(p.dp.cells)} alive, torchft lighthouse pid "
+                     f"{p.dp.lighthouse_pid}" + (f" (restarted {p.dp.lighthouse_restarts}x)" if p.dp.lighthouse_restarts else ""))
+        for c in p.dp.cells:
+            line = f"    cell {c.index}: pid {c.pid} {c.state} v{c.policy_version}"
+            if c.healed_from_step is not None:
+                line += f", healed from a peer (held v{c.healed_from_step})"
+            if c.restarts:
+                line += f", restarted {c.restarts}x"
+            heal = p.cell_heal.get(str(c.index))
+            if c.state == "lost":
+                line += f": {c.why}"
+            if heal is not None:
+                line += (f"; restart due {datetime.fromtimestamp(heal.due_at, timezone.utc).isoformat(timespec='seconds')}"
+                         f" (failed restarts: {heal.failures})")
+            lines.append(line)
     return lines
 
 

@@ -96,6 +96,50 @@ class CellInfo(BaseModel):
     ranks: list[CellRankInfo]
 
 
+class DPCellStatus(BaseModel):
+    """One data-parallel cell (``trainer.cells``) as the node's trainer last reported it."""
+
+    index: int
+    pid: int
+    state: str  # alive | lost | starting
+    why: str = ""  # why it was lost
+    restarts: int = 0
+    policy_version: int = 0
+    state_checksum: str = ""  # weights + AdamW + schedule + version (equal on every live cell)
+    healed_from_step: int | None = None  # its state was last copied from a peer (it held this version)
+
+
+class DPCells(BaseModel):
+    """The run's DP cells and their torchft lighthouse."""
+
+    node: str
+    lighthouse_pid: int
+    lighthouse_restarts: int = 0
+    cells: list[DPCellStatus]
+
+
+class CellHeal(BaseModel):
+    """A lost DP cell the run will restart (``workflows.cell_heal``): when, and after how
+    many failed restarts (the backoff is 5 s * 2^failures, capped)."""
+
+    lost_at: str  # ISO time the run learnt of the loss
+    due_at: float  # workflow time (unix seconds) from which the next restart may run
+    failures: int = 0
+
+
+class RestartCellsInput(BaseModel):
+    run_id: str
+    store_uri: str
+    cells: list[int]
+    epoch: int = 0
+
+
+class RestartCellsResult(BaseModel):
+    outcome: dict[str, str]  # cell index -> restarted | alive | no_group | failed: <why>
+    node_events: list[RunEvent] = []
+    dp: DPCells | None = None
+
+
 class PolicyInfo(BaseModel):
     policy_version: int
     checksum: str
@@ -106,6 +150,7 @@ class PolicyInfo(BaseModel):
     replayed_steps: list[int] = []
     node_events: list[RunEvent] = []
     cell: CellInfo | None = None  # backend fsdp2: the cell that holds this version
+    dp: DPCells | None = None  # trainer.cells > 1: the DP cells
 
 
 class RolloutInput(BaseModel):
@@ -263,6 +308,7 @@ class TrainStepResult(BaseModel):
     seconds: float
     node_events: list[RunEvent] = []
     cell: CellInfo | None = None  # backend fsdp2: the cell that trained the step
+    dp: DPCells | None = None  # trainer.cells > 1: the DP cells after the step
 
 
 class UpdateWeightsInput(BaseModel):
@@ -355,6 +401,7 @@ class RLStepInput(BaseModel):
     # next for ``step + 1``, and so on.
     buffer: list[Sampled] = []
     prefetched: Sampled | None = None  # the one-batch buffer as recorded before ``buffer`` existed (read only)
+    restart_cells: list[int] = []  # lost DP cells whose restart is due: restarted before this step trains
 
 
 class StepSummary(BaseModel):
@@ -397,6 +444,8 @@ class StepSummary(BaseModel):
         """Policy versions between the weights that sampled the batch and the ones it trained."""
         return 0 if self.rollout_version is None else self.policy_version - 1 - self.rollout_version
     agent: dict[str, float] | None = None  # rollout.agent: episode metrics of the step's rollout(s) (docs/agents.md)
+    dp: DPCells | None = None  # trainer.cells > 1: the DP cells after the step (TrainingRun moves it to its state)
+    cell_restarts: dict[str, str] = {}  # DP cells restarted before this step trained: index -> outcome
 
 
 class RunState(BaseModel):
@@ -418,6 +467,8 @@ class RunState(BaseModel):
     eval_before: EvalResult | None = None  # the post-SFT policy (v0) on the held-out split
     buffer: list[Sampled] = []  # batches sampled ahead for the next steps, oldest first (one_step_off, fully_async)
     prefetched: Sampled | None = None  # the one-batch buffer as carried before ``buffer`` existed (read only)
+    dp: DPCells | None = None  # trainer.cells > 1: the DP cells as last reported
+    cell_heal: dict[str, CellHeal] = {}  # lost DP cells awaiting their restart, by index
 
 
 class TrainingRunInput(BaseModel):
@@ -439,6 +490,8 @@ class RunProgress(BaseModel):
     events: list[RunEvent] = Field(default_factory=list)
     engines: list[EngineSlotInfo] = Field(default_factory=list)
     cells: list[CellInfo] = Field(default_factory=list)  # backend fsdp2: cells and their ranks (pid, node, state)
+    dp: DPCells | None = None  # trainer.cells > 1: the DP cells (pid, state, version)
+    cell_heal: dict[str, CellHeal] = Field(default_factory=dict)  # lost DP cells and when each restarts
     mode: str = "rl"  # the run's config.mode: rl | sft
 
 

@@ -23,6 +23,8 @@ with workflow.unsafe.imports_passed_through():
         CheckpointResult,
         EvalInput,
         EvalResult,
+        RestartCellsInput,
+        RestartCellsResult,
         RLStepInput,
         RunEvent,
         Sampled,
@@ -55,17 +57,24 @@ class RLStep:
                               reward_std=0.0, accuracy=0.0, reward_errors=0, response_len_mean=0.0,
                               chunks_reused=0, engine_retries=0, phases={},
                               policy_version=inp.policy_version, data_cursor=inp.data_cursor)
+        # lost DP cells whose backoff is over start again while the step samples, and join its train_step
+        heal = asyncio.create_task(restart_cells(inp)) if inp.restart_cells else None
         depth = buffer_depth(cfg)
         rest: list[Sampled] = []
-        if sft_rows is None:
-            buffer = buffered(inp)
-            if buffer:  # sampled during an earlier step: the oldest is this step's
-                sampled, rest = buffer[0], buffer[1:]
-                bad = check_batch(sampled, inp, depth)
-                if bad is not None:
-                    raise bad
-            else:
-                sampled = await sample_step(inp)
+        try:
+            if sft_rows is None:
+                buffer = buffered(inp)
+                if buffer:  # sampled during an earlier step: the oldest is this step's
+                    sampled, rest = buffer[0], buffer[1:]
+                    bad = check_batch(sampled, inp, depth)
+                    if bad is not None:
+                        raise bad
+                else:
+                    sampled = await sample_step(inp)
+            restarted = await heal if heal is not None else None
+        except BaseException:
+            await _cancel(heal)
+            raise
         cursor = inp.data_cursor + sampled.prompts
         # one_step_off / fully_async: later steps' batches are sampled during this train_step, on the
         # weights the engines serve now (this step's); update_weights waits for them (the engines serve
@@ -87,10 +96,7 @@ class RLStep:
             )
             sampled_ahead = await ahead if ahead is not None else []
         except BaseException:
-            if ahead is not None and not ahead.done():  # the step is re-run as a whole: stop its prefetch
-                ahead.cancel()
-                with contextlib.suppress(BaseException):
-                    await ahead
+            await _cancel(ahead)  # the step is re-run as a whole: stop its prefetch
             raise
         synced = await run_activity(
             "update_weights",
@@ -148,6 +154,7 @@ class RLStep:
             events=[
                 *sampled.node_events, *trained.node_events, *synced.node_events, *(ckpt.node_events if ckpt else []),
                 *(evaluated.node_events if evaluated else []), *eval_events,
+                *(restarted.node_events if restarted else []),
             ],
             engines=synced.engines,
             eval_greedy=evaluated.greedy_accuracy if evaluated else None,
@@ -161,7 +168,27 @@ class RLStep:
             buffer_depth=len(rest) + len(sampled_ahead),
             next_buffer=[*rest, *sampled_ahead],
             agent=sampled.agent,
+            dp=trained.dp,
+            cell_restarts=restarted.outcome if restarted else {},
         )
+
+
+async def _cancel(task: asyncio.Task | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+
+async def restart_cells(inp: RLStepInput) -> RestartCellsResult:
+    """Start the lost DP cells whose backoff is over (``workflows.cell_heal``) on the trainer's
+    node; each heals from a peer in this step's quorum. A restart that fails is an outcome,
+    not an error: the run backs off and tries again at a later step."""
+    return await run_activity(
+        "restart_cells",
+        RestartCellsInput(run_id=inp.run_id, store_uri=inp.config.store, cells=inp.restart_cells, epoch=inp.epoch),
+        RestartCellsResult, task_queue=inp.node_queue, summary=f"restart DP cells {inp.restart_cells}",
+    )
 
 
 async def sample_ahead(inp: RLStepInput, steps: list[int], cursor: int) -> list[Sampled]:

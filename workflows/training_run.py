@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsInput,
         UpdateWeightsResult,
     )
+    from workflows import cell_heal
     from workflows.failures import Failure, failure, failure_in
     from workflows.node_watch import NodeWatch
     from workflows.rl_step import RLStep, evaluate, run_activity
@@ -126,11 +127,15 @@ class TrainingRun:
             st.history = [
                 *st.history,
                 summary.model_copy(update={"events": [], "engines": [], "cell": None, "next_sampled": None,
-                                           "next_buffer": []}),
+                                           "next_buffer": [], "dp": None}),
             ][-HISTORY_KEEP:]
             st.events = [*st.events, *summary.events][-100:]
             st.engines = summary.engines
             st.cells = [summary.cell] if summary.cell is not None else []
+            if summary.dp is not None or summary.cell_restarts:  # trainer.cells > 1: schedule the lost cells' restarts
+                st.dp = summary.dp or st.dp
+                st.cell_heal = cell_heal.after_step(st.cell_heal, summary.dp, summary.cell_restarts, workflow.now(),
+                                                    cfg.trainer)
             if len(st.first_rewards) < SUMMARY_STEPS:
                 st.first_rewards.append(summary.reward_mean)
             st.next_step += 1
@@ -190,6 +195,7 @@ class TrainingRun:
                     policy_version=st.policy_version, data_cursor=st.data_cursor,
                     dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
                     buffer=st.buffer or ([st.prefetched] if st.prefetched else []),
+                    restart_cells=cell_heal.due(st.cell_heal, workflow.now()),
                 ),
                 id=f"{run_id}/step-{st.next_step}",
                 task_queue=CONTROL_QUEUE,
@@ -252,6 +258,9 @@ class TrainingRun:
         )
         st.events = [*st.events, *policy.node_events][-100:]
         st.cells = [policy.cell] if policy.cell is not None else []
+        if policy.dp is not None:  # trainer.cells > 1: cells this trainer lost are scheduled for a restart
+            st.dp = policy.dp
+            st.cell_heal = cell_heal.after_step(st.cell_heal, policy.dp, {}, workflow.now(), cfg.trainer)
         synced = await run_activity(
             "update_weights",
             UpdateWeightsInput(
@@ -319,6 +328,8 @@ class TrainingRun:
             events=st.events,
             engines=st.engines,
             cells=st.cells,
+            dp=st.dp,
+            cell_heal=st.cell_heal,
             mode=self.cfg.mode if self.cfg else "rl",
         )
 

@@ -33,6 +33,10 @@ WEIGHT_SYNC_BYTES = Counter("milestone_weight_sync_bytes_total", "bytes of weigh
 ENGINE_EVENTS = Counter("milestone_engine_events_total", "engine fleet events", ["kind"])
 ENGINES_HEALTHY = Gauge("milestone_engines_healthy", "healthy engines on this node")
 TRAINER_RESTARTS = Counter("milestone_trainer_restarts_total", "trainer process restarts")
+DP_CELLS_ALIVE = Gauge("milestone_dp_cells_alive", "live DP cells of this node's trainer (trainer.cells)")
+DP_CELL_EVENTS = Counter("milestone_dp_cell_events_total", "DP cell events (cell_lost, cell_restarted, cell_healed, "
+                         "checksum_mismatch, lighthouse_restarted)", ["kind"])
+DP_CELL_KINDS = ("cell_lost", "cell_restarted", "cell_healed", "checksum_mismatch", "lighthouse_restarted")
 REPLAYED_STEPS = Counter("milestone_replayed_steps_total", "steps replayed to rebuild trainer state")
 
 TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens_per_s", "distill_kl")
@@ -52,6 +56,15 @@ SAMPLING_KEYS = ("rounds", "groups_generated", "groups_kept", "groups_filtered_a
 def record_sampling(stats: dict[str, float]) -> None:
     for key in SAMPLING_KEYS:
         DYNAMIC_SAMPLING.labels(key).set(stats[key])
+
+
+def record_dp(alive: int | None, event_kinds: list[str]) -> None:
+    """The DP cells after a trainer call: how many live, and their events."""
+    if alive is not None:
+        DP_CELLS_ALIVE.set(alive)
+    for kind in event_kinds:
+        if kind in DP_CELL_KINDS:
+            DP_CELL_EVENTS.labels(kind).inc()
 
 
 def record_train(metrics: dict[str, float], seconds: float, replayed: int) -> None:
