@@ -48,6 +48,8 @@ TIMINGS: dict[str, ActivityTiming] = {
     "train_step": ActivityTiming(timedelta(minutes=30), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5)),
     "update_weights": ActivityTiming(timedelta(minutes=10), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(10)),
     "checkpoint": ActivityTiming(timedelta(minutes=10), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(10)),
+    # a failed cell restart is an outcome, not an error (the run backs off): retries are for the trainer process
+    "restart_cells": ActivityTiming(timedelta(minutes=5), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(3)),
     # a failed eval costs the step its eval numbers, not the run (RLStep records an event)
     "evaluate": ActivityTiming(timedelta(minutes=20), HEARTBEAT, NODE_SCHEDULE_TO_START, _retry(5, 10.0)),
 }
