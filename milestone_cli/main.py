@@ -95,6 +95,8 @@ def format_progress(p: RunProgress) -> str:
         if stale or last.overlap_seconds or last.buffer_depth:  # one_step_off / fully_async: batches sampled ahead
             line += (f" | samples v{last.rollout_version} (staleness {stale}), {last.buffer_depth} ahead,"
                      f" {last.overlap_seconds:.1f}s overlapped")
+        if last.dp_cells is not None and p.dp is not None:  # trainer.cells: how many cells committed the step
+            line += f" | {last.dp_cells}/{len(p.dp.cells)} DP cells"
     return line
 
 

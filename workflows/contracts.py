@@ -446,6 +446,7 @@ class StepSummary(BaseModel):
     agent: dict[str, float] | None = None  # rollout.agent: episode metrics of the step's rollout(s) (docs/agents.md)
     dp: DPCells | None = None  # trainer.cells > 1: the DP cells after the step (TrainingRun moves it to its state)
     cell_restarts: dict[str, str] = {}  # DP cells restarted before this step trained: index -> outcome
+    dp_cells: int | None = None  # trainer.cells > 1: how many cells committed the step (fewer: a shrink step)
 
 
 class RunState(BaseModel):

@@ -169,6 +169,7 @@ class RLStep:
             next_buffer=[*rest, *sampled_ahead],
             agent=sampled.agent,
             dp=trained.dp,
+            dp_cells=int(m["dp_cells"]) if "dp_cells" in m else None,
             cell_restarts=restarted.outcome if restarted else {},
         )
 

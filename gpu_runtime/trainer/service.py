@@ -96,6 +96,7 @@ class TrainerService:
             return
         self.setup = setup
         self.trainer = None
+        self._end_dp_group()  # another run's cells (a node rebinds between runs)
         # writes only under the run's own prefix, refused once the run's fence is past this call's epoch
         self.store = FencedStore(open_store(setup.store_uri), setup.run_id, setup.epoch, setup.node_id,
                                  on_refused=self._on_refused)

@@ -101,9 +101,11 @@ def test_a_killed_cell_costs_its_step_nothing_and_is_healed_from_its_peer(stack:
     assert dp.cells[0].policy_version == dp.cells[1].policy_version == STEPS
     assert faulted.cell_heal == {}  # nothing left to restart
     restarts = [s for s in faulted.steps if s.cell_restarts]
+    assert [s.dp_cells for s in twin.steps] == [2] * STEPS
+    assert faulted.steps[1].dp_cells == 1  # step 2 committed by the survivor alone
     for s in faulted.steps:
         print(f"step {s.step}: {s.step_seconds:.2f} s (train {s.phase_seconds.get('train', 0):.2f} s), "
-              f"restarts {s.cell_restarts}, loss {s.loss:.6f}")
+              f"{s.dp_cells} cell(s), restarts {s.cell_restarts}, loss {s.loss:.6f}")
     print("events:", [(e.at[11:19], e.kind, e.detail[:90]) for e in faulted.events if "cell" in e.kind])
     assert len(restarts) == 1 and restarts[0].cell_restarts == {"1": "restarted"} and restarts[0].step >= 3
     # the trajectory: within the reordering bound of the fault-free twin

@@ -54,3 +54,33 @@ def test_status_lists_the_cell_and_its_ranks() -> None:
         "    rank 1: pid 101 node 127.0.0.1 alive",
     ]
     assert RunProgress.model_validate_json(p.model_dump_json()).cells[0].ranks[1].pid == 101  # the --json shape
+
+
+def test_status_lists_the_dp_cells_and_when_a_lost_one_restarts() -> None:
+    """trainer.cells: the DP cells as the trainer reported them (train_step result -> progress),
+    with the run's restart schedule for the lost one, and the shrink step on the progress line."""
+    from datetime import datetime, timezone
+
+    from activities import translate
+    from gpu_runtime.trainer.api import DPCellInfo, DPState, TrainResult
+    from milestone_cli.main import format_cells, format_progress
+    from workflows.contracts import CellHeal, RunProgress, StepSummary
+
+    dp = DPState(lighthouse_pid=7, cells=[
+        DPCellInfo(index=0, pid=100, state="alive", policy_version=3, state_checksum="abc"),
+        DPCellInfo(index=1, pid=101, state="lost", why="died during train_step", policy_version=2)])
+    out = translate.train_step_result(TrainResult(policy_version=3, checksum="c", weights_key="w",
+                                                  metrics={"dp_cells": 1.0}, seconds=1.0, dp=dp), [], "node0")
+    assert out.dp is not None and out.dp.node == "node0" and [c.state for c in out.dp.cells] == ["alive", "lost"]
+    due = datetime(2026, 12, 1, 12, 0, 5, tzinfo=timezone.utc).timestamp()
+    step = StepSummary(step=3, policy_version=3, data_cursor=12, reward_mean=0.5, reward_std=0.1, accuracy=0.5,
+                       loss=0.1, step_seconds=1.0, dp_cells=1)
+    p = RunProgress(run_id="r", state="running", step=3, total_steps=4, policy_version=3, data_cursor=12,
+                    steps=[step], dp=out.dp, cell_heal={"1": CellHeal(lost_at="t", due_at=due, failures=1)})
+    assert format_cells(p) == [
+        "  DP cells on node0: 1/2 alive, torchft lighthouse pid 7",
+        "    cell 0: pid 100 alive v3",
+        "    cell 1: pid 101 lost v2: died during train_step; restart due 2026-12-01T12:00:05+00:00 (failed restarts: 1)",
+    ]
+    assert format_progress(p).endswith("| 1/2 DP cells")
+    assert RunProgress.model_validate_json(p.model_dump_json()).cell_heal["1"].failures == 1  # the --json shape
