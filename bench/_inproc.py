@@ -52,7 +52,7 @@ def run_setup(cfg: RunConfig, run_id: str) -> RunSetup:
     """What ``init_policy`` sends the trainer for this config (the activity's own translation)."""
     return translate.run_setup(InitPolicyInput(
         run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft, train=cfg.train,
-        dataset=_dataset(cfg, run_id), checkpoint=cfg.checkpoint, config_hash=run_id,
+        dataset=_dataset(cfg, run_id), checkpoint=cfg.checkpoint, config_hash=run_id, trainer=cfg.trainer,
     ))
 
 

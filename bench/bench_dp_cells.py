@@ -115,8 +115,7 @@ def main() -> None:
         cfg = demo_config(work / "store", steps=args.steps, sft_steps=args.sft_steps, every=1, keep_last=1000,
                           name=RUN_ID)
         setup = run_setup(cfg, RUN_ID)
-        assert setup.trainer is not None
-        dp_setup = setup.model_copy(update={"trainer": setup.trainer.model_copy(update={"cells": 2})})
+        dp_setup = run_setup(cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"cells": 2})}), RUN_ID)
         print(f"DP run: demo model, {cfg.samples_per_step} samples/step, 2 cells; cell 1 killed "
               f"{args.kill_after}s into step {args.kill_step}, restarted at step {args.restart_step}", flush=True)
         r = dp_run(cfg, dp_setup, work / "dp-run", args.kill_step, args.kill_after, args.restart_step)

@@ -43,7 +43,7 @@ ENV = {"MILESTONE_FAULT_CELL_DELAY": "1:2"}  # cell 1 waits 2 s before each allr
 
 
 def cfg(store: Path) -> dict:
-    return tiny_config(store, steps=STEPS, sft={"steps": 20}, train={"lr": 1e-3, "micro_batch_size": 4},
+    return tiny_config(store, steps=STEPS, sft={"steps": 20}, train={"lr": 1e-3, "micro_batch_size": 4, "entropy_coef": 0.01},
                        checkpoint={"every": 3, "keep_last": 2}, eval={"enabled": False}, engines={"num_engines": 1},
                        trainer={"cells": 2, "cell_restart_backoff_s": 1, "collective_timeout_s": 20})
 
@@ -103,6 +103,7 @@ def test_a_killed_cell_costs_its_step_nothing_and_is_healed_from_its_peer(stack:
     restarts = [s for s in faulted.steps if s.cell_restarts]
     assert [s.dp_cells for s in twin.steps] == [2] * STEPS
     assert faulted.steps[1].dp_cells == 1  # step 2 committed by the survivor alone
+    assert faulted.steps[1].grad_norm > 0  # the entropy bonus: the shrink step moves the weights whatever the rewards
     for s in faulted.steps:
         print(f"step {s.step}: {s.step_seconds:.2f} s (train {s.phase_seconds.get('train', 0):.2f} s), "
               f"{s.dp_cells} cell(s), restarts {s.cell_restarts}, loss {s.loss:.6f}")

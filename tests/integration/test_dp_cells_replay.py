@@ -1,0 +1,114 @@
+"""trainer.cells: 2 through ``TrainerService`` (what the node's trainer process runs): a
+shrink step, then a trainer crash. The successor restores the checkpoint and replays the
+stored steps, each split the way it committed (the train result records ``dp_cells``), so
+the rebuilt state is bitwise the crashed trainer's, shrink step included. Replaying the
+shrink step over two cells instead would differ (checked: the split is what makes it exact).
+
+Rollouts run in-process (``bench._inproc.generate_step``: the real chunk plan and seeds,
+``generate_batch`` where a run asks an engine) on each version's published weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft", reason="the cells extra (torchft-nightly) is not installed: pip install -e '.[cells]'")
+
+from activities.translate import reward_settings  # noqa: E402
+from bench._inproc import dataset_rows, generate_step, rollout_request, run_setup, step_batch  # noqa: E402
+from gpu_runtime.data.rewards import score_samples  # noqa: E402
+from gpu_runtime.models.causal_lm import load_causal_lm  # noqa: E402
+from gpu_runtime.models.tokenizer import Tokenizer  # noqa: E402
+from gpu_runtime.node.proc import pid_alive  # noqa: E402
+from gpu_runtime.store import artifacts as art  # noqa: E402
+from gpu_runtime.store.object_store import LocalStore  # noqa: E402
+from gpu_runtime.trainer.service import TrainerService  # noqa: E402
+from tests.stack import tiny_config, wait_for  # noqa: E402
+from workflows.config import RunConfig  # noqa: E402
+
+RUN = "dp-replay"
+STEPS = 3
+
+
+def _log_has(svc: TrainerService, text: str) -> bool:
+    p = svc.work_dir / RUN / "dp" / "cell1.log"
+    return p.exists() and text in p.read_text(errors="replace")
+
+
+def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MILESTONE_FAULT_CELL_DELAY", "1:1.5")  # cell 1 waits before each allreduce: a kill lands there
+    cfg = RunConfig.model_validate(tiny_config(
+        tmp_path / "store", steps=STEPS, sft={"steps": 10}, train={"lr": 1e-3, "micro_batch_size": 4, "entropy_coef": 0.01},
+        checkpoint={"every": 100, "keep_last": 5}, trainer={"cells": 2}))
+    setup = run_setup(cfg, RUN)
+    store = LocalStore(tmp_path / "store")
+    rows = dataset_rows(cfg, tmp_path / "train.jsonl")
+    store.put_file(setup.dataset_key, tmp_path / "train.jsonl")
+    by_index = dict(enumerate(rows))
+    first = TrainerService(tmp_path / "first")
+    try:
+        v0 = first.ensure_version(setup, 0)  # SFT -> v0, the only checkpoint
+        folder = Path(v0.model_path)
+        cells, checksum, kinds = [], "", [e.kind for e in v0.events]
+        for step in range(1, STEPS + 1):
+            if step == 3:
+                restarted = first.restart_cells(setup, [1])
+                assert restarted.outcome == {"1": "restarted"}
+                kinds += [e.kind for e in restarted.events]
+            chunks = generate_step(load_causal_lm(folder).eval(), rollout_request(cfg, RUN, step, len(rows)), rows,
+                                   Tokenizer.load(folder))
+            keys = [art.rollout_chunk_key(RUN, step, c.chunk) for c in chunks]
+            for k, c in zip(keys, chunks):
+                art.put_model(store, k, c)
+            samples = [s for c in chunks for s in c.samples]
+            rkey = art.rewards_key(RUN, step)
+            art.put_model(store, rkey, art.StepRewards(run_id=RUN, step=step, rewards=score_samples(
+                samples, by_index, reward_settings(cfg.reward))))
+            killer = None
+            if step == 2:
+                assert first.dp_group is not None
+                victim = first.dp_group.members[1].pid
+                assert victim is not None
+
+                def kill() -> None:
+                    wait_for(lambda: _log_has(first, "fault delay before the allreduce of v2"), 60, what="cell 1 in v2")
+                    os.kill(victim, signal.SIGKILL)
+
+                killer = threading.Thread(target=kill)
+                killer.start()
+            res = first.train_step(setup, step_batch(cfg, RUN, step, keys, rkey))
+            if killer is not None:
+                killer.join()
+            cells.append(int(res.metrics["dp_cells"]))
+            assert res.metrics["grad_norm"] > 0  # the entropy bonus: a gradient even when every reward is equal
+            kinds += [e.kind for e in res.events]
+            checksum = res.checksum
+            folder = first._weights_dir(res.policy_version)
+        assert cells == [2, 1, 2]  # step 2 committed by cell 0 alone, cell 1 healed into step 3
+        assert {"cells_started", "cell_lost", "cell_restarted", "cell_healed"} <= set(kinds), kinds
+        pids = [c.pid for c in first.dp_group.members] if first.dp_group else []
+    finally:
+        first.close()  # the crash: every cell and the lighthouse gone
+    assert not any(pid_alive(p) for p in pids if p)
+
+    second = TrainerService(tmp_path / "second")
+    try:
+        info = second.ensure_version(setup, STEPS)
+        assert info.rebuild is not None and info.rebuild.restored_from_step == 0
+        assert info.rebuild.replayed_steps == [1, 2, 3]
+        assert info.checksum == checksum  # bitwise, the shrink step included
+    finally:
+        second.close()
+
+    # the split is what makes it exact: step 2 replayed over both cells is a different float sum
+    monkeypatch.setattr(TrainerService, "_recorded_cells", lambda self, step: None)
+    third = TrainerService(tmp_path / "third")
+    try:
+        assert third.ensure_version(setup, STEPS).checksum != checksum
+    finally:
+        third.close()
