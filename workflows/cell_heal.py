@@ -15,7 +15,9 @@ from datetime import datetime
 from workflows.contracts import CellHeal, DPCells
 from workflows.trainer_config import TrainerSpec
 
-RECOVERED = ("restarted", "alive", "no_group")  # restart outcomes that end a cell's backoff
+# restart outcomes that end a cell's backoff: the process is starting (or was not lost); if it
+# fails to start or is lost again, a later step reports it lost and the wait doubles
+RECOVERED = ("restarting", "starting", "restarted", "alive", "no_group")
 
 
 def backoff_s(failures: int, spec: TrainerSpec) -> float:

@@ -135,7 +135,7 @@ class RestartCellsInput(BaseModel):
 
 
 class RestartCellsResult(BaseModel):
-    outcome: dict[str, str]  # cell index -> restarted | alive | no_group | failed: <why>
+    outcome: dict[str, str]  # cell index -> restarting | starting | alive | no_group | failed: <why>
     node_events: list[RunEvent] = []
     dp: DPCells | None = None
 

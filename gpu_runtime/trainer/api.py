@@ -244,8 +244,9 @@ class DPState(Message):
 
 
 class CellsRestarted(Message):
-    """What ``restart_cells`` did to each DP cell asked for: restarted | alive (it was not
-    lost) | no_group (no live cells: the next call builds them all) | failed: <why>."""
+    """What ``restart_cells`` did to each DP cell asked for: restarting (its process starts in
+    the background) | starting / alive (it was not lost) | no_group (no live cells: the next
+    call builds them all) | failed: <why>."""
 
     outcome: dict[str, str]
     events: list[NodeEvent] = []

@@ -140,11 +140,13 @@ def test_a_cell_killed_mid_step_leaves_the_step_to_its_peer_and_heals_from_it(gr
     assert _close(_weights(group, tmp_path, "v2"), reference[1]) <= WEIGHT_ATOL
     _step(group, 3)  # one cell: no quorum waits on the lost one
     os.environ["MILESTONE_FAULT_CELL_DELAY"] = ""
-    assert group.restart(1) == "restarted"
+    assert group.restart(1) == "restarting"
+    assert group.restart(1) == "starting"  # asked again while it starts: nothing more
+    wait_for(lambda: group.members[1].state == "alive", 120, what="cell 1 restarted")
     m = _step(group, 4)
     assert m["dp_cells"] == 2
     events = group.take_events()
-    assert [e.kind for e in events].count("cell_restarted") == 1
+    assert [e.kind for e in events].count("cell_restarted") == 1 and "cell_restart_failed" not in [e.kind for e in events]
     healed = [e for e in events if e.kind == "cell_healed"]
     assert len(healed) == 1 and "cell 1" in healed[0].detail
     state = group.state()
@@ -173,6 +175,7 @@ def test_a_stopped_cell_is_timed_out_killed_and_replaced(group: DPGroup, tmp_pat
     assert not pid_alive(pid)  # type: ignore[arg-type]
     os.environ["MILESTONE_FAULT_CELL_DELAY"] = ""
     group.restart(1)
+    wait_for(lambda: group.members[1].state == "alive", 120, what="cell 1 restarted")
     assert _step(group, 3)["dp_cells"] == 2
     state = group.state()
     assert state.cells[0].state_checksum == state.cells[1].state_checksum

@@ -58,8 +58,11 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
         for step in range(1, STEPS + 1):
             if step == 3:
                 restarted = first.restart_cells(setup, [1])
-                assert restarted.outcome == {"1": "restarted"}
+                assert restarted.outcome == {"1": "restarting"}
                 kinds += [e.kind for e in restarted.events]
+                group = first.dp_group
+                assert group is not None
+                wait_for(lambda: group.members[1].state == "alive", 120, what="cell 1 restarted")
             chunks = generate_step(load_causal_lm(folder).eval(), rollout_request(cfg, RUN, step, len(rows)), rows,
                                    Tokenizer.load(folder))
             keys = [art.rollout_chunk_key(RUN, step, c.chunk) for c in chunks]

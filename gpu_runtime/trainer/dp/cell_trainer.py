@@ -53,12 +53,16 @@ class StepNotCommitted(RuntimeError):
 
 
 def _fault_delay(index: int, version: int) -> None:
-    """Tests set MILESTONE_FAULT_CELL_DELAY="<cell>:<seconds>" so a SIGKILL / SIGSTOP lands while
-    that cell is inside a quorum, before its allreduce; the log line is what they wait for."""
+    """Tests set MILESTONE_FAULT_CELL_DELAY="<cell>:<seconds>[:<version>]" so a SIGKILL / SIGSTOP
+    lands while that cell is inside a quorum, before its allreduce (of every step, or only of
+    the step that makes ``version``); the log line is what they wait for."""
     spec = os.environ.get("MILESTONE_FAULT_CELL_DELAY", "")
-    if spec and int(spec.split(":")[0]) == index:
-        log.warning("fault delay before the allreduce of v%d: %s s", version, spec.split(":")[1])
-        time.sleep(float(spec.split(":")[1]))
+    if not spec:
+        return
+    cell, seconds, *only = spec.split(":")
+    if int(cell) == index and (not only or int(only[0]) == version):
+        log.warning("fault delay before the allreduce of v%d: %s s", version, seconds)
+        time.sleep(float(seconds))
 
 
 def dp_unsupported(hp: TrainerHParams) -> list[str]:

@@ -12,8 +12,9 @@ save_state, load_state, export_model_folder, policy_version) by driving K cell p
   SIGKILLed by pid and lost.
 - After a step every answering cell reports its state checksum (weights + AdamW + schedule
   + version); a difference raises ``CellsDiverged`` naming the cells.
-- A lost cell stays lost until ``restart`` (the workflow calls it on its backoff schedule);
-  the new process joins the next step's quorum and copies its state from a peer first.
+- A lost cell stays lost until ``restart`` (the workflow calls it on its backoff schedule),
+  which starts the new process in the background; once built it joins the next step's
+  quorum and copies its state from a peer first. No step waits for a restart.
 - When every cell is lost the group is ``dead``: the service rebuilds from a checkpoint.
 """
 
@@ -87,6 +88,9 @@ class DPGroup:
     version: int = 0
     dead: bool = False
     failure: BaseException | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _restarts: list[threading.Thread] = field(default_factory=list)
+    _closed: bool = False
 
     def __post_init__(self) -> None:
         if self.cells < 2:
@@ -105,7 +109,7 @@ class DPGroup:
                    f"lighthouse pid {self.lighthouse.pid}")
 
     # ---- processes ---------------------------------------------------------------
-    def _start(self, c: _Cell) -> CellReport:
+    def _start(self, c: _Cell, joining: bool = False) -> CellReport:
         cmd = [sys.executable, "-m", "gpu_runtime.trainer.dp.cell_server", "--index", str(c.index),
                "--lighthouse", self.lighthouse.address, "--timeout-s", str(self.timeout_s),
                "--threads", str(self.threads), "--parent-pid", str(os.getpid())]
@@ -120,7 +124,9 @@ class DPGroup:
         c.client = RPCClient(f"http://127.0.0.1:{m.group(1)}")
         c.report = c.client.call("build", BuildCall(folder=str(self.folder), hparams=self.hparams, seed=self.seed),
                                  CellReport, timeout_s=START_TIMEOUT_S)
-        c.state, c.why, c.healed_from_step = "alive", "", None
+        with self._lock:  # a restarted cell is visible to steps only with its joining mark
+            c.joining = joining
+            c.state, c.why, c.healed_from_step = "alive", "", None
         return c.report
 
     def _lose(self, c: _Cell, why: str) -> None:
@@ -137,26 +143,41 @@ class DPGroup:
         log.warning("DP cell %d lost: %s", c.index, why)
 
     def restart(self, index: int) -> str:
-        """Start lost cell ``index`` again; it heals from a peer in the next step's quorum.
-        'alive' when it was not lost."""
+        """Start lost cell ``index`` again, in the background: the call returns at once
+        ('restarting'; 'alive' / 'starting' when it was not lost) and no step waits for the
+        new process. Once built it joins the next step's quorum, where it heals from a peer;
+        a restart that fails leaves it lost (``cell_restart_failed``)."""
         c = self.members[index]
-        if c.state == "alive":
-            return "alive"
+        with self._lock:
+            if c.state in ("alive", "starting"):
+                return c.state
+            c.state = "starting"
+        t = threading.Thread(target=self._restart, args=(c,), name=f"restart-cell{index}", daemon=True)
+        self._restarts.append(t)
+        t.start()
+        return "restarting"
+
+    def _restart(self, c: _Cell) -> None:
         old = c.pid
         try:
-            self._start(c)
-        except BaseException:
+            self._start(c, joining=True)
+        except BaseException as err:  # noqa: BLE001 - reported; the workflow backs off and tries again
             if c.proc is not None and c.proc.poll() is None:
                 stop_pid(c.proc.pid, c.proc)
-            c.state = "lost"
-            raise
+            with self._lock:
+                c.state, c.why = "lost", f"restart failed: {err}"
+            self._note("cell_restart_failed", f"cell {c.index}: {err}")
+            return
+        if self._closed:  # the group ended while this cell was starting
+            if c.proc is not None and c.proc.poll() is None:
+                stop_pid(c.proc.pid, c.proc)
+            return
         c.restarts += 1
-        c.joining = True
-        self._note("cell_restarted", f"cell {index}: pid {old} -> {c.pid}; heals from a peer at the next step")
-        return "restarted"
+        self._note("cell_restarted", f"cell {c.index}: pid {old} -> {c.pid}; heals from a peer at the next step")
 
     def live(self) -> list[_Cell]:
-        return [c for c in self.members if c.state == "alive"]
+        with self._lock:
+            return [c for c in self.members if c.state == "alive"]
 
     # ---- the calls a trainer answers ---------------------------------------------
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
@@ -299,10 +320,12 @@ class DPGroup:
 
     # ---- reporting ---------------------------------------------------------------
     def _note(self, kind: str, detail: str) -> None:
-        self.events.append(NodeEvent(at=time.time(), kind=kind, detail=detail))
+        with self._lock:  # a restart thread notes too
+            self.events.append(NodeEvent(at=time.time(), kind=kind, detail=detail))
 
     def take_events(self) -> list[NodeEvent]:
-        out, self.events = self.events, []
+        with self._lock:
+            out, self.events = self.events, []
         return out
 
     def state(self) -> DPState:
@@ -315,6 +338,9 @@ class DPGroup:
         )
 
     def close(self) -> None:
+        self._closed = True
+        for t in self._restarts:
+            t.join(timeout=START_TIMEOUT_S)
         for c in self.members:
             if c.proc is not None and c.proc.poll() is None:
                 try:
