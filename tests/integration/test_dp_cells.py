@@ -189,3 +189,24 @@ def test_a_dead_lighthouse_is_restarted_before_the_next_step(group: DPGroup) -> 
     m = _step(group, 2)
     assert m["dp_cells"] == 2 and group.lighthouse.pid != old and group.lighthouse.restarts == 1
     assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
+
+
+def test_a_lighthouse_ends_with_the_trainer_that_started_it(tmp_path: Path) -> None:
+    """A SIGKILLed trainer process leaves no lighthouse behind (its watcher ends it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from pathlib import Path; from gpu_runtime.trainer.dp.lighthouse import Lighthouse; "
+            f"l = Lighthouse(Path({str(tmp_path / 'lh.log')!r})); l.start(); print(l.pid, flush=True); time.sleep(600)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    try:
+        assert owner.stdout is not None
+        pid = int(owner.stdout.readline())
+        assert pid_alive(pid)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        wait_for(lambda: not pid_alive(pid), 30, what="the lighthouse gone with its owner")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()

@@ -42,6 +42,11 @@ from gpu_runtime.trainer.state import _load_optimizer, _optimizer_tensors
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20  # quorums one step may take before the cell gives up (each failed one is a peer lost)
+# every live cell asks for the step's quorum at its start, so one forms within the lighthouse's
+# join timeout (1 s) or heartbeat timeout (1 s); a request that waits this long is retried
+# (its connection to a restarted lighthouse may be stale)
+QUORUM_TIMEOUT_S = 15.0
+QUORUM_RETRIES = 2
 
 
 class NotCommitted(RuntimeError):
@@ -105,7 +110,12 @@ class DPCellTrainer(PolicyTrainer):
         self.healed_from_step = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             before = self.policy_version
-            self.manager.start_quorum()  # synchronous: a healing cell has its peer's state after this
+            try:
+                self.manager.start_quorum()  # synchronous: a healing cell has its peer's state after this
+            except Exception as err:  # noqa: BLE001 - e.g. the lighthouse restarted under the request
+                log.warning("cell %d: quorum for v%d failed (attempt %d): %s", self.index, before + 1, attempt, err)
+                self.manager._quorum_future = None  # torchft re-raises a failed quorum at the next start_quorum
+                continue
             if self.policy_version != before:
                 self.healed_from_step = before
                 log.info("cell %d healed from a peer: v%d -> v%d", self.index, before, self.policy_version)
@@ -217,8 +227,9 @@ def new_manager(trainer: DPCellTrainer, index: int, lighthouse_addr: str, timeou
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
-        use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=max(60.0, timeout_s)),
-        connect_timeout=timedelta(seconds=30), rank=0, world_size=1, store_addr="127.0.0.1",
+        use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+        quorum_retries=QUORUM_RETRIES, connect_timeout=timedelta(seconds=30), rank=0, world_size=1,
+        store_addr="127.0.0.1",
         store_port=store.port, lighthouse_addr=lighthouse_addr, replica_id=f"cell{index}",
         hostname="127.0.0.1", init_sync=False,
     )

@@ -5,7 +5,9 @@ supervised subprocess: started on a fixed port, restarted on the same port if it
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -13,9 +15,10 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from gpu_runtime.node.http_client import http_client
-from gpu_runtime.node.proc import free_port, spawn, stop_pid
+from gpu_runtime.node.proc import free_port, packaged_binary, pid_alive, spawn, stop_pid
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +29,11 @@ class LighthouseFailed(RuntimeError):
 
 def lighthouse_command(port: int, *, min_replicas: int = 1, join_timeout_ms: int = 1000,
                        heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 100) -> list[str]:
-    """``torchft_lighthouse`` (the console script of ``torchft-nightly``, beside this Python)."""
-    exe = Path(sys.executable).parent / "torchft_lighthouse"
-    head = [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from torchft._torchft import "
-                                            "lighthouse_main; sys.argv[0] = 'torchft_lighthouse'; lighthouse_main()"]
-    return [*head, "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
+    """``torchft_lighthouse`` (the console script of ``torchft-nightly``), watched: it ends when
+    this process does (``gpu_runtime.node.watched``), so a SIGKILLed trainer leaves none behind."""
+    return [sys.executable, "-m", "gpu_runtime.node.watched", "--parent-pid", str(os.getpid()), "--",
+            packaged_binary("torchft_lighthouse", "torchft-nightly"),
+            "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
             "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
             "--quorum_tick_ms", str(quorum_tick_ms)]
 
@@ -50,6 +53,7 @@ class Lighthouse:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._http: httpx.Client | None = None
+        self._child: int | None = None
 
     @property
     def address(self) -> str:
@@ -57,14 +61,25 @@ class Lighthouse:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        """The lighthouse's own pid (its watcher's child)."""
+        if self.proc is None:
+            return None
+        if self._child is None:
+            try:
+                kids = psutil.Process(self.proc.pid).children()
+                self._child = kids[0].pid if kids else None
+            except psutil.NoSuchProcess:
+                return None
+        return self._child
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """The watcher runs while the lighthouse does (it exits with it)."""
+        return self.proc is not None and self.proc.poll() is None and self.pid is not None and pid_alive(self.pid)
 
     def start(self) -> None:
         if self.port == 0:
             self.port = free_port()
+        self._child = None
         self.proc = spawn(lighthouse_command(self.port, join_timeout_ms=self.join_timeout_ms,
                                              heartbeat_timeout_ms=self.heartbeat_timeout_ms), self.log_path)
         deadline = time.monotonic() + self.start_timeout_s
@@ -76,19 +91,27 @@ class Lighthouse:
                 raise LighthouseFailed(f"torchft lighthouse not listening on :{self.port} within "
                                        f"{self.start_timeout_s:.0f} s; see {self.log_path}")
             time.sleep(0.05)
-        log.info("torchft lighthouse pid %d on %s", self.proc.pid, self.address)
+        log.info("torchft lighthouse pid %s (watcher %d) on %s", self.pid, self.proc.pid, self.address)
 
     def ensure_running(self) -> bool:
         """Restart a dead lighthouse on its port; whether it had to."""
         if self.alive():
             return False
-        was = self.proc
-        if was is not None:
+        was, old_child = self.proc, self._child
+        if was is not None:  # its process group: the watcher and whatever is left of the lighthouse
+            try:
+                os.killpg(was.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             was.wait()
+            deadline = time.monotonic() + 10.0
+            while old_child is not None and pid_alive(old_child) and time.monotonic() < deadline:
+                time.sleep(0.02)  # the old lighthouse must let go of the port first
         self.start()
         if was is not None:
             self.restarts += 1
-            log.warning("torchft lighthouse pid %d exited with %s; restarted as pid %s", was.pid, was.returncode, self.pid)
+            log.warning("torchft lighthouse (watcher pid %d) exited with %s; restarted as pid %s", was.pid, was.returncode,
+                        self.pid)
         return was is not None
 
     def pending_requests(self) -> int:
