@@ -307,6 +307,11 @@ class TrainingRun:
             )
         if st.node:
             lines.append(f"node: `{st.node.task_queue}`")
+        if st.dp is not None:  # trainer.cells > 1
+            alive = sum(c.state == "alive" for c in st.dp.cells)
+            lost = ", ".join(f"cell {i} restarts after {h.failures} failed restart(s)" if h.failures else f"cell {i} lost"
+                             for i, h in sorted(st.cell_heal.items()))
+            lines.append(f"DP cells: {alive}/{len(st.dp.cells)} alive" + (f" ({lost})" if lost else ""))
         if self.lineage:
             lines.append(f"forked from `{self.lineage[-1].run_id}` at step {self.lineage[-1].step}")
         workflow.set_current_details("\n\n".join(lines))
