@@ -186,3 +186,22 @@ def test_a_dead_lighthouse_is_restarted_before_the_next_step(group: DPGroup) -> 
     m = _step(group, 2)
     assert m["dp_cells"] == 2 and group.lighthouse.pid != old and group.lighthouse.restarts == 1
     assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
+
+
+def test_a_cell_restarted_while_the_lighthouse_is_dead_restarts_it_first(group: DPGroup) -> None:
+    """The restart of a lost cell (the run's heal schedule) can come before the next step,
+    which is where a dead lighthouse was restarted: the new cell's manager would fail to
+    connect (after 30 s), and the restart count as failed (a longer backoff)."""
+    _step(group, 1)
+    victim = group.members[1]
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    assert _step(group, 2)["dp_cells"] == 1 and victim.state == "lost"
+    old = group.lighthouse.pid
+    os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+    wait_for(lambda: not group.lighthouse.alive(), 10, what="the lighthouse gone")
+    assert group.restart(1) == "restarted"
+    assert group.lighthouse.pid != old and group.lighthouse.restarts == 1
+    assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
+    assert _step(group, 3)["dp_cells"] == 2
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum

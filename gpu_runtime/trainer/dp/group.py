@@ -142,6 +142,7 @@ class DPGroup:
         c = self.members[index]
         if c.state == "alive":
             return "alive"
+        self._ensure_lighthouse()  # the new cell's manager connects to it at once (30 s, then fails)
         old = c.pid
         try:
             self._start(c)
@@ -155,14 +156,17 @@ class DPGroup:
         self._note("cell_restarted", f"cell {index}: pid {old} -> {c.pid}; heals from a peer at the next step")
         return "restarted"
 
+    def _ensure_lighthouse(self) -> None:
+        if self.lighthouse.ensure_running():
+            self._note("lighthouse_restarted", f"torchft lighthouse restarted as pid {self.lighthouse.pid}")
+
     def live(self) -> list[_Cell]:
         return [c for c in self.members if c.state == "alive"]
 
     # ---- the calls a trainer answers ---------------------------------------------
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
                    hparams: TrainerHParams, forced_participants: int | None = None) -> dict[str, float]:
-        if self.lighthouse.ensure_running():
-            self._note("lighthouse_restarted", f"torchft lighthouse restarted as pid {self.lighthouse.pid}")
+        self._ensure_lighthouse()
         path = self.work_dir / "step-input.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(StepInput(samples=samples, rewards=rewards, group_size=group_size,
