@@ -205,3 +205,26 @@ def test_a_cell_restarted_while_the_lighthouse_is_dead_restarts_it_first(group: 
     assert _step(group, 3)["dp_cells"] == 2
     state = group.state()
     assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+def test_a_cell_stopped_between_steps_is_skipped_by_an_export(group: DPGroup, tmp_path: Path) -> None:
+    """An export (every step publishes the weights) or a checkpoint asks one cell; when that
+    one is stopped (SIGSTOP) right after a step, it is lost after its health check has gone
+    unanswered for the collective timeout + grace, and the peer answers (not after the
+    call's 600 s timeout)."""
+    _step(group, 1)
+    first = group.members[0]
+    pid = first.pid
+    os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    try:
+        checksum = group.export_model_folder(tmp_path / "v1")
+    finally:
+        if pid_alive(pid):  # type: ignore[arg-type]
+            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+    assert checksum and export_state_dict(load_model_folder(tmp_path / "v1")[0])  # the peer exported v1
+    assert first.state == "lost" and "hung or stopped" in first.why
+    assert not pid_alive(pid)  # type: ignore[arg-type]
+    assert group.restart(0) == "restarted"
+    assert _step(group, 2)["dp_cells"] == 2
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum

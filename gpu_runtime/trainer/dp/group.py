@@ -51,6 +51,10 @@ class DPCellsLost(RuntimeError):
     """Every cell of the group is lost: the trainer rebuilds from a checkpoint."""
 
 
+class _Silent(Exception):
+    """A cell answered neither a call nor its health check for too long."""
+
+
 class CellsDiverged(RuntimeError):
     """Cells that committed the same step hold different state (never retried: a bug)."""
 
@@ -205,14 +209,46 @@ class DPGroup:
 
     # ---- fan-out -----------------------------------------------------------------
     def _one(self, method: str, arg: BaseModel, result: type) -> object:
-        """``method`` on the first live cell (they are equal); a dead one is lost and the next asked."""
+        """``method`` on the first live cell (they are equal); a dead one is lost and the next
+        asked, and so is a hung one (SIGSTOP), which would otherwise hold the call for its
+        600 s timeout: its health check goes unanswered for ``timeout_s`` + a grace."""
         for c in self.live():
-            assert c.client is not None
             try:
-                return c.client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0))
+                return self._watched_call(c, method, arg, result)
             except ConnectionError as err:
                 self._lose(c, f"died during {method}: {err}")
+            except _Silent:
+                self._lose(c, f"no answer to {method} nor to its health check within "
+                              f"{self.timeout_s + STRAGGLER_GRACE_S:.0f} s (hung or stopped)")
         raise self._all_lost(method)
+
+    def _watched_call(self, c: _Cell, method: str, arg: BaseModel, result: type) -> object:
+        """The call on a thread while this one checks the cell's /health each second (served
+        by its own thread, so a long export answers it; a stopped process does not)."""
+        client = c.client
+        assert client is not None
+        box: dict[str, object] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["result"] = client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0))
+            except BaseException as err:  # noqa: BLE001 - raised below, on the caller's thread
+                box["error"] = err
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        silent_since: float | None = None
+        while not done.wait(1.0):
+            if client.healthy(timeout_s=1.0):
+                silent_since = None
+            elif silent_since is None:
+                silent_since = time.monotonic()
+            elif time.monotonic() - silent_since > self.timeout_s + STRAGGLER_GRACE_S:
+                raise _Silent()
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["result"]
 
     def _on_live(self, method: str, arg: BaseModel, lead: list[_Cell] | None = None) -> list[tuple[_Cell, CellReport]]:
         """``method`` on every live cell at once. A cell whose connection drops is lost; once one
