@@ -228,3 +228,28 @@ def test_a_cell_stopped_between_steps_is_skipped_by_an_export(group: DPGroup, tm
     assert _step(group, 2)["dp_cells"] == 2
     state = group.state()
     assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+def test_a_lighthouse_killed_while_a_cell_restarts_is_back_before_the_cell_connects(group: DPGroup) -> None:
+    """The restarted cell's torchft manager connects to the lighthouse while it builds (for
+    30 s, then the restart fails): the group restarts a lighthouse that dies meanwhile."""
+    _step(group, 1)
+    victim = group.members[1]
+    old_cell = victim.pid
+    os.kill(old_cell, signal.SIGKILL)  # type: ignore[arg-type]
+    assert _step(group, 2)["dp_cells"] == 1 and victim.state == "lost"
+    import threading
+
+    box: dict[str, object] = {}
+    t = threading.Thread(target=lambda: box.update(outcome=group.restart(1)))
+    t.start()
+    wait_for(lambda: victim.pid != old_cell, 30, what="the new cell process")  # importing torch: not connected yet
+    old = group.lighthouse.pid
+    os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+    t.join(120)
+    assert box.get("outcome") == "restarted", box
+    assert group.lighthouse.pid != old and group.lighthouse.restarts == 1
+    assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
+    assert _step(group, 3)["dp_cells"] == 2
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum

@@ -30,6 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
+from typing import TypeVar
 
 from pydantic import BaseModel
 
@@ -42,6 +44,7 @@ from gpu_runtime.trainer.dp.lighthouse import Lighthouse
 from gpu_runtime.trainer.process import read_line
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 STRAGGLER_GRACE_S = 10.0
 START_TIMEOUT_S = 120.0
 PASSED_THROUGH = {"FloatingPointError": FloatingPointError, "ValueError": ValueError}  # deterministic: every cell raises it
@@ -53,6 +56,27 @@ class DPCellsLost(RuntimeError):
 
 class _Silent(Exception):
     """A cell answered neither a call nor its health check for too long."""
+
+
+def _watched(fn: Callable[[], T], check: Callable[[], None], every_s: float) -> T:
+    """``fn()`` on a thread while ``check()`` runs on this one every ``every_s`` until it
+    returns; ``check`` may raise to stop waiting (``fn``'s thread is then left to end)."""
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as err:  # noqa: BLE001 - raised below, on the caller's thread
+            box["error"] = err
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    while not done.wait(every_s):
+        check()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
 
 
 class CellsDiverged(RuntimeError):
@@ -148,8 +172,8 @@ class DPGroup:
             return "alive"
         self._ensure_lighthouse()  # the new cell's manager connects to it at once (30 s, then fails)
         old = c.pid
-        try:
-            self._start(c)
+        try:  # and if it dies while the cell starts, it is back before that connect gives up
+            _watched(lambda: self._start(c), self._ensure_lighthouse, 0.5)
         except BaseException:
             if c.proc is not None and c.proc.poll() is None:
                 stop_pid(c.proc.pid, c.proc)
@@ -227,28 +251,18 @@ class DPGroup:
         by its own thread, so a long export answers it; a stopped process does not)."""
         client = c.client
         assert client is not None
-        box: dict[str, object] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["result"] = client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0))
-            except BaseException as err:  # noqa: BLE001 - raised below, on the caller's thread
-                box["error"] = err
-            done.set()
-
-        threading.Thread(target=run, daemon=True).start()
         silent_since: float | None = None
-        while not done.wait(1.0):
+
+        def check() -> None:
+            nonlocal silent_since
             if client.healthy(timeout_s=1.0):
                 silent_since = None
             elif silent_since is None:
                 silent_since = time.monotonic()
             elif time.monotonic() - silent_since > self.timeout_s + STRAGGLER_GRACE_S:
                 raise _Silent()
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        return box["result"]
+
+        return _watched(lambda: client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0)), check, 1.0)
 
     def _on_live(self, method: str, arg: BaseModel, lead: list[_Cell] | None = None) -> list[tuple[_Cell, CellReport]]:
         """``method`` on every live cell at once. A cell whose connection drops is lost; once one
