@@ -273,7 +273,7 @@ def fault_checks(faults: list[Fault], events: list[RunEvent]) -> list[str]:
                 out.append(f"{f.kind} of pid {f.pid} at step {f.step}: no cell_lost event names it")
             elif f.kind == "cell_stop" and not any("hung or stopped" in d for d in why):
                 out.append(f"stopped cell pid {f.pid}: lost for another reason: {why}")
-            if pid_alive(f.pid):
+            if _runs(f.pid, "gpu_runtime.trainer.dp.cell_server"):
                 out.append(f"{f.kind} of pid {f.pid}: the process is still there (not killed by its group)")
     restarts = sum(e.kind == "lighthouse_restarted" for e in events)
     kills = sum(f.kind == "lighthouse_kill" for f in faults)
@@ -311,8 +311,8 @@ async def drive(stack: Stack, steps: int, seed: int, timeout_s: float, run_id: s
     soak = Soak(stack, run_id, cfg)
     try:
         await asyncio.wait_for(_run(soak, schedule), timeout_s)
-    except (TimeoutError, asyncio.TimeoutError) as err:
-        res.failures.append(f"the run did not complete within {timeout_s:.0f} s (a hang?): {err}")
+    except (TimeoutError, asyncio.TimeoutError) as err:  # the whole run's (no message) or a wait's
+        res.failures.append(f"stuck: {err}" if str(err) else f"the run did not complete within {timeout_s:.0f} s")
     finally:
         left = soak.release()
     if left:

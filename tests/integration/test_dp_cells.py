@@ -253,3 +253,40 @@ def test_a_lighthouse_killed_while_a_cell_restarts_is_back_before_the_cell_conne
     assert _step(group, 3)["dp_cells"] == 2
     state = group.state()
     assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+def test_a_heal_after_a_lighthouse_restart_takes_one_quorum(group: DPGroup) -> None:
+    """A restarted lighthouse numbers its quorums from 1 again, and torchft names a quorum's
+    gloo rendezvous (on the first cell's store) by that number: the first quorum with a
+    number the old lighthouse had used read the old rendezvous' addresses, the healing cell
+    failed to connect and its peer waited out the collective timeout before a new quorum."""
+    _step(group, 1)  # quorum 1: both cells
+    victim = group.members[1]
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    assert _step(group, 2)["dp_cells"] == 1  # quorum 2: cell 0 alone
+    os.kill(group.lighthouse.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    wait_for(lambda: not group.lighthouse.alive(), 10, what="the lighthouse gone")
+    assert _step(group, 3)["dp_cells"] == 1  # the new lighthouse's quorum 1: cell 0 alone
+    assert group.restart(1) == "restarted"
+    m = _step(group, 4)  # the new lighthouse's quorum 2: both cells, cell 1 heals
+    assert m["dp_cells"] == 2 and m["dp_attempts"] == 1, m
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+def test_quorums_with_the_same_number_get_their_own_rendezvous() -> None:
+    """What the test above needs, without its race: the communicator id of quorum 2 before a
+    lighthouse restart and of the new lighthouse's quorum 2 differ (the first cell's store is
+    the same one, so its keys' prefix is what keeps the two apart); all cells of one quorum
+    agree on it (the same handles)."""
+    import json
+    from datetime import timedelta
+
+    from gpu_runtime.trainer.dp.cell_trainer import _gloo, communicator_id
+
+    pg0, pg1 = _gloo(timedelta(seconds=5)), _gloo(timedelta(seconds=5))
+    old, new = pg0.get_reconfigure_handle(), pg0.get_reconfigure_handle()
+    assert json.loads(old)["store"] == json.loads(new)["store"] and json.loads(old)["id"] == json.loads(new)["id"]
+    peer = pg1.get_reconfigure_handle()
+    assert communicator_id(2, [old]) != communicator_id(2, [new, peer])
+    assert communicator_id(2, [new, peer]) == communicator_id(2, [new, peer])
