@@ -9,7 +9,8 @@ save_state, load_state, export_model_folder, policy_version) by driving K cell p
   step again in a quorum without it (``cell_trainer``). A cell that hangs (SIGSTOP) stops
   heartbeating; its peers' allreduce times out after ``timeout_s``, they commit without it,
   and once one cell has answered the others get ``timeout_s`` plus a grace before they are
-  SIGKILLed by pid and lost.
+  SIGKILLed by pid and lost. An export or a save asks one cell: one whose /health goes
+  unanswered for ``timeout_s`` plus the grace meanwhile is lost the same way, the next asked.
 - After a step every answering cell reports its state checksum (weights + AdamW + schedule
   + version); a difference raises ``CellsDiverged`` naming the cells.
 - A lost cell stays lost until ``restart`` (the workflow calls it on its backoff schedule);
@@ -27,10 +28,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import TypeVar
 
 from pydantic import BaseModel
