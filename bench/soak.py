@@ -119,6 +119,10 @@ class SoakResult:
     def heals(self) -> int:
         return sum(e.kind == "cell_healed" for e in self.events)
 
+    def unplanned_losses(self) -> int:
+        hit = {f.pid for f in self.faults if f.kind in CELL_FAULTS}
+        return sum(e.kind == "cell_lost" and not any(f"(pid {pid})" in e.detail for pid in hit) for e in self.events)
+
     @property
     def ok(self) -> bool:
         return not self.failures
@@ -134,6 +138,7 @@ class SoakResult:
             f"heals (cell_healed): {self.heals}; events: " + ", ".join(
                 f"{k} {ev[k]}" for k in ("cell_lost", "cell_restarted", "cell_healed", "lighthouse_restarted",
                                          "engine_dead", "engine_restarted", "trainer_restarted", "checksum_mismatch")),
+            f"cells lost without a cell fault (a side effect of another fault): {self.unplanned_losses()}",
             f"step seconds: mean {statistics.fmean(xs):.2f}, median {statistics.median(xs):.2f}, "
             f"p90 {xs[int(0.9 * (len(xs) - 1))]:.2f}, max {xs[-1]:.2f}",
         ]
