@@ -94,6 +94,13 @@ def _step(g: DPGroup, s: int, **kw: object) -> dict[str, float]:
     return g.train_step(*rollout(s), 4, HP, **kw)  # type: ignore[arg-type]
 
 
+def _restart(g: DPGroup, index: int) -> None:
+    """The run's heal: the restart returns at once, the new process is up a few seconds later."""
+    assert g.restart(index) == "restarting"
+    wait_for(lambda: g.members[index].state != "starting", 120, what=f"cell {index} restarted")
+    assert g.members[index].state == "alive", g.members[index].why
+
+
 def _log_has(g: DPGroup, index: int, text: str) -> bool:
     p = g.work_dir / f"cell{index}.log"
     return p.exists() and text in p.read_text(errors="replace")
@@ -210,3 +217,103 @@ def test_a_lighthouse_ends_with_the_trainer_that_started_it(tmp_path: Path) -> N
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+def test_a_cell_restarted_while_the_lighthouse_is_dead_restarts_it_first(group: DPGroup) -> None:
+    """The restart of a lost cell (the run's heal schedule) can come before the next step,
+    which is where a dead lighthouse was restarted: the new cell's manager would fail to
+    connect (after 30 s), and the restart count as failed (a longer backoff)."""
+    _step(group, 1)
+    victim = group.members[1]
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    assert _step(group, 2)["dp_cells"] == 1 and victim.state == "lost"
+    old = group.lighthouse.pid
+    os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+    wait_for(lambda: not group.lighthouse.alive(), 10, what="the lighthouse gone")
+    _restart(group, 1)
+    assert group.lighthouse.pid != old and group.lighthouse.restarts == 1
+    assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
+    assert _step(group, 3)["dp_cells"] == 2
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+def test_a_cell_stopped_between_steps_is_skipped_by_an_export(group: DPGroup, tmp_path: Path) -> None:
+    """An export (every step publishes the weights) or a checkpoint asks one cell; when that
+    one is stopped (SIGSTOP) right after a step, it is lost after its health check has gone
+    unanswered for the collective timeout + grace, and the peer answers (not after the
+    call's 600 s timeout)."""
+    _step(group, 1)
+    first = group.members[0]
+    pid = first.pid
+    os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    try:
+        checksum = group.export_model_folder(tmp_path / "v1")
+    finally:
+        if pid_alive(pid):  # type: ignore[arg-type]
+            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+    assert checksum and export_state_dict(load_model_folder(tmp_path / "v1")[0])  # the peer exported v1
+    assert first.state == "lost" and "hung or stopped" in first.why
+    assert not pid_alive(pid)  # type: ignore[arg-type]
+    _restart(group, 0)
+    assert _step(group, 2)["dp_cells"] == 2
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+def test_a_lighthouse_killed_while_a_cell_restarts_is_back_before_the_cell_connects(group: DPGroup) -> None:
+    """The restarted cell's torchft manager connects to the lighthouse while it builds (for
+    30 s, then the restart fails): the group restarts a lighthouse that dies meanwhile."""
+    _step(group, 1)
+    victim = group.members[1]
+    old_cell = victim.pid
+    os.kill(old_cell, signal.SIGKILL)  # type: ignore[arg-type]
+    assert _step(group, 2)["dp_cells"] == 1 and victim.state == "lost"
+    assert group.restart(1) == "restarting"  # in the background
+    wait_for(lambda: victim.pid != old_cell, 30, what="the new cell process")  # importing torch: not connected yet
+    old = group.lighthouse.pid
+    os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+    wait_for(lambda: victim.state != "starting", 120, what="cell 1 restarted")
+    assert victim.state == "alive", victim.why
+    assert group.lighthouse.pid != old and group.lighthouse.restarts == 1
+    assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
+    assert _step(group, 3)["dp_cells"] == 2
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+def test_a_heal_after_a_lighthouse_restart_takes_one_quorum(group: DPGroup) -> None:
+    """A restarted lighthouse numbers its quorums from 1 again, and torchft names a quorum's
+    gloo rendezvous (on the first cell's store) by that number: the first quorum with a
+    number the old lighthouse had used read the old rendezvous' addresses, the healing cell
+    failed to connect and its peer waited out the collective timeout before a new quorum."""
+    _step(group, 1)  # quorum 1: both cells
+    victim = group.members[1]
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    assert _step(group, 2)["dp_cells"] == 1  # quorum 2: cell 0 alone
+    os.kill(group.lighthouse.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    wait_for(lambda: not group.lighthouse.alive(), 10, what="the lighthouse gone")
+    assert _step(group, 3)["dp_cells"] == 1  # the new lighthouse's quorum 1: cell 0 alone
+    _restart(group, 1)
+    m = _step(group, 4)  # the new lighthouse's quorum 2: both cells, cell 1 heals
+    assert m["dp_cells"] == 2 and m["dp_attempts"] == 1, m
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+def test_quorums_with_the_same_number_get_their_own_rendezvous() -> None:
+    """What the test above needs, without its race: the communicator id of quorum 2 before a
+    lighthouse restart and of the new lighthouse's quorum 2 differ (the first cell's store is
+    the same one, so its keys' prefix is what keeps the two apart); all cells of one quorum
+    agree on it (the same handles)."""
+    import json
+    from datetime import timedelta
+
+    from gpu_runtime.trainer.dp.cell_trainer import _gloo, communicator_id
+
+    pg0, pg1 = _gloo(timedelta(seconds=5)), _gloo(timedelta(seconds=5))
+    old, new = pg0.get_reconfigure_handle(), pg0.get_reconfigure_handle()
+    assert json.loads(old)["store"] == json.loads(new)["store"] and json.loads(old)["id"] == json.loads(new)["id"]
+    peer = pg1.get_reconfigure_handle()
+    assert communicator_id(2, [old]) != communicator_id(2, [new, peer])
+    assert communicator_id(2, [new, peer]) == communicator_id(2, [new, peer])

@@ -25,6 +25,7 @@ whole step, which a second epoch's failure could not do after the first had comm
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import random
@@ -216,17 +217,45 @@ class DPCellTrainer(PolicyTrainer):
         return h.hexdigest()
 
 
+def communicator_id(quorum_id: int, handles: list[str]) -> int:
+    """The id of a quorum's gloo communicator, the prefix of its rendezvous keys on the first
+    cell's store. torchft uses the quorum id, which a restarted lighthouse hands out from 1
+    again: a quorum with a number the old lighthouse had used read that one's rendezvous (a
+    dead listener's address: the healing cell failed to connect and its peer waited out the
+    collective timeout). Each handle carries its cell's request count, so this differs for
+    every quorum and is the same on each of its cells."""
+    digest = hashlib.sha256(json.dumps([quorum_id, handles]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _gloo(timeout: timedelta) -> Any:
+    """torchft's gloo process group, its communicators named by ``communicator_id``."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class Gloo(ProcessGroupGloo):
+        requests = 0
+
+        def get_reconfigure_handle(self) -> str:
+            self.requests += 1
+            return json.dumps({**json.loads(super().get_reconfigure_handle()), "request": self.requests})
+
+        def reconfigure(self, opts: Any) -> Any:
+            opts.uuid = communicator_id(opts.uuid, list(opts.handles))
+            return super().reconfigure(opts)
+
+    return Gloo(timeout=timeout)
+
+
 def new_manager(trainer: DPCellTrainer, index: int, lighthouse_addr: str, timeout_s: float) -> Any:
     """The cell's torchft manager: a one-rank replica group (its own TCPStore), gloo across
     cells, synchronous quorum (a healing cell trains the step it healed in)."""
     from torch.distributed import TCPStore
     from torchft import Manager
-    from torchft.process_group import ProcessGroupGloo
 
     timeout = timedelta(seconds=timeout_s)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
+        pg=_gloo(timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
         use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
         quorum_retries=QUORUM_RETRIES, connect_timeout=timedelta(seconds=30), rank=0, world_size=1,
         store_addr="127.0.0.1",

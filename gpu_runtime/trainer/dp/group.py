@@ -9,7 +9,8 @@ save_state, load_state, export_model_folder, policy_version) by driving K cell p
   step again in a quorum without it (``cell_trainer``). A cell that hangs (SIGSTOP) stops
   heartbeating; its peers' allreduce times out after ``timeout_s``, they commit without it,
   and once one cell has answered the others get ``timeout_s`` plus a grace before they are
-  SIGKILLed by pid and lost.
+  SIGKILLed by pid and lost. An export or a save asks one cell: one whose /health goes
+  unanswered for ``timeout_s`` plus the grace meanwhile is lost the same way, the next asked.
 - After a step every answering cell reports its state checksum (weights + AdamW + schedule
   + version); a difference raises ``CellsDiverged`` naming the cells.
 - A lost cell stays lost until ``restart`` (the workflow calls it on its backoff schedule),
@@ -28,9 +29,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import BaseModel
 
@@ -43,6 +46,7 @@ from gpu_runtime.trainer.dp.lighthouse import Lighthouse
 from gpu_runtime.trainer.process import read_line
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 STRAGGLER_GRACE_S = 10.0
 START_TIMEOUT_S = 120.0
 PASSED_THROUGH = {"FloatingPointError": FloatingPointError, "ValueError": ValueError}  # deterministic: every cell raises it
@@ -50,6 +54,31 @@ PASSED_THROUGH = {"FloatingPointError": FloatingPointError, "ValueError": ValueE
 
 class DPCellsLost(RuntimeError):
     """Every cell of the group is lost: the trainer rebuilds from a checkpoint."""
+
+
+class _Silent(Exception):
+    """A cell answered neither a call nor its health check for too long."""
+
+
+def _watched(fn: Callable[[], T], check: Callable[[], None], every_s: float) -> T:
+    """``fn()`` on a thread while ``check()`` runs on this one every ``every_s`` until it
+    returns; ``check`` may raise to stop waiting (``fn``'s thread is then left to end)."""
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as err:  # noqa: BLE001 - raised below, on the caller's thread
+            box["error"] = err
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    while not done.wait(every_s):
+        check()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
 
 
 class CellsDiverged(RuntimeError):
@@ -152,6 +181,7 @@ class DPGroup:
             if c.state in ("alive", "starting"):
                 return c.state
             c.state = "starting"
+        self._ensure_lighthouse()  # the new cell's manager connects to it at once (30 s, then fails)
         t = threading.Thread(target=self._restart, args=(c,), name=f"restart-cell{index}", daemon=True)
         self._restarts.append(t)
         t.start()
@@ -159,8 +189,8 @@ class DPGroup:
 
     def _restart(self, c: _Cell) -> None:
         old = c.pid
-        try:
-            self._start(c, joining=True)
+        try:  # and if the lighthouse dies while the cell starts, it is back before that connect gives up
+            _watched(lambda: self._start(c, joining=True), self._ensure_lighthouse, 0.5)
         except BaseException as err:  # noqa: BLE001 - reported; the workflow backs off and tries again
             if c.proc is not None and c.proc.poll() is None:
                 stop_pid(c.proc.pid, c.proc)
@@ -175,6 +205,10 @@ class DPGroup:
         c.restarts += 1
         self._note("cell_restarted", f"cell {c.index}: pid {old} -> {c.pid}; heals from a peer at the next step")
 
+    def _ensure_lighthouse(self) -> None:
+        if self.lighthouse.ensure_running():
+            self._note("lighthouse_restarted", f"torchft lighthouse restarted as pid {self.lighthouse.pid}")
+
     def live(self) -> list[_Cell]:
         with self._lock:
             return [c for c in self.members if c.state == "alive"]
@@ -182,8 +216,7 @@ class DPGroup:
     # ---- the calls a trainer answers ---------------------------------------------
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
                    hparams: TrainerHParams, forced_participants: int | None = None) -> dict[str, float]:
-        if self.lighthouse.ensure_running():
-            self._note("lighthouse_restarted", f"torchft lighthouse restarted as pid {self.lighthouse.pid}")
+        self._ensure_lighthouse()
         path = self.work_dir / "step-input.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(StepInput(samples=samples, rewards=rewards, group_size=group_size,
@@ -222,14 +255,36 @@ class DPGroup:
 
     # ---- fan-out -----------------------------------------------------------------
     def _one(self, method: str, arg: BaseModel, result: type) -> object:
-        """``method`` on the first live cell (they are equal); a dead one is lost and the next asked."""
+        """``method`` on the first live cell (they are equal); a dead one is lost and the next
+        asked, and so is a hung one (SIGSTOP), which would otherwise hold the call for its
+        600 s timeout: its health check goes unanswered for ``timeout_s`` + a grace."""
         for c in self.live():
-            assert c.client is not None
             try:
-                return c.client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0))
+                return self._watched_call(c, method, arg, result)
             except ConnectionError as err:
                 self._lose(c, f"died during {method}: {err}")
+            except _Silent:
+                self._lose(c, f"no answer to {method} nor to its health check within "
+                              f"{self.timeout_s + STRAGGLER_GRACE_S:.0f} s (hung or stopped)")
         raise self._all_lost(method)
+
+    def _watched_call(self, c: _Cell, method: str, arg: BaseModel, result: type) -> object:
+        """The call on a thread while this one checks the cell's /health each second (served
+        by its own thread, so a long export answers it; a stopped process does not)."""
+        client = c.client
+        assert client is not None
+        silent_since: float | None = None
+
+        def check() -> None:
+            nonlocal silent_since
+            if client.healthy(timeout_s=1.0):
+                silent_since = None
+            elif silent_since is None:
+                silent_since = time.monotonic()
+            elif time.monotonic() - silent_since > self.timeout_s + STRAGGLER_GRACE_S:
+                raise _Silent()
+
+        return _watched(lambda: client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0)), check, 1.0)
 
     def _on_live(self, method: str, arg: BaseModel, lead: list[_Cell] | None = None) -> list[tuple[_Cell, CellReport]]:
         """``method`` on every live cell at once. A cell whose connection drops is lost; once one

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class Lighthouse:
         self.restarts = 0
         self._http: httpx.Client | None = None
         self._child: int | None = None
+        self._lock = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -94,7 +96,12 @@ class Lighthouse:
         log.info("torchft lighthouse pid %s (watcher %d) on %s", self.pid, self.proc.pid, self.address)
 
     def ensure_running(self) -> bool:
-        """Restart a dead lighthouse on its port; whether it had to."""
+        """Restart a dead lighthouse on its port; whether it had to. Thread-safe: a step and a
+        cell restart may both check it."""
+        with self._lock:
+            return self._ensure_running()
+
+    def _ensure_running(self) -> bool:
         if self.alive():
             return False
         was, old_child = self.proc, self._child
