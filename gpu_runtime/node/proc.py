@@ -70,6 +70,16 @@ def spawn(cmd: list[str], log_path: Path, *, env: dict | None = None, stdout_pip
     return proc
 
 
+def reachable(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether a TCP connection to ``HOST:PORT`` is accepted now (something listens there)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def port_free(port: int, *, reuse_address: bool = False) -> bool:
     """Whether ``127.0.0.1:port`` can be bound now (it may be taken later). With
     ``reuse_address`` the check binds as a server with SO_REUSEADDR does, so a port

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import subprocess
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import httpx
 from pydantic import BaseModel
 
 from gpu_runtime.node.http_client import http_client
+from gpu_runtime.node.proc import spawn, stop_pid
 
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=BaseModel)
@@ -96,8 +101,39 @@ class RPCServer:
     def port(self) -> int:
         return self.httpd.server_address[1]
 
+    def announce_ready(self) -> None:
+        """The line ``start_rpc_process`` waits for on stdout."""
+        print(f"READY port={self.port} pid={os.getpid()}", flush=True)
+
     def serve_forever(self) -> None:
         self.httpd.serve_forever(poll_interval=0.2)
+
+
+class ServerDidNotStart(RuntimeError):
+    pass
+
+
+def start_rpc_process(cmd: list[str], log_path: Path, timeout_s: float, *,
+                      env: dict | None = None) -> tuple[subprocess.Popen, "RPCClient"]:
+    """Spawn an RPC server process (it prints ``READY port=<p>`` once it serves, everything
+    else goes to ``log_path``) and a client for it. One that does not announce itself within
+    ``timeout_s`` is stopped by pid: ``ServerDidNotStart`` with what it printed."""
+    proc = spawn(cmd, log_path, stdout_pipe=True, env=env)
+    line = read_line(proc, timeout_s)
+    m = re.match(r"READY port=(\d+)", line or "")
+    if not m:
+        stop_pid(proc.pid, proc)
+        raise ServerDidNotStart(f"see {log_path}: {line!r}")
+    return proc, RPCClient(f"http://127.0.0.1:{m.group(1)}")
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
+    """The process's next stdout line, or None after ``timeout_s``."""
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(proc.stdout.readline().decode()), daemon=True)  # type: ignore[union-attr]
+    t.start()
+    t.join(timeout_s)
+    return out[0].strip() if out else None
 
 
 class RPCClient:

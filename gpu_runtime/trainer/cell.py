@@ -25,6 +25,7 @@ from typing import Any
 
 import psutil
 
+from gpu_runtime.node.proc import reachable
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
 
@@ -56,7 +57,7 @@ class RayRuntime:
         if self.pid_file is not None and self.address is None:
             end_recorded(self.pid_file)
         if self.address is not None and ":" in self.address and "://" not in self.address \
-                and not _reachable(self.address):  # ray.init would wait for a dead head for minutes
+                and not reachable(self.address):  # ray.init would wait for a dead head for minutes
             raise RayUnavailable(f"cannot reach the Ray head at {self.address} (trainer.ray_address / "
                                  "$MILESTONE_RAY_ADDRESS): is it running?")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -375,7 +376,7 @@ class TrainerCell:
         """A rank's actor is gone: the rank died, or the whole Ray cluster did (its GCS no
         longer answers: the head stopped or restarted, taking every actor with it)."""
         gcs = _gcs_address()
-        if gcs and not _reachable(gcs):
+        if gcs and not reachable(gcs):
             return self._fail(RayUnavailable(
                 f"the Ray cluster's head ({gcs}) is unreachable: rank {rank} of the cell was lost during {method} "
                 "(the head stopped or restarted; the next call reconnects)"))
@@ -426,7 +427,7 @@ class TrainerCell:
         from ray.util.placement_group import remove_placement_group
 
         gcs = _gcs_address()
-        if gcs and not _reachable(gcs):  # the cluster is gone and took the actors with it (Ray calls would hang)
+        if gcs and not reachable(gcs):  # the cluster is gone and took the actors with it (Ray calls would hang)
             log.warning("closing the cell: the Ray cluster's head %s is unreachable, nothing to end", gcs)
             return
         try:
@@ -453,15 +454,6 @@ def _gcs_address() -> str | None:
         return str(ray.get_runtime_context().gcs_address)
     except Exception:  # noqa: BLE001 - not connected
         return None
-
-
-def _reachable(address: str, timeout_s: float = 2.0) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def _collective_timed_out(err: Exception) -> bool:

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pydantic import BaseModel
 
 from gpu_runtime.node.metrics import TRAINER_RESTARTS
 from gpu_runtime.node.devices import child_env
-from gpu_runtime.node.proc import spawn, stop_pid
-from gpu_runtime.node.rpc import RPCClient
+from gpu_runtime.node.proc import stop_pid
+from gpu_runtime.node.rpc import RPCClient, ServerDidNotStart, start_rpc_process
 from gpu_runtime.trainer.api import (
     CheckpointCall,
     CheckpointRequest,
@@ -94,16 +93,14 @@ class TrainerProcess:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "gpu_runtime.trainer.server", "--work-dir", str(self.work_dir),
                "--threads", str(self.threads), "--parent-pid", str(os.getpid()), "--device", self.device]
-        self.proc = spawn(cmd, self.log_path, stdout_pipe=True, env=child_env(self.device))
-        line = read_line(self.proc, self.start_timeout_s)
-        m = re.match(r"READY port=(\d+)", line or "")
-        if not m:
-            stop_pid(self.proc.pid, self.proc)
-            raise TrainerDied(f"trainer did not start (see {self.log_path}): {line!r}")
+        try:
+            self.proc, client = start_rpc_process(cmd, self.log_path, self.start_timeout_s, env=child_env(self.device))
+        except ServerDidNotStart as err:
+            raise TrainerDied(f"trainer did not start ({err})") from None
         if self.client is not None:  # the dead predecessor's
             self.client.close()
-        self.client = RPCClient(f"http://127.0.0.1:{m.group(1)}")
-        log.info("trainer pid %d on port %s", self.proc.pid, m.group(1))
+        self.client = client
+        log.info("trainer pid %d at %s", self.proc.pid, client.base_url)
 
     def ensure_running(self) -> None:
         with self._lock:
@@ -122,11 +119,3 @@ class TrainerProcess:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             stop_pid(self.proc.pid, self.proc)
-
-
-def read_line(proc: Any, timeout_s: float) -> str | None:
-    out: list[str] = []
-    t = threading.Thread(target=lambda: out.append(proc.stdout.readline().decode()), daemon=True)
-    t.start()
-    t.join(timeout_s)
-    return out[0].strip() if out else None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     svc = TrainerService(args.work_dir)
     server = RPCServer(args.host, args.port, build_methods(svc))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a stop ends a fsdp2 cell's Ray processes
-    print(f"READY port={server.port} pid={os.getpid()}", flush=True)
+    server.announce_ready()
     try:
         server.serve_forever()
     finally:

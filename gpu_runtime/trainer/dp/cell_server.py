@@ -48,6 +48,7 @@ class StepInput(BaseModel):
 class TrainCall(BaseModel):
     input_path: str  # a ``StepInput`` JSON file
     forced_participants: int | None = None  # replay of a step fewer cells committed
+    from_version: int | None = None  # the version every cell must hold (or heal to) before the step
 
 
 class CellReport(BaseModel):
@@ -97,11 +98,11 @@ class CellService:
         t0 = time.perf_counter()
         t = self._t()
         step = StepInput.model_validate_json(open(a.input_path, "rb").read())
-        t.forced_participants = a.forced_participants
+        t.forced_participants, t.from_version = a.forced_participants, a.from_version
         try:
             metrics = t.train_step(step.samples, step.rewards, step.group_size, step.hparams)
         finally:
-            t.forced_participants = None
+            t.forced_participants, t.from_version = None, None
         return self.report(healed_from_step=t.healed_from_step, metrics=metrics, seconds=time.perf_counter() - t0)
 
     def save_state(self, a: PathCall) -> CellReport:
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         "info": Method(Empty, svc.info),
     })
     signal.signal(signal.SIGTERM, lambda s, f: os._exit(128 + s))  # torchft's threads would hold a clean exit
-    print(f"READY port={server.port} pid={os.getpid()}", flush=True)
+    server.announce_ready()
     server.serve_forever()
 
 

@@ -54,6 +54,12 @@ class NotCommitted(RuntimeError):
     """torchft's vote failed: the step's grads are discarded and it is tried again."""
 
 
+class NotHealed(RuntimeError):
+    """A cell's quorum gave it no peer to copy from, and it does not hold the version the step
+    trains from (a restarted cell whose peers' heartbeats the lighthouse has lost): it must
+    not train the step on its own stale state."""
+
+
 class StepNotCommitted(RuntimeError):
     """The step failed its commit vote ``MAX_ATTEMPTS`` times in a row."""
 
@@ -91,6 +97,7 @@ class DPCellTrainer(PolicyTrainer):
     attempts: int = 0  # quorums the last step took
     participants: int = 0  # cells that trained the last step
     forced_participants: int | None = None  # a replay of a step that committed with fewer cells
+    from_version: int | None = None  # the version the step trains from (set by the group for each call)
     _share: tuple[int, int] = (0, 1)
 
     def attach(self, manager: Any, index: int) -> None:
@@ -120,6 +127,9 @@ class DPCellTrainer(PolicyTrainer):
             if self.policy_version != before:
                 self.healed_from_step = before
                 log.info("cell %d healed from a peer: v%d -> v%d", self.index, before, self.policy_version)
+            if self.from_version is not None and self.policy_version != self.from_version:
+                raise NotHealed(f"cell {self.index} holds v{self.policy_version} after quorum "
+                                f"{self.manager._quorum_id}, the step trains from v{self.from_version}")
             rank, n = self.manager.participating_rank(), self.manager.num_participants()
             if rank is None:
                 raise RuntimeError(f"cell {self.index}: not a participant of quorum {self.manager._quorum_id}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -37,13 +36,12 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from gpu_runtime.node.proc import spawn, stop_pid
-from gpu_runtime.node.rpc import RemoteError, RPCClient
+from gpu_runtime.node.proc import stop_pid
+from gpu_runtime.node.rpc import RemoteError, RPCClient, ServerDidNotStart, start_rpc_process
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import DPCellInfo, DPState, NodeEvent, TrainerHParams
 from gpu_runtime.trainer.dp.cell_server import BuildCall, CellReport, Empty, PathCall, StepInput, Text, TrainCall
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse
-from gpu_runtime.trainer.process import read_line
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,6 +99,17 @@ class _Cell:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    def end(self, timeout_s: float = 10.0) -> None:
+        """Stop the cell's process by pid, continuing it first: a SIGSTOPped one would only
+        act on the SIGTERM after ``timeout_s``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.kill(self.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        stop_pid(self.proc.pid, self.proc, timeout_s=timeout_s)
+
 
 @dataclass
 class DPGroup:
@@ -142,15 +151,13 @@ class DPGroup:
         cmd = [sys.executable, "-m", "gpu_runtime.trainer.dp.cell_server", "--index", str(c.index),
                "--lighthouse", self.lighthouse.address, "--timeout-s", str(self.timeout_s),
                "--threads", str(self.threads), "--parent-pid", str(os.getpid())]
-        c.proc = spawn(cmd, self.work_dir / f"cell{c.index}.log", stdout_pipe=True)
-        line = read_line(c.proc, START_TIMEOUT_S)
-        m = re.match(r"READY port=(\d+)", line or "")
-        if not m:
-            stop_pid(c.proc.pid, c.proc)
-            raise RuntimeError(f"DP cell {c.index} did not start (see {self.work_dir / f'cell{c.index}.log'}): {line!r}")
+        try:
+            c.proc, client = start_rpc_process(cmd, self.work_dir / f"cell{c.index}.log", START_TIMEOUT_S)
+        except ServerDidNotStart as err:
+            raise RuntimeError(f"DP cell {c.index} did not start ({err})") from None
         if c.client is not None:
             c.client.close()
-        c.client = RPCClient(f"http://127.0.0.1:{m.group(1)}")
+        c.client = client
         c.report = c.client.call("build", BuildCall(folder=str(self.folder), hparams=self.hparams, seed=self.seed),
                                  CellReport, timeout_s=START_TIMEOUT_S)
         with self._lock:  # a restarted cell is visible to steps only with its joining mark
@@ -161,12 +168,7 @@ class DPGroup:
     def _lose(self, c: _Cell, why: str) -> None:
         if c.state == "lost":
             return
-        if c.proc is not None and c.proc.poll() is None:
-            try:
-                os.kill(c.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGKILL's cleanup otherwise
-            except ProcessLookupError:
-                pass
-            stop_pid(c.proc.pid, c.proc, timeout_s=2.0)
+        c.end(timeout_s=2.0)
         c.state, c.why = "lost", why
         self._note("cell_lost", f"cell {c.index} (pid {c.pid}): {why}")
         log.warning("DP cell %d lost: %s", c.index, why)
@@ -192,15 +194,13 @@ class DPGroup:
         try:  # and if the lighthouse dies while the cell starts, it is back before that connect gives up
             _watched(lambda: self._start(c, joining=True), self._ensure_lighthouse, 0.5)
         except BaseException as err:  # noqa: BLE001 - reported; the workflow backs off and tries again
-            if c.proc is not None and c.proc.poll() is None:
-                stop_pid(c.proc.pid, c.proc)
+            c.end()
             with self._lock:
                 c.state, c.why = "lost", f"restart failed: {err}"
             self._note("cell_restart_failed", f"cell {c.index}: {err}")
             return
         if self._closed:  # the group ended while this cell was starting
-            if c.proc is not None and c.proc.poll() is None:
-                stop_pid(c.proc.pid, c.proc)
+            c.end()
             return
         c.restarts += 1
         self._note("cell_restarted", f"cell {c.index}: pid {old} -> {c.pid}; heals from a peer at the next step")
@@ -222,15 +222,15 @@ class DPGroup:
         tmp.write_text(StepInput(samples=samples, rewards=rewards, group_size=group_size,
                                  hparams=hparams).model_dump_json())
         tmp.replace(path)
-        done = self._on_live("train_step", TrainCall(input_path=str(path), forced_participants=forced_participants),
-                             lead=[c for c in self.live() if c.joining])
+        call = TrainCall(input_path=str(path), forced_participants=forced_participants, from_version=self.version)
+        done = self._on_live("train_step", call, lead=[c for c in self.live() if c.joining])
         for c, r in done:
             c.joining = False
             if r.healed_from_step is not None:
                 c.healed_from_step = r.healed_from_step
                 self._note("cell_healed", f"cell {c.index} copied v{r.policy_version - 1} from a peer "
                            f"(it held v{r.healed_from_step}) and trained v{r.policy_version} with it")
-        self._check_equal(done)
+        self._check_equal(done, expect_version=self.version + 1)
         first = done[0][1]
         self.version = first.policy_version
         return {**first.metrics, "dp_cells_alive": float(len(self.live()))}
@@ -316,9 +316,11 @@ class DPGroup:
                 cond.notify_all()
 
         threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in cells]
+        if lead:  # a lone newcomer forms a quorum of its own when the lighthouse hears only it
+            self._wait_status(self.lighthouse.heartbeating, len(cells), "heartbeating")
         for i, t in enumerate(threads):
             if lead and i == len(lead):
-                self._wait_joined(len(lead))
+                self._wait_status(self.lighthouse.pending_requests, len(lead), "waiting for a quorum")
             t.start()
         deadline: float | None = None
         with cond:
@@ -338,6 +340,8 @@ class DPGroup:
                               "peers (hung or stopped)")
             elif isinstance(err, ConnectionError) or (c.proc is not None and c.proc.poll() is not None):
                 self._lose(c, f"died during {method}: {err}")
+            elif isinstance(err, RemoteError) and err.error_type == "NotHealed":  # restarted again by the run
+                self._lose(c, f"not healed: {err.message}")
         if not results:
             passed = [e for e in errors.values() if isinstance(e, RemoteError) and e.error_type in PASSED_THROUGH]
             if passed and self.live():  # the cells are fine: the input is not (every cell raises it)
@@ -348,14 +352,15 @@ class DPGroup:
             raise self._all_lost(method)
         return [(self.members[i], results[i]) for i in sorted(results)]
 
-    def _wait_joined(self, n: int, timeout_s: float = 60.0) -> None:
-        """Until the lighthouse's next quorum has ``n`` requests (its /status page)."""
+    def _wait_status(self, count: Callable[[], int], n: int, what: str, timeout_s: float = 60.0) -> None:
+        """Until the lighthouse's /status page counts ``n`` cells ``what``; after ``timeout_s``
+        go on anyway (a cell that cannot heal then refuses the step: ``NotHealed``)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.lighthouse.pending_requests() >= n:
+            if count() >= n:
                 return
             time.sleep(0.02)
-        log.warning("the lighthouse did not list %d restarted cell(s) as waiting within %.0f s", n, timeout_s)
+        log.warning("the lighthouse did not count %d cell(s) %s within %.0f s", n, what, timeout_s)
 
     def _all_lost(self, method: str) -> DPCellsLost:
         self.dead = True
@@ -363,13 +368,15 @@ class DPGroup:
                                    + "; ".join(f"cell {c.index}: {c.why}" for c in self.members))
         return self.failure  # type: ignore[return-value]
 
-    def _check_equal(self, done: list[tuple[_Cell, CellReport]]) -> None:
+    def _check_equal(self, done: list[tuple[_Cell, CellReport]], expect_version: int | None = None) -> None:
+        """Every answering cell holds the same state (and, after a step, the next version)."""
         sums = {(r.policy_version, r.state_checksum) for _, r in done}
-        if len(sums) > 1:
+        if len(sums) > 1 or (expect_version is not None and done[0][1].policy_version != expect_version):
             detail = ", ".join(f"cell {c.index}: v{r.policy_version} {r.state_checksum[:12]}" for c, r in done)
             self._note("checksum_mismatch", detail)
             self.dead = True
-            raise CellsDiverged(f"DP cells hold different state after the same step: {detail}")
+            raise CellsDiverged(f"DP cells hold different state after the same step (expected v{expect_version}): "
+                                f"{detail}")
         for c, r in done:
             c.report = r
 
@@ -397,11 +404,6 @@ class DPGroup:
         for t in self._restarts:
             t.join(timeout=START_TIMEOUT_S)
         for c in self.members:
-            if c.proc is not None and c.proc.poll() is None:
-                try:
-                    os.kill(c.proc.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                stop_pid(c.proc.pid, c.proc, timeout_s=5.0)
+            c.end(timeout_s=5.0)
             if c.client is not None:
                 c.client.close()

@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import httpx
 import psutil
 
 from gpu_runtime.node.http_client import http_client
-from gpu_runtime.node.proc import free_port, packaged_binary, pid_alive, spawn, stop_pid
+from gpu_runtime.node.proc import free_port, packaged_binary, pid_alive, reachable, spawn, stop_pid
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ class Lighthouse:
         self.proc = spawn(lighthouse_command(self.port, join_timeout_ms=self.join_timeout_ms,
                                              heartbeat_timeout_ms=self.heartbeat_timeout_ms), self.log_path)
         deadline = time.monotonic() + self.start_timeout_s
-        while not _listening(self.port):
+        while not reachable(f"127.0.0.1:{self.port}", 0.5):
             if self.proc.poll() is not None:
                 raise LighthouseFailed(f"torchft lighthouse exited with {self.proc.returncode}; see {self.log_path}")
             if time.monotonic() > deadline:
@@ -122,25 +121,26 @@ class Lighthouse:
         return was is not None
 
     def pending_requests(self) -> int:
-        """How many cells have asked for the next quorum (parsed from the lighthouse's
-        /status page, e.g. "New quorum not ready, only have 1 participants"); -1 when
+        """How many cells have asked for the next quorum ("New quorum not ready, only have 1
+        participants" on the lighthouse's /status page); -1 when the page does not say."""
+        return self._status_number(r"only have (\d+) participants")
+
+    def heartbeating(self) -> int:
+        """How many cells' managers the lighthouse hears from ("[2 heartbeating]"); -1 when
         the page does not say."""
+        return self._status_number(r"\[(\d+) heartbeating\]")
+
+    def _status_number(self, pattern: str) -> int:
         try:
             if self._http is None:
                 self._http = http_client(timeout=2.0)
             text = self._http.get(self.address + "/status").text
         except httpx.HTTPError:
             return -1
-        m = re.search(r"only have (\d+) participants", text)
+        m = re.search(pattern, text)
         return int(m.group(1)) if m else -1
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             stop_pid(proc.pid, proc)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
