@@ -188,14 +188,44 @@ def test_a_stopped_cell_is_timed_out_killed_and_replaced(group: DPGroup, tmp_pat
     assert state.cells[0].state_checksum == state.cells[1].state_checksum
 
 
-def test_a_dead_lighthouse_is_restarted_before_the_next_step(group: DPGroup) -> None:
+def test_a_dead_lighthouse_is_restarted_between_steps(group: DPGroup) -> None:
+    """The group's watchdog restarts a dead lighthouse on its port whenever it dies, not
+    only when the next step starts."""
     _step(group, 1)
     old = group.lighthouse.pid
     os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
-    wait_for(lambda: not group.lighthouse.alive(), 10, what="the lighthouse gone")
-    m = _step(group, 2)
-    assert m["dp_cells"] == 2 and group.lighthouse.pid != old and group.lighthouse.restarts == 1
+    wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
+    assert group.lighthouse.pid != old
     assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
+    m = _step(group, 2)
+    assert m["dp_cells"] == 2 and m["dp_attempts"] == 1
+
+
+@pytest.mark.parametrize("group", ["1:3:2:quorum"], indirect=True)
+def test_a_lighthouse_killed_inside_a_step_is_back_before_the_step_gives_up(group: DPGroup) -> None:
+    """Killed after the step's start and before its quorum (cell 0 already asked, cell 1
+    waits 3 s before it asks): the cells' quorum requests fail while it is gone. Restarted
+    only at the next step's start, it left this step retrying its quorum 20 times, 15 s
+    each, for 300 s (the soak saw that as a run stuck after a lighthouse kill)."""
+    _step(group, 1)
+    old = group.lighthouse.pid
+    import threading
+
+    box: dict[str, object] = {}
+    t = threading.Thread(target=lambda: box.update(m=_step(group, 2)))
+    t.start()
+    wait_for(lambda: _log_has(group, 1, "fault delay before the quorum of v2"), 60, what="cell 1 inside step 2")
+    os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+    t.join(120)
+    assert not t.is_alive(), "step 2 still waits for its quorum after 120 s"
+    m = box["m"]
+    assert isinstance(m, dict) and m["dp_cells"] == 2 and m["policy_version"] == 2, m
+    assert m["dp_attempts"] <= 2, m  # one quorum request may fail against the dead lighthouse
+    assert group.lighthouse.pid != old and group.lighthouse.restarts == 1
+    assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
+    state = group.state()
+    assert [c.state for c in state.cells] == ["alive", "alive"]
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum
 
 
 def test_a_lighthouse_ends_with_the_trainer_that_started_it(tmp_path: Path) -> None:
@@ -229,8 +259,7 @@ def test_a_cell_restarted_while_the_lighthouse_is_dead_restarts_it_first(group: 
     assert _step(group, 2)["dp_cells"] == 1 and victim.state == "lost"
     old = group.lighthouse.pid
     os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
-    wait_for(lambda: not group.lighthouse.alive(), 10, what="the lighthouse gone")
-    _restart(group, 1)
+    _restart(group, 1)  # restarts the lighthouse first unless the watchdog already has
     assert group.lighthouse.pid != old and group.lighthouse.restarts == 1
     assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
     assert _step(group, 3)["dp_cells"] == 2
@@ -292,7 +321,7 @@ def test_a_heal_after_a_lighthouse_restart_takes_one_quorum(group: DPGroup) -> N
     os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
     assert _step(group, 2)["dp_cells"] == 1  # quorum 2: cell 0 alone
     os.kill(group.lighthouse.pid, signal.SIGKILL)  # type: ignore[arg-type]
-    wait_for(lambda: not group.lighthouse.alive(), 10, what="the lighthouse gone")
+    wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
     assert _step(group, 3)["dp_cells"] == 1  # the new lighthouse's quorum 1: cell 0 alone
     _restart(group, 1)
     m = _step(group, 4)  # the new lighthouse's quorum 2: both cells, cell 1 heals

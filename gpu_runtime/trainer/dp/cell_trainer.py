@@ -48,6 +48,10 @@ MAX_ATTEMPTS = 20  # quorums one step may take before the cell gives up (each fa
 # (its connection to a restarted lighthouse may be stale)
 QUORUM_TIMEOUT_S = 15.0
 QUORUM_RETRIES = 2
+# after a failed quorum request (a dead or just restarted lighthouse) a cell waits this long
+# before asking again: by then its peers heartbeat the new lighthouse (every 100 ms), which
+# otherwise may form a quorum of the one cell it has heard from
+QUORUM_RETRY_PAUSE_S = 1.0
 
 
 class NotCommitted(RuntimeError):
@@ -64,16 +68,20 @@ class StepNotCommitted(RuntimeError):
     """The step failed its commit vote ``MAX_ATTEMPTS`` times in a row."""
 
 
-def _fault_delay(index: int, version: int) -> None:
-    """Tests set MILESTONE_FAULT_CELL_DELAY="<cell>:<seconds>[:<version>]" so a SIGKILL / SIGSTOP
-    lands while that cell is inside a quorum, before its allreduce (of every step, or only of
-    the step that makes ``version``); the log line is what they wait for."""
+def _fault_delay(index: int, version: int, where: str = "allreduce") -> None:
+    """Tests set MILESTONE_FAULT_CELL_DELAY="<cell>:<seconds>[:<version>[:<where>]]" so a fault
+    lands while that cell is inside a step: ``allreduce`` (the default) waits inside the
+    step's quorum, before its allreduce; ``quorum`` waits before the cell asks the lighthouse
+    for the quorum (of every step, or only of the step that makes ``version``; ``*`` for
+    every step). The log line is what they wait for."""
     spec = os.environ.get("MILESTONE_FAULT_CELL_DELAY", "")
     if not spec:
         return
-    cell, seconds, *only = spec.split(":")
-    if int(cell) == index and (not only or int(only[0]) == version):
-        log.warning("fault delay before the allreduce of v%d: %s s", version, seconds)
+    cell, seconds, *rest = spec.split(":")
+    only = rest[0] if rest else "*"
+    at = rest[1] if len(rest) > 1 else "allreduce"
+    if int(cell) == index and at == where and (only == "*" or int(only) == version):
+        log.warning("fault delay before the %s of v%d: %s s", where, version, seconds)
         time.sleep(float(seconds))
 
 
@@ -118,11 +126,14 @@ class DPCellTrainer(PolicyTrainer):
         self.healed_from_step = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             before = self.policy_version
+            if attempt == 1:
+                _fault_delay(self.index, before + 1, "quorum")
             try:
                 self.manager.start_quorum()  # synchronous: a healing cell has its peer's state after this
             except Exception as err:  # noqa: BLE001 - e.g. the lighthouse restarted under the request
                 log.warning("cell %d: quorum for v%d failed (attempt %d): %s", self.index, before + 1, attempt, err)
                 self.manager._quorum_future = None  # torchft re-raises a failed quorum at the next start_quorum
+                time.sleep(QUORUM_RETRY_PAUSE_S)
                 continue
             if self.policy_version != before:
                 self.healed_from_step = before
@@ -238,6 +249,35 @@ def communicator_id(quorum_id: int, handles: list[str]) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+class _QuorumGuard:
+    """The manager's client, as torchft's manager sees it, with one fix to its quorums.
+
+    torchft rebuilds its process group only when the quorum id changes. A restarted
+    lighthouse numbers its quorums from 1 again, so its first quorum can carry the id of the
+    last one the cell configured for while holding other members (a peer lost meanwhile, or
+    restarted): the cell kept the old group and its allreduce waited for a member that was
+    not there (the collective timeout, then a new quorum). When the id repeats with other
+    replicas, the guard makes the manager reconfigure."""
+
+    def __init__(self, manager: Any) -> None:
+        self._inner = manager._client
+        self._manager = manager
+        self._ids: list[str] = []
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        q = self._inner._quorum(*args, **kwargs)
+        ids = list(q.replica_ids)
+        if q.quorum_id == self._manager._quorum_id and ids != self._ids:
+            log.warning("quorum %d has other replicas than the last quorum %d (a restarted lighthouse): "
+                        "reconfiguring", q.quorum_id, q.quorum_id)
+            self._manager._quorum_id = -1
+        self._ids = ids
+        return q
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def _gloo(timeout: timedelta) -> Any:
     """torchft's gloo process group, its communicators named by ``communicator_id``."""
     from torchft.process_group import ProcessGroupGloo
@@ -273,5 +313,6 @@ def new_manager(trainer: DPCellTrainer, index: int, lighthouse_addr: str, timeou
         hostname="127.0.0.1", init_sync=False,
     )
     manager._milestone_store = store  # the store must outlive the manager
+    manager._client = _QuorumGuard(manager)
     trainer.attach(manager, index)
     return manager

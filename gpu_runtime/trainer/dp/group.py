@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 STRAGGLER_GRACE_S = 10.0
 START_TIMEOUT_S = 120.0
+LIGHTHOUSE_CHECK_S = 0.5  # how often the group's watchdog checks the lighthouse
+YOUNG_LIGHTHOUSE_S = 3.0  # a step waits up to this long after a lighthouse (re)start for every cell's heartbeat
 PASSED_THROUGH = {"FloatingPointError": FloatingPointError, "ValueError": ValueError}  # deterministic: every cell raises it
 
 
@@ -129,6 +131,8 @@ class DPGroup:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _restarts: list[threading.Thread] = field(default_factory=list)
     _closed: bool = False
+    _watchdog: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         if self.cells < 2:
@@ -143,6 +147,8 @@ class DPGroup:
             self.close()
             raise
         self.version = reports[0].policy_version
+        self._watchdog = threading.Thread(target=self._watch_lighthouse, name="lighthouse-watchdog", daemon=True)
+        self._watchdog.start()
         self._note("cells_started", f"{self.cells} DP cells, pids {[c.pid for c in self.members]}, "
                    f"lighthouse pid {self.lighthouse.pid}")
 
@@ -191,8 +197,8 @@ class DPGroup:
 
     def _restart(self, c: _Cell) -> None:
         old = c.pid
-        try:  # and if the lighthouse dies while the cell starts, it is back before that connect gives up
-            _watched(lambda: self._start(c, joining=True), self._ensure_lighthouse, 0.5)
+        try:  # a lighthouse that dies while the cell starts is back (the watchdog) before its connect gives up
+            self._start(c, joining=True)
         except BaseException as err:  # noqa: BLE001 - reported; the workflow backs off and tries again
             c.end()
             with self._lock:
@@ -209,6 +215,19 @@ class DPGroup:
         if self.lighthouse.ensure_running():
             self._note("lighthouse_restarted", f"torchft lighthouse restarted as pid {self.lighthouse.pid}")
 
+    def _watch_lighthouse(self) -> None:
+        """Restart a dead lighthouse within ``LIGHTHOUSE_CHECK_S``, whenever it dies: inside a
+        step the cells' quorum requests fail while it is gone (each retried after 15 s), and
+        a restarting cell's manager gives up connecting after 30 s. Checking only at a step's
+        start left a lighthouse killed just after that check dead for the whole step (its
+        cells retried their quorum 20 times, 15 s each)."""
+        while not self._stop.wait(LIGHTHOUSE_CHECK_S):
+            try:
+                self._ensure_lighthouse()
+            except Exception as err:  # noqa: BLE001 - the next check tries again; a step then fails its quorum
+                self._note("lighthouse_restart_failed", str(err))
+                log.warning("restarting the torchft lighthouse failed: %s", err)
+
     def live(self) -> list[_Cell]:
         with self._lock:
             return [c for c in self.members if c.state == "alive"]
@@ -223,7 +242,7 @@ class DPGroup:
                                  hparams=hparams).model_dump_json())
         tmp.replace(path)
         call = TrainCall(input_path=str(path), forced_participants=forced_participants, from_version=self.version)
-        done = self._on_live("train_step", call, lead=[c for c in self.live() if c.joining])
+        done = self._on_live("train_step", call, lead=[c for c in self.live() if c.joining], quorum=True)
         for c, r in done:
             c.joining = False
             if r.healed_from_step is not None:
@@ -286,7 +305,8 @@ class DPGroup:
 
         return _watched(lambda: client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0)), check, 1.0)
 
-    def _on_live(self, method: str, arg: BaseModel, lead: list[_Cell] | None = None) -> list[tuple[_Cell, CellReport]]:
+    def _on_live(self, method: str, arg: BaseModel, lead: list[_Cell] | None = None,
+                 quorum: bool = False) -> list[tuple[_Cell, CellReport]]:
         """``method`` on every live cell at once. A cell whose connection drops is lost; once one
         has answered, the others have ``timeout_s`` + a grace, then are killed and lost.
 
@@ -318,6 +338,9 @@ class DPGroup:
         threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in cells]
         if lead:  # a lone newcomer forms a quorum of its own when the lighthouse hears only it
             self._wait_status(self.lighthouse.heartbeating, len(cells), "heartbeating")
+        elif quorum and self.lighthouse.age_s() < YOUNG_LIGHTHOUSE_S:
+            self._wait_status(self.lighthouse.heartbeating, len(cells), "heartbeating",
+                              timeout_s=YOUNG_LIGHTHOUSE_S - self.lighthouse.age_s())
         for i, t in enumerate(threads):
             if lead and i == len(lead):
                 self._wait_status(self.lighthouse.pending_requests, len(lead), "waiting for a quorum")
@@ -401,6 +424,9 @@ class DPGroup:
 
     def close(self) -> None:
         self._closed = True
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=60.0)
         for t in self._restarts:
             t.join(timeout=START_TIMEOUT_S)
         for c in self.members:

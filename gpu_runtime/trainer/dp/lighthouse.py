@@ -55,6 +55,7 @@ class Lighthouse:
         self._http: httpx.Client | None = None
         self._child: int | None = None
         self._lock = threading.Lock()
+        self.started_at = 0.0  # time.monotonic() when it last started listening
 
     @property
     def address(self) -> str:
@@ -92,7 +93,12 @@ class Lighthouse:
                 raise LighthouseFailed(f"torchft lighthouse not listening on :{self.port} within "
                                        f"{self.start_timeout_s:.0f} s; see {self.log_path}")
             time.sleep(0.05)
+        self.started_at = time.monotonic()
         log.info("torchft lighthouse pid %s (watcher %d) on %s", self.pid, self.proc.pid, self.address)
+
+    def age_s(self) -> float:
+        """Seconds since it last started listening."""
+        return time.monotonic() - self.started_at
 
     def ensure_running(self) -> bool:
         """Restart a dead lighthouse on its port; whether it had to. Thread-safe: a step and a
