@@ -291,8 +291,9 @@ def test_a_cell_stopped_between_steps_is_skipped_by_an_export(group: DPGroup, tm
 
 
 def test_a_lighthouse_killed_while_a_cell_restarts_is_back_before_the_cell_connects(group: DPGroup) -> None:
-    """The restarted cell's torchft manager connects to the lighthouse while it builds (for
-    30 s, then the restart fails): the group restarts a lighthouse that dies meanwhile."""
+    """A lighthouse killed while a lost cell restarts is back (the group's watchdog) before
+    the restarted cell joins torchft at its first step (its manager's connect would give up
+    after 30 s)."""
     _step(group, 1)
     victim = group.members[1]
     old_cell = victim.pid
@@ -304,7 +305,8 @@ def test_a_lighthouse_killed_while_a_cell_restarts_is_back_before_the_cell_conne
     os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
     wait_for(lambda: victim.state != "starting", 120, what="cell 1 restarted")
     assert victim.state == "alive", victim.why
-    assert group.lighthouse.pid != old and group.lighthouse.restarts == 1
+    wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
+    assert group.lighthouse.pid != old
     assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
     assert _step(group, 3)["dp_cells"] == 2
     state = group.state()
@@ -326,6 +328,61 @@ def test_a_heal_after_a_lighthouse_restart_takes_one_quorum(group: DPGroup) -> N
     _restart(group, 1)
     m = _step(group, 4)  # the new lighthouse's quorum 2: both cells, cell 1 heals
     assert m["dp_cells"] == 2 and m["dp_attempts"] == 1, m
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+def test_a_restarted_lighthouses_quorum_with_an_old_number_and_other_cells_reconfigures(group: DPGroup) -> None:
+    """The lighthouse and a cell die together after step 1 (quorum 1: both cells). The new
+    lighthouse's first quorum is number 1 again, now of cell 0 alone. torchft rebuilds its
+    process group only when the number changes: cell 0 kept the two-cell group and its
+    allreduce waited out the collective timeout for the dead cell (a second quorum)."""
+    m = _step(group, 1)
+    assert m["dp_cells"] == 2
+    victim = group.members[1]
+    os.kill(group.lighthouse.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
+    m = _step(group, 2)
+    assert m["dp_cells"] == 1 and m["dp_attempts"] == 1, m
+    assert _log_has(group, 0, "(a restarted lighthouse): reconfiguring")
+    assert victim.state == "lost"
+    _restart(group, 1)
+    m = _step(group, 3)
+    assert m["dp_cells"] == 2, m
+    state = group.state()
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+@pytest.mark.parametrize("group", ["0:15:3:quorum"], indirect=True)
+def test_a_cell_restarting_during_a_step_on_a_restarted_lighthouse_does_not_block_its_quorum(group: DPGroup) -> None:
+    """A lighthouse with no quorum yet (just restarted) will not form one of half or fewer
+    of the cells it hears heartbeat. A restarted cell's torchft manager used to connect as
+    soon as the cell was built: when that happened while a step ran without it on a
+    restarted lighthouse, cell 0's quorum (1 of 2 heartbeating) never formed and the step
+    hung (the soak, seed 11). Now a restarted cell joins torchft at its first step."""
+    _step(group, 1)
+    victim = group.members[1]
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    assert _step(group, 2)["dp_cells"] == 1 and victim.state == "lost"
+    os.kill(group.lighthouse.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
+    assert group.restart(1) == "restarting"
+    import threading
+
+    box: dict[str, object] = {}
+    t = threading.Thread(target=lambda: box.update(m=_step(group, 3)))  # cell 0 only: cell 1 is starting
+    t.start()
+    wait_for(lambda: _log_has(group, 0, "fault delay before the quorum of v3"), 60, what="cell 0 inside step 3")
+    wait_for(lambda: victim.state == "alive", 120, what="cell 1 built")
+    assert t.is_alive(), "cell 1 was built after step 3's quorum: this test did not interleave them"
+    assert group.lighthouse.heartbeating() == 1  # cell 1 is not heard yet
+    t.join(120)
+    assert not t.is_alive(), "step 3's quorum did not form"
+    m = box["m"]
+    assert isinstance(m, dict) and m["dp_cells"] == 1 and m["dp_attempts"] == 1, m
+    m = _step(group, 4)  # cell 1 joins, heals from cell 0 and trains
+    assert m["dp_cells"] == 2, m
     state = group.state()
     assert state.cells[0].state_checksum == state.cells[1].state_checksum
 

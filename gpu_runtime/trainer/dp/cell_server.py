@@ -1,7 +1,8 @@
 """One DP cell's process: ``python -m gpu_runtime.trainer.dp.cell_server --index K
 --lighthouse URL --work-dir D``. Prints ``READY port=<p> pid=<pid>`` once it serves the RPC
 (``gpu_runtime.node.rpc``) its group (``gpu_runtime.trainer.dp.group``) calls; ``build``
-creates the cell's trainer and joins torchft. One call at a time."""
+creates the cell's trainer and ``join`` its torchft manager (``build`` does both unless told
+not to: a restarted cell joins at the start of its first step). One call at a time."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class BuildCall(BaseModel):
     folder: str  # the HF model folder every cell starts from (a restarted one heals from a peer)
     hparams: TrainerHParams
     seed: int
+    join: bool = True  # create the torchft manager now (it heartbeats the lighthouse from then on)
 
 
 class PathCall(BaseModel):
@@ -82,21 +84,32 @@ class CellService:
                           state_checksum=t.state_checksum(), **extra)  # type: ignore[arg-type]
 
     def build(self, a: BuildCall) -> CellReport:
-        if self.manager is not None:
+        if self.trainer is not None:
             raise RuntimeError(f"cell {self.index}: already built (a cell is built once; the group restarts it)")
         self.trainer = DPCellTrainer.create(a.folder, a.hparams, a.seed)  # type: ignore[assignment]
-        self.manager = new_manager(self._t(), self.index, self.lighthouse, self.timeout_s)
+        return self.join(Empty()) if a.join else self.report()
+
+    def join(self, a: Empty) -> CellReport:
+        """Create the cell's torchft manager (once). From then on it heartbeats the lighthouse,
+        and a lighthouse that has no quorum yet (just restarted) will not form one of fewer
+        than half the cells it hears: a restarted cell must not heartbeat before the step it
+        takes part in, or a step without it could not form a quorum."""
+        if self.manager is None:
+            self.manager = new_manager(self._t(), self.index, self.lighthouse, self.timeout_s)
         return self.report()
 
     def load_state(self, a: PathCall) -> CellReport:
         t = self._t()
         t.load_state(a.path)
-        t.sync_manager_step()
+        if self.manager is not None:
+            t.sync_manager_step()
         return self.report()
 
     def train_step(self, a: TrainCall) -> CellReport:
         t0 = time.perf_counter()
         t = self._t()
+        if self.manager is None:
+            raise RuntimeError(f"cell {self.index}: train_step before join")
         step = StepInput.model_validate_json(open(a.input_path, "rb").read())
         t.forced_participants, t.from_version = a.forced_participants, a.from_version
         try:
@@ -133,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     svc = CellService(args.index, args.lighthouse, args.timeout_s)
     server = RPCServer("127.0.0.1", 0, {
         "build": Method(BuildCall, svc.build),
+        "join": Method(Empty, svc.join),
         "load_state": Method(PathCall, svc.load_state),
         "train_step": Method(TrainCall, svc.train_step),
         "save_state": Method(PathCall, svc.save_state),

@@ -164,8 +164,8 @@ class DPGroup:
         if c.client is not None:
             c.client.close()
         c.client = client
-        c.report = c.client.call("build", BuildCall(folder=str(self.folder), hparams=self.hparams, seed=self.seed),
-                                 CellReport, timeout_s=START_TIMEOUT_S)
+        c.report = c.client.call("build", BuildCall(folder=str(self.folder), hparams=self.hparams, seed=self.seed,
+                                                    join=not joining), CellReport, timeout_s=START_TIMEOUT_S)
         with self._lock:  # a restarted cell is visible to steps only with its joining mark
             c.joining = joining
             c.state, c.why, c.healed_from_step = "alive", "", None
@@ -197,7 +197,7 @@ class DPGroup:
 
     def _restart(self, c: _Cell) -> None:
         old = c.pid
-        try:  # a lighthouse that dies while the cell starts is back (the watchdog) before its connect gives up
+        try:  # built without its torchft manager: it joins at the start of its first step (``_join``)
             self._start(c, joining=True)
         except BaseException as err:  # noqa: BLE001 - reported; the workflow backs off and tries again
             c.end()
@@ -335,6 +335,11 @@ class DPGroup:
             with cond:
                 cond.notify_all()
 
+        if lead:  # restarted cells create their torchft managers now (see ``cell_server.join``)
+            lead = self._join(lead)
+            cells = lead + [c for c in cells if c not in lead and c.state == "alive"]
+            if not cells:
+                raise self._all_lost(method)
         threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in cells]
         if lead:  # a lone newcomer forms a quorum of its own when the lighthouse hears only it
             self._wait_status(self.lighthouse.heartbeating, len(cells), "heartbeating")
@@ -374,6 +379,19 @@ class DPGroup:
                 raise RuntimeError(f"DP cells: {method}: {other}")
             raise self._all_lost(method)
         return [(self.members[i], results[i]) for i in sorted(results)]
+
+    def _join(self, cells: list[_Cell]) -> list[_Cell]:
+        """``join`` on each restarted cell (its torchft manager connects to the lighthouse and
+        heartbeats); those it fails for are lost."""
+        joined = []
+        for c in cells:
+            assert c.client is not None
+            try:
+                c.report = c.client.call("join", Empty(), CellReport, timeout_s=START_TIMEOUT_S)
+                joined.append(c)
+            except (ConnectionError, RemoteError, TimeoutError) as err:
+                self._lose(c, f"could not join torchft: {err}")
+        return joined
 
     def _wait_status(self, count: Callable[[], int], n: int, what: str, timeout_s: float = 60.0) -> None:
         """Until the lighthouse's /status page counts ``n`` cells ``what``; after ``timeout_s``
