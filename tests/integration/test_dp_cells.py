@@ -249,6 +249,39 @@ def test_a_lighthouse_ends_with_the_trainer_that_started_it(tmp_path: Path) -> N
             owner.wait()
 
 
+def test_a_lighthouse_restart_waits_for_the_port_to_be_free(tmp_path: Path) -> None:
+    """A SIGKILLed lighthouse (many threads) can count as dead, its main thread a zombie,
+    while its other threads still hold the listening socket. The restart took that socket's
+    answer for the new lighthouse, which then failed to bind and was restarted again (an
+    extra ``lighthouse_restarted``, the soak's seed 11). Here a plain socket holds the port
+    after the kill: the restart waits for it to close."""
+    import socket
+    import threading
+
+    from gpu_runtime.node.proc import reachable
+
+    lh = Lighthouse(tmp_path / "lh.log")
+    holder = socket.socket()
+    try:
+        lh.start()
+        old = lh.pid
+        os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+        wait_for(lambda: not pid_alive(old), 10, what="the old lighthouse gone")  # type: ignore[arg-type]
+        wait_for(lambda: not lh.alive(), 10, what="its watcher gone")
+        wait_for(lambda: not reachable(f"127.0.0.1:{lh.port}", 0.2), 10, what="its port closed")
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", lh.port))
+        holder.listen()
+        threading.Timer(1.5, holder.close).start()
+        assert lh.ensure_running()
+        assert lh.pid is not None and lh.pid != old and lh.alive()
+        assert lh.heartbeating() == 0  # the new lighthouse's own /status page answers
+        assert not lh.ensure_running() and lh.restarts == 1  # it is up: nothing to restart
+    finally:
+        holder.close()
+        lh.stop()
+
+
 def test_a_cell_restarted_while_the_lighthouse_is_dead_restarts_it_first(group: DPGroup) -> None:
     """The restart of a lost cell (the run's heal schedule) can come before the next step,
     which is where a dead lighthouse was restarted: the new cell's manager would fail to

@@ -108,16 +108,23 @@ def test_cells_must_end_alive_and_equal() -> None:
 def test_each_fault_must_show_in_the_events() -> None:
     dead = 2**22 + 12345  # beyond pid_max on this machine: no such process
     faults = [Fault(1, 1, "cell_kill", dead), Fault(2, 3, "cell_stop", dead + 1), Fault(3, 5, "lighthouse_kill", 9)]
-    events = [RunEvent(at="t", kind="cell_lost", detail=f"cell 1 (pid {dead}): died during train_step"),
-              RunEvent(at="t", kind="cell_lost", detail=f"cell 1 (pid {dead + 1}): no answer to train_step within "
-                                                        "20 s of its peers (hung or stopped)"),
-              RunEvent(at="t", kind="lighthouse_restarted"),
-              RunEvent(at="t", kind="cell_healed"), RunEvent(at="t", kind="cell_healed")]
+    healed = [RunEvent(at="t4", kind="cell_healed", detail="cell 1 copied v3 from a peer (it held v0) and trained v4"),
+              RunEvent(at="t5", kind="cell_healed", detail="cell 1 copied v5 from a peer (it held v0) and trained v6")]
+    events = [RunEvent(at="t1", kind="cell_lost", detail=f"cell 1 (pid {dead}): died during train_step"),
+              RunEvent(at="t2", kind="cell_lost", detail=f"cell 1 (pid {dead + 1}): no answer to train_step within "
+                                                         "20 s of its peers (hung or stopped)"),
+              RunEvent(at="t3", kind="lighthouse_restarted"), *healed]
     assert fault_checks(faults, events) == []
-    wrong = [RunEvent(at="t", kind="cell_lost", detail=f"cell 1 (pid {dead + 1}): died during train_step")]
+    wrong = [RunEvent(at="t2", kind="cell_lost", detail=f"cell 1 (pid {dead + 1}): died during train_step")]
     assert any("lost for another reason" in f for f in fault_checks(faults, events[:1] + wrong + events[2:]))
     assert any("lighthouse" in f for f in fault_checks(faults, events[:2] + events[3:]))
     assert any("cell heals" in f for f in fault_checks(faults, events[:4]))
+    # the first kill is superseded by the second fault on the same cell; the second must heal
+    other = [RunEvent(at="t4", kind="cell_healed", detail="cell 0 copied v3 from a peer (it held v0) and trained v4")]
+    assert fault_checks(faults, events[:3] + other + other) == [
+        f"cell_stop of pid {dead + 1} at step 3: its cell never healed afterwards"]
+    # a heal before the loss does not count for it
+    assert any("never healed" in f for f in fault_checks(faults, healed + events[:3]))
 
 
 def test_the_schedule_is_the_seeds_and_has_two_early_cell_faults() -> None:

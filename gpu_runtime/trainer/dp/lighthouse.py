@@ -85,7 +85,7 @@ class Lighthouse:
         self.proc = spawn(lighthouse_command(self.port, join_timeout_ms=self.join_timeout_ms,
                                              heartbeat_timeout_ms=self.heartbeat_timeout_ms), self.log_path)
         deadline = time.monotonic() + self.start_timeout_s
-        while not reachable(f"127.0.0.1:{self.port}", 0.5):
+        while not (reachable(f"127.0.0.1:{self.port}", 0.5) and self.pid is not None):
             if self.proc.poll() is not None:
                 raise LighthouseFailed(f"torchft lighthouse exited with {self.proc.returncode}; see {self.log_path}")
             if time.monotonic() > deadline:
@@ -119,6 +119,11 @@ class Lighthouse:
             deadline = time.monotonic() + 10.0
             while old_child is not None and pid_alive(old_child) and time.monotonic() < deadline:
                 time.sleep(0.02)  # the old lighthouse must let go of the port first
+            # and its port: a SIGKILLed multi-threaded process is a zombie (not alive) while its
+            # other threads still exit, holding the socket; a new lighthouse started then could
+            # not bind, and the old socket answered for it
+            while reachable(f"127.0.0.1:{self.port}", 0.2) and time.monotonic() < deadline:
+                time.sleep(0.02)
         self.start()
         if was is not None:
             self.restarts += 1
