@@ -37,7 +37,7 @@ DP_CELLS_ALIVE = Gauge("milestone_dp_cells_alive", "live DP cells of this node's
 DP_CELL_EVENTS = Counter("milestone_dp_cell_events_total", "DP cell events (cell_lost, cell_restarted, cell_healed, "
                          "checksum_mismatch, lighthouse_restarted)", ["kind"])
 DP_CELL_KINDS = ("cell_lost", "cell_restarted", "cell_restart_failed", "cell_healed", "checksum_mismatch",
-                 "lighthouse_restarted")
+                 "lighthouse_restarted", "lighthouse_restart_failed")
 REPLAYED_STEPS = Counter("milestone_replayed_steps_total", "steps replayed to rebuild trainer state")
 
 TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens_per_s", "distill_kl")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +95,14 @@ def _step(g: DPGroup, s: int, **kw: object) -> dict[str, float]:
     return g.train_step(*rollout(s), 4, HP, **kw)  # type: ignore[arg-type]
 
 
+def _background_step(g: DPGroup, s: int) -> tuple[threading.Thread, dict[str, object]]:
+    """Step ``s`` on a thread (a test injects a fault meanwhile); its metrics land in box["m"]."""
+    box: dict[str, object] = {}
+    t = threading.Thread(target=lambda: box.update(m=_step(g, s)), daemon=True)
+    t.start()
+    return t, box
+
+
 def _restart(g: DPGroup, index: int) -> None:
     """The run's heal: the restart returns at once, the new process is up a few seconds later."""
     assert g.restart(index) == "restarting"
@@ -129,11 +138,7 @@ def test_a_step_one_cell_trains_is_bitwise_the_single_trainer(group: DPGroup, re
 def test_a_cell_killed_mid_step_leaves_the_step_to_its_peer_and_heals_from_it(group: DPGroup, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     _step(group, 1)
     victim = group.members[1]
-    import threading
-
-    box: dict[str, object] = {}
-    t = threading.Thread(target=lambda: box.update(m=_step(group, 2)))
-    t.start()
+    t, box = _background_step(group, 2)
     wait_for(lambda: _log_has(group, 1, "fault delay before the allreduce of v2"), 60, what="cell 1 inside step 2")
     os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
     t.join(120)
@@ -168,11 +173,7 @@ def test_a_stopped_cell_is_timed_out_killed_and_replaced(group: DPGroup, tmp_pat
     _step(group, 1)
     victim = group.members[1]
     pid = victim.pid
-    import threading
-
-    box: dict[str, object] = {}
-    t = threading.Thread(target=lambda: box.update(m=_step(group, 2)))
-    t.start()
+    t, box = _background_step(group, 2)
     wait_for(lambda: _log_has(group, 1, "fault delay before the allreduce of v2"), 60, what="cell 1 inside step 2")
     os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
     t.join(120)
@@ -209,11 +210,7 @@ def test_a_lighthouse_killed_inside_a_step_is_back_before_the_step_gives_up(grou
     each, for 300 s (the soak saw that as a run stuck after a lighthouse kill)."""
     _step(group, 1)
     old = group.lighthouse.pid
-    import threading
-
-    box: dict[str, object] = {}
-    t = threading.Thread(target=lambda: box.update(m=_step(group, 2)))
-    t.start()
+    t, box = _background_step(group, 2)
     wait_for(lambda: _log_has(group, 1, "fault delay before the quorum of v2"), 60, what="cell 1 inside step 2")
     os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
     t.join(120)
@@ -256,7 +253,6 @@ def test_a_lighthouse_restart_waits_for_the_port_to_be_free(tmp_path: Path) -> N
     extra ``lighthouse_restarted``, the soak's seed 11). Here a plain socket holds the port
     after the kill: the restart waits for it to close."""
     import socket
-    import threading
 
     from gpu_runtime.node.proc import reachable
 
@@ -401,11 +397,7 @@ def test_a_cell_restarting_during_a_step_on_a_restarted_lighthouse_does_not_bloc
     os.kill(group.lighthouse.pid, signal.SIGKILL)  # type: ignore[arg-type]
     wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
     assert group.restart(1) == "restarting"
-    import threading
-
-    box: dict[str, object] = {}
-    t = threading.Thread(target=lambda: box.update(m=_step(group, 3)))  # cell 0 only: cell 1 is starting
-    t.start()
+    t, box = _background_step(group, 3)  # cell 0 only: cell 1 is starting
     wait_for(lambda: _log_has(group, 0, "fault delay before the quorum of v3"), 60, what="cell 0 inside step 3")
     wait_for(lambda: victim.state == "alive", 120, what="cell 1 built")
     assert t.is_alive(), "cell 1 was built after step 3's quorum: this test did not interleave them"

@@ -41,13 +41,12 @@ from gpu_runtime.node.rpc import RemoteError, RPCClient, ServerDidNotStart, star
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import DPCellInfo, DPState, NodeEvent, TrainerHParams
 from gpu_runtime.trainer.dp.cell_server import BuildCall, CellReport, Empty, PathCall, StepInput, Text, TrainCall
-from gpu_runtime.trainer.dp.lighthouse import Lighthouse
+from gpu_runtime.trainer.dp.lighthouse import Lighthouse, LighthouseWatchdog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STRAGGLER_GRACE_S = 10.0
 START_TIMEOUT_S = 120.0
-LIGHTHOUSE_CHECK_S = 0.5  # how often the group's watchdog checks the lighthouse
 YOUNG_LIGHTHOUSE_S = 3.0  # a step waits up to this long after a lighthouse (re)start for every cell's heartbeat
 PASSED_THROUGH = {"FloatingPointError": FloatingPointError, "ValueError": ValueError}  # deterministic: every cell raises it
 
@@ -131,8 +130,7 @@ class DPGroup:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _restarts: list[threading.Thread] = field(default_factory=list)
     _closed: bool = False
-    _watchdog: threading.Thread | None = None
-    _stop: threading.Event = field(default_factory=threading.Event)
+    _watchdog: LighthouseWatchdog | None = None
 
     def __post_init__(self) -> None:
         if self.cells < 2:
@@ -147,8 +145,8 @@ class DPGroup:
             self.close()
             raise
         self.version = reports[0].policy_version
-        self._watchdog = threading.Thread(target=self._watch_lighthouse, name="lighthouse-watchdog", daemon=True)
-        self._watchdog.start()
+        self._watchdog = LighthouseWatchdog(self._ensure_lighthouse,
+                                            lambda err: self._note("lighthouse_restart_failed", str(err)))
         self._note("cells_started", f"{self.cells} DP cells, pids {[c.pid for c in self.members]}, "
                    f"lighthouse pid {self.lighthouse.pid}")
 
@@ -214,19 +212,6 @@ class DPGroup:
     def _ensure_lighthouse(self) -> None:
         if self.lighthouse.ensure_running():
             self._note("lighthouse_restarted", f"torchft lighthouse restarted as pid {self.lighthouse.pid}")
-
-    def _watch_lighthouse(self) -> None:
-        """Restart a dead lighthouse within ``LIGHTHOUSE_CHECK_S``, whenever it dies: inside a
-        step the cells' quorum requests fail while it is gone (each retried after 15 s), and
-        a restarting cell's manager gives up connecting after 30 s. Checking only at a step's
-        start left a lighthouse killed just after that check dead for the whole step (its
-        cells retried their quorum 20 times, 15 s each)."""
-        while not self._stop.wait(LIGHTHOUSE_CHECK_S):
-            try:
-                self._ensure_lighthouse()
-            except Exception as err:  # noqa: BLE001 - the next check tries again; a step then fails its quorum
-                self._note("lighthouse_restart_failed", str(err))
-                log.warning("restarting the torchft lighthouse failed: %s", err)
 
     def live(self) -> list[_Cell]:
         with self._lock:
@@ -442,9 +427,8 @@ class DPGroup:
 
     def close(self) -> None:
         self._closed = True
-        self._stop.set()
         if self._watchdog is not None:
-            self._watchdog.join(timeout=60.0)
+            self._watchdog.stop()
         for t in self._restarts:
             t.join(timeout=START_TIMEOUT_S)
         for c in self.members:

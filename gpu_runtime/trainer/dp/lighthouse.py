@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -155,3 +156,29 @@ class Lighthouse:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             stop_pid(proc.pid, proc)
+
+
+class LighthouseWatchdog:
+    """A thread that runs ``ensure`` (restart the lighthouse if it died, and report it) every
+    ``every_s`` until ``stop``. Inside a step the cells' quorum requests fail while the
+    lighthouse is gone (each retried after 15 s, 20 times), so it must come back whenever it
+    dies, not only when the next step starts. A failed restart goes to ``on_error``; the
+    next check tries again."""
+
+    def __init__(self, ensure: Callable[[], None], on_error: Callable[[Exception], None], every_s: float = 0.5) -> None:
+        self._ensure, self._on_error, self.every_s = ensure, on_error, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lighthouse-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self._ensure()
+            except Exception as err:  # noqa: BLE001 - reported; the next check tries again
+                log.warning("restarting the torchft lighthouse failed: %s", err)
+                self._on_error(err)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60.0)
