@@ -280,8 +280,8 @@ def test_a_lighthouse_restart_waits_for_the_port_to_be_free(tmp_path: Path) -> N
 
 def test_a_cell_restarted_while_the_lighthouse_is_dead_restarts_it_first(group: DPGroup) -> None:
     """The restart of a lost cell (the run's heal schedule) can come before the next step,
-    which is where a dead lighthouse was restarted: the new cell's manager would fail to
-    connect (after 30 s), and the restart count as failed (a longer backoff)."""
+    which is where a dead lighthouse was once restarted: now the group's watchdog brings it
+    back meanwhile, before the new cell joins torchft at its first step."""
     _step(group, 1)
     victim = group.members[1]
     os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]

@@ -91,8 +91,8 @@ class CellService:
 
     def join(self, a: Empty) -> CellReport:
         """Create the cell's torchft manager (once). From then on it heartbeats the lighthouse,
-        and a lighthouse that has no quorum yet (just restarted) will not form one of fewer
-        than half the cells it hears: a restarted cell must not heartbeat before the step it
+        and a lighthouse that has no quorum yet (just restarted) will not form one of half
+        or fewer of the cells it hears: a restarted cell must not heartbeat before the step it
         takes part in, or a step without it could not form a quorum."""
         if self.manager is None:
             self.manager = new_manager(self._t(), self.index, self.lighthouse, self.timeout_s)

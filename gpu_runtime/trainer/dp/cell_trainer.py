@@ -268,8 +268,8 @@ class _QuorumGuard:
         q = self._inner._quorum(*args, **kwargs)
         ids = list(q.replica_ids)
         if q.quorum_id == self._manager._quorum_id and ids != self._ids:
-            log.warning("quorum %d has other replicas than the last quorum %d (a restarted lighthouse): "
-                        "reconfiguring", q.quorum_id, q.quorum_id)
+            log.warning("quorum %d repeats the last quorum's id with other replicas (a restarted lighthouse): "
+                        "reconfiguring", q.quorum_id)
             self._manager._quorum_id = -1
         self._ids = ids
         return q

@@ -187,7 +187,6 @@ class DPGroup:
             if c.state in ("alive", "starting"):
                 return c.state
             c.state = "starting"
-        self._ensure_lighthouse()  # the new cell's manager connects to it at once (30 s, then fails)
         t = threading.Thread(target=self._restart, args=(c,), name=f"restart-cell{index}", daemon=True)
         self._restarts.append(t)
         t.start()
@@ -322,7 +321,7 @@ class DPGroup:
 
         if lead:  # restarted cells create their torchft managers now (see ``cell_server.join``)
             lead = self._join(lead)
-            cells = lead + [c for c in cells if c not in lead and c.state == "alive"]
+            cells = [c for c in cells if c.state == "alive"]  # still lead first
             if not cells:
                 raise self._all_lost(method)
         threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in cells]
@@ -374,7 +373,7 @@ class DPGroup:
             try:
                 c.report = c.client.call("join", Empty(), CellReport, timeout_s=START_TIMEOUT_S)
                 joined.append(c)
-            except (ConnectionError, RemoteError, TimeoutError) as err:
+            except (ConnectionError, RemoteError) as err:
                 self._lose(c, f"could not join torchft: {err}")
         return joined
 
@@ -401,8 +400,8 @@ class DPGroup:
             detail = ", ".join(f"cell {c.index}: v{r.policy_version} {r.state_checksum[:12]}" for c, r in done)
             self._note("checksum_mismatch", detail)
             self.dead = True
-            raise CellsDiverged(f"DP cells hold different state after the same step (expected v{expect_version}): "
-                                f"{detail}")
+            expected = "" if expect_version is None else f" (expected v{expect_version})"
+            raise CellsDiverged(f"DP cells hold different state after the same step{expected}: {detail}")
         for c, r in done:
             c.report = r
 
