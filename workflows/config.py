@@ -193,12 +193,20 @@ class RolloutSpec(Strict):
             raise ValueError("dynamic_filter.enabled needs group_size >= 2 (a group of one never varies)")
         if self.oversample != 1.0 and not self.dynamic_filter.enabled:
             raise ValueError("oversample applies with dynamic_filter.enabled only (set it, or leave oversample at 1)")
-        if self.mode != "fully_async" and self.max_staleness != DEFAULT_MAX_STALENESS:
-            raise ValueError(
-                f"max_staleness applies to mode fully_async (mode {self.mode} has staleness "
-                f"{1 if self.mode == 'one_step_off' else 0}): set mode: fully_async, or remove max_staleness"
-            )
         return self
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness_needs_fully_async(cls, v: int, info: ValidationInfo) -> int:
+        """A field validator (``mode`` is declared before it), so the error names
+        ``rollout.max_staleness``; a default is not validated, so only a set value is checked."""
+        mode = info.data.get("mode")  # absent: mode itself was invalid, and that is the error
+        if mode is not None and mode != "fully_async" and v != DEFAULT_MAX_STALENESS:
+            raise ValueError(
+                f"max_staleness applies to mode fully_async (mode {mode} has staleness "
+                f"{1 if mode == 'one_step_off' else 0}): set mode: fully_async, or remove max_staleness"
+            )
+        return v
 
     @property
     def prompts_per_round(self) -> int:

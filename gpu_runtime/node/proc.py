@@ -18,14 +18,16 @@ log = logging.getLogger(__name__)
 
 
 def stop_pid(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 10.0) -> None:
-    """SIGTERM the process group led by ``pid``, then SIGKILL it after ``timeout_s``."""
+    """SIGTERM the process group led by ``pid``, then SIGKILL it after ``timeout_s``.
+    The SIGTERM is followed by a SIGCONT: a SIGSTOPped process (a fault test's, or one
+    stopped from a shell) would only act on it when continued, so it cost ``timeout_s``."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(pid, sig)
+            _signal_group(pid, sig)
+            if sig == signal.SIGTERM:
+                _signal_group(pid, signal.SIGCONT)
         except ProcessLookupError:
             break
-        except PermissionError:
-            os.kill(pid, sig)
         if sig == signal.SIGKILL and proc is None:
             break
         deadline = time.monotonic() + timeout_s
@@ -38,6 +40,15 @@ def stop_pid(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 
             time.sleep(0.05)
     if proc is not None:
         proc.wait(timeout=timeout_s)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to the process group led by ``pid``, else (not a group leader we may
+    signal) to ``pid`` alone."""
+    try:
+        os.killpg(pid, sig)
+    except PermissionError:
+        os.kill(pid, sig)
 
 
 def pid_alive(pid: int) -> bool:

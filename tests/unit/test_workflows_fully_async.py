@@ -112,8 +112,9 @@ def test_config_knobs() -> None:
     assert RunConfig.model_validate(on.model_dump()).rollout.max_staleness == 2  # a dump reads back
     assert RunConfig.model_validate({"rollout": {"mode": "fully_async"}, "train": {"tis_cap": None}}).train.tis_cap is None
     for mode in ("sync", "one_step_off"):
-        with pytest.raises(ValidationError, match="max_staleness applies to mode fully_async"):
+        with pytest.raises(ValidationError, match="max_staleness applies to mode fully_async") as err:
             RunConfig.model_validate({"rollout": {"mode": mode, "max_staleness": 3}})
+        assert [e["loc"] for e in err.value.errors()] == [("rollout", "max_staleness")]
     with pytest.raises(ValidationError, match="max_staleness"):
         RunConfig.model_validate({"rollout": {"mode": "fully_async", "max_staleness": 0}})
     with pytest.raises(ValidationError, match="mode fully_async overlaps rollout with training"):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -101,14 +100,9 @@ class _Cell:
         return self.proc.pid if self.proc is not None else None
 
     def end(self, timeout_s: float = 10.0) -> None:
-        """Stop the cell's process by pid, continuing it first: a SIGSTOPped one would only
-        act on the SIGTERM after ``timeout_s``."""
+        """Stop the cell's process by pid (``stop_pid`` continues a SIGSTOPped one)."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        try:
-            os.kill(self.proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
         stop_pid(self.proc.pid, self.proc, timeout_s=timeout_s)
 
 
