@@ -31,7 +31,7 @@ from gpu_runtime.store.object_store import StoreError
 from milestone_cli.errors import CLIError, connect_error, describe_error, failure_text, one_line
 from milestone_cli.fork import ForkError, fork_input, parent_record, with_parent_buffer
 from milestone_cli.preflight import PreflightError, check_config, check_new_run_id
-from milestone_cli.resume import NothingToResume, ResumeError, resume_state
+from milestone_cli.resume import NothingToResume, ResumeError, parse_target, resume_state
 from gpu_runtime.store.uri import open_store
 from workers.common import connect, temporal_address
 from workers.payload_codec import PayloadKeyError
@@ -140,25 +140,32 @@ def format_eval(p: RunProgress) -> str | None:
 
 async def cmd_start(args: argparse.Namespace) -> int:
     cfg = check_config(args.config)  # before connecting: config, jsonl / parquet rows, reward function
-    state = None
+    state, lineage = None, []
     if args.resume_from:
         try:
-            run_id, cfg, state = resume_state(cfg, args.resume_from)
+            _, run_id, _ = parse_target(args.resume_from, cfg)
         except ResumeError as err:
-            raise CLIError(str(err), 3 if isinstance(err, NothingToResume) else 2) from None
+            raise CLIError(str(err), 2) from None
         if args.run_id and args.run_id != run_id:
             raise CLIError(f"--run-id {args.run_id}: a resume continues run {run_id} under its own id", 2)
+        client = await _connect(args)
+        previous, _ = await parent_record(client, run_id)  # a fork's lineage is in its input
+        lineage = previous.lineage if previous is not None else []
+        try:
+            run_id, cfg, state = resume_state(cfg, args.resume_from, [(a.run_id, a.step) for a in lineage])
+        except ResumeError as err:
+            raise CLIError(str(err), 3 if isinstance(err, NothingToResume) else 2) from None
     else:
         run_id = args.run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
         check_new_run_id(cfg, run_id)  # its store prefix must be empty
-    client = await _connect(args)
+        client = await _connect(args)
     still_running = CLIError(f"run {run_id} is still running; nothing to resume", 2)
     if state is not None and await _is_running(client, run_id):
         raise still_running
     try:
         await client.start_workflow(
             "TrainingRun",
-            TrainingRunInput(config=cfg, state=state),
+            TrainingRunInput(config=cfg, state=state, lineage=lineage),
             id=run_id,
             task_queue=CONTROL_QUEUE,
             # a run id names one run forever; only a resume starts a new execution under
@@ -174,7 +181,9 @@ async def cmd_start(args: argparse.Namespace) -> int:
             f"Choose another --run-id, or continue that run with --resume-from {run_id}", 2,
         ) from None
     if state is not None:
-        print(f"resuming {run_id} at step {state.next_step} (policy v{state.policy_version}, data cursor {state.data_cursor})")
+        fork = f", a fork of {lineage[-1].run_id} at step {lineage[-1].step}" if lineage else ""
+        print(f"resuming {run_id} at step {state.next_step} (policy v{state.policy_version}, "
+              f"data cursor {state.data_cursor}{fork})")
     print(f"started {run_id}\n  UI: {ui_link(run_id, client.namespace)}")
     if args.wait:
         return await watch(client, run_id)

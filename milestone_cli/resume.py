@@ -1,7 +1,9 @@
 """``milestone start CONFIG --resume-from RUN_OR_CHECKPOINT_URI``.
 
 A resume continues the same run id (its artifacts and checkpoints live under it)
-from the step after a durable checkpoint — never from step 0.
+from the step after a durable checkpoint — never from step 0. A resumed fork keeps
+its lineage (read from its previous execution's input in Temporal), so its steps up to
+the fork point are still read from its ancestors.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import tempfile
 
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
+from gpu_runtime.store.lineage import Lineage
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.config import RunConfig
@@ -38,8 +41,10 @@ def parse_target(target: str, cfg: RunConfig) -> tuple[str, str, int | None]:
     return cfg.store, target, None
 
 
-def resume_state(cfg: RunConfig, target: str) -> tuple[str, RunConfig, RunState]:
-    """Find the durable checkpoint and build the run's state after it."""
+def resume_state(cfg: RunConfig, target: str, lineage: Lineage = ()) -> tuple[str, RunConfig, RunState]:
+    """Find the durable checkpoint and build the run's state after it. ``lineage``: the
+    run's ancestors when it is a fork (its previous execution's input says), whose first
+    run holds the dataset."""
     root, run_id, step = parse_target(target, cfg)
     if root.rstrip("/") != cfg.store.rstrip("/"):
         cfg = cfg.model_copy(update={"store": root})
@@ -58,7 +63,13 @@ def resume_state(cfg: RunConfig, target: str) -> tuple[str, RunConfig, RunState]
             f"nothing to resume: run {run_id} is checkpointed at step {info.step} and the config asks for "
             f"steps: {cfg.steps}; raise `steps` to train further"
         )
-    dataset = stored_dataset(store, run_id, cfg)
+    try:
+        dataset = stored_dataset(store, lineage[0][0] if lineage else run_id, cfg)
+    except ResumeError as err:
+        if lineage:
+            raise
+        raise ResumeError(f"{err} (a fork reads its first ancestor's dataset: is {run_id} a fork that "
+                          "Temporal no longer knows? Fork its parent again instead)") from None
     state = RunState(
         next_step=info.step + 1,
         policy_version=int(meta.get("policy_version", info.step)),

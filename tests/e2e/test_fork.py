@@ -3,7 +3,8 @@
 A fork without a change ends bitwise equal to its parent; a fork with another
 learning rate equals the parent up to the fork step and differs after; neither
 writes into the parent's prefix. A reset of the parent to a step boundary re-runs
-the later steps and ends bitwise equal (steps are idempotent)."""
+the later steps and ends bitwise equal (steps are idempotent). A fork resumed with
+``--resume-from`` keeps its lineage and stays bitwise equal to its resumed parent."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from temporalio.api.enums.v1 import EventType
 
 from infra.temporal_server import temporal_binary
@@ -136,3 +138,25 @@ def test_temporal_reset_to_a_step_boundary_reruns_the_later_steps(stack: Stack, 
 
     asyncio.run(main())
     assert_bitwise_equal(weights(store, parent, STEPS), final)
+
+
+def test_a_resumed_fork_keeps_its_lineage(stack: Stack, store: Path, parent: str, tmp_path: Path) -> None:
+    """The fork's dataset and steps up to 2 are the parent's: a resume that forgot the
+    lineage failed on the dataset (``runs/fork-same/data/train.jsonl`` is missing)."""
+    assert (store / "runs" / "fork-same").exists(), "the first test of this module makes the fork"
+    longer = tmp_path / "longer.yaml"
+    longer.write_text(yaml.safe_dump(tiny_config(store, **{**CFG, "steps": STEPS + 1})))
+    for run_id in (parent, "fork-same"):
+        out = cli(stack, "start", str(longer), "--resume-from", run_id, "--wait")
+        assert out.returncode == 0, out.stderr
+        assert f"resuming {run_id} at step {STEPS + 1}" in out.stdout
+    assert f"a fork of {parent} at step 2" in out.stdout
+
+    async def main() -> None:
+        p = await progress(await connect(stack.server.address), "fork-same")
+        assert [s.step for s in p.steps] == [STEPS + 1] and p.policy_version == STEPS + 1
+        assert [(a.run_id, a.step) for a in p.lineage] == [(parent, 2)]
+
+    asyncio.run(main())
+    assert_bitwise_equal(weights(store, "fork-same", STEPS + 1), weights(store, parent, STEPS + 1))
+    assert not (store / "runs" / "fork-same" / "data").exists()  # still read from the parent
