@@ -1,13 +1,16 @@
-"""In-process pieces shared by the RL benchmarks: the demo config, its dataset, and a
-rollout that calls ``generate_batch`` directly (no engine server, no router, no Temporal).
+"""In-process pieces shared by the RL benchmarks: the demo config, its dataset, a
+rollout that calls ``generate_batch`` directly (no engine server, no router, no Temporal),
+and ``PlainLoop``, a run's recipe in one process.
 
 The rollout cuts the step into the same chunks with the same seeds as
 ``gpu_runtime.engine.rollout.plan_chunks`` and generates each chunk as one batch, exactly
-as a torch engine does, so on CPU its tokens equal those of a real run.
+as a torch engine does, so on CPU its tokens equal those of a real run, and a plain loop
+ends bitwise equal to the run (``tests/e2e/test_rl_run.py`` checks it).
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -19,12 +22,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from activities import translate  # noqa: E402
+from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl  # noqa: E402
 from gpu_runtime.engine.generate import generate_batch  # noqa: E402
 from gpu_runtime.engine.rollout import RolloutRequest, generate_chunk, plan_chunks  # noqa: E402
 from gpu_runtime.models.tokenizer import Tokenizer  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.trainer.api import RunSetup, StepBatch  # noqa: E402
+from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
+from gpu_runtime.trainer.policy import PolicyTrainer  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
 from workflows.config import RunConfig  # noqa: E402
 from workflows.contracts import DatasetInfo, InitPolicyInput, RolloutInput, TrainStepInput  # noqa: E402
@@ -65,9 +71,11 @@ def step_batch(cfg: RunConfig, run_id: str, step: int, chunk_keys: list[str], re
 
 
 def dataset_rows(cfg: RunConfig, path: Path) -> list[dict]:
-    """The rows ``prepare_data`` writes for this config (written and read back as JSONL)."""
+    """The rows ``prepare_data`` writes for this config (written and read back as JSONL).
+    Every data field counts: without ``min_operand`` (demo.yaml sets 10) the plain loop of
+    ``bench_rl_step`` trained on other prompts and was never bitwise equal to the run."""
     d = cfg.data
-    write_jsonl(generate_arithmetic(d.num_train, cfg.seed, d.max_operand, d.ops), path)
+    write_jsonl(generate_arithmetic(d.num_train, cfg.seed, d.max_operand, d.ops, min_operand=d.min_operand), path)
     return load_jsonl(path)
 
 
@@ -101,3 +109,52 @@ def generate_step(
 
     with torch.no_grad():
         return [generate_chunk(req, plan, rows, tok, generate) for plan in plan_chunks(req)]
+
+
+class PlainLoop:
+    """A sync RL run's recipe in one process and one copy of each piece: the SFT
+    warm-up, then per step the same chunks generated in-process, ``score_samples``,
+    ``PolicyTrainer.train_step`` and a weight copy into the generating model. What a
+    Milestone run does across Temporal, engine and trainer processes, without them."""
+
+    def __init__(self, cfg: RunConfig, work: Path, run_id: str = "plain") -> None:
+        self.cfg, self.run_id = cfg, run_id
+        self.rows = dataset_rows(cfg, work / "train.jsonl")
+        self.by_index = dict(enumerate(self.rows))
+        self.setup = run_setup(cfg, run_id)
+        folder = base_model_folder(self.setup.model, self.rows, cfg.seed, work)
+        self.trainer = PolicyTrainer.create(folder, self.setup.hparams, cfg.seed)
+        self.tok = self.trainer.tokenizer
+        self.reward_spec = translate.reward_settings(cfg.reward)
+        self.gen_model: PreTrainedModel | None = None  # the "engine": a second copy of the weights
+
+    def sft(self) -> None:
+        s = self.cfg.sft
+        self.trainer.sft_warmup(self.rows, s.steps, s.batch_size, s.lr, self.cfg.seed, s.grad_clip, betas=s.betas)
+        self.gen_model = copy.deepcopy(self.trainer.model).eval()
+
+    def rollout(self, step: int) -> list[art.Sample]:
+        assert self.gen_model is not None, "sft() first"
+        chunks = generate_step(self.gen_model, rollout_request(self.cfg, self.run_id, step, len(self.rows)),
+                               self.rows, self.tok)
+        return [s for c in chunks for s in c.samples]
+
+    def rewards(self, samples: list[art.Sample]) -> list[float]:
+        return [r.reward for r in score_samples(samples, self.by_index, self.reward_spec)]
+
+    def train(self, samples: list[art.Sample], rewards: list[float]) -> dict[str, float]:
+        return self.trainer.train_step(samples, rewards, self.cfg.rollout.group_size, self.setup.hparams)
+
+    def update_weights(self) -> None:
+        assert self.gen_model is not None
+        self.gen_model.load_state_dict(self.trainer.model.state_dict())
+
+    def run(self, steps: int) -> list[dict[str, float]]:
+        """SFT, then ``steps`` steps; each step's train metrics."""
+        self.sft()
+        out = []
+        for step in range(1, steps + 1):
+            samples = self.rollout(step)
+            out.append(self.train(samples, self.rewards(samples)))
+            self.update_weights()
+        return out

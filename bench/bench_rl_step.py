@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import logging
 import os
 import shutil
@@ -43,14 +42,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, run_setup  # noqa: E402
+from bench._inproc import PlainLoop, demo_config  # noqa: E402
 from gpu_runtime.store.checkpoint_store import CheckpointStore  # noqa: E402
 from gpu_runtime.models.model_folder import read_meta  # noqa: E402
-from activities.translate import reward_settings  # noqa: E402
-from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
-from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
-from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
 from tests.e2e.faults import progress, run_to_end  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 from workers.common import connect  # noqa: E402
@@ -113,34 +108,27 @@ def cadence(closes: list[float]) -> float:
 def measure_plain(cfg: RunConfig, work: Path) -> dict:
     """The same steps in one process and one torch thread, nothing between the pieces."""
     torch.set_num_threads(1)  # like the trainer and each engine process of the stack
-    rows = dataset_rows(cfg, work / "train.jsonl")
-    setup = run_setup(cfg, "plain")
-    trainer = PolicyTrainer.create(base_model_folder(setup.model, rows, cfg.seed, work), setup.hparams, cfg.seed)
-    tok = trainer.tokenizer
-    trainer.sft_warmup(rows, cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr, cfg.seed, cfg.sft.grad_clip,
-                        betas=cfg.sft.betas)
-    gen_model = copy.deepcopy(trainer.model).eval()  # the "engine": a second copy of the weights
-    spec = reward_settings(cfg.reward)
+    loop = PlainLoop(cfg, work)
+    loop.sft()
+    trainer = loop.trainer
     ckpts = CheckpointStore(LocalStore(work / "plain-store"), "plain/checkpoints", local_dir=work / "plain-ckpt",
                             keep_last=cfg.checkpoint.keep_last)
-    by_index = dict(enumerate(rows))
     steps = []
     try:
         for step in range(1, cfg.steps + 1):
             ph: dict[str, float] = {}
             t_step = time.perf_counter()
             t = time.perf_counter()
-            chunks = generate_step(gen_model, rollout_request(cfg, "plain", step, len(rows)), rows, tok)
-            samples = [s for c in chunks for s in c.samples]
+            samples = loop.rollout(step)
             ph["rollout"] = time.perf_counter() - t
             t = time.perf_counter()
-            rewards = score_samples(samples, by_index, spec)
+            rewards = loop.rewards(samples)
             ph["reward"] = time.perf_counter() - t
             t = time.perf_counter()
-            trainer.train_step(samples, [r.reward for r in rewards], cfg.rollout.group_size, setup.hparams)
+            loop.train(samples, rewards)
             ph["train"] = time.perf_counter() - t
             t = time.perf_counter()
-            gen_model.load_state_dict(trainer.model.state_dict())
+            loop.update_weights()
             ph["update_weights"] = time.perf_counter() - t
             t = time.perf_counter()
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:

@@ -22,9 +22,11 @@ from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from bench._inproc import PlainLoop
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
 from milestone_cli.report import render_report
 from tests.browser import render
+from tests.e2e.faults import assert_bitwise_equal
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
 from workflows.config import RunConfig
@@ -151,6 +153,34 @@ def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -
     assert all(torch.isfinite(t).all() for t in v3.values())
     gap = assert_token_in_token_out(store, "e2e-run", step=1)
     print(f"max |engine logprob - transformers logprob| over step 1's response tokens: {gap:.2e}")
+
+
+def test_the_run_is_bitwise_the_plain_one_process_loop(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -> None:
+    """ML correctness against the simplest implementation: the run's recipe in one process
+    (``bench._inproc.PlainLoop``: SFT, then per step the same chunks generated in-process,
+    scored, ``train_step``, a weight copy), one torch thread like each engine and trainer
+    process. Every step's loss and grad norm and the final weights are bitwise the run's:
+    Temporal, the engine and trainer processes, the router and the store add nothing and
+    lose nothing."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        loop = PlainLoop(RunConfig.model_validate(e2e_run.cfg), tmp_path)
+        plain = loop.run(e2e_run.summary.steps)
+    finally:
+        torch.set_num_threads(threads)
+
+    async def main() -> RunProgress:
+        client = await connect(stack.server.address)
+        return await client.get_workflow_handle(e2e_run.run_id).query("progress", result_type=RunProgress)
+
+    steps = asyncio.run(main()).steps
+    assert [(s.loss, s.grad_norm) for s in steps] == [(m["loss"], m["grad_norm"]) for m in plain]
+    assert all(m["grad_norm"] > 0 for m in plain)  # each step trained on a signal
+    final = load_file(str(e2e_run.store / "runs/e2e-run/weights/v000003/model.safetensors"))
+    state = loop.trainer.model.state_dict()
+    assert final.keys() <= state.keys()
+    assert_bitwise_equal(final, {k: state[k] for k in final})
 
 
 def test_temporal_ui_shows_the_run_in_chromium(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -> None:
