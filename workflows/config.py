@@ -349,7 +349,7 @@ class EngineSpec(Strict):
         "trains, the trainer moves its optimizer state to the host while the engines generate (Miles/slime "
         "--colocate --offload). auto: on when an engine shares the trainer's CUDA device and rollout.mode is sync; "
         "on: always (refused in one_step_off and fully_async, whose rollout overlaps train_step); off: never "
-        "(docs/gpu.md#memory-between-phases)",
+        "(docs/gpu.md#memory-between-phases-enginesrelease_memory)",
     )
     health_check_interval_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(5.0, gt=0)

@@ -198,7 +198,8 @@ class NodeRuntime:
         (re)started. A run whose engine settings differ from the running fleet's gets a new
         fleet (and a new router when the bind address changed)."""
         phases = resolve_release_memory(release_memory, self.placement)
-        settings = (backend, num_engines, health.model_dump_json(), host, phases.enabled)
+        # SGLang engines start with --enable-memory-saver or without: a change restarts them
+        settings = (backend, num_engines, health.model_dump_json(), host, backend == "sglang" and phases.enabled)
         with self._lock:
             if phases != self.memory_phases:
                 log.info("memory between phases: %s (%s)", "on" if phases.enabled else "off", phases.reason)
