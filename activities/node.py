@@ -214,6 +214,7 @@ class NodeActivities:
         fleet, tokenizer = self.rt.fleet, self.rt.tokenizer
         if fleet is None or tokenizer is None:
             raise failure(Failure.NO_HEALTHY_ENGINE, "engines are not started on this node")
+        with_heartbeat(self.rt.resume_engines)  # engines.release_memory: normally update_weights already did
         return fleet, tokenizer
 
     def _generating(self, run_id: str, epoch: int, what: str, fn: Callable[[], T]) -> T:
@@ -240,6 +241,8 @@ class NodeActivities:
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
         setup = self._setup(inp.run_id, inp.epoch)
         batch = translate.step_batch(inp)
+        # engines.release_memory: the engines sleep while the trainer trains (update_weights wakes them)
+        with_heartbeat(self.rt.release_engines)
         res = self._trainer_call(inp.run_id, inp.epoch, f"train_step {inp.step}",
                                  lambda: self.rt.trainer.train_step(setup, batch))
         bad = [k for k, v in res.metrics.items() if not math.isfinite(v)]
@@ -283,7 +286,7 @@ class NodeActivities:
         try:
             restarted = with_heartbeat(lambda: self.rt.ensure_engines(
                 e.num_engines, health, folder, inp.policy_version, e.backend, host=e.host,
-                weight_sync=e.weight_sync))
+                weight_sync=e.weight_sync, release_memory=e.release_memory))
         except WeightMismatch as err:
             raise failure(Failure.WEIGHT_MISMATCH, f"weight checksum mismatch: {err}") from err
         except NoHealthyEngine as err:
@@ -322,7 +325,9 @@ class NodeActivities:
         setup = self.rt.setups.get(run_id)
         if setup is None:  # this process never ran init_policy for the run: re-place
             raise failure(Failure.NODE_LOST, f"node has no setup for run {run_id}")
-        return setup.model_copy(update={"epoch": epoch})  # the trainer writes at the calling step's epoch
+        # the trainer writes at the calling step's epoch; its optimizer state waits on the host
+        # between steps when the node's phases take turns on the GPU (engines.release_memory)
+        return setup.model_copy(update={"epoch": epoch, "offload_optimizer": self.rt.memory_phases.enabled})
 
     def _trainer_call(self, run_id: str, epoch: int, what: str, fn: Callable[[], T]) -> T:
         """A trainer call, heartbeating, its failures mapped. Shielded from the activity's

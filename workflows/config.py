@@ -351,6 +351,14 @@ class EngineSpec(Strict):
         "from local disk) or shared_memory (the folder is read once into a /dev/shm segment the engines map; "
         "version-stamped and checksum-verified; torch engines only). The store stays the durable copy either way",
     )
+    release_memory: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="take turns on a shared GPU: the engines free their weights and KV cache while the trainer "
+        "trains, the trainer moves its optimizer state to the host while the engines generate (Miles/slime "
+        "--colocate --offload). auto: on when an engine shares the trainer's CUDA device and rollout.mode is sync; "
+        "on: always (refused in one_step_off and fully_async, whose rollout overlaps train_step); off: never "
+        "(docs/gpu.md#memory-between-phases-enginesrelease_memory)",
+    )
     health_check_interval_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(5.0, gt=0)
     # ge=0, not gt=0: runs recorded with 0 must still decode (0 = the 120 s default)
@@ -435,13 +443,30 @@ class RunConfig(Strict):
     train: TrainSpec = Field(TrainSpec(), validate_default=True)  # checked against mode also when omitted
     checkpoint: CheckpointSpec = CheckpointSpec()
     eval: EvalSpec = Field(EvalSpec(), validate_default=True)  # checked against rollout.agent also when omitted
-    engines: EngineSpec = EngineSpec()
+    engines: EngineSpec = Field(EngineSpec(), validate_default=True)  # release_memory is checked against rollout.mode
     node: NodeSpec = NodeSpec()
     # after the sections it constrains (its validator reads them)
     trainer: TrainerSpec = Field(TrainerSpec(), validate_default=True)
     steps_per_workflow_run: int = Field(
         50, ge=1, description="continue-as-new after this many steps (keeps history small)"
     )
+
+    @field_validator("engines")
+    @classmethod
+    def _release_memory(cls, v: EngineSpec, info: ValidationInfo) -> EngineSpec:
+        """Phases that overlap cannot take turns on the GPU: ``on`` is refused and ``auto``
+        becomes ``off`` when the rollout of a later step runs during ``train_step``."""
+        rollout = info.data.get("rollout")
+        mode = rollout.mode if rollout is not None else "sync"
+        if mode == "sync" or v.release_memory == "off":
+            return v
+        if v.release_memory == "on":
+            raise ValueError(
+                f"engines.release_memory on needs rollout.mode sync: in {mode} the engines generate the next batch while "
+                "the trainer trains, so neither can give its memory to the other (set engines.release_memory: off "
+                "or auto, or rollout.mode: sync)"
+            )
+        return v.model_copy(update={"release_memory": "off"})
 
     @field_validator("store")
     @classmethod

@@ -105,6 +105,14 @@ class EngineClient:
             raise EngineError(self.base_url, f"update_weights_from_shared_memory failed: {out.get('message')}")
         return out
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """SGLang's route: free the engine's weights and KV cache on its device (tags: both
+        when None) until ``resume_memory_occupation``; generation is refused meanwhile."""
+        return self._request("POST", "/release_memory_occupation", json={"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self._request("POST", "/resume_memory_occupation", json={"tags": tags})
+
     def flush_cache(self) -> None:
         self._request("POST", "/flush_cache")
 

@@ -83,6 +83,7 @@ class EngineFleet:
         self._monitor: threading.Thread | None = None
         self._owns_router = False
         self._segments = NodeSegments(f"fleet{base_port}")  # engines.weight_sync shared_memory
+        self.released = False  # engines.release_memory: the engines' memory is released (training phase)
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -413,6 +414,44 @@ class EngineFleet:
         if bad:
             raise WeightMismatch(bad, f"expected version={ver} checksum={expected}")
         return out
+
+    # ---- memory between phases (engines.release_memory) -------------------------------
+    def release_memory(self) -> list[int]:
+        """Every healthy engine frees its weights and KV cache on its device (the trainer
+        trains meanwhile); they stay healthy (their probes answer "released"). An engine
+        that fails to release is replaced like a dead one. Returns the released slots."""
+        done = self._on_each_healthy("release", lambda c: c.release_memory_occupation())
+        self.released = True
+        return done
+
+    def resume_memory(self) -> list[int]:
+        """Every healthy engine takes its memory back (weights checksum-verified by the
+        engine); a no-op unless ``release_memory`` ran. An engine that fails to resume is
+        declared dead, so the gated recovery that follows restarts it."""
+        if not self.released:
+            return []
+        done = self._on_each_healthy("resume", lambda c: c.resume_memory_occupation())
+        self.released = False
+        return done
+
+    def _on_each_healthy(self, what: str, call: Callable[[EngineClient], Any]) -> list[int]:
+        targets = [s for s in self.slots if s.state == "healthy"]
+
+        def one(s: _Slot) -> str | None:
+            try:
+                call(self._client(s.url))
+                return None
+            except EngineError as e:
+                return str(e)
+
+        done: list[int] = []
+        for s, err in zip(targets, self._pool.map(one, targets)):
+            if err is None:
+                done.append(s.index)
+            else:
+                self._declare_dead(s, f"{what} memory occupation failed: {err}", hung=False)
+        log.info("engines %s memory: slots %s", what, done)
+        return done
 
     # ---- generation ------------------------------------------------------------------
     def generate_chunk(

@@ -4,7 +4,8 @@
 
 Routes: POST /generate, GET /health, GET /health_generate,
 POST /update_weights_from_disk, POST /update_weights_from_shared_memory (ours, not SGLang's), POST /flush_cache, GET /get_model_info (and
-/model_info), GET /get_server_info (and /server_info), GET /weights_checksum.
+/model_info), GET /get_server_info (and /server_info), GET /weights_checksum, POST /release_memory_occupation
+and /resume_memory_occupation (SGLang's; ``gpu_runtime.engine.memory_occupation``).
 Generation and weight updates are serialized by one lock; the info routes do
 not take it, so they answer while a batch is decoding. Logs go to stderr; the
 only stdout line is ``READY <url>``.
@@ -32,6 +33,7 @@ import torch
 
 from gpu_runtime.engine.auth import authorized, check_exposure, engine_token
 from gpu_runtime.engine.generate import GenResult, generate_batch
+from gpu_runtime.engine.memory_occupation import EngineReleased, MemoryOccupation, release_route, resume_route
 from transformers import PreTrainedModel
 
 from gpu_runtime.node.proc import exit_when_parent_dies
@@ -66,6 +68,7 @@ class EngineState:
         self.last_progress = time.monotonic()
         self.num_generate_requests = 0
         self.num_generated_tokens = 0
+        self.memory = MemoryOccupation(device)  # engines.release_memory: weights on the host between rollouts
         log.info("loaded %s version=%s checksum=%s", self.model_path, self.weight_version, self.checksum[:12])
 
     def _step(self, _step: int) -> None:
@@ -97,6 +100,7 @@ class EngineState:
             if not p or any((not isinstance(t, int)) or t < 0 or t >= vocab for t in p):
                 raise ValueError(f"each prompt must be a non-empty list of token ids in [0, {vocab})")
         with self.lock:
+            self.memory.refuse_if_released("generate")
             self.busy = True
             self.last_progress = time.monotonic()
             try:
@@ -130,6 +134,8 @@ class EngineState:
         return {"text": self.tokenizer.decode(r.output_ids), "output_ids": r.output_ids, "meta_info": meta}
 
     def health_generate(self) -> bool:
+        if self.memory.is_released:  # asleep on purpose, not dead: answered without the device
+            return True
         if self.busy and time.monotonic() - self.last_progress < BUSY_PROGRESS_OK_S:
             return True
         with self.lock:
@@ -189,6 +195,7 @@ class EngineState:
             "busy": self.busy,
             "num_generate_requests": self.num_generate_requests,
             "num_generated_tokens": self.num_generated_tokens,
+            "memory_occupation": self.memory.info(),
         }
 
 
@@ -239,17 +246,20 @@ def make_handler(state: EngineState, token: str | None = None) -> type[BaseHTTPR
                 return
             try:
                 body = self._body() if method == "POST" else {}
-                if method == "GET" and path == "/health":
-                    self._send(200, {"status": "ok"})
-                elif method == "GET" and path == "/health_generate":
-                    state.health_generate()
-                    self._send(200, {"status": "ok"})
+                if method == "GET" and path in ("/health", "/health_generate"):
+                    if path == "/health_generate":
+                        state.health_generate()
+                    self._send(200, {"status": "released" if state.memory.is_released else "ok"})
                 elif method == "POST" and path == "/generate":
                     self._send(200, state.generate(body))
                 elif method == "POST" and path == "/update_weights_from_disk":
                     self._send(200, state.update_weights_from_disk(body))
                 elif method == "POST" and path == "/update_weights_from_shared_memory":
                     self._send(200, state.update_weights_from_shared_memory(body))
+                elif method == "POST" and path == "/release_memory_occupation":
+                    self._send(200, release_route(state, body))
+                elif method == "POST" and path == "/resume_memory_occupation":
+                    self._send(200, resume_route(state, body))
                 elif method == "POST" and path == "/flush_cache":
                     self._send(200, {"success": True, "message": "cache flushed (no prefix cache)"})
                 elif method == "GET" and path in ("/get_model_info", "/model_info"):
@@ -262,6 +272,9 @@ def make_handler(state: EngineState, token: str | None = None) -> type[BaseHTTPR
                     self._send(200, {"checksum": state.checksum, "weight_version": state.weight_version})
                 else:
                     self._send(404, {"error": f"no route {method} {path}"})
+            except EngineReleased as e:  # asleep between rollouts: retry after the resume
+                log.warning("%s %s refused: %s", method, path, e)
+                self._send(503, {"success": False, "error": str(e), "message": str(e)})
             except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as e:
                 log.warning("%s %s failed: %s", method, path, e)
                 self._send(400, {"success": False, "error": str(e), "message": str(e)})

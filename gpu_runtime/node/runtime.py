@@ -21,6 +21,7 @@ from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.model_folder import WEIGHTS_FILE, prune_version_folders, read_meta
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.devices import Placement
+from gpu_runtime.node.memory_phases import MemoryPhases, resolve_release_memory
 from gpu_runtime.node.proc import free_port, free_port_block
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
@@ -54,6 +55,8 @@ class NodeRuntime:
         self.fleet: EngineFleet | None = None
         self.router: RouterProcess | None = None
         self._fleet_settings: tuple | None = None
+        # engines.release_memory as resolved for this node's placement (set with the engines)
+        self.memory_phases = MemoryPhases(False, "no engines started yet")
         self.run_id: str | None = None
         self.setups: dict[str, RunSetup] = {}  # run id -> what its trainer needs
         self.tokenizer: Tokenizer | None = None  # the served model's (rollout encodes prompts with it)
@@ -176,7 +179,10 @@ class NodeRuntime:
     def _backend(self, name: str) -> EngineBackend:
         gpus = tuple(int(d.split(":")[1]) for d in self.placement.engines if d.startswith("cuda:"))
         if name == "sglang":  # GPU nodes: real SGLang servers behind the same client and router
-            return SGLangEngineBackend(gpus=gpus)
+            # release/resume_memory_occupation need SGLang's memory saver (the fleet re-pushes
+            # the weights after every resume, so no CPU backup of them is needed)
+            extra = ["--enable-memory-saver"] if self.memory_phases.enabled else []
+            return SGLangEngineBackend(gpus=gpus, extra_args=extra)
         return TorchEngineBackend(
             threads=self.engine_threads,
             devices=self.placement.engines,
@@ -186,13 +192,20 @@ class NodeRuntime:
 
     def ensure_engines(
         self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch",
-        *, host: str = "127.0.0.1", weight_sync: str = "store",
+        *, host: str = "127.0.0.1", weight_sync: str = "store", release_memory: str = "off",
     ) -> list[int]:
-        """Gated recovery then weight push: returns the slots (re)started. A run whose
-        engine settings differ from the running fleet's gets a new fleet (and a new
-        router when the bind address changed)."""
-        settings = (backend, num_engines, health.model_dump_json(), host)
+        """Resume released engines, gated recovery, then weight push: returns the slots
+        (re)started. A run whose engine settings differ from the running fleet's gets a new
+        fleet (and a new router when the bind address changed)."""
+        phases = resolve_release_memory(release_memory, self.placement)
+        # SGLang engines start with --enable-memory-saver or without: a change restarts them
+        settings = (backend, num_engines, health.model_dump_json(), host, backend == "sglang" and phases.enabled)
         with self._lock:
+            if phases != self.memory_phases:
+                log.info("memory between phases: %s (%s)", "on" if phases.enabled else "off", phases.reason)
+                self.memory_phases = phases
+            if self.fleet is not None:
+                self.fleet.resume_memory()  # engines that fail to resume are dead: restarted below
             if self.fleet is not None and settings != self._fleet_settings:
                 log.warning("engine settings changed %s -> %s: restarting the fleet", self._fleet_settings, settings)
                 self.fleet.stop()  # the router is ours and stays; the new fleet re-syncs its members
@@ -241,6 +254,20 @@ class NodeRuntime:
             self._load_tokenizer(model_path)
             self._write_children()
             return restarted
+
+    def release_engines(self) -> list[int]:
+        """Before a train step (``engines.release_memory``): the engines free their device
+        memory for the trainer. A no-op when the phases do not take turns."""
+        with self._lock:
+            if not self.memory_phases.enabled or self.fleet is None:
+                return []
+            return self.fleet.release_memory()
+
+    def resume_engines(self) -> list[int]:
+        """Before the engines generate: their memory back (a no-op unless released).
+        ``ensure_engines`` resumes them too, before it pushes the new weights."""
+        with self._lock:
+            return [] if self.fleet is None else self.fleet.resume_memory()
 
     def _load_tokenizer(self, model_path: Path) -> None:
         """The served model's tokenizer, loaded again only when its files change (every

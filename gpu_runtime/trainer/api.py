@@ -158,6 +158,9 @@ class RunSetup(Message):
     epoch: int = 0  # the placement epoch every store write of this call carries (0: unfenced)
     node_id: str = ""  # the node the trainer runs on (named in refused writes)
     trainer: TrainerBackendSettings | None = None  # None: backend single
+    # engines.release_memory resolved on: the optimizer state waits on the host between steps
+    # (``gpu_runtime.trainer.offload``); set by the node agent, which knows the placement
+    offload_optimizer: bool = False
 
 
 class SFTRows(Message):

@@ -43,6 +43,7 @@ from gpu_runtime.trainer.api import (
 )
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.cell import CellFailed  # no Ray import: that waits for a fsdp2 cell
+from gpu_runtime.trainer.offload import OptimizerOffload
 from gpu_runtime.trainer.policy import PolicyTrainer
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class TrainerService:
         self.dp_group: DPGroup | None = None  # trainer.cells > 1: the live DP cells
         self.lighthouse: Lighthouse | None = None  # trainer.cells > 1: torchft's lighthouse (outlives groups)
         self._dp_events: list[NodeEvent] = []  # of closed groups, reported with the next result
+        self._offload: tuple[PolicyTrainer, OptimizerOffload] | None = None  # setup.offload_optimizer
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
@@ -382,6 +384,7 @@ class TrainerService:
     # ---- training -----------------------------------------------------------------
     def _train(self, batch: StepBatch, cells: int | None = None) -> dict[str, float]:
         assert self.trainer is not None and self.store is not None and self.setup is not None
+        self._onload_optimizer()
         if batch.sft is not None:  # SFT mode: the rows at the step's data positions
             rows = self._rows()
             picked = prompts_for_step(len(rows), self.setup.seed, batch.sft.data_cursor, batch.sft.n_rows)
@@ -425,6 +428,8 @@ class TrainerService:
                 self._end_dp_group()
             raise
         info = self._publish_weights()
+        if setup.offload_optimizer:
+            self._offload_optimizer()
         result = TrainResult(
             policy_version=info.policy_version,
             checksum=info.checksum,
@@ -438,6 +443,25 @@ class TrainerService:
         )
         art.put_model(self.store, result_key, result)
         return result
+
+    # ---- memory between phases (engines.release_memory) -----------------------------
+    def _offload_optimizer(self) -> None:
+        """The optimizer state to the host and the grads freed until the next ``_train``
+        (a single-process trainer's; a fsdp2 cell or DP cells keep theirs)."""
+        trainer = self.trainer
+        if not isinstance(trainer, PolicyTrainer):
+            return
+        if self._offload is None or self._offload[0] is not trainer:  # a rebuilt trainer: new buffers
+            self._offload = (trainer, OptimizerOffload())
+        opts = [trainer.optimizer] + ([trainer.critic.optimizer] if trainer.critic is not None else [])
+        moved = self._offload[1].offload(opts)
+        log.info("optimizer state offloaded: %.1f MB in %.1f ms", moved / 1e6, self._offload[1].last_offload_s * 1e3)
+
+    def _onload_optimizer(self) -> None:
+        if self._offload is not None and self._offload[0] is self.trainer:
+            self._offload[1].onload()
+        elif self._offload is not None:  # the trainer was rebuilt (restored on the device): drop the old buffers
+            self._offload = None
 
     def checkpoint(self, setup: RunSetup, request: CheckpointRequest) -> CheckpointSaved:
         """Save version ``request.step`` (restoring it first if this process lost it)."""
