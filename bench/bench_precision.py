@@ -70,7 +70,8 @@ def main() -> None:
     source = ModelSource(path=None, init=ModelInit.model_validate(init.model_dump()), lora=None)
     folder = base_model_folder(source, generate_arithmetic(32, seed=0, max_operand=20), 7,
                                Path(tempfile.mkdtemp(prefix="bench-precision-")))
-    hps = {pr: hparams(micro_batch_size=4, ppo_epochs=1, kl_coef=0.0, warmup_steps=0, precision=pr) for pr in PRECISIONS}
+    hps = {pr: hparams(micro_batch_size=4, ppo_epochs=1, kl_coef=0.0, warmup_steps=0, precision=pr)
+           for pr in PRECISIONS}
     batches = [rollout(s, n_prompts=4, group=4) for s in range(1, args.steps + 1)]
     rows = [ROWS[16 * (s % 2): 16 * (s % 2) + 16] for s in range(args.steps)]  # 16 rows per SFT step
     trainers = {pr: PolicyTrainer.create(folder, hps[pr], 7) for pr in PRECISIONS}

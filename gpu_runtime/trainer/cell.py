@@ -313,7 +313,8 @@ class TrainerCell:
             resources = ray.cluster_resources()
             remove_placement_group(self.pg)
             raise CellPlacementFailed(
-                f"the cell's placement group ({ranks} bundles of {rank_bundle(self.kind, cpus_per_rank)}, {strategy}) was not "
+                f"the cell's placement group ({ranks} bundles of {rank_bundle(self.kind, cpus_per_rank)}, "
+                f"{strategy}) was not "
                 f"satisfied within {placement_timeout_s:.0f} s: the Ray cluster has {resources}"
             ) from None
         except (ray.exceptions.RaySystemError, ConnectionError) as err:

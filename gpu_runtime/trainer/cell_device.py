@@ -48,7 +48,8 @@ def rank_placement(kind: str, *, rank: int, ray_gpu_ids: Sequence[int | str] = (
         raise ValueError(f"rank {rank} of a cuda cell: this process sees no CUDA device")
     if ray_gpu_ids:
         if len(ray_gpu_ids) != 1:
-            raise ValueError(f"rank {rank} of a cuda cell: Ray assigned GPUs {list(ray_gpu_ids)}, a rank takes exactly one")
+            raise ValueError(f"rank {rank} of a cuda cell: Ray assigned GPUs {list(ray_gpu_ids)}, "
+                             "a rank takes exactly one")
         gid = str(ray_gpu_ids[0])
         visible = [v.strip() for v in visible_devices.split(",") if v.strip()] if visible_devices else []
         if visible and gid not in visible:

@@ -224,7 +224,8 @@ def run_ranks(folder: Path, kind: str, world: int, precision: str, out: Path, si
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fsdp2_cell_on_cuda_matches_the_single_trainer(model_dirs, tmp_path: Path, precision: str) -> None:  # type: ignore[no-untyped-def]
+def test_fsdp2_cell_on_cuda_matches_the_single_trainer(  # type: ignore[no-untyped-def]
+        model_dirs, tmp_path: Path, precision: str) -> None:
     """A fsdp2 cell of 2 ranks on 2 GPUs (1 rank where the machine has one GPU), NCCL, against
     ``PolicyTrainer`` on cuda:0 from the same folder: the same metrics and weights up to the
     order of the gradient sums (the CPU cell's tolerance, tests/unit/test_trainer_cell.py),
