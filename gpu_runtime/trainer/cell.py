@@ -4,9 +4,9 @@ The driver (the trainer process) owns a local Ray instance (``RayRuntime``): it 
 one bundle per rank in a placement group (``STRICT_PACK``: all ranks on one node), starts
 one ``_Rank`` actor per bundle, and the ranks join a ``torch.distributed`` group over TCP
 on 127.0.0.1: gloo on the CPU; on CUDA (the trainer process's ``--device``) each rank
-takes one GPU of the placement group and the group is NCCL (``cell_device``). Every driver call runs the same
-method on all ranks at once (FSDP's collectives need every rank) and answers rank 0's
-result. Ray is imported lazily: the ``cells`` extra is optional.
+takes one GPU of the placement group and the group is NCCL (``cell_device``). Every
+driver call runs the same method on all ranks at once (FSDP's collectives need every
+rank) and answers rank 0's result. Ray is imported lazily: the ``cells`` extra is optional.
 """
 
 from __future__ import annotations
@@ -297,7 +297,6 @@ class TrainerCell:
             raise ValueError(f"trainer.ranks_per_cell must be >= 1, got {ranks}")
         if placement not in STRATEGIES:
             raise ValueError(f"trainer.placement must be one of {sorted(STRATEGIES)}, got {placement!r}")
-        from gpu_runtime.node.devices import CUBLAS_DETERMINISM
         from gpu_runtime.trainer.cell_device import cell_kind, rank_bundle
 
         self.ranks = ranks
@@ -322,8 +321,7 @@ class TrainerCell:
         self.dead = False  # a rank failed: the cell cannot take another step
         self.failure: CellFailed | None = None  # why, when it was the cell (not a rank's Python error)
         actor = ray.remote(_Rank)
-        on_gpu: dict[str, Any] = {} if self.kind == "cpu" else {  # cuBLAS reads its workspace setting at CUDA start
-            "num_gpus": 1, "runtime_env": {"env_vars": dict(CUBLAS_DETERMINISM)}}
+        on_gpu: dict[str, Any] = {} if self.kind == "cpu" else {"num_gpus": 1}  # Ray sets its CUDA_VISIBLE_DEVICES
         self.actors = [
             actor.options(num_cpus=cpus_per_rank, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=i), **on_gpu).remote(i, threads, self.kind)
