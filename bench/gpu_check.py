@@ -346,6 +346,48 @@ class Check:
         return {"logits_max_abs_diff_vs_hf": diff, "grpo_step_s": round(time.perf_counter() - t0, 3),
                 "grad_norm": m["grad_norm"], "matches_hf": diff < 1e-3}
 
+    def precision(self) -> dict[str, Any]:
+        """``train.precision`` fp32 vs bf16 on the device: train step seconds side by side (fixed
+        samples, steps after the first), and two fresh bf16 trainers end bitwise equal."""
+        import torch
+
+        from gpu_runtime.store.artifacts import Sample
+        from gpu_runtime.trainer.api import TrainerHParams
+        from gpu_runtime.trainer.policy import PolicyTrainer
+        from workflows.config import TrainSpec
+
+        n = self.args.max_new_tokens
+        samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6, 7],
+                          response_ids=[8 + (g + i) % 20 for i in range(n)], logprobs=[-1.0] * n, weight_version=0,
+                          finish_reason="length") for g in range(self.args.group)]
+        rewards = [float(g % 2) for g in range(self.args.group)]
+
+        def steps(precision: str) -> tuple[list[float], str]:
+            hp = TrainerHParams(**TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch,
+                                            precision=precision).model_dump())
+            trainer = PolicyTrainer.create(self.base, hp, self.args.seed)
+            secs = []
+            for _ in range(3):
+                if torch.cuda.is_available() and not self.args.cpu:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                trainer.train_step(samples, rewards, self.args.group, hp)
+                if torch.cuda.is_available() and not self.args.cpu:
+                    torch.cuda.synchronize()
+                secs.append(time.perf_counter() - t0)
+            checksum = trainer.checksum()
+            del trainer
+            return secs[1:], checksum
+
+        fp32, c32 = steps("fp32")
+        bf16, c16 = steps("bf16")
+        _, again = steps("bf16")
+        if again != c16:
+            raise AssertionError(f"bf16, same seed, different weights: {c16[:12]} vs {again[:12]}")
+        a, b = sum(fp32) / len(fp32), sum(bf16) / len(bf16)
+        return {"fp32_step_s": round(a, 4), "bf16_step_s": round(b, 4), "bf16_over_fp32": round(b / a, 3),
+                "bf16_same_seed_bitwise": True, "bf16_differs_from_fp32": c16 != c32}
+
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         from gpu_runtime.data.datasets import generate_arithmetic
@@ -380,6 +422,7 @@ class Check:
         finally:
             if self.fleet is not None:
                 self.fleet.stop()
+        r.section("precision", self.precision)
         r.section("megatron", self.megatron)
         r.section("sglang", lambda: (_ for _ in ()).throw(Skip(
             "sglang is installed but not run by this check" if have("sglang") else "sglang is not installed")))

@@ -268,6 +268,10 @@ class TrainSpec(Strict):
     )
     ppo_epochs: int = Field(1, ge=1, description="optimizer steps per rollout batch")
     micro_batch_size: int = Field(128, ge=1, description="sequences per forward/backward (gradients accumulate)")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="fp32: everything float32; bf16: the policy's forward/backward under bf16 autocast "
+        "(weights, grads, AdamW states and the loss math stay float32; docs/trainer-backends.md)",
+    )
     # estimator ppo only (the critic and GAE)
     gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount per response token")
     lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda (1: Monte-Carlo returns, 0: one-step TD)")

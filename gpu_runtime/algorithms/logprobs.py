@@ -6,6 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from gpu_runtime.models.causal_lm import lm_logits, positions_from_mask
+from gpu_runtime.models.precision import forward_precision
 
 
 def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -17,13 +18,17 @@ def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
 
 
 def logprobs_and_logits(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, precision: str = "fp32"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like ``token_logprobs`` and also returns the logits ``[B, T-1, V]`` that produced them."""
+    """Like ``token_logprobs`` and also returns the logits ``[B, T-1, V]`` that produced them.
+    ``precision`` (``train.precision``) is what the model's forward runs in; the logits come
+    out float32 either way, and the log-softmax and everything after it are float32."""
     if input_ids.shape != attention_mask.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
     key_mask = attention_mask.to(torch.bool)
-    logits = lm_logits(model, input_ids, key_mask, positions_from_mask(key_mask))[:, :-1]
+    with forward_precision(precision, input_ids.device):
+        logits = lm_logits(model, input_ids, key_mask, positions_from_mask(key_mask))
+    logits = logits[:, :-1]
     logp = torch.log_softmax(logits, dim=-1)
     lp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return lp, logits

@@ -48,6 +48,7 @@ class TrainerHParams(Message):
     scale_adv_by_std: bool
     ppo_epochs: int
     micro_batch_size: int
+    precision: Literal["fp32", "bf16"]
     gamma: float
     lam: float
     vf_coef: float
@@ -63,6 +64,7 @@ HPARAMS_ADDED_LATER: dict[str, object] = {
     "estimator": "grpo", "dual_clip_c": None, "loss_agg": "token_mean", "loss_agg_norm_len": None,
     "kl_estimator": "k3", "kl_in_reward": False, "entropy_coef": 0.0, "tis_cap": None,
     "gamma": 1.0, "lam": 0.95, "vf_coef": 1.0, "value_clip": 0.5, "critic_lr": None, "critic_warmup_steps": 0,
+    "precision": "fp32",
 }
 
 

@@ -3,9 +3,10 @@
 The driver (the trainer process) owns a local Ray instance (``RayRuntime``): it reserves
 one bundle per rank in a placement group (``STRICT_PACK``: all ranks on one node), starts
 one ``_Rank`` actor per bundle, and the ranks join a ``torch.distributed`` group over TCP
-on 127.0.0.1 (gloo; NCCL when the cell trains on CUDA). Every driver call runs the same
-method on all ranks at once (FSDP's collectives need every rank) and answers rank 0's
-result. Ray is imported lazily: the ``cells`` extra is optional.
+on 127.0.0.1: gloo on the CPU; on CUDA (the trainer process's ``--device``) each rank
+takes one GPU of the placement group and the group is NCCL (``cell_device``). Every
+driver call runs the same method on all ranks at once (FSDP's collectives need every
+rank) and answers rank 0's result. Ray is imported lazily: the ``cells`` extra is optional.
 """
 
 from __future__ import annotations
@@ -215,11 +216,11 @@ def _free_port() -> int:
 class _Rank:
     """One rank's process (a Ray actor): joins the cell's group, then hosts a ``CellRankTrainer``."""
 
-    def __init__(self, rank: int, threads: int) -> None:
-        import torch
+    def __init__(self, rank: int, threads: int, kind: str = "cpu") -> None:
+        from gpu_runtime.trainer.cell_device import prepare_rank, this_rank
 
-        torch.set_num_threads(threads)  # a fixed thread count: the step is bitwise reproducible
-        torch.use_deterministic_algorithms(True)  # as the single trainer process
+        self.placement = this_rank(kind, rank)  # gloo on the CPU; NCCL on the GPU Ray assigned this actor
+        prepare_rank(self.placement, threads)  # the single trainer process's determinism settings
         self.rank = rank
         self.trainer: Any = None
 
@@ -228,7 +229,8 @@ class _Rank:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id()}
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
+                "device": self.placement.device}
 
     def rendezvous(self) -> str:
         """The group's TCP rendezvous on this rank's node (rank 0's): ``ip:port``."""
@@ -240,8 +242,8 @@ class _Rank:
         """Join the cell's group; every collective waiting longer than ``timeout_s`` raises."""
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=self.rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(self.placement.backend, init_method=f"tcp://{master}", rank=self.rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
 
     def pid(self) -> int:
         return os.getpid()
@@ -285,7 +287,8 @@ class TrainerCell:
 
     def __init__(self, ranks: int, base_folder: str | Path, hparams: TrainerHParams, seed: int, *,
                  placement: str = "strict_pack", cpus_per_rank: float = 1.0, threads: int = 1,
-                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S, collective_timeout_s: float = 120.0) -> None:
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S, collective_timeout_s: float = 120.0,
+                 device: str = "cpu") -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -294,19 +297,23 @@ class TrainerCell:
             raise ValueError(f"trainer.ranks_per_cell must be >= 1, got {ranks}")
         if placement not in STRATEGIES:
             raise ValueError(f"trainer.placement must be one of {sorted(STRATEGIES)}, got {placement!r}")
+        from gpu_runtime.trainer.cell_device import cell_kind, rank_bundle
+
         self.ranks = ranks
         self.placement = placement
+        self.kind = cell_kind(device)  # cpu | cuda: one GPU per rank, NCCL
         self.collective_timeout_s = collective_timeout_s
         self.actors: list[Any] = []
         strategy = STRATEGIES[placement]
         try:
-            self.pg = placement_group([{"CPU": cpus_per_rank}] * ranks, strategy=strategy)
+            self.pg = placement_group([rank_bundle(self.kind, cpus_per_rank)] * ranks, strategy=strategy)
             ray.get(self.pg.ready(), timeout=placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             resources = ray.cluster_resources()
             remove_placement_group(self.pg)
             raise CellPlacementFailed(
-                f"the cell's placement group ({ranks} bundles of {cpus_per_rank} CPU, {strategy}) was not "
+                f"the cell's placement group ({ranks} bundles of {rank_bundle(self.kind, cpus_per_rank)}, "
+                f"{strategy}) was not "
                 f"satisfied within {placement_timeout_s:.0f} s: the Ray cluster has {resources}"
             ) from None
         except (ray.exceptions.RaySystemError, ConnectionError) as err:
@@ -314,9 +321,10 @@ class TrainerCell:
         self.dead = False  # a rank failed: the cell cannot take another step
         self.failure: CellFailed | None = None  # why, when it was the cell (not a rank's Python error)
         actor = ray.remote(_Rank)
+        on_gpu: dict[str, Any] = {} if self.kind == "cpu" else {"num_gpus": 1}  # Ray sets its CUDA_VISIBLE_DEVICES
         self.actors = [
             actor.options(num_cpus=cpus_per_rank, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=i)).remote(i, threads)
+                placement_group=self.pg, placement_group_bundle_index=i), **on_gpu).remote(i, threads, self.kind)
             for i in range(ranks)
         ]
         try:

@@ -28,9 +28,10 @@ def ray_address(settings: TrainerBackendSettings) -> str | None:
 
 
 class CellHost:
-    def __init__(self, work_dir: Path, threads: int = 1) -> None:
+    def __init__(self, work_dir: Path, threads: int = 1, device: str = "cpu") -> None:
         self.work_dir = work_dir
         self.threads = threads  # torch threads per rank
+        self.device = device  # the trainer process's: cpu, or cuda (one GPU per rank, NCCL)
         self.ray: RayRuntime | None = None
         self.cell: TrainerCell | None = None
         self.generation = 0  # cells built by this process (a rebuilt cell is the next one)
@@ -48,7 +49,8 @@ class CellHost:
             self.ray = RayRuntime(num_cpus=settings.ranks_per_cell, address=address,
                                   pid_file=self.work_dir / "ray-pids.json").start()
         self.cell = TrainerCell(settings.ranks_per_cell, folder, hparams, seed, threads=self.threads,
-                                placement=settings.placement, collective_timeout_s=settings.collective_timeout_s)
+                                placement=settings.placement, collective_timeout_s=settings.collective_timeout_s,
+                                device=self.device)
         self.generation += 1
         self.ray.record()
         state = self.report()

@@ -12,6 +12,15 @@ same arithmetic as one process. Only the order of float sums differs from ``sing
 The loss code is ``PolicyTrainer.train_step`` itself; this class overrides the share, the
 metric reduction and the grad norm (a DTensor's), and saves/restores its state with
 ``torch.distributed.checkpoint`` (each rank writes its shards).
+
+``train.precision: bf16`` is the single trainer's: autocast around each forward, not FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. The sharded parameters are
+all-gathered in float32 and autocast rounds the same matmul inputs the single trainer
+rounds, so a micro-batch's forward is the single trainer's bitwise and the comparison with
+``single`` keeps its float32 tolerance; gradients are float32 (their parameters are), so the
+reduce-scatter is float32 as ``reduce_dtype=fp32`` would make it. The price is float32
+all-gathers (twice the bytes of a bf16 ``param_dtype``), and a policy that casts whole
+layers to bf16 (norms, residual adds) would compute a different model than the single trainer.
 """
 
 from __future__ import annotations

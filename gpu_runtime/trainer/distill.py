@@ -48,14 +48,16 @@ def load_teacher(settings: DistillSettings, student_tokenizer: Tokenizer) -> Pre
 
 
 def distill_terms(
-    teacher: PreTrainedModel, batches: list[MicroBatch], old_lps: list[torch.Tensor], coef: float
+    teacher: PreTrainedModel, batches: list[MicroBatch], old_lps: list[torch.Tensor], coef: float,
+    precision: str = "fp32",
 ) -> tuple[list[torch.Tensor], float]:
     """Per micro-batch (``[B, T-1]`` layout) the advantage term ``coef * (teacher - old)`` on
-    response tokens (0 elsewhere), and the step's token-mean reverse KL."""
+    response tokens (0 elsewhere), and the step's token-mean reverse KL. The teacher's forward
+    runs in the step's ``train.precision``, like the policy's."""
     terms, kl_sum, n = [], 0.0, 0
     with torch.no_grad():
         for b, old in zip(batches, old_lps):
-            teacher_lp = logprobs_and_logits(teacher, b.ids, b.mask)[0]
+            teacher_lp = logprobs_and_logits(teacher, b.ids, b.mask, precision)[0]
             gap = (teacher_lp - old) * b.tmask
             terms.append(coef * gap)
             kl_sum -= float(gap.sum())

@@ -3,6 +3,10 @@
 Deterministic: given the same state and the same samples in the same order,
 ``train_step`` produces bitwise identical weights (CPU, fixed thread count).
 ``save_state``/``load_state`` capture everything needed to continue bitwise.
+Each step's ``train.precision`` says what the policy's (and the reference's / teacher's)
+forward runs in: float32, or bf16 autocast over float32 master weights and AdamW states
+with the loss math in float32 (``gpu_runtime.models.precision``); the PPO critic's value
+model stays float32.
 """
 
 from __future__ import annotations
@@ -146,7 +150,7 @@ class PolicyTrainer:
             batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
             ids, mask = pad_batch([p + c for p, c in batch], self.tokenizer.pad_token_id)
             tmask = response_mask([len(p) for p, _ in batch], [len(p) + len(c) for p, c in batch], ids.shape[1] - 1)
-            lp, _ = logprobs_and_logits(self.model, ids, mask)
+            lp, _ = logprobs_and_logits(self.model, ids, mask, self.hparams.precision)
             loss = -masked_mean(lp, tmask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -242,13 +246,13 @@ class PolicyTrainer:
         if hp.kl_coef > 0:
             assert self.ref_model is not None
             with torch.no_grad():
-                ref_lps = [logprobs_and_logits(self.ref_model, b.ids, b.mask)[0] for b in batches]
+                ref_lps = [logprobs_and_logits(self.ref_model, b.ids, b.mask, hp.precision)[0] for b in batches]
         old_lps: list[torch.Tensor | None] = [None] * len(batches)  # filled by the first epoch's forwards
         reward_kl: list[torch.Tensor] | None = None  # the KL penalty of the reward, per micro-batch
         kl_in_reward = hp.kl_in_reward and hp.kl_coef > 0
         if kl_in_reward or self.distill is not None:  # advantages that need the old logprobs first
             with torch.no_grad():
-                old_lps = [logprobs_and_logits(self.model, b.ids, b.mask)[0] for b in batches]
+                old_lps = [logprobs_and_logits(self.model, b.ids, b.mask, hp.precision)[0] for b in batches]
         if kl_in_reward:
             reward_kl = [kl_per_token(old, ref, hp.kl_estimator) for old, ref in zip(old_lps, ref_lps) if ref is not None]
         critic: CriticPass | None = None
@@ -261,7 +265,8 @@ class PolicyTrainer:
         distill_kl: float | None = None
         if self.distill is not None:
             assert self.teacher is not None
-            terms, distill_kl = distill_lib.distill_terms(self.teacher, batches, old_lps, self.distill.coef)  # type: ignore[arg-type]
+            terms, distill_kl = distill_lib.distill_terms(self.teacher, batches, old_lps, self.distill.coef,  # type: ignore[arg-type]
+                                                           hp.precision)
             advs = [a + t for a, t in zip(advs, terms)]
         tis: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by micro-batch (a cell's rank has a share of them)
         own = self.micro_batch_share(len(batches))  # all of them, unless this is one rank of a cell
@@ -281,7 +286,7 @@ class PolicyTrainer:
             for k in own:
                 b = batches[k]
                 tmask = b.tmask
-                lp, logits = logprobs_and_logits(self.model, b.ids, b.mask)
+                lp, logits = logprobs_and_logits(self.model, b.ids, b.mask, hp.precision)
                 if old_lps[k] is None:
                     old_lps[k] = lp.detach()
                 old = old_lps[k]

@@ -237,9 +237,12 @@ class TrainerService:
 
     def _cells(self) -> "CellHost":
         if self.cell_host is None:
+            import torch
+
             from gpu_runtime.trainer.cell_host import CellHost  # ray: the optional ``cells`` extra
 
-            self.cell_host = CellHost(self.work_dir)
+            # the cell trains where this process does (``--device``): one GPU per rank on CUDA
+            self.cell_host = CellHost(self.work_dir, device=torch.get_default_device().type)
         return self.cell_host
 
     def _sft_trainer(self) -> PolicyTrainer:

@@ -4,7 +4,8 @@ Each row becomes a sample ``prompt -> sft_target(row) + EOS`` (the prompt encode
 engines see it); the loss is the negative log-likelihood of the target tokens only,
 aggregated by ``train.loss_agg`` (token mean by default) over micro-batches of
 ``train.micro_batch_size``, with the run's AdamW, LR schedule and grad clip, and
-``train.ppo_epochs`` optimizer steps per batch.
+``train.ppo_epochs`` optimizer steps per batch. The forward runs in ``train.precision``
+(``gpu_runtime.models.precision``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def sft_step(trainer: PolicyTrainer, rows: list[dict], hparams: TrainerHParams) 
         lr = trainer.start_optimizer_step(hp)
         loss = 0.0
         for b in batches:
-            lp, _ = logprobs_and_logits(trainer.model, b.ids, b.mask)
+            lp, _ = logprobs_and_logits(trainer.model, b.ids, b.mask, hp.precision)
             nll = agg.value(-lp, b.tmask)
             w = agg.weight(b.tmask)
             (nll * w).backward()

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpu_runtime.data.datasets import prompts_for_step
 from tests.e2e.faults import (
@@ -86,6 +87,35 @@ def test_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline:
     asyncio.run(main())
     assert_trained_exactly_once(store, "trainer-crash")
     assert_bitwise_equal(final_weights(store, "trainer-crash", STEPS), baseline)
+
+
+# the same run with bf16 autocast forwards (train.precision): its twin must end bitwise too
+CFG_BF16 = {**CFG, "train": {"lr": 1e-4, "precision": "bf16"}}
+
+
+def test_bf16_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline: dict) -> None:
+    """The trainer-crash row with ``train.precision: bf16``: the restarted trainer restores
+    step 0 and replays step 1 in bf16 (each step stores its precision), and the run ends
+    bitwise equal to the fault-free bf16 run, which differs from the float32 one (the knob
+    reached the trainer process)."""
+    bf16_baseline = baseline_weights(proc_stack, store, tiny_config(store, **CFG_BF16), run_id="baseline-bf16")
+    assert any(not torch.equal(bf16_baseline[k], baseline[k]) for k in baseline), "bf16 trained like float32"
+    run_id = "trainer-crash-bf16"
+
+    async def main() -> None:
+        client = await connect(proc_stack.server.address)
+        handle = await start_run(client, run_id, tiny_config(store, **CFG_BF16))
+        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        old = proc_stack.node_pids("node0")["trainer"]
+        os.kill(old, signal.SIGKILL)
+        await asyncio.wait_for(handle.result(), 300)
+        step2 = (await progress(client, run_id)).steps[1]
+        assert step2.restored_from_step == 0 and step2.replayed_steps == [1]
+
+    asyncio.run(main())
+    batch = json.loads((store / "runs" / run_id / "steps" / "000001" / "step_batch.json").read_text())
+    assert batch["hparams"]["precision"] == "bf16"
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), bf16_baseline)
 
 
 def test_trainer_killed_during_checkpoint_is_an_event(proc_stack: Stack, store: Path, baseline: dict) -> None:

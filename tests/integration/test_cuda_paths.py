@@ -154,3 +154,113 @@ def test_megatron_grpo_step_matches_the_single_trainer_on_cuda(tmp_path: Path) -
     g_want, g_got, l_want, l_got, diff = (float(x) for x in r.stdout.split()[-5:])
     assert g_got == pytest.approx(g_want, rel=1e-3) and l_got == pytest.approx(l_want, rel=1e-3, abs=1e-6)
     assert diff < 3e-4  # lr 1e-4: a flipped near-zero gradient moves a weight by at most ~2 lr
+
+
+# ---- fsdp2 cells on CUDA: one GPU per rank, NCCL (gpu_runtime.trainer.cell_device) ----------
+# A rank launched torchrun-style (RANK / LOCAL_RANK / MASTER_*), no Ray: the GPU image has
+# none. The same CellRankTrainer, placement and determinism settings as a Ray actor rank.
+_CELL_RANK = """
+import os, sys, torch
+import torch.distributed as dist
+from gpu_runtime.trainer.cell_device import prepare_rank, this_rank
+folder, kind, precision, out = sys.argv[1:5]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+placement = this_rank(kind, rank)
+prepare_rank(placement, 1)
+dist.init_process_group(placement.backend, rank=rank, world_size=world)
+from gpu_runtime.trainer.cell_rank import CellRankTrainer
+from gpu_runtime.trainer.policy import PolicyTrainer
+from tests.integration.test_cuda_paths import cell_hparams, cell_samples
+hp = cell_hparams(precision)
+t = PolicyTrainer.create(folder, hp, 0) if os.environ.get("SINGLE") else CellRankTrainer.create_rank(folder, hp, 0)
+assert next(t.model.parameters()).device.type == kind
+metrics = [t.train_step(*cell_samples(step), 4, hp) for step in (1, 2)]
+state = t.published_state()
+if rank == 0:
+    torch.save({"weights": {k: v.detach().cpu() for k, v in state.items()}, "metrics": metrics}, out)
+dist.destroy_process_group()
+"""
+
+
+def cell_hparams(precision: str) -> "TrainerHParams":
+    from gpu_runtime.trainer.api import TrainerHParams
+    from workflows.config import TrainSpec
+
+    return TrainerHParams(**TrainSpec(lr=1e-3, micro_batch_size=2, precision=precision).model_dump())  # 2 micro-batches
+
+
+def cell_samples(step: int) -> tuple[list, list[float]]:
+    """One group of 4 samples of different lengths, and their rewards."""
+    from gpu_runtime.store.artifacts import Sample
+
+    lens = [1 + (g + step) % 3 for g in range(4)]
+    samples = [Sample(sample_id=f"s{step}-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6],
+                      response_ids=[7, 8, 9 + g + step][: lens[g]], logprobs=[-1.0] * lens[g], weight_version=0,
+                      finish_reason="length") for g in range(4)]
+    return samples, [[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 0.25, 1.0]][step - 1]
+
+
+def run_ranks(folder: Path, kind: str, world: int, precision: str, out: Path, single: bool = False) -> dict:
+    """``world`` rank processes of a cell (``single``: one process, PolicyTrainer) on ``kind``;
+    rank 0's weights and metrics after two GRPO steps."""
+    port = free_port()
+    procs_ = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(REPO),
+               **({"SINGLE": "1"} if single else {})}
+        procs_.append(subprocess.Popen([sys.executable, "-c", _CELL_RANK, str(folder), kind, precision, str(out)],
+                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        for p in procs_:
+            _, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs_:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp2_cell_on_cuda_matches_the_single_trainer(  # type: ignore[no-untyped-def]
+        model_dirs, tmp_path: Path, precision: str) -> None:
+    """A fsdp2 cell of 2 ranks on 2 GPUs (1 rank where the machine has one GPU), NCCL, against
+    ``PolicyTrainer`` on cuda:0 from the same folder: the same metrics and weights up to the
+    order of the gradient sums (the CPU cell's tolerance, tests/unit/test_trainer_cell.py),
+    and the cell against itself bitwise."""
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    single = run_ranks(model_dirs["v1"], "cuda", 1, precision, tmp_path / "single.pt", single=True)
+    cell = run_ranks(model_dirs["v1"], "cuda", world, precision, tmp_path / "cell.pt")
+    again = run_ranks(model_dirs["v1"], "cuda", world, precision, tmp_path / "again.pt")
+    assert all(torch.equal(cell["weights"][k], again["weights"][k]) for k in cell["weights"])
+    for mine, theirs in zip(cell["metrics"], single["metrics"]):
+        for k in ("loss", "grad_norm", "entropy", "tokens", "policy_version"):
+            assert mine[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
+    worst = max(float((cell["weights"][k] - single["weights"][k]).abs().max()) for k in single["weights"])
+    assert worst <= (1e-5 if precision == "fp32" else 5e-5), f"max |cell - single| = {worst}"
+
+
+def test_fsdp2_cell_on_cuda_through_ray(model_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The driver's path: ``TrainerCell(device="cuda")`` reserves one GPU per rank in its Ray
+    placement group and each actor trains on the GPU Ray assigned it (skipped without Ray)."""
+    pytest.importorskip("ray")
+    from gpu_runtime.trainer.cell import RayRuntime, TrainerCell
+
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    hp = cell_hparams("bf16")
+    single = run_ranks(model_dirs["v1"], "cuda", 1, "bf16", tmp_path / "single.pt", single=True)
+    rt = RayRuntime(num_cpus=world).start()
+    try:
+        cell = TrainerCell(world, model_dirs["v1"], hp, 0, device="cuda")
+        try:
+            assert [w["device"] for w in cell.where] == ["cuda:0"] * world  # each sees its one GPU as cuda:0
+            metrics = [cell.train_step(*cell_samples(step), 4, hp) for step in (1, 2)]
+            weights = cell.published_state()
+        finally:
+            cell.close()
+    finally:
+        rt.stop()
+    assert [m["grad_norm"] for m in metrics] == pytest.approx([m["grad_norm"] for m in single["metrics"]], rel=1e-4)
+    assert max(float((weights[k] - single["weights"][k]).abs().max()) for k in weights) <= 5e-5

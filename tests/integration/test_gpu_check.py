@@ -27,8 +27,9 @@ def test_cpu_tiny_run_passes_every_section(tmp_path: Path) -> None:
     s = data["sections"]
     assert data["verdict"] == "ok"
     for name in ("environment", "model_folder", "engines", "generation", "grpo", "grpo_same_seed",
-                 "same_seed_bitwise", "heal_engine"):
+                 "same_seed_bitwise", "heal_engine", "precision"):
         assert s[name]["status"] == "ok", (name, s[name])
+    assert s["precision"]["bf16_same_seed_bitwise"] is True and s["precision"]["bf16_differs_from_fp32"] is True
     assert s["generation"]["same_seed_same_tokens"] is True and s["generation"]["tokens"] > 0
     assert s["grpo"]["final_checksum"] == s["grpo_same_seed"]["final_checksum"]
     assert len(s["grpo"]["train_step_s"]) == 2

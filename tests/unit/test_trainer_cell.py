@@ -272,3 +272,29 @@ def test_one_rank_checkpoint_restores_into_two_ranks(folder: Path, ray_runtime: 
             assert mine[k] == pytest.approx(theirs[k], rel=METRIC_RTOL, abs=1e-7), k
     worst = max(float((w2[k] - ref_w[k]).abs().max()) for k in w2)
     assert worst <= WEIGHT_ATOL, f"max |resharded - single| = {worst}"
+
+
+# train.precision bf16 in a cell: each rank's forward under bf16 autocast over its gathered
+# float32 weights is the single trainer's forward, and only the order of the float32 gradient
+# sums differs, as in float32. Measured 1.8e-5 (float32: under 1e-5): each micro-batch's weight
+# gradients come out of bf16 matmuls, so partial sums that nearly cancel are coarser and AdamW
+# turns their reordering into a larger update difference. 5e-5 is still 20x below the steps'
+# movement and 80x below bf16's own distance from float32 (4e-3 here), which is checked too.
+HP_BF16 = HP.model_copy(update={"precision": "bf16"})
+BF16_WEIGHT_ATOL = 5e-5
+
+
+def test_bf16_cell_matches_the_single_bf16_trainer(folder: Path, ray_runtime: RayRuntime, reference) -> None:
+    torch.set_num_threads(1)
+    single = PolicyTrainer.create(folder, HP_BF16, SEED)
+    ref_metrics = [single.train_step(*rollout(s), 4, HP_BF16) for s in range(1, STEPS + 1)]
+    ref_w = single.published_state()
+    metrics, w, _ = run_cell(folder, hp=HP_BF16)
+    for step, (mine, theirs) in enumerate(zip(metrics, ref_metrics), start=1):
+        for k in COMPARED:
+            assert mine[k] == pytest.approx(theirs[k], rel=METRIC_RTOL, abs=1e-7), f"step {step} {k}"
+    worst = max(float((w[k] - ref_w[k]).abs().max()) for k in w)
+    assert worst <= BF16_WEIGHT_ATOL, f"max |bf16 cell - bf16 single| = {worst}"
+    fp32_w = reference[1]
+    assert max(float((w[k] - fp32_w[k]).abs().max()) for k in w) > 20 * BF16_WEIGHT_ATOL, \
+        "the bf16 cell trained like float32: its ranks did not run the forward in bf16"

@@ -53,7 +53,7 @@ def test_every_train_knob_can_be_set_mid_run() -> None:
 TRAIN = TrainSpec(lr=1.5e-5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, warmup_steps=3, grad_clip=0.5,
                   estimator="cispo", clip_eps=0.1, clip_eps_high=0.28, loss_agg="seq_mean_token_sum_norm",
                   loss_agg_norm_len=16, kl_coef=0.05, kl_estimator="k2", kl_in_reward=True, entropy_coef=0.01,
-                  tis_cap=2.0, scale_adv_by_std=False, ppo_epochs=3, micro_batch_size=7)
+                  tis_cap=2.0, scale_adv_by_std=False, ppo_epochs=3, micro_batch_size=7, precision="bf16")
 DATASET = DatasetInfo(key="runs/r/data/train.jsonl", n_rows=10, sha256="x")
 
 
