@@ -1,9 +1,17 @@
-"""Shared by the megatron backend's tests: the GPTModel call on an HF model, and whether
-megatron-core is importable (the ``[gpu]`` extra; CI installs none)."""
+"""Shared by the megatron backend's tests: the GPTModel call on an HF model, whether
+megatron-core is importable (the ``[gpu]`` extra; CI installs none), the CPU shim for
+megatron-core's CUDA-only bits, and the few-steps script the CUDA test and its CPU
+rehearsal both run (``run_steps`` / ``check_steps``)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,3 +31,108 @@ class HFAsGPT(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: None) -> torch.Tensor:
         assert attention_mask is None
         return self.hf(input_ids=input_ids, position_ids=position_ids).logits
+
+
+def shim_cpu_forward() -> None:
+    """Let megatron-core 0.16's GPTModel (local spec, dropout 0) run its forward on CPU, in a
+    test process only: its causal mask and rotary frequencies are put on
+    ``torch.cuda.current_device()`` / ``device="cuda"`` unconditionally, and its dropout
+    forks the CUDA RNG tracker. The three are replaced by their CPU equivalents (the same
+    mask, the same frequencies, no RNG: dropout is 0); everything else is megatron-core's
+    own code. Fakes only what cannot run here (CUDA)."""
+    import contextlib
+
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+    mrandom.initialize_rng_tracker()
+    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+
+
+STEPS_SCRIPT = r"""
+import json, sys, torch, warnings
+warnings.filterwarnings("ignore")
+from pathlib import Path
+torch.use_deterministic_algorithms(True)
+cuda = sys.argv[3] == "cuda"
+if cuda:
+    from gpu_runtime.trainer.server import use_device
+
+    use_device("cuda:0")  # as the trainer process of a --device cuda node
+else:
+    from tests.megatron_fixtures import shim_cpu_forward
+
+    shim_cpu_forward()
+from transformers import AutoModelForCausalLM
+from gpu_runtime.models.causal_lm import export_state_dict
+from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.trainer.api import TrainerHParams
+from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
+from gpu_runtime.trainer.policy import PolicyTrainer
+from workflows.config import TrainSpec
+
+src, work = Path(sys.argv[1]), Path(sys.argv[2])
+hp = TrainerHParams(**TrainSpec(lr=1e-4, warmup_steps=2, micro_batch_size=4).model_dump())
+
+def batch(step):
+    samples = [Sample(sample_id=f"s{step}-p{p}-g{g}", prompt_index=p, group_index=g, prompt_ids=[1, 5 + p, 6 + step],
+                      response_ids=[7, 8, 9 + g, 10][: 1 + (g + p + step) % 4], logprobs=[-1.0] * (1 + (g + p + step) % 4),
+                      weight_version=step - 1, finish_reason="length") for p in range(2) for g in range(4)]
+    return samples, [float((g + p * step) % 3) / 2 for p in range(2) for g in range(4)]
+
+out = {}
+want = PolicyTrainer.create(src, hp, 0).train_step(*batch(1), 4, hp)
+a = MegatronTrainer.create(src, hp, 0, require_cuda=cuda)
+steps = [a.train_step(*batch(1), 4, hp)]
+a.save_state(work / "ck")
+steps += [a.train_step(*batch(k), 4, hp) for k in (2, 3)]
+out["want"] = {k: want[k] for k in ("loss", "grad_norm", "entropy", "clip_fraction")}
+out["got"] = {k: steps[0][k] for k in ("loss", "grad_norm", "entropy", "clip_fraction")}
+out["same_metric_names"] = set(want) == set(steps[0])
+out["lrs"] = [m["lr"] for m in steps]
+out["versions"] = [m["policy_version"] for m in steps]
+out["a"] = a.checksum()
+b = MegatronTrainer.create(src, hp, 0, require_cuda=cuda)
+for k in (1, 2, 3):
+    b.train_step(*batch(k), 4, hp)
+out["b"] = b.checksum()
+del b
+c = MegatronTrainer.from_state(work / "ck", require_cuda=cuda)
+for k in (2, 3):
+    c.train_step(*batch(k), 4, hp)
+out["c"] = c.checksum()
+del c
+ck = a.export_model_folder(work / "v3")
+hf = export_state_dict(AutoModelForCausalLM.from_pretrained(str(work / "v3"), dtype=torch.float32))
+mine = a.published_state()
+out["export"] = [ck == out["a"], set(hf) == set(mine) and all(torch.equal(hf[k].cpu(), mine[k].cpu()) for k in mine)]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_steps(folder: Path, work: Path, device: str, repo: Path) -> dict[str, Any]:
+    """``STEPS_SCRIPT`` in its own process (a world of one; the default device it sets stays there)."""
+    work.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([sys.executable, "-c", STEPS_SCRIPT, str(folder), str(work), device], capture_output=True,
+                       text=True, timeout=600, cwd=repo, env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.split("RESULT ", 1)[1])
+
+
+def check_steps(out: dict[str, Any], rel: float) -> None:
+    """Step 1 against the HF trainer within ``rel``; same-seed and restore-and-replay bitwise;
+    the published folder the trainer's weights bitwise."""
+    import pytest
+
+    want, got = out["want"], out["got"]
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=rel)
+    assert got["loss"] == pytest.approx(want["loss"], rel=rel, abs=1e-6)
+    assert got["entropy"] == pytest.approx(want["entropy"], rel=rel)
+    assert got["clip_fraction"] == want["clip_fraction"] == 0.0  # step 1: the ratio is 1
+    assert out["same_metric_names"]
+    assert out["lrs"] == [0.5e-4, 1e-4, 1e-4] and out["versions"] == [1.0, 2.0, 3.0]
+    assert out["a"] == out["b"], "the same seed twice: different weights"
+    assert out["a"] == out["c"], "restore at step 1 + replay of steps 2-3: different weights"
+    assert out["export"] == [True, True]

@@ -10,6 +10,10 @@ megatron-core runs no forward on CPU, so the CPU tests split the trainer at that
   and RNG, then the same optimizer step on both: bitwise) runs in its own process (a
   world of one) and is skipped where megatron-core is not installed (CI: it is in the
   ``[gpu]`` extra only);
+- a real GPTModel *trained* on CPU, with megatron-core's three CUDA-only bits (its causal
+  mask's and rotary frequencies' device, its dropout's CUDA RNG fork) shimmed
+  (``tests.megatron_fixtures.shim_cpu_forward``): the CUDA test's script, rehearsed here,
+  with the tolerance float32 on one CPU gives (also skipped without megatron-core);
 - the refusals: a CPU trainer process or a missing megatron-core is a ValueError naming
   what to do, raised when the run binds the trainer, before the run's store is touched.
 
@@ -37,7 +41,7 @@ from gpu_runtime.trainer.megatron import trainer as mtrainer
 from gpu_runtime.trainer.policy import PolicyTrainer
 from gpu_runtime.trainer.service import TrainerService
 from tests.engine_fixtures import REPO, tiny_model
-from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT
+from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_steps, run_steps
 from workflows.config import CheckpointSpec, ModelSpec, SFTSpec, TrainSpec
 from workflows.contracts import DatasetInfo, InitPolicyInput
 from workflows.trainer_config import TrainerSpec
@@ -209,3 +213,15 @@ def test_a_real_gpt_model_exports_and_checkpoints_bitwise(arch: str, tie: bool, 
     assert out["replay_bitwise"] and out["trained_export_bitwise"]
     assert "field 'backend' is 'megatron'" in out["hf_refuses"]
     assert "field 'backend' is 'single'" in out["megatron_refuses"]
+
+
+@pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)
+@pytest.mark.parametrize("arch,tie", [("qwen2", True), ("llama", False)])
+def test_a_real_gpt_model_trains_like_the_hf_trainer_on_cpu(arch: str, tie: bool, tmp_path: Path) -> None:
+    """The CUDA test's three steps on CPU: step 1's loss / grad norm / entropy against
+    ``PolicyTrainer.train_step`` (rel 1e-5: the fused q/k/v and gate/up matmuls sum in
+    another order), same-seed and restore-at-step-1-and-replay bitwise, the published
+    folder bitwise."""
+    model, tok = tiny_model(8, arch=arch, tie=tie)
+    save_model_folder(model, tok, tmp_path / "m", weight_version=0)
+    check_steps(run_steps(tmp_path / "m", tmp_path / "w", "cpu", REPO), rel=1e-5)
