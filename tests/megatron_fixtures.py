@@ -112,13 +112,106 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_steps(folder: Path, work: Path, device: str, repo: Path) -> dict[str, Any]:
-    """``STEPS_SCRIPT`` in its own process (a world of one; the default device it sets stays there)."""
-    work.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([sys.executable, "-c", STEPS_SCRIPT, str(folder), str(work), device], capture_output=True,
-                       text=True, timeout=600, cwd=repo, env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+SERVICE_SCRIPT = r"""
+import json, sys, torch, warnings
+warnings.filterwarnings("ignore")
+from pathlib import Path
+torch.use_deterministic_algorithms(True)
+work, device = Path(sys.argv[1]), sys.argv[2]
+if device == "cuda":
+    from gpu_runtime.trainer.server import use_device
+
+    use_device("cuda:0")  # as the trainer process of a --device cuda node
+else:
+    from tests.megatron_fixtures import shim_cpu_forward
+    from gpu_runtime.trainer.megatron import trainer as mt
+
+    shim_cpu_forward()
+    mt.runtime_problem = lambda need_cuda=True: None  # the CPU rehearsal: the shim stands in for CUDA
+from activities.translate import reward_settings
+from bench._inproc import dataset_rows, generate_step, rollout_request, run_setup, step_batch
+from gpu_runtime.data.rewards import score_samples
+from gpu_runtime.models.causal_lm import load_causal_lm
+from gpu_runtime.models.model_folder import model_checksum
+from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.object_store import LocalStore
+from gpu_runtime.trainer.service import TrainerService
+from tests.stack import tiny_config
+from workflows.config import RunConfig
+
+RUN = "mg"
+cfg = RunConfig.model_validate(tiny_config(
+    work / "store", steps=2, sft={"steps": 5}, train={"lr": 1e-3, "micro_batch_size": 4},
+    checkpoint={"every": 100, "keep_last": 5}, trainer={"backend": "megatron"}))
+setup = run_setup(cfg, RUN)
+store = LocalStore(work / "store")
+rows = dataset_rows(cfg, work / "train.jsonl")
+store.put_file(setup.dataset_key, work / "train.jsonl")
+by_index = dict(enumerate(rows))
+first = TrainerService(work / "first")
+v0 = first.ensure_version(setup, 0)  # SFT on the HF trainer -> post-SFT folder -> the GPTModel; checkpoint v0
+out = {"trainer": type(first.trainer).__name__, "v0_sft_steps": v0.sft_metrics.get("sft_steps")}
+folder, checksums = Path(v0.model_path), [v0.checksum]
+for step in (1, 2):
+    chunks = generate_step(load_causal_lm(folder).eval(), rollout_request(cfg, RUN, step, len(rows)), rows,
+                           Tokenizer.load(folder))
+    keys = [art.rollout_chunk_key(RUN, step, c.chunk) for c in chunks]
+    for k, c in zip(keys, chunks):
+        art.put_model(store, k, c)
+    samples = [s for c in chunks for s in c.samples]
+    rkey = art.rewards_key(RUN, step)
+    scored = score_samples(samples, by_index, reward_settings(cfg.reward))
+    # plus a made-up term so every group has reward variance (a tiny model after 5 SFT steps is
+    # rarely right: equal rewards would be a zero gradient, a step that proves nothing)
+    scored = [r.model_copy(update={"reward": r.reward + (i % 3) / 2}) for i, r in enumerate(scored)]
+    art.put_model(store, rkey, art.StepRewards(run_id=RUN, step=step, rewards=scored))
+    res = first.train_step(setup, step_batch(cfg, RUN, step, keys, rkey))
+    checksums.append(res.checksum)
+    folder = first._weights_dir(res.policy_version)
+    if step == 1:
+        first.save_checkpoint(1, data_cursor=4, sync=True)
+out["metrics"] = sorted(res.metrics)
+out["versions"] = res.policy_version
+out["distinct"] = len(set(checksums))
+out["published"] = model_checksum(load_causal_lm(folder)) == checksums[-1]  # what an engine loads
+second = TrainerService(work / "second")  # a new trainer process: restore step 1, replay step 2
+info = second.ensure_version(setup, 2)
+out["rebuild"] = [info.rebuild.restored_from_step, info.rebuild.replayed_steps] if info.rebuild else None
+out["replayed_bitwise"] = info.checksum == checksums[-1]
+out["second_trainer"] = type(second.trainer).__name__
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_script(script: str, args: list[str], repo: Path) -> dict[str, Any]:
+    """A script in its own process (a world of one; the default device it sets stays there);
+    its ``RESULT {json}`` line."""
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600, cwd=repo,
+                       env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.split("RESULT ", 1)[1])
+
+
+def run_steps(folder: Path, work: Path, device: str, repo: Path) -> dict[str, Any]:
+    """``STEPS_SCRIPT`` on ``device`` (cuda, or cpu with the shim)."""
+    work.mkdir(parents=True, exist_ok=True)
+    return run_script(STEPS_SCRIPT, [str(folder), str(work), device], repo)
+
+
+def run_service(work: Path, device: str, repo: Path) -> dict[str, Any]:
+    """``SERVICE_SCRIPT`` on ``device``: a megatron run through ``TrainerService`` (what the node's
+    trainer process runs), then a second service restoring and replaying it."""
+    work.mkdir(parents=True, exist_ok=True)
+    return run_script(SERVICE_SCRIPT, [str(work), device], repo)
+
+
+def check_service(out: dict[str, Any]) -> None:
+    assert out["trainer"] == out["second_trainer"] == "MegatronTrainer"
+    assert out["v0_sft_steps"] == 5.0 and out["versions"] == 2 and out["distinct"] == 3
+    assert {"loss", "grad_norm", "lr", "policy_version", "rollout_logprob_abs_diff"} <= set(out["metrics"])
+    assert out["published"], "the published folder is not the version's checksum"
+    assert out["rebuild"] == [1, [2]] and out["replayed_bitwise"]
 
 
 def check_steps(out: dict[str, Any], rel: float) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from gpu_runtime.models.model_folder import save_model_folder
 from tests.engine_fixtures import REPO, tiny_model
-from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, check_steps, run_steps
+from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, check_service, check_steps, run_service, run_steps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)]
 
@@ -31,3 +31,9 @@ def test_megatron_trainer_on_cuda_matches_the_hf_trainer_and_replays_bitwise(arc
     model, tok = tiny_model(8, arch=arch, tie=tie)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
     check_steps(run_steps(tmp_path / "m", tmp_path / "w", "cuda", REPO), rel=1e-3)
+
+
+def test_a_megatron_run_through_the_trainer_service_restores_bitwise_on_cuda(tmp_path: Path) -> None:
+    """``TrainerService`` as a ``--device cuda`` node's trainer process runs it: SFT -> GPTModel,
+    two steps, a checkpoint; a second service restores and replays bitwise."""
+    check_service(run_service(tmp_path, "cuda", REPO))

@@ -41,7 +41,7 @@ from gpu_runtime.trainer.megatron import trainer as mtrainer
 from gpu_runtime.trainer.policy import PolicyTrainer
 from gpu_runtime.trainer.service import TrainerService
 from tests.engine_fixtures import REPO, tiny_model
-from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_steps, run_steps
+from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_service, check_steps, run_service, run_steps
 from workflows.config import CheckpointSpec, ModelSpec, SFTSpec, TrainSpec
 from workflows.contracts import DatasetInfo, InitPolicyInput
 from workflows.trainer_config import TrainerSpec
@@ -225,3 +225,13 @@ def test_a_real_gpt_model_trains_like_the_hf_trainer_on_cpu(arch: str, tie: bool
     model, tok = tiny_model(8, arch=arch, tie=tie)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
     check_steps(run_steps(tmp_path / "m", tmp_path / "w", "cpu", REPO), rel=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)
+def test_a_megatron_run_through_the_trainer_service_restores_bitwise(tmp_path: Path) -> None:
+    """What the node's trainer process runs, with CUDA shimmed as above (and its CUDA check
+    off): SFT on the HF trainer, the post-SFT weights into a GPTModel (checkpoint v0), two
+    RL steps from in-process rollouts on the published folders, a checkpoint at step 1; a
+    second service (the trainer process after a crash) restores step 1 and replays step 2
+    to the same checksum bitwise."""
+    check_service(run_service(tmp_path, "cpu", REPO))
