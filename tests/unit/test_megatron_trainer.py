@@ -235,3 +235,31 @@ def test_a_megatron_run_through_the_trainer_service_restores_bitwise(tmp_path: P
     second service (the trainer process after a crash) restores step 1 and replays step 2
     to the same checksum bitwise."""
     check_service(run_service(tmp_path, "cpu", REPO))
+
+
+def test_set_hparams_refuses_what_megatron_does_not_implement_mid_run() -> None:
+    """The workflow's ``set_hparams`` validator (stand-in activities, a real test server):
+    a knob the megatron loss lacks is refused by name before it reaches a step; an
+    implemented one is accepted."""
+    from temporalio.client import WorkflowUpdateFailedError
+
+    from tests.unit.workflow_harness import Cluster, finish, run_config, scenario, start_run
+    from workflows.config import HParamUpdate
+    from workflows.training_run import TrainingRun
+
+    cluster = Cluster()
+    held = cluster.gate("train_step", 1)
+
+    async def body(env, nodes) -> None:  # type: ignore[no-untyped-def]
+        handle = await start_run(env, run_config(steps=2, trainer={"backend": "megatron"}))
+        await held.wait_reached()
+        with pytest.raises(WorkflowUpdateFailedError) as err:
+            await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(entropy_coef=0.01))
+        assert "trainer.backend megatron does not support train.entropy_coef > 0" in str(err.value.cause)
+        train = await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(lr=1e-3))
+        assert train["lr"] == 1e-3 and train["entropy_coef"] == 0.0
+        held.release.set()
+        await finish(handle)
+        assert [t.train.entropy_coef for t in cluster.train_inputs] == [0.0, 0.0]
+
+    scenario(cluster, body)
