@@ -98,10 +98,10 @@ class MegatronTrainer(AdamWSteps):
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         if config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"{folder}: config vocab_size {config.vocab_size} < tokenizer's {tokenizer.vocab_size}")
-        torch.manual_seed(derive_seed("trainer", seed) % (1 << 63))
-        random.seed(derive_seed("trainer-py", seed))
         gpt = build(config, seed)
         gpt.train()
+        torch.manual_seed(derive_seed("trainer", seed) % (1 << 63))  # as PolicyTrainer.create: after the build
+        random.seed(derive_seed("trainer-py", seed))
         return cls(gpt, config, _generation_config(folder), tokenizer, hparams, seed)
 
     # ------------------------------------------------------------------ RL
