@@ -18,7 +18,9 @@ Temporal (not on the lent image), and measures:
 - time to heal an engine: one engine SIGKILLed, detected by the fleet's health probes,
   restarted with the newest weights, healthy again;
 - megatron-core (if importable): a GPTModel from the folder's weights, its logits vs
-  the HF model's; SGLang: reported as present or not (not run).
+  the HF model's, then ``trainer.backend: megatron``'s trainer: a few GRPO steps (step 1
+  vs the HF trainer's loss and grad norm), a publish, and the same-seed bitwise rerun;
+  SGLang: reported as present or not (not run).
 
 Each section records ``ok`` / ``skipped`` (with the reason) / ``failed`` (with the
 error) into one JSON results file; a failed section does not stop the others.
@@ -306,6 +308,10 @@ class Check:
                 "serves_version": s.weight_version}
 
     def megatron(self) -> dict[str, Any]:
+        """``trainer.backend: megatron`` on the GPU: the GPTModel's logits vs the HF model's, then
+        ``steps`` GRPO steps of ``MegatronTrainer`` (step 1's loss and grad norm vs the HF
+        trainer's on the same batch), a publish (Megatron -> HF folder), and the same steps
+        again in a fresh trainer from the same seed: the same weights bitwise."""
         if not have("megatron.core"):
             raise Skip("megatron-core is not installed (pip install --no-deps megatron-core from a carried wheel)")
         if self.args.cpu:
@@ -313,7 +319,12 @@ class Check:
         import torch
 
         from gpu_runtime.models.causal_lm import load_causal_lm
+        from gpu_runtime.store.artifacts import Sample
+        from gpu_runtime.trainer.api import TrainerHParams
         from gpu_runtime.trainer.megatron import model as mm
+        from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
+        from gpu_runtime.trainer.policy import PolicyTrainer
+        from workflows.config import TrainSpec
 
         mm.init_single_process()
         gpt, cfg = mm.from_folder(self.base)
@@ -325,26 +336,50 @@ class Check:
             a = gpt(input_ids=ids, position_ids=pos, attention_mask=None).float()
             b = hf(input_ids=ids).logits.float()
         diff = float((a - b).abs().max())
-        from gpu_runtime.models.tokenizer import Tokenizer
-        from gpu_runtime.store.artifacts import Sample
-        from gpu_runtime.trainer.api import TrainerHParams
-        from gpu_runtime.trainer.megatron.train import grpo_step
-        from workflows.config import TrainSpec
+        del gpt, hf, a, b
+        torch.cuda.empty_cache()
 
         hp = TrainerHParams(**TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch).model_dump())
-        samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6, 7],
-                          response_ids=list(range(8, 8 + self.args.max_new_tokens)), logprobs=[-1.0] * self.args.max_new_tokens,
-                          weight_version=0, finish_reason="length") for g in range(self.args.group)]
-        rewards = [float(g % 2) for g in range(self.args.group)]
-        opt = torch.optim.AdamW(gpt.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps, foreach=False)
-        pad = Tokenizer.load(self.base).pad_token_id
-        grpo_step(gpt, opt, samples, rewards, self.args.group, hp, pad)  # warm-up
-        torch.cuda.synchronize()
+        n = self.args.max_new_tokens
+
+        def batch(step: int) -> tuple[list[Sample], list[float]]:
+            samples = [Sample(sample_id=f"s{step}-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6, 7 + step],
+                              response_ids=list(range(8, 8 + n - g % 3)), logprobs=[-1.0] * (n - g % 3),
+                              weight_version=step - 1, finish_reason="length") for g in range(self.args.group)]
+            return samples, [float((g + step) % 2) for g in range(self.args.group)]
+
+        ref = PolicyTrainer.create(self.base, hp, self.args.seed)
+        want = ref.train_step(*batch(1), self.args.group, hp)
+        del ref
+        torch.cuda.empty_cache()
+        trainer = MegatronTrainer.create(self.base, hp, self.args.seed)
+        step_s, metrics = [], []
+        for step in range(1, self.args.steps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            metrics.append(trainer.train_step(*batch(step), self.args.group, hp))
+            torch.cuda.synchronize()
+            step_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        m = grpo_step(gpt, opt, samples, rewards, self.args.group, hp, pad)
-        torch.cuda.synchronize()
-        return {"logits_max_abs_diff_vs_hf": diff, "grpo_step_s": round(time.perf_counter() - t0, 3),
-                "grad_norm": m["grad_norm"], "matches_hf": diff < 1e-3}
+        checksum = trainer.export_model_folder(self.work / "megatron" / f"v{self.args.steps:06d}")
+        publish_s = time.perf_counter() - t0
+        del trainer
+        torch.cuda.empty_cache()
+        again = MegatronTrainer.create(self.base, hp, self.args.seed)
+        for step in range(1, self.args.steps + 1):
+            again.train_step(*batch(step), self.args.group, hp)
+        same = again.checksum() == checksum
+        del again
+        torch.cuda.empty_cache()
+        got = metrics[0]
+        rel = {k: abs(got[k] - want[k]) / max(abs(want[k]), 1e-12) for k in ("loss", "grad_norm")}
+        if not same:
+            raise AssertionError("megatron: the same seed twice gave different weights")
+        return {"logits_max_abs_diff_vs_hf": diff, "matches_hf": diff < 1e-3,
+                "train_step_s": [round(x, 3) for x in step_s], "publish_s": round(publish_s, 3),
+                "step1_loss": got["loss"], "step1_loss_hf": want["loss"], "step1_grad_norm": got["grad_norm"],
+                "step1_grad_norm_hf": want["grad_norm"], "step1_rel_diff_vs_hf": {k: _sig(v) for k, v in rel.items()},
+                "same_seed_bitwise": same, "final_checksum": checksum[:16]}
 
     def precision(self) -> dict[str, Any]:
         """``train.precision`` fp32 vs bf16 on the device: train step seconds side by side (fixed

@@ -18,7 +18,7 @@ from workflows.agent_config import AgentSpec
 from workflows.model_config import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec  # noqa: F401  (sections; re-exported)
 from workflows.reward_config import RewardSpec, RewardTerm  # noqa: F401  (a section of RunConfig; re-exported)
 from workflows.strict import Strict
-from workflows.trainer_config import TrainerSpec, dp_conflicts, fsdp2_conflicts
+from workflows.trainer_config import TrainerSpec, dp_conflicts, fsdp2_conflicts, megatron_conflicts
 
 
 _DATA_SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet", ".pq")}
@@ -562,6 +562,13 @@ class RunConfig(Strict):
                                ppo_epochs=1 if train is None else train.ppo_epochs)
             if bad:
                 raise ValueError(f"cells {v.cells} does not support {'; '.join(bad)}")
+        if v.backend == "megatron":
+            bad = megatron_conflicts(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,
+                                     distill=info.data.get("distill") is not None,
+                                     agent=rollout is not None and rollout.agent is not None, train=train)
+            if bad:
+                raise ValueError(f"backend megatron does not support {'; '.join(bad)} (docs/trainer-backends.md)")
+            return v
         if v.backend != "fsdp2":
             return v
         bad = fsdp2_conflicts(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,

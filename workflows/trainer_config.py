@@ -2,7 +2,10 @@
 
 ``single`` is one trainer process holding the whole model. ``fsdp2`` is a cell of
 ``ranks_per_cell`` ranks (Ray actors in one placement group, driven by the node's trainer
-process), the policy sharded with FSDP2 per decoder layer; see docs/trainer-backends.md.
+process), the policy sharded with FSDP2 per decoder layer. ``megatron`` is one trainer
+process holding a megatron-core GPTModel (converted from the HF folder, converted back
+for every published version); it needs a ``--device cuda`` node and megatron-core (the
+``[gpu]`` extra). See docs/trainer-backends.md.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ class TrainerSpec(Strict):
     """Fixed for a run (unlike ``train``, which can change between steps): the placement
     of the trainer's ranks."""
 
-    backend: Literal["single", "fsdp2"] = Field(
-        "single", description="single: one trainer process; fsdp2: a cell of ranks_per_cell FSDP2 ranks placed by Ray"
+    backend: Literal["single", "fsdp2", "megatron"] = Field(
+        "single", description="single: one trainer process; fsdp2: a cell of ranks_per_cell FSDP2 ranks placed by "
+        "Ray; megatron: one process training a megatron-core GPTModel (needs --device cuda and the [gpu] extra)"
     )
     ranks_per_cell: int = Field(1, ge=1, description="ranks of the fsdp2 cell (one torch.distributed group)")
     placement: Literal["strict_pack", "spread"] = Field(
@@ -46,6 +50,16 @@ class TrainerSpec(Strict):
 
     @model_validator(mode="after")
     def _ranks(self) -> "TrainerSpec":
+        if self.backend == "megatron":
+            if self.ranks_per_cell != 1:
+                raise ValueError(f"ranks_per_cell {self.ranks_per_cell}: backend megatron runs one process "
+                                 "(tensor/pipeline parallel ranks are not built yet)")
+            if self.cells != 1:
+                raise ValueError(f"cells {self.cells}: backend megatron runs one cell (megatron cells joined by "
+                                 "torchft are not built yet)")
+            if self.placement != "strict_pack" or self.ray_address is not None:
+                raise ValueError("placement and ray_address need backend fsdp2 (backend megatron uses no Ray)")
+            return self
         if self.backend == "single" and self.ranks_per_cell != 1:
             raise ValueError(
                 f"ranks_per_cell {self.ranks_per_cell} needs backend fsdp2 (backend single is one process)"
@@ -74,6 +88,43 @@ def fsdp2_conflicts(*, mode: str, lora: bool, distill: bool, estimator: str = "g
     return out
 
 
+def megatron_train_conflicts(train: object) -> list[str]:
+    """The ``train`` knobs the megatron trainer's GRPO loss does not implement yet, set away
+    from what it computes (its runtime twin: ``gpu_runtime.trainer.megatron.train.unsupported``).
+    Also checked when ``set_hparams`` changes them mid-run."""
+    out = []
+    if getattr(train, "kl_coef", 0.0) > 0:
+        out.append("train.kl_coef > 0 (no frozen reference model is kept)")
+    if getattr(train, "entropy_coef", 0.0) > 0:
+        out.append("train.entropy_coef > 0 (no entropy bonus in the loss)")
+    if getattr(train, "tis_cap", None) is not None:
+        out.append("train.tis_cap (no truncated importance sampling; off-policy rollout modes set it unless "
+                   "tis_cap: null)")
+    if getattr(train, "ppo_epochs", 1) != 1:
+        out.append(f"train.ppo_epochs {getattr(train, 'ppo_epochs')} (one optimizer step per rollout)")
+    if getattr(train, "estimator", "grpo") == "ppo":
+        out.append("train.estimator ppo (no critic)")
+    if getattr(train, "precision", "fp32") != "fp32":
+        out.append(f"train.precision {getattr(train, 'precision')} (the GPTModel trains in float32)")
+    return out
+
+
+def megatron_conflicts(*, mode: str, lora: bool, distill: bool, agent: bool, train: object | None) -> list[str]:
+    """The run settings the megatron trainer does not implement yet, each with its reason."""
+    out = []
+    if mode != "rl":
+        out.append("mode sft (the megatron trainer trains the RL step only)")
+    if lora:
+        out.append("model.lora (full fine-tuning only)")
+    if distill:
+        out.append("distill (no teacher forward)")
+    if agent:
+        out.append("rollout.agent (multi-turn loss masks are not checked against the single trainer)")
+    if train is not None:
+        out += megatron_train_conflicts(train)
+    return out
+
+
 def dp_conflicts(*, mode: str, lora: bool, distill: bool, estimator: str, ppo_epochs: int) -> list[str]:
     """The run settings DP cells (``trainer.cells > 1``) do not implement yet, each with its reason."""
     out = []
@@ -90,4 +141,4 @@ def dp_conflicts(*, mode: str, lora: bool, distill: bool, estimator: str, ppo_ep
     return out
 
 
-__all__ = ["TrainerSpec", "dp_conflicts", "fsdp2_conflicts"]
+__all__ = ["TrainerSpec", "dp_conflicts", "fsdp2_conflicts", "megatron_conflicts", "megatron_train_conflicts"]

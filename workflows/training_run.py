@@ -16,6 +16,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error, mode_conflicts
+    from workflows.trainer_config import megatron_train_conflicts
     from workflows.contracts import (
         CONTROL_QUEUE,
         POOL_QUEUE,
@@ -374,4 +375,6 @@ class TrainingRun:
         bad = mode_conflicts(self.cfg.mode, train) if self.cfg is not None else []
         if bad:
             raise ValueError(f"set_hparams: {', '.join(bad)}: RL loss knobs, unused in mode {self.cfg.mode}")
+        if self.cfg is not None and self.cfg.trainer.backend == "megatron" and (bad := megatron_train_conflicts(train)):
+            raise ValueError(f"set_hparams: trainer.backend megatron does not support {'; '.join(bad)}")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from gpu_runtime.models.causal_lm import (
     export_state_dict,
@@ -59,16 +59,26 @@ def save_model_folder(
     """Write the folder atomically (temp dir + rename). Returns the weight checksum.
     ``weights``: the tensors to save instead of ``model``'s own (``export_state_dict``
     naming; ``model`` still gives the config)."""
+    sd = export_state_dict(model) if weights is None else weights
+    return write_model_folder(model.config, model.generation_config, tokenizer, folder, weight_version=weight_version,
+                              weights=sd)
+
+
+def write_model_folder(
+    config: PretrainedConfig, generation_config: GenerationConfig | None, tokenizer: Tokenizer, folder: str | Path,
+    *, weight_version: int, weights: dict[str, torch.Tensor],
+) -> str:
+    """``save_model_folder`` for a trainer that holds no ``transformers`` model (the megatron
+    backend): HF-named ``weights`` with the config they belong to."""
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    sd = export_state_dict(model) if weights is None else weights
-    checksum = weights_checksum(sd)
-    save_file(sd, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    model.config.save_pretrained(str(tmp))
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(str(tmp))
+    checksum = weights_checksum(weights)
+    save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    config.save_pretrained(str(tmp))
+    if generation_config is not None:
+        generation_config.save_pretrained(str(tmp))
     tokenizer.save(tmp)
     (tmp / META_FILE).write_text(json.dumps({"weight_version": weight_version, "checksum": checksum}))
     if folder.exists():

@@ -130,9 +130,10 @@ class Ancestor(Message):
 
 
 class TrainerBackendSettings(Message):
-    """How the trainer is placed (``trainer`` in the run config): one process, or a fsdp2 cell."""
+    """How the trainer is placed (``trainer`` in the run config): one process, a fsdp2 cell, or
+    one process training a megatron-core GPTModel."""
 
-    backend: Literal["single", "fsdp2"]
+    backend: Literal["single", "fsdp2", "megatron"]
     ranks_per_cell: int
     placement: Literal["strict_pack", "spread"]
     ray_address: str | None

@@ -107,6 +107,31 @@ class MicroBatch:
         return self.from_response(aligned)
 
 
+def check_groups(samples: list[Sample], rewards: list[float], group_size: int) -> None:
+    """A train step's input: one reward per sample, contiguous groups of ``group_size``
+    samples sharing one prompt, every sample with a prompt and a response."""
+    if not samples:
+        raise ValueError("samples must not be empty")
+    if len(rewards) != len(samples):
+        raise ValueError(f"rewards has {len(rewards)} entries for {len(samples)} samples")
+    if group_size <= 0 or len(samples) % group_size:
+        raise ValueError(f"group_size={group_size} must divide the number of samples ({len(samples)})")
+    for g in range(0, len(samples), group_size):
+        grp = samples[g : g + group_size]
+        if any(s.prompt_index != grp[0].prompt_index or s.prompt_ids != grp[0].prompt_ids for s in grp):
+            raise ValueError(f"samples {g}..{g + group_size - 1}: a group must share one prompt (contiguous groups)")
+    for s in samples:
+        if not s.prompt_ids or not s.response_ids:
+            raise ValueError(f"sample {s.sample_id}: prompt_ids and response_ids must be non-empty")
+
+
+def lr_at(step: int, hp: TrainerHParams) -> float:
+    """The RL LR schedule: constant with optional linear warm-up over ``warmup_steps`` optimizer steps."""
+    if hp.warmup_steps > 0 and step < hp.warmup_steps:
+        return hp.lr * (step + 1) / hp.warmup_steps
+    return hp.lr
+
+
 def micro_batches(samples: list[Sample], size: int, pad_id: int) -> list[MicroBatch]:
     return [MicroBatch.of(samples[i : i + size], pad_id) for i in range(0, len(samples), size)]
 

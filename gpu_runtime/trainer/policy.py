@@ -12,7 +12,6 @@ model stays float32.
 from __future__ import annotations
 
 import copy
-import math
 import logging
 import random
 import time
@@ -32,7 +31,14 @@ from gpu_runtime.algorithms.losses import (
     policy_loss_per_token,
     tis_weights,
 )
-from gpu_runtime.trainer.batches import logprob_gap_sums, micro_batch_advantages, micro_batches, pad_batch, response_mask
+from gpu_runtime.trainer.batches import (
+    check_groups,
+    logprob_gap_sums,
+    micro_batch_advantages,
+    micro_batches,
+    pad_batch,
+    response_mask,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from gpu_runtime.models.causal_lm import (
@@ -50,13 +56,14 @@ from gpu_runtime.trainer import lora as lora_lib
 from gpu_runtime.trainer import sft as sft_lib
 from gpu_runtime.trainer import state as trainer_state
 from gpu_runtime.trainer.api import DistillSettings, LoraSettings, TrainerHParams, stored_hparams
+from gpu_runtime.trainer.optim import AdamWSteps
 from gpu_runtime.trainer.ppo import CriticPass
 
 log = logging.getLogger(__name__)
 
 
 
-class PolicyTrainer:
+class PolicyTrainer(AdamWSteps):
     def __init__(
         self,
         model: PreTrainedModel,
@@ -111,18 +118,6 @@ class PolicyTrainer:
             p.requires_grad_(False)
         return ref
 
-    def _new_optimizer(self, hp: TrainerHParams, lr: float | None = None) -> torch.optim.AdamW:
-        return torch.optim.AdamW(
-            lora_lib.trainable_parameters(self.model), lr=hp.lr if lr is None else lr, betas=hp.betas, eps=hp.eps,
-            weight_decay=hp.weight_decay, foreach=False,
-        )
-
-    def lr_at(self, step: int, hp: TrainerHParams) -> float:
-        """Constant LR with optional linear warm-up over ``warmup_steps`` optimizer steps."""
-        if hp.warmup_steps > 0 and step < hp.warmup_steps:
-            return hp.lr * (step + 1) / hp.warmup_steps
-        return hp.lr
-
     # ----------------------------------------------------------------- SFT
     def sft_warmup(
         self, rows: list[dict], steps: int, batch_size: int, lr: float, seed: int, grad_clip: float | None = None,
@@ -173,25 +168,7 @@ class PolicyTrainer:
         return out
 
     # ------------------------------------------------------- optimizer steps
-    def start_optimizer_step(self, hp: TrainerHParams) -> float:
-        """Set the step's LR (schedule position ``opt_steps``) and AdamW knobs, clear the grads."""
-        lr = self.lr_at(self.opt_steps, hp)
-        for group in self.optimizer.param_groups:
-            group.update(lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-        self.optimizer.zero_grad(set_to_none=True)
-        return lr
-
-    def take_optimizer_step(self, hp: TrainerHParams, what: str) -> float:
-        """Clip the accumulated grads to ``hp.grad_clip`` and step; the grad norm before clipping.
-        A non-finite norm is a FloatingPointError and the weights stay the last good ones."""
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), hp.grad_clip))
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"{what}: grad norm is not finite ({grad_norm})")
-        self.optimizer.step()
-        self.opt_steps += 1
-        return grad_norm
-
+    # (``AdamWSteps``: _new_optimizer, lr_at, start_optimizer_step, take_optimizer_step)
     def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
         """One supervised update (SFT mode); increments ``policy_version`` by 1 (``trainer.sft``)."""
         return sft_lib.sft_step(self, rows, hparams)
@@ -205,19 +182,7 @@ class PolicyTrainer:
         return self.critic
 
     def _check_groups(self, samples: list[Sample], rewards: list[float], group_size: int) -> None:
-        if not samples:
-            raise ValueError("samples must not be empty")
-        if len(rewards) != len(samples):
-            raise ValueError(f"rewards has {len(rewards)} entries for {len(samples)} samples")
-        if group_size <= 0 or len(samples) % group_size:
-            raise ValueError(f"group_size={group_size} must divide the number of samples ({len(samples)})")
-        for g in range(0, len(samples), group_size):
-            grp = samples[g : g + group_size]
-            if any(s.prompt_index != grp[0].prompt_index or s.prompt_ids != grp[0].prompt_ids for s in grp):
-                raise ValueError(f"samples {g}..{g + group_size - 1}: a group must share one prompt (contiguous groups)")
-        for s in samples:
-            if not s.prompt_ids or not s.response_ids:
-                raise ValueError(f"sample {s.sample_id}: prompt_ids and response_ids must be non-empty")
+        check_groups(samples, rewards, group_size)
 
     def train_step(
         self, samples: list[Sample], rewards: list[float], group_size: int, hparams: TrainerHParams

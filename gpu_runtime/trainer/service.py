@@ -96,6 +96,7 @@ class TrainerService:
             self.setup = setup
             self.store.epoch, self.store.node = setup.epoch, setup.node_id  # this call's placement
             return
+        self._check_backend(setup)
         self.setup = setup
         self.trainer = None
         self._end_dp_group()  # another run's cells (a node rebinds between runs)
@@ -117,6 +118,17 @@ class TrainerService:
                                      accept=self._fenced_accept(a.run_id)))
             for a in setup.lineage
         ]
+
+    @staticmethod
+    def _check_backend(setup: RunSetup) -> None:
+        """Refuse a run this trainer process cannot serve before it touches the run's store:
+        ``trainer.backend megatron`` needs megatron-core and a CUDA trainer (a ValueError: the
+        run fails as invalid input instead of retrying on the same node)."""
+        if setup.trainer is not None and setup.trainer.backend == "megatron":
+            from gpu_runtime.trainer.megatron.trainer import runtime_problem  # imports no megatron-core
+
+            if problem := runtime_problem():
+                raise ValueError(problem)
 
     def _fenced_accept(self, run_id: str) -> Callable[[CheckpointInfo], bool]:
         """A checkpoint of ``run_id`` is durable state unless its writer's epoch was left
@@ -189,7 +201,19 @@ class TrainerService:
             return self._cells().build(s.trainer, self._base_folder(), s.hparams, s.seed)  # type: ignore[arg-type,return-value]
         if self._dp():  # so does a group of DP cells
             return self._new_dp_group(self._base_folder())  # type: ignore[return-value]
+        if self._megatron():  # so does a megatron-core GPTModel's trainer
+            return self._new_megatron(self._base_folder())
         return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
+
+    def _new_megatron(self, folder: Path) -> PolicyTrainer:
+        from gpu_runtime.trainer.megatron.trainer import MegatronTrainer  # megatron-core: the ``[gpu]`` extra
+
+        s = self.setup
+        assert s is not None
+        return MegatronTrainer.create(folder, s.hparams, s.seed)  # type: ignore[return-value]
+
+    def _megatron(self) -> bool:
+        return self.setup is not None and self.setup.trainer is not None and self.setup.trainer.backend == "megatron"
 
     def _fsdp2(self) -> bool:
         return self.setup is not None and self.setup.trainer is not None and self.setup.trainer.backend == "fsdp2"
@@ -246,22 +270,24 @@ class TrainerService:
         return self.cell_host
 
     def _sft_trainer(self) -> PolicyTrainer:
-        """The trainer the SFT warm-up runs on: the run's own, or, for a fsdp2 run, a single
-        process whose post-SFT weights the cell then loads."""
+        """The trainer the SFT warm-up runs on: the run's own, or, for a fsdp2, DP or megatron
+        run, a single HF trainer whose post-SFT weights the run's trainer then loads."""
         s = self.setup
         assert s is not None
-        if not (self._fsdp2() or self._dp()):
+        if not (self._fsdp2() or self._dp() or self._megatron()):
             return self._new_trainer()
         return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
 
     def _after_sft(self, trainer: PolicyTrainer) -> PolicyTrainer:
         s = self.setup
         assert s is not None
-        if not (self._fsdp2() or self._dp()):
+        if not (self._fsdp2() or self._dp() or self._megatron()):
             return trainer
         folder = self.work_dir / s.run_id / "post-sft"
         trainer.export_model_folder(folder)
         del trainer  # one full copy at a time in this process
+        if self._megatron():
+            return self._new_megatron(folder)
         if self._dp():
             return self._new_dp_group(folder)  # type: ignore[return-value]
         return self._cells().build(s.trainer, folder, s.hparams, s.seed)  # type: ignore[arg-type,return-value]

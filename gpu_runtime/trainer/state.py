@@ -106,6 +106,10 @@ def load(trainer: PolicyTrainer, folder: str | Path) -> None:
     """Restore the trainer's weights, reference, optimizer, schedule, RNG and version from ``folder``."""
     folder = Path(folder)
     meta = read_meta(folder)
+    if meta.get("backend", "single") == "megatron":  # gpu_runtime.trainer.megatron.checkpoint
+        raise ValueError(f"{folder / META_FILE}: field 'backend' is 'megatron': a checkpoint of trainer.backend "
+                         "megatron (its optimizer state is in the GPTModel's parameter order); restore it with "
+                         "trainer.backend megatron")
     if shape_summary(trainer.model) != meta["model_config"]:
         raise ValueError(f"{folder / META_FILE}: field 'model_config' does not match this trainer's model")
     mine = trainer.lora.model_dump(mode="json") if trainer.lora else None

@@ -17,6 +17,7 @@ from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.trainer.megatron import config as mconfig
 from gpu_runtime.trainer.megatron.convert import Shape, fuse_qkv, hf_to_megatron, megatron_to_hf, split_qkv
 from tests.engine_fixtures import REPO, tiny_model
+from tests.megatron_fixtures import HFAsGPT
 
 
 @pytest.mark.parametrize("arch,tie", [("qwen2", True), ("qwen2", False), ("llama", True)])
@@ -128,18 +129,6 @@ def test_a_real_gpt_model_takes_the_weights_and_gives_them_back(arch: str, tie: 
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr[-3000:]
 
 
-class _HFAsGPT(torch.nn.Module):
-    """An HF causal LM called the way a Megatron GPTModel is (logits, causal, no key mask)."""
-
-    def __init__(self, hf: torch.nn.Module) -> None:
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: None) -> torch.Tensor:
-        assert attention_mask is None
-        return self.hf(input_ids=input_ids, position_ids=position_ids).logits
-
-
 def test_megatron_grpo_loss_is_the_single_trainers(tmp_path: Path) -> None:
     """The loss plumbing of ``megatron.train`` (batches, advantages, per-token loss,
     aggregation, causal-only attention on right-padded batches) against the plain
@@ -164,7 +153,7 @@ def test_megatron_grpo_loss_is_the_single_trainers(tmp_path: Path) -> None:
     ref = PolicyTrainer.create(tmp_path / "m", hp, 0)
     start = copy.deepcopy(ref.model)
     want = ref.train_step(samples, rewards, 4, hp)
-    gpt = _HFAsGPT(start)
+    gpt = HFAsGPT(start)
     opt = torch.optim.AdamW(start.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
                             foreach=False)
     got = grpo_step(gpt, opt, samples, rewards, 4, hp, tok.pad_token_id)

@@ -1,4 +1,5 @@
-"""The ``trainer`` section: backend single | fsdp2, ranks_per_cell, and what fsdp2 refuses up front."""
+"""The ``trainer`` section: backend single | fsdp2 | megatron, ranks_per_cell, and what fsdp2 and megatron
+refuse up front."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_fsdp2_cells_that_divide_the_micro_batches(ranks: int) -> None:
 @pytest.mark.parametrize("cfg,message", [
     ({"trainer": {"ranks_per_cell": 2}}, "trainer: ranks_per_cell 2 needs backend fsdp2"),
     ({"trainer": {"backend": "fsdp2", "ranks_per_cell": 0}}, "trainer.ranks_per_cell: Input should be greater than"),
-    ({"trainer": {"backend": "fsdp3"}}, "trainer.backend: Input should be 'single' or 'fsdp2'"),
+    ({"trainer": {"backend": "fsdp3"}}, "trainer.backend: Input should be 'single', 'fsdp2' or 'megatron'"),
     ({**BASE, "trainer": {"backend": "fsdp2", "ranks_per_cell": 3}}, "ranks_per_cell 3 must divide the step's 4 micro-batches"),
     ({"trainer": {"backend": "fsdp2", "ranks_per_cell": 2}}, "must divide the step's 1 micro-batches"),
     ({"trainer": {"placement": "spread"}}, "trainer: placement and ray_address need backend fsdp2"),
@@ -63,3 +64,61 @@ def test_one_step_off_with_tis_off_is_accepted() -> None:
                                     "rollout": {"mode": "one_step_off", "prompts_per_step": 4, "group_size": 4},
                                     "train": {"micro_batch_size": 4, "tis_cap": None}})
     assert cfg.train.tis_cap is None
+
+
+# ---- backend megatron: what its trainer does not implement is refused before the run, by field
+MEGATRON = {"trainer": {"backend": "megatron"}}
+
+
+def test_megatron_with_the_grpo_defaults_is_accepted() -> None:
+    cfg = RunConfig.model_validate({**BASE, **MEGATRON, "train": {"micro_batch_size": 4, "estimator": "rloo",
+                                                                  "warmup_steps": 3, "lr": 1e-5}})
+    assert cfg.trainer.backend == "megatron" and cfg.trainer.ranks_per_cell == 1 and cfg.trainer.cells == 1
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"trainer": {"backend": "megatron", "ranks_per_cell": 2}},
+     "trainer: ranks_per_cell 2: backend megatron runs one process (tensor/pipeline parallel ranks are not built yet)"),
+    ({"trainer": {"backend": "megatron", "cells": 2}}, "trainer: cells 2: backend megatron runs one cell"),
+    ({"trainer": {"backend": "megatron", "placement": "spread"}}, "placement and ray_address need backend fsdp2"),
+    ({**MEGATRON, "train": {"kl_coef": 0.1}}, "backend megatron does not support train.kl_coef > 0"),
+    ({**MEGATRON, "train": {"entropy_coef": 0.01}}, "does not support train.entropy_coef > 0"),
+    ({**MEGATRON, "train": {"tis_cap": 2.0}}, "does not support train.tis_cap"),
+    ({**MEGATRON, "rollout": {"mode": "one_step_off"}}, "train.tis_cap (no truncated importance sampling; off-policy"),
+    ({**MEGATRON, "train": {"ppo_epochs": 2}}, "does not support train.ppo_epochs 2"),
+    ({**MEGATRON, "train": {"estimator": "ppo"}}, "does not support train.estimator ppo (no critic)"),
+    ({**MEGATRON, "model": {"path": "/m", "lora": {"r": 4}}}, "does not support model.lora"),
+    ({**MEGATRON, "distill": {"teacher_path": "/t"}}, "does not support distill"),
+    ({**MEGATRON, "mode": "sft", "sft": {"steps": 0}}, "does not support mode sft"),
+    ({**MEGATRON, "data": {"kind": "tool_arithmetic"}, "rollout": {"agent": {}}, "eval": {"enabled": False}},
+     "does not support rollout.agent"),
+])
+def test_megatron_refuses_what_it_does_not_implement_by_field(cfg: dict, message: str) -> None:
+    assert message in error(cfg)
+
+
+def test_megatron_lists_every_conflict_at_once() -> None:
+    msg = error({**MEGATRON, "train": {"kl_coef": 0.1, "ppo_epochs": 2}})
+    assert msg.startswith("trainer: backend megatron does not support") and "kl_coef" in msg and "ppo_epochs 2" in msg
+
+
+def test_off_policy_megatron_runs_with_tis_off() -> None:
+    cfg = RunConfig.model_validate({**MEGATRON, "rollout": {"mode": "one_step_off"}, "train": {"tis_cap": None}})
+    assert cfg.train.tis_cap is None
+
+
+@pytest.mark.parametrize("knob,value", [("kl_coef", 0.1), ("entropy_coef", 0.01), ("tis_cap", 2.0),
+                                        ("ppo_epochs", 2), ("estimator", "ppo"), ("precision", "bf16")])
+def test_the_config_and_the_megatron_loss_refuse_the_same_knobs(knob: str, value: object) -> None:
+    """``megatron_train_conflicts`` (the config, torch-free) and ``megatron.train.unsupported``
+    (the runtime twin the trainer checks every step) agree knob by knob."""
+    from gpu_runtime.trainer.api import TrainerHParams
+    from gpu_runtime.trainer.megatron.train import unsupported
+    from workflows.config import TrainSpec
+    from workflows.trainer_config import megatron_train_conflicts
+
+    train = TrainSpec.model_validate({knob: value})
+    assert megatron_train_conflicts(TrainSpec()) == [] and unsupported(TrainerHParams(**TrainSpec().model_dump())) == []
+    assert len(megatron_train_conflicts(train)) == 1 and knob in megatron_train_conflicts(train)[0]
+    got = unsupported(TrainerHParams(**train.model_dump()))
+    assert len(got) == 1 and knob in got[0]

@@ -218,3 +218,5 @@ def test_run_setup_carries_the_trainer_backend() -> None:
     assert dp.trainer is not None and (dp.trainer.cells, dp.trainer.cell_restart_backoff_s) == (3, 1.0)
     default = translate.run_setup(inp.model_copy(update={"trainer": TrainerSpec()}))
     assert default.trainer is not None and default.trainer.backend == "single"
+    mg = translate.run_setup(inp.model_copy(update={"trainer": TrainerSpec(backend="megatron")}))
+    assert mg.trainer is not None and mg.trainer.backend == "megatron"

@@ -1,0 +1,201 @@
+"""``trainer.backend: megatron``: the policy as a megatron-core GPTModel (local layer spec,
+TP = PP = 1, one process), trained with the repo's GRPO loss (``megatron.train``) and its
+AdamW + LR schedule (``trainer.optim``), published as HF model folders engines load.
+
+It answers the calls ``TrainerService`` makes of a ``PolicyTrainer`` for what it supports
+(RL ``train_step``, ``export_model_folder``, ``checksum``, ``published_state``,
+``save_state`` / ``from_state`` / ``load_state``, ``policy_version``); the run config
+refuses the rest before a run starts (``workflows.trainer_config.megatron_conflicts``).
+Weights go HF -> Megatron once at creation (``convert.hf_to_megatron``) and Megatron -> HF
+for every published version (``convert.megatron_to_hf``): pure reshapes, so a version's
+checksum is the checksum of the HF weights it stands for.
+
+megatron-core runs no forward on CPU: training needs the node's trainer on CUDA
+(``workers.gpu --device cuda``). Building, loading, exporting and checkpointing work on
+CPU (that is what the CPU tests cover).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from gpu_runtime.models.model_folder import weights_checksum, write_model_folder
+from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.store.artifacts import Sample, derive_seed
+from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
+from gpu_runtime.trainer.batches import check_groups
+from gpu_runtime.trainer.megatron import checkpoint
+from gpu_runtime.trainer.megatron.train import grpo_backward, unsupported
+from gpu_runtime.trainer.optim import AdamWSteps
+
+INSTALL = "pip install 'milestone[gpu]'"
+
+
+def runtime_problem(*, need_cuda: bool = True) -> str | None:
+    """Why this process cannot train ``trainer.backend megatron`` (None: it can): megatron-core
+    missing, or (``need_cuda``) torch's default device, which ``trainer.server`` sets from the
+    node's ``--device``, not CUDA."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return f"trainer.backend megatron needs megatron-core ({INSTALL}); it is not installed on this node"
+    dev = torch.get_default_device()
+    if need_cuda and dev.type != "cuda":
+        return ("trainer.backend megatron needs the node's trainer on CUDA (start the node agent with "
+                f"`python -m workers.gpu --device cuda`): megatron-core runs no forward on {dev.type}")
+    return None
+
+
+def _refuse_hparams(hp: TrainerHParams) -> None:
+    if bad := unsupported(hp):
+        raise ValueError(f"trainer.backend megatron does not support train.{', train.'.join(bad)}")
+
+
+class MegatronTrainer(AdamWSteps):
+    lora = None  # full fine-tuning only (the run config refuses model.lora)
+
+    def __init__(self, gpt: Any, hf_config: PretrainedConfig, generation_config: GenerationConfig | None,
+                 tokenizer: Tokenizer, hparams: TrainerHParams, seed: int) -> None:
+        self.model = gpt
+        self.hf_config = hf_config  # what the published folders' config.json says
+        self.generation_config = generation_config
+        self.tokenizer = tokenizer
+        self.hparams = hparams
+        self.seed = seed
+        self.policy_version = 0
+        self.opt_steps = 0
+        self.optimizer = self._new_optimizer(hparams)
+
+    # ---------------------------------------------------------------- setup
+    @classmethod
+    def create(cls, base_folder: str | Path, hparams: TrainerHParams, seed: int, *,
+               require_cuda: bool = True) -> "MegatronTrainer":
+        """A trainer over the weights and tokenizer of an HF folder (Qwen2 / Llama), converted to
+        a GPTModel on torch's default device. ``require_cuda`` False builds one on CPU anyway
+        (export and checkpoints work there; a forward does not): the CPU tests' way."""
+        from safetensors.torch import load_file
+
+        from gpu_runtime.trainer.megatron.model import load_hf_weights
+
+        trainer = cls._empty(base_folder, hparams, seed, require_cuda)
+        sd = load_file(str(Path(base_folder) / "model.safetensors"), device=str(_device(trainer.model)))
+        with torch.no_grad():
+            load_hf_weights(trainer.model, sd, trainer.hf_config)
+        return trainer
+
+    @classmethod
+    def _empty(cls, folder: str | Path, hparams: TrainerHParams, seed: int, require_cuda: bool) -> "MegatronTrainer":
+        """A trainer with the folder's architecture and tokenizer, its weights megatron-core's init."""
+        if problem := runtime_problem(need_cuda=require_cuda):
+            raise ValueError(problem)
+        _refuse_hparams(hparams)
+        tokenizer = Tokenizer.load(folder)
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        if config.vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"{folder}: config vocab_size {config.vocab_size} < tokenizer's {tokenizer.vocab_size}")
+        gpt = build(config, seed)
+        gpt.train()
+        torch.manual_seed(derive_seed("trainer", seed) % (1 << 63))  # as PolicyTrainer.create: after the build
+        random.seed(derive_seed("trainer-py", seed))
+        return cls(gpt, config, _generation_config(folder), tokenizer, hparams, seed)
+
+    # ------------------------------------------------------------------ RL
+    def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
+                   hparams: TrainerHParams) -> dict[str, float]:
+        """One GRPO update from one rollout (one optimizer step); increments ``policy_version``.
+        The same metrics as ``PolicyTrainer.train_step`` (``kl`` is 0: no reference)."""
+        check_groups(samples, rewards, group_size)
+        _refuse_hparams(hparams)
+        t0 = time.perf_counter()
+        self.hparams = hp = hparams
+        self.model.train()
+        lr = self.start_optimizer_step(hp)
+        sums = grpo_backward(self.model, samples, rewards, group_size, hp, self.tokenizer.pad_token_id)
+        grad_norm = self.take_optimizer_step(hp, "train_step")
+        self.policy_version += 1
+        gap_total, gap_count = sums.pop("gap_total"), sums.pop("gap_count")
+        n_tokens = sums.pop("tokens")
+        secs = time.perf_counter() - t0
+        r = torch.tensor(rewards, dtype=torch.float32)
+        lens = [float(len(s.response_ids)) for s in samples]
+        metrics = dict(sums)
+        metrics.update(
+            grad_norm=grad_norm, lr=lr, tokens=n_tokens, tokens_per_s=n_tokens / max(secs, 1e-9),
+            reward_mean=float(r.mean()), reward_std=float(r.std(unbiased=False)), response_len_mean=sum(lens) / len(lens),
+            step_seconds=secs, policy_version=float(self.policy_version),
+            rollout_logprob_abs_diff=gap_total / gap_count if gap_count else 0.0,
+        )
+        for k, v in metrics.items():
+            if v != v or v in (float("inf"), float("-inf")):
+                raise FloatingPointError(f"train_step: metric {k} is not finite ({v})")
+        return metrics
+
+    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+        raise ValueError("trainer.backend megatron does not support mode sft (the RL step only)")
+
+    # --------------------------------------------------------------- state
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """The weights engines load for this version, in HF naming (``export_state_dict``'s layout)."""
+        from gpu_runtime.trainer.megatron.convert import Shape, megatron_to_hf
+
+        sd = {k: v.detach() for k, v in self.model.state_dict().items()
+              if isinstance(v, torch.Tensor) and not k.endswith("._extra_state")}
+        return {k: v.contiguous().clone() for k, v in megatron_to_hf(sd, Shape.of(self.hf_config)).items()}
+
+    def checksum(self) -> str:
+        return weights_checksum(self.published_state())
+
+    def export_model_folder(self, folder: str | Path) -> str:
+        """This version as an HF model folder (config, generation config, tokenizer, weights,
+        ``milestone.json``) that engines and ``transformers`` load as is; returns its checksum."""
+        return write_model_folder(self.hf_config, self.generation_config, self.tokenizer, folder,
+                                  weight_version=self.policy_version, weights=self.published_state())
+
+    def export_adapter_folder(self, folder: str | Path, base_model: str) -> None:
+        raise ValueError("export_adapter_folder: trainer.backend megatron trains no LoRA adapters")
+
+    def save_state(self, folder: str | Path) -> None:
+        """Write the full trainer state into ``folder`` (``megatron.checkpoint``; meta file last)."""
+        checkpoint.save(self, folder)
+
+    @classmethod
+    def from_state(cls, folder: str | Path, *, require_cuda: bool = True) -> "MegatronTrainer":
+        """Build a trainer from a folder written by ``save_state``."""
+        meta = checkpoint.read_meta(Path(folder))
+        trainer = cls._empty(folder, stored_hparams(meta["hparams"]), int(meta["seed"]), require_cuda)
+        trainer.load_state(folder)
+        return trainer
+
+    def load_state(self, folder: str | Path) -> None:
+        """Restore weights, optimizer, schedule, RNGs and version from ``folder``."""
+        checkpoint.load(self, folder)
+
+
+def build(config: PretrainedConfig, seed: int) -> Any:
+    """An (unloaded) GPTModel for ``config`` on torch's default device, in a world of one
+    (megatron-core's parallel state, TP = PP = 1)."""
+    from gpu_runtime.trainer.megatron import model as mm
+
+    mm.init_single_process(seed=seed)
+    device = torch.get_default_device()
+    gpt = mm.build_gpt(config, cpu_init=device.type != "cuda")  # on CUDA megatron-core initialises on the GPU
+    return gpt.to(device)
+
+
+def _device(gpt: Any) -> torch.device:
+    return next(gpt.parameters()).device
+
+
+def _generation_config(folder: str | Path) -> GenerationConfig | None:
+    try:
+        return GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+    except OSError:  # the folder has none
+        return None
+
+
+__all__ = ["INSTALL", "MegatronTrainer", "runtime_problem"]

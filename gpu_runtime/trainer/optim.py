@@ -1,0 +1,48 @@
+"""The RL optimizer of a trainer holding a ``model``: AdamW over its trainable parameters,
+the LR schedule's position ``opt_steps``, and one clipped step. Shared by the HF
+``PolicyTrainer`` (and its cell / DP subclasses, which override the step) and the
+``MegatronTrainer``, so both backends step the same way from the same ``train`` knobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gpu_runtime.trainer import lora as lora_lib
+from gpu_runtime.trainer.api import TrainerHParams
+from gpu_runtime.trainer.batches import lr_at
+
+
+class AdamWSteps:
+    model: torch.nn.Module
+    optimizer: torch.optim.AdamW
+    opt_steps: int  # LR-schedule position (optimizer steps taken in RL)
+
+    def _new_optimizer(self, hp: TrainerHParams, lr: float | None = None) -> torch.optim.AdamW:
+        return torch.optim.AdamW(
+            lora_lib.trainable_parameters(self.model), lr=hp.lr if lr is None else lr, betas=hp.betas, eps=hp.eps,
+            weight_decay=hp.weight_decay, foreach=False,
+        )
+
+    def lr_at(self, step: int, hp: TrainerHParams) -> float:
+        return lr_at(step, hp)
+
+    def start_optimizer_step(self, hp: TrainerHParams) -> float:
+        """Set the step's LR (schedule position ``opt_steps``) and AdamW knobs, clear the grads."""
+        lr = self.lr_at(self.opt_steps, hp)
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def take_optimizer_step(self, hp: TrainerHParams, what: str) -> float:
+        """Clip the accumulated grads to ``hp.grad_clip`` and step; the grad norm before clipping.
+        A non-finite norm is a FloatingPointError and the weights stay the last good ones."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), hp.grad_clip))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"{what}: grad norm is not finite ({grad_norm})")
+        self.optimizer.step()
+        self.opt_steps += 1
+        return grad_norm

@@ -1,0 +1,265 @@
+"""``trainer.backend: megatron``'s trainer (``gpu_runtime.trainer.megatron.trainer``) on CPU.
+
+megatron-core runs no forward on CPU, so the CPU tests split the trainer at that seam:
+
+- its step (LR schedule, AdamW, GRPO loss, metrics, versions) runs around an HF model
+  called the way a GPTModel is, against the plain reference ``PolicyTrainer.train_step``
+  on the same model: always run (no megatron-core needed);
+- a real GPTModel built on CPU from a tiny random Qwen2 / Llama folder (export to an HF
+  folder ``transformers`` loads, bitwise; ``save_state`` / ``from_state`` with the optimizer
+  and RNG, then the same optimizer step on both: bitwise) runs in its own process (a
+  world of one) and is skipped where megatron-core is not installed (CI: it is in the
+  ``[gpu]`` extra only);
+- a real GPTModel *trained* on CPU, with megatron-core's three CUDA-only bits (its causal
+  mask's and rotary frequencies' device, its dropout's CUDA RNG fork) shimmed
+  (``tests.megatron_fixtures.shim_cpu_forward``): the CUDA test's script, rehearsed here,
+  with the tolerance float32 on one CPU gives (also skipped without megatron-core);
+- the refusals: a CPU trainer process or a missing megatron-core is a ValueError naming
+  what to do, raised when the run binds the trainer, before the run's store is touched.
+
+The GPTModel's own forward and a few steps against the HF trainer on CUDA:
+``tests/integration/test_megatron_cuda.py`` (gpu marker).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from activities import translate
+from gpu_runtime.models.model_folder import save_model_folder
+from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.trainer.api import TrainerHParams
+from gpu_runtime.trainer.megatron import trainer as mtrainer
+from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.service import TrainerService
+from tests.engine_fixtures import REPO, tiny_model
+from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_service, check_steps, run_service, run_steps
+from workflows.config import CheckpointSpec, ModelSpec, SFTSpec, TrainSpec
+from workflows.contracts import DatasetInfo, InitPolicyInput
+from workflows.trainer_config import TrainerSpec
+
+def _batch(step: int) -> tuple[list[Sample], list[float]]:
+    samples = [Sample(sample_id=f"s{step}-p{p}-g{g}", prompt_index=p, group_index=g, prompt_ids=[1, 5 + p, 6 + step],
+                      response_ids=[7, 8, 9 + g, 10][: 1 + (g + p + step) % 4],
+                      logprobs=[-1.0] * (1 + (g + p + step) % 4), weight_version=step - 1, finish_reason="length")
+               for p in range(2) for g in range(4)]
+    rewards = [float((g + p * step) % 3) / 2 for p in range(2) for g in range(4)]
+    return samples, rewards
+
+
+def test_train_step_is_the_single_trainers_step(tmp_path: Path) -> None:
+    """Three steps (LR warm-up, micro-batches, seq-mean aggregation, clipping) of the megatron
+    trainer around the reference's own model: the same metrics by name, the same values,
+    the same weights after each step as ``PolicyTrainer.train_step``."""
+    model, tok = tiny_model(7)
+    save_model_folder(model, tok, tmp_path / "m", weight_version=0)
+    hp = TrainerHParams(**TrainSpec(lr=1e-3, warmup_steps=2, micro_batch_size=3, grad_clip=0.5,
+                                    loss_agg="seq_mean_token_mean").model_dump())
+    ref = PolicyTrainer.create(tmp_path / "m", hp, 0)
+    hf = copy.deepcopy(ref.model)
+    mine = mtrainer.MegatronTrainer(HFAsGPT(hf), hf.config, None, ref.tokenizer, hp, 0)
+    for step in (1, 2, 3):
+        samples, rewards = _batch(step)
+        want = ref.train_step(samples, rewards, 4, hp)
+        got = mine.train_step(samples, rewards, 4, hp)
+        assert set(got) == set(want)
+        timing = {"step_seconds", "tokens_per_s"}
+        for k in set(want) - timing:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), (step, k)
+        assert got["lr"] == ref.lr_at(step - 1, hp) and got["policy_version"] == step == mine.opt_steps
+        for (name, a), b in zip(hf.state_dict().items(), ref.model.state_dict().values()):
+            assert torch.allclose(a, b, atol=1e-6), (step, name)
+    assert mine.optimizer.param_groups[0]["lr"] == hp.lr  # past the warm-up
+
+
+def test_train_step_refuses_what_the_loss_does_not_implement(tmp_path: Path) -> None:
+    """A knob ``set_hparams`` could change mid-run is refused by name (the workflow's validator
+    refuses it first; this is the trainer's own guard)."""
+    model, tok = tiny_model(7)
+    hp = TrainerHParams(**TrainSpec().model_dump())
+    mine = mtrainer.MegatronTrainer(HFAsGPT(model), model.config, None, tok, hp, 0)
+    samples, rewards = _batch(1)
+    with pytest.raises(ValueError, match="trainer.backend megatron does not support train.kl_coef > 0, train.tis_cap"):
+        mine.train_step(samples, rewards, 4, hp.model_copy(update={"kl_coef": 0.1, "tis_cap": 2.0}))
+    assert mine.policy_version == 0
+    with pytest.raises(ValueError, match="mode sft"):
+        mine.sft_step([], hp)
+
+
+def test_a_cpu_trainer_or_a_missing_megatron_core_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    if HAVE_MCORE:
+        assert "needs the node's trainer on CUDA" in (mtrainer.runtime_problem() or "")
+        assert "workers.gpu --device cuda" in (mtrainer.runtime_problem() or "")
+        assert mtrainer.runtime_problem(need_cuda=False) is None
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n.startswith("megatron") else real(n, *a))
+    problem = mtrainer.runtime_problem(need_cuda=False)
+    assert problem is not None and "needs megatron-core (pip install 'milestone[gpu]')" in problem
+
+
+def test_the_trainer_refuses_a_megatron_run_when_it_binds(tmp_path: Path) -> None:
+    """On this CPU node (with or without megatron-core) the first call of a megatron run is a
+    ValueError (the activity fails the run as invalid input, no retries), and nothing is
+    written to the run's store."""
+    store = tmp_path / "store"
+    inp = InitPolicyInput(
+        run_id="r", store_uri=f"file://{store}", seed=5, model=ModelSpec(), sft=SFTSpec(), train=TrainSpec(),
+        dataset=DatasetInfo(key="runs/r/data/train.jsonl", n_rows=10, sha256="x"), checkpoint=CheckpointSpec(),
+        config_hash="abc", trainer=TrainerSpec(backend="megatron"),
+    )
+    svc = TrainerService(tmp_path / "work")
+    with pytest.raises(ValueError, match="trainer.backend megatron needs (megatron-core|the node's trainer on CUDA)"):
+        svc.ensure_version(translate.run_setup(inp), 0)
+    assert svc.setup is None and not store.exists()
+
+
+_REAL = r"""
+import json, sys, torch, warnings
+warnings.filterwarnings("ignore")
+from pathlib import Path
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from gpu_runtime.models.causal_lm import export_state_dict
+from gpu_runtime.models.model_folder import weights_checksum
+from gpu_runtime.trainer.api import TrainerHParams
+from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
+from gpu_runtime.trainer.policy import PolicyTrainer
+from workflows.config import TrainSpec
+
+src, work = Path(sys.argv[1]), Path(sys.argv[2])
+out = {}
+hp = TrainerHParams(**TrainSpec(lr=1e-3, warmup_steps=2).model_dump())
+try:
+    MegatronTrainer.create(src, hp, 0)
+except ValueError as e:
+    out["cpu_refused"] = str(e)
+t = MegatronTrainer.create(src, hp, 0, require_cuda=False)
+ref = load_file(str(src / "model.safetensors"))
+
+def same(a, b):
+    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in b)
+
+def loaded(folder):
+    return export_state_dict(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32))
+
+ck = t.export_model_folder(work / "v0")
+out["files"] = sorted(p.name for p in (work / "v0").iterdir())
+out["meta"] = json.loads((work / "v0" / "milestone.json").read_text())
+out["export_bitwise"] = same(loaded(work / "v0"), ref)
+out["checksums"] = [ck == weights_checksum(ref), t.checksum() == ck]
+
+def step(tr, k):
+    # megatron-core has no CPU forward: fixed grads, then the trainer's own clipped AdamW step
+    g = torch.Generator().manual_seed(100 + k)
+    tr.start_optimizer_step(hp)
+    for p in tr.model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    tr.take_optimizer_step(hp, "test")
+    tr.policy_version += 1
+
+step(t, 1); step(t, 2)
+out["moved"] = t.checksum() != ck
+import random
+rng, py = torch.get_rng_state(), random.getstate()
+t.save_state(work / "ck")
+torch.manual_seed(1); random.seed(1)
+r = MegatronTrainer.from_state(work / "ck", require_cuda=False)
+out["restored"] = [r.checksum() == t.checksum(), r.policy_version, r.opt_steps, r.seed]
+a, b = t.optimizer.state_dict(), r.optimizer.state_dict()
+out["optimizer_bitwise"] = a["state"].keys() == b["state"].keys() and all(
+    torch.equal(a["state"][i][n], b["state"][i][n]) for i in a["state"] for n in a["state"][i])
+out["rng_restored"] = torch.equal(torch.get_rng_state(), rng) and random.getstate() == py
+step(t, 3); step(r, 3)
+out["replay_bitwise"] = r.checksum() == t.checksum()
+t.export_model_folder(work / "v3")
+out["trained_export_bitwise"] = same(loaded(work / "v3"), t.published_state())
+try:
+    PolicyTrainer.from_state(work / "ck")
+except ValueError as e:
+    out["hf_refuses"] = str(e)
+PolicyTrainer.create(src, hp, 0).save_state(work / "hfck")
+try:
+    r.load_state(work / "hfck")
+except ValueError as e:
+    out["megatron_refuses"] = str(e)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)
+@pytest.mark.parametrize("arch,tie", [("qwen2", True), ("llama", False)])
+def test_a_real_gpt_model_exports_and_checkpoints_bitwise(arch: str, tie: bool, tmp_path: Path) -> None:
+    model, tok = tiny_model(6, arch=arch, tie=tie)
+    save_model_folder(model, tok, tmp_path / "m", weight_version=0)
+    (tmp_path / "w").mkdir()
+    proc = subprocess.run([sys.executable, "-c", _REAL, str(tmp_path / "m"), str(tmp_path / "w")], capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert "needs the node's trainer on CUDA" in out["cpu_refused"]
+    assert {"config.json", "model.safetensors", "milestone.json", "tokenizer.json"} <= set(out["files"])
+    assert out["meta"]["weight_version"] == 0
+    assert out["export_bitwise"] and out["checksums"] == [True, True]
+    assert out["moved"]
+    assert out["restored"] == [True, 2, 2, 0] and out["optimizer_bitwise"] and out["rng_restored"]
+    assert out["replay_bitwise"] and out["trained_export_bitwise"]
+    assert "field 'backend' is 'megatron'" in out["hf_refuses"]
+    assert "field 'backend' is 'single'" in out["megatron_refuses"]
+
+
+@pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)
+@pytest.mark.parametrize("arch,tie", [("qwen2", True), ("llama", False)])
+def test_a_real_gpt_model_trains_like_the_hf_trainer_on_cpu(arch: str, tie: bool, tmp_path: Path) -> None:
+    """The CUDA test's three steps on CPU: step 1's loss / grad norm / entropy against
+    ``PolicyTrainer.train_step`` (rel 1e-5: the fused q/k/v and gate/up matmuls sum in
+    another order), same-seed and restore-at-step-1-and-replay bitwise, the published
+    folder bitwise."""
+    model, tok = tiny_model(8, arch=arch, tie=tie)
+    save_model_folder(model, tok, tmp_path / "m", weight_version=0)
+    check_steps(run_steps(tmp_path / "m", tmp_path / "w", "cpu", REPO), rel=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)
+def test_a_megatron_run_through_the_trainer_service_restores_bitwise(tmp_path: Path) -> None:
+    """What the node's trainer process runs, with CUDA shimmed as above (and its CUDA check
+    off): SFT on the HF trainer, the post-SFT weights into a GPTModel (checkpoint v0), two
+    RL steps from in-process rollouts on the published folders, a checkpoint at step 1; a
+    second service (the trainer process after a crash) restores step 1 and replays step 2
+    to the same checksum bitwise."""
+    check_service(run_service(tmp_path, "cpu", REPO))
+
+
+def test_set_hparams_refuses_what_megatron_does_not_implement_mid_run() -> None:
+    """The workflow's ``set_hparams`` validator (stand-in activities, a real test server):
+    a knob the megatron loss lacks is refused by name before it reaches a step; an
+    implemented one is accepted."""
+    from temporalio.client import WorkflowUpdateFailedError
+
+    from tests.unit.workflow_harness import Cluster, finish, run_config, scenario, start_run
+    from workflows.config import HParamUpdate
+    from workflows.training_run import TrainingRun
+
+    cluster = Cluster()
+    held = cluster.gate("train_step", 1)
+
+    async def body(env, nodes) -> None:  # type: ignore[no-untyped-def]
+        handle = await start_run(env, run_config(steps=2, trainer={"backend": "megatron"}))
+        await held.wait_reached()
+        with pytest.raises(WorkflowUpdateFailedError) as err:
+            await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(entropy_coef=0.01))
+        assert "trainer.backend megatron does not support train.entropy_coef > 0" in str(err.value.cause)
+        train = await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(lr=1e-3))
+        assert train["lr"] == 1e-3 and train["entropy_coef"] == 0.0
+        held.release.set()
+        await finish(handle)
+        assert [t.train.entropy_coef for t in cluster.train_inputs] == [0.0, 0.0]
+
+    scenario(cluster, body)
