@@ -22,6 +22,7 @@ from gpu_runtime.models.model_folder import WEIGHTS_FILE, prune_version_folders,
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.devices import Placement
 from gpu_runtime.node.proc import free_port, free_port_block
+from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import NodeEvent, RunSetup, weights_folder
@@ -186,7 +187,8 @@ class NodeRuntime:
 
     def ensure_engines(
         self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch",
-        *, host: str = "127.0.0.1", weight_sync: str = "store",
+        *, host: str = "127.0.0.1", weight_sync: str = "store", weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
+        run_id: str = "",
     ) -> list[int]:
         """Gated recovery then weight push: returns the slots (re)started. A run whose
         engine settings differ from the running fleet's gets a new fleet (and a new
@@ -226,7 +228,9 @@ class NodeRuntime:
                 restarted = self.fleet.restart_empty_slots(model_path, version)
             for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
                 try:
-                    self.fleet.update_weights(model_path, version, weight_sync)
+                    self.fleet.update_weights(model_path, version, weight_sync,
+                                              self.trainer.broadcaster(run_id or self.run_id or "", weight_sync_timeout_s) if weight_sync == "distributed"
+                                              else None)
                     break
                 except NoHealthyEngine:
                     # every engine died between the restart and the push (a health probe timed
