@@ -1,0 +1,100 @@
+"""``engines.weight_sync: distributed``: config validation, the manifest (names in
+``weights_checksum`` order, dtypes and shapes from the safetensors header), and one
+gloo group in this process (rank 0 and rank 1 on two threads) carrying a real model's
+weights bitwise. Real engines and a real trainer: tests/integration/test_weight_sync_distributed.py."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from gpu_runtime.models.causal_lm import export_state_dict
+from gpu_runtime.models.model_folder import weights_checksum
+from gpu_runtime.node.proc import free_port
+from gpu_runtime.weight_sync.distributed import (
+    GroupError,
+    GroupSpec,
+    WeightGroup,
+    folder_manifest,
+    manifest_from_request,
+    manifest_of,
+)
+from tests.engine_fixtures import make_model_folder, tiny_model
+from workflows.config import EngineSpec
+
+
+def test_config_allows_distributed_on_both_backends_and_names_bad_fields() -> None:
+    assert EngineSpec(weight_sync="distributed").weight_sync_timeout_s == 60.0
+    assert EngineSpec(weight_sync="distributed", backend="sglang").backend == "sglang"
+    with pytest.raises(ValidationError, match="weight_sync"):
+        EngineSpec(weight_sync="nccl")
+    with pytest.raises(ValidationError, match="weight_sync_timeout_s"):
+        EngineSpec(weight_sync="distributed", weight_sync_timeout_s=0)
+    with pytest.raises(ValidationError, match="shared_memory needs engines.backend torch"):
+        EngineSpec(weight_sync="shared_memory", backend="sglang")
+
+
+def test_folder_manifest_is_the_exported_state_in_checksum_order(tmp_path: Path) -> None:
+    make_model_folder(tmp_path / "m", seed=1, weight_version=1)
+    model, _ = tiny_model(1)
+    sd = export_state_dict(model)
+    m = folder_manifest(tmp_path / "m")
+    assert m == manifest_of(sd)
+    assert m.names == sorted(sd) and "lm_head.weight" not in m.names  # tied: sent once, as the checksum hashes it
+    assert m.nbytes == sum(t.numel() * t.element_size() for t in sd.values())
+    assert manifest_from_request({**m.as_request(), "dtypes": ["torch." + d for d in m.dtypes]}) == m
+
+
+def test_bad_requests_and_specs_are_refused_by_field() -> None:
+    with pytest.raises(ValueError, match="names, dtypes and shapes are required"):
+        manifest_from_request({"names": ["a"]})
+    with pytest.raises(ValueError, match=r"names \(2\), dtypes \(1\)"):
+        manifest_from_request({"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1], [2]]})
+    with pytest.raises(ValueError, match="unknown dtype 'float33'"):
+        manifest_from_request({"names": ["a"], "dtypes": ["float33"], "shapes": [[1]]})
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        GroupSpec("127.0.0.1", 1, 2, "g", "mpi")
+    with pytest.raises(ValueError, match="world_size 1"):
+        GroupSpec("127.0.0.1", 1, 1, "g")
+
+
+def test_a_gloo_group_carries_a_model_bitwise_and_refuses_a_wrong_state() -> None:
+    model, _ = tiny_model(2)
+    sd = export_state_dict(model)
+    manifest = manifest_of(sd)
+    spec = GroupSpec("127.0.0.1", free_port(), 2, "unit", "gloo")
+    got: dict = {}
+
+    def engine() -> None:
+        g = WeightGroup(spec, 1, timeout_s=30)
+        try:
+            got.update(g.receive(manifest))
+        finally:
+            g.close()
+
+    t = threading.Thread(target=engine)
+    t.start()
+    g0 = WeightGroup(spec, 0, timeout_s=30)
+    try:
+        assert g0.send(sd, manifest) == manifest.nbytes
+    finally:
+        g0.close()
+        t.join()
+    assert weights_checksum(got) == weights_checksum(sd)
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
+    wrong = dict(sd)
+    wrong.pop(manifest.names[0])
+    spec2 = GroupSpec("127.0.0.1", free_port(), 2, "unit2", "gloo")
+    t = threading.Thread(target=lambda: pytest.raises(GroupError, WeightGroup(spec2, 1, timeout_s=5).receive, manifest))
+    t.start()
+    g0 = WeightGroup(spec2, 0, timeout_s=5)
+    try:
+        with pytest.raises(GroupError, match="does not match the manifest"):
+            g0.send(wrong, manifest)
+    finally:
+        g0.close()
+        t.join()
