@@ -55,9 +55,11 @@ class PushResult:
 
 def push(
     urls: list[str], folder: str | Path, version: str, checksum: str | None, broadcaster: Broadcaster,
-    *, send_checksum: bool = True, request_timeout_s: float = 600.0,
+    *, send_checksum: bool = True, request_timeout_s: float = 600.0, ranks_per_engine: int = 1,
 ) -> PushResult:
-    """Broadcast version ``version`` (the folder's weights, held by the trainer) to ``urls``."""
+    """Broadcast version ``version`` (the folder's weights, held by the trainer) to ``urls``.
+    An engine of tensor-parallel size ``ranks_per_engine`` (SGLang ``--tp-size``) holds
+    that many ranks from its ``rank_offset`` on, as in SGLang."""
     t0 = time.perf_counter()
     out = PushResult()
     held = broadcaster.held()
@@ -68,7 +70,7 @@ def push(
         return out
     manifest = folder_manifest(folder)
     out.nbytes = manifest.nbytes
-    spec = GroupSpec(broadcaster.address, free_port(), 1 + len(urls), f"milestone-v{version}-{uuid.uuid4().hex[:8]}",
+    spec = GroupSpec(broadcaster.address, free_port(), 1 + len(urls) * ranks_per_engine, f"milestone-v{version}-{uuid.uuid4().hex[:8]}",
                      broadcaster.backend)
     timeout_s = broadcaster.timeout_s
 
@@ -91,7 +93,7 @@ def push(
 
     with ThreadPoolExecutor(max_workers=1 + len(urls), thread_name_prefix="weight-push") as pool:
         trainer = pool.submit(broadcaster.send, spec, manifest, version, checksum)
-        engines = [pool.submit(engine_side, u, 1 + i) for i, u in enumerate(urls)]
+        engines = [pool.submit(engine_side, u, 1 + i * ranks_per_engine) for i, u in enumerate(urls)]
         for u, f in zip(urls, engines):
             err = f.exception()
             if err is None:

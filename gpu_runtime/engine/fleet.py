@@ -386,7 +386,8 @@ class EngineFleet:
             assert broadcaster is not None
             res = distributed_push.push([s.url for s in targets], path, ver, read_meta(path).get("checksum"),
                                         broadcaster, send_checksum=self.backend.supports_checksum,
-                                        request_timeout_s=self.generate_timeout_s)
+                                        request_timeout_s=self.generate_timeout_s,
+                                        ranks_per_engine=int(getattr(self.backend, "tp_size", 1)))
             self.last_push = res
             from_disk = [s for s in targets if s.url not in res.updated]
             for s in from_disk:

@@ -229,7 +229,8 @@ class NodeRuntime:
             for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
                 try:
                     self.fleet.update_weights(model_path, version, weight_sync,
-                                              self.trainer.broadcaster(run_id or self.run_id or "", weight_sync_timeout_s) if weight_sync == "distributed"
+                                              self.trainer.broadcaster(run_id or self.run_id or "", weight_sync_timeout_s,
+                                                                      self._engine_devices(backend)) if weight_sync == "distributed"
                                               else None)
                     break
                 except NoHealthyEngine:
@@ -245,6 +246,13 @@ class NodeRuntime:
             self._load_tokenizer(model_path)
             self._write_children()
             return restarted
+
+    def _engine_devices(self, backend: str) -> tuple[str, ...]:
+        """Where the engines run: the torch engines' placement, or an SGLang engine's GPU."""
+        if backend == "sglang":
+            gpus = tuple(f"cuda:{d.split(':')[1]}" for d in self.placement.engines if d.startswith("cuda:"))
+            return gpus or ("cuda:0",)
+        return tuple(self.placement.engines)
 
     def _load_tokenizer(self, model_path: Path) -> None:
         """The served model's tokenizer, loaded again only when its files change (every

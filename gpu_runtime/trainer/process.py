@@ -38,7 +38,7 @@ from gpu_runtime.trainer.api import (
 )
 
 from gpu_runtime.engine.distributed_push import Broadcaster
-from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S, GroupSpec, Manifest
+from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S, GroupSpec, Manifest, group_backend
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=BaseModel)
@@ -87,9 +87,11 @@ class TrainerProcess:
         """Join the push's weight-update group as rank 0 and broadcast the held version."""
         return self._call("broadcast_weights", call, WeightsBroadcast)
 
-    def broadcaster(self, run_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Broadcaster:
-        """This trainer as rank 0 of a push's weight-update group, for ``fleet.update_weights``:
-        gloo when it trains on the CPU, NCCL on CUDA (``engines.weight_sync`` distributed)."""
+    def broadcaster(self, run_id: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    engine_devices: tuple[str, ...] = ("cpu",)) -> Broadcaster:
+        """This trainer as rank 0 of a push's weight-update group, for ``fleet.update_weights``
+        (``engines.weight_sync`` distributed): gloo on the CPU or colocated, NCCL when the
+        engines are on other GPUs (``distributed.group_backend``)."""
 
         def held() -> tuple[int | None, str | None]:
             h = self.held_weights(run_id)
@@ -101,7 +103,7 @@ class TrainerProcess:
                 master_port=spec.master_port, world_size=spec.world_size, group_name=spec.group_name,
                 backend=spec.backend, timeout_s=timeout_s, **manifest.as_request()))  # type: ignore[arg-type]
 
-        backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        backend = group_backend(self.device, engine_devices)
         return Broadcaster(address="127.0.0.1", backend=backend, held=held, send=send, timeout_s=timeout_s)
 
     def _call(self, method: str, arg: BaseModel, result_type: type[R]) -> R:

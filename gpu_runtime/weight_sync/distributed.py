@@ -79,6 +79,22 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+def group_backend(trainer_device: str, engine_devices: list[str] | tuple[str, ...]) -> str:
+    """gloo when the trainer trains on the CPU; NCCL when it is on a GPU no engine uses
+    (disaggregated). Colocated (an engine on the trainer's GPU) or a CPU engine: gloo,
+    which stages the tensors through host memory (NCCL refuses two ranks on one GPU)."""
+
+    def norm(d: str) -> str:
+        return "cuda:0" if d == "cuda" else d
+
+    if not trainer_device.startswith("cuda"):
+        return "gloo"
+    engines = [norm(d) for d in engine_devices]
+    if not engines or any(not d.startswith("cuda") for d in engines) or norm(trainer_device) in engines:
+        return "gloo"
+    return "nccl"
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """``float32`` or ``torch.float32`` -> ``torch.float32`` (SGLang sends either)."""
     dtype = getattr(torch, str(name).removeprefix("torch."), None)

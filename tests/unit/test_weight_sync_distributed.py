@@ -20,6 +20,7 @@ from gpu_runtime.weight_sync.distributed import (
     GroupSpec,
     WeightGroup,
     folder_manifest,
+    group_backend,
     manifest_from_request,
     manifest_of,
 )
@@ -98,3 +99,12 @@ def test_a_gloo_group_carries_a_model_bitwise_and_refuses_a_wrong_state() -> Non
     finally:
         g0.close()
         t.join()
+
+
+def test_group_backend_is_nccl_only_between_distinct_gpus() -> None:
+    assert group_backend("cpu", ["cpu", "cpu"]) == "gloo"
+    assert group_backend("cpu", ["cuda:0"]) == "gloo"
+    assert group_backend("cuda:0", ["cuda:1", "cuda:2"]) == "nccl"  # disaggregated
+    assert group_backend("cuda:0", ["cuda:0"]) == "gloo"  # colocated: NCCL refuses two ranks on one GPU
+    assert group_backend("cuda", ["cuda:0", "cuda:1"]) == "gloo"
+    assert group_backend("cuda:0", ["cpu"]) == "gloo"
