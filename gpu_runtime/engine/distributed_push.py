@@ -62,13 +62,17 @@ def push(
     that many ranks from its ``rank_offset`` on, as in SGLang."""
     t0 = time.perf_counter()
     out = PushResult()
-    held = broadcaster.held()
-    if checksum is None or held != (int(version), checksum):
+    try:
+        held = broadcaster.held()
+        manifest = folder_manifest(folder)
+    except Exception as err:  # noqa: BLE001 - a dead trainer, an unreadable folder: the disk push decides
+        held, reason = (None, None), f"cannot prepare the broadcast: {err}"
+    else:
         reason = f"the trainer holds v{held[0]} ({(held[1] or '')[:12]}), not v{version} ({(checksum or '')[:12]})"
+    if checksum is None or held != (int(version), checksum):
         out.trainer_error = reason
         out.failed = {u: reason for u in urls}
         return out
-    manifest = folder_manifest(folder)
     out.nbytes = manifest.nbytes
     spec = GroupSpec(broadcaster.address, free_port(), 1 + len(urls) * ranks_per_engine, f"milestone-v{version}-{uuid.uuid4().hex[:8]}",
                      broadcaster.backend)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,8 +127,6 @@ def test_engine_killed_during_the_broadcast_falls_back_to_disk(trainer, model_di
                 os.kill(victim.pid, signal.SIGKILL)
                 return True
             return False
-
-        import threading
 
         killer = threading.Thread(target=lambda: wait_for(kill_when_receiving, 120, "engines inside the broadcast"))
         killer.start()
