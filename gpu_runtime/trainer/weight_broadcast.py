@@ -1,10 +1,10 @@
 """The trainer's side of ``engines.weight_sync: distributed``: rank 0 of the per-push
 weight-update group, broadcasting the version it just published from memory.
 
-The state sent is the published one (``published_state``: the export naming, merged
-under LoRA), so its ``weights_checksum`` is the version's checksum; a trainer with no
-in-memory export (a fsdp2 cell, DP cells) sends the folder it exported for the version,
-which the page cache still holds. Refused (before joining) when the trainer does not
+The state sent is the published one (the export naming, merged under LoRA), so its
+``weights_checksum`` is the version's checksum; a trainer whose weights live in other
+processes (a fsdp2 cell, DP cells) sends the folder it exported for the version, which
+the page cache still holds. Refused (before joining) when the trainer does not
 hold that version: the fleet then pushes the folder from disk.
 """
 
@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from gpu_runtime.models.causal_lm import exported_tensors
 from gpu_runtime.trainer.api import BroadcastWeightsCall, WeightsBroadcast
+from gpu_runtime.trainer.policy import PolicyTrainer
 from gpu_runtime.weight_sync.distributed import GroupSpec, Manifest, WeightGroup
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,11 @@ def fault_injection_delay() -> None:
 
 
 def published_tensors(trainer: object, folder: Path) -> dict[str, torch.Tensor]:
+    """What the engines load for this version: the full-tuned model's own tensors as views
+    (no second copy of the weights on the trainer's device), LoRA's merged weights, or the
+    exported folder for a trainer that keeps its weights elsewhere (cells)."""
+    if isinstance(trainer, PolicyTrainer) and not trainer.lora:
+        return exported_tensors(trainer.model)
     state = getattr(trainer, "published_state", None)
     if callable(state):
         return state()

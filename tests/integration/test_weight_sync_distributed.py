@@ -170,3 +170,23 @@ def test_a_member_that_never_joins_times_out_and_weights_stay(model_dirs, procs,
         c.update_weights_from_distributed(**manifest.as_request(), group_name="lonely", version=2)
     assert c.weights_checksum() == (model_dirs["c1"], "1")
     assert c.destroy_weights_update_group("lonely")["success"] is True
+
+
+def test_sglang_shaped_requests_and_the_probe_gate(trainer, model_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """What the fleet sends an SGLang engine (``supports_checksum`` off: SGLang's fields
+    only, no ``checksum`` nor ``timeout_s``), answered by the torch engine, gated by the
+    sampled-parameter probe as SGLang engines are. SGLang itself needs CUDA (not here)."""
+    proc, info = trainer
+    backend = TorchEngineBackend(threads=1)
+    backend.supports_checksum = False
+    fleet = EngineFleet(backend, 2, model_dirs["v1"], free_port_block(2), tmp_path / "logs", health=HEALTH,
+                        weight_version=1)
+    try:
+        fleet.start()
+        fleet.update_weights(info.model_path, 0, "distributed", proc.broadcaster(RUN, TIMEOUT_S))
+        assert fleet.last_push is not None and len(fleet.last_push.updated) == 2, fleet.last_push
+        assert sum(e.kind == "checksum_ok" for e in fleet.events) == 2
+        for s in fleet.slots:
+            assert EngineClient(s.url).weights_checksum() == (info.checksum, "0")
+    finally:
+        fleet.stop()
