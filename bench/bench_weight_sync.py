@@ -43,7 +43,7 @@ from gpu_runtime.models.causal_lm import load_exported_state_dict
 from gpu_runtime.models.model_folder import weights_checksum
 from gpu_runtime.node.proc import free_port
 from gpu_runtime.weight_sync import shared_memory as shm
-from gpu_runtime.weight_sync.distributed import GroupSpec, WeightGroup, manifest_of
+from gpu_runtime.weight_sync.distributed import DEFAULT_BUCKET_BYTES, GroupSpec, WeightGroup, manifest_of
 
 
 def _timed(fn) -> float:  # type: ignore[no-untyped-def]
@@ -67,7 +67,8 @@ def measure(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     work = Path(work or tempfile.mkdtemp(prefix="bench-ws-"))
     rows: dict[str, list[float]] = {k: [] for k in ("disk_write", "disk_read", "shm_write", "shm_read", "rehash",
-                                                      "dist_join", "dist_broadcast", "dist_load")}
+                                                      "dist_join", "dist_broadcast", "dist_load",
+                                                      "dist_broadcast_per_tensor")}
     expected = model_checksum(trainer)
     for r in range(repeats):
         folder = work / f"v{r}"
@@ -81,6 +82,8 @@ def measure(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate
         shm.prune(shm.DEFAULT_ROOT, "bench", keep=set())
         for k, v in _distributed_push(sd, engine, expected, device, f"bench-{r}").items():
             rows[k].append(v)
+        per_tensor = _distributed_push(sd, engine, expected, device, f"bench-pt-{r}", bucket_bytes=0)
+        rows["dist_broadcast_per_tensor"].append(per_tensor["dist_broadcast"])
         assert model_checksum(engine) == expected
     med = {k: statistics.median(v) for k, v in rows.items()}
     gb = nbytes / 1e9
@@ -100,6 +103,8 @@ def measure(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate
     out["dist_backend"] = "nccl" if device.startswith("cuda") else "gloo"
     out["push_ms_distributed"] = round((dist + med["rehash"]) * 1000, 1)
     out["dist_broadcast_gb_s"] = round(gb / med["dist_broadcast"], 2)
+    out["dist_bucket_mb"] = DEFAULT_BUCKET_BYTES // 2**20
+    out["dist_ratio_per_tensor_over_bucketed"] = round(med["dist_broadcast_per_tensor"] / med["dist_broadcast"], 2)
     store_push = out["push_ms_store"]
     out["table"] = [
         {"mode": m, "push_ms": out[f"push_ms_{m}"], "push_gb_s": round(gb / (out[f"push_ms_{m}"] / 1000), 2),
@@ -110,11 +115,12 @@ def measure(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate
 
 
 def _distributed_push(sd: dict[str, torch.Tensor], engine: torch.nn.Module, expected: str, device: str,
-                      group_name: str) -> dict[str, float]:
+                      group_name: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
     """One per-push group: join, broadcast, then the engine's verify + load (its re-hash is
-    timed apart, as for the other modes)."""
+    timed apart, as for the other modes). ``bucket_bytes`` 0: a broadcast per tensor, as
+    for SGLang engines; the fleet packs tensors for torch engines."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    manifest = manifest_of(sd)
+    manifest = manifest_of(sd).with_buckets(bucket_bytes)
     spec = GroupSpec("127.0.0.1", free_port(), 2, group_name, backend)
     box: dict = {}
     joined = threading.Barrier(2)

@@ -121,12 +121,15 @@ class EngineClient:
 
     def update_weights_from_distributed(
         self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-        version: int | str, checksum: str | None = None, timeout_s: float | None = None,
+        version: int | str, checksum: str | None = None, timeout_s: float | None = None, bucket_bytes: int = 0,
     ) -> dict[str, Any]:
         """Receive the broadcast tensors; ``checksum`` (ours, torch engines) is the
-        expected ``weights_checksum``: the engine keeps its weights unless they match."""
+        expected ``weights_checksum``: the engine keeps its weights unless they match;
+        ``bucket_bytes`` (ours): tensors come packed (``distributed.Manifest``)."""
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                 "flush_cache": True, "weight_version": str(version)}
+        if bucket_bytes:
+            body["bucket_bytes"] = bucket_bytes
         if checksum is not None:
             body["checksum"] = checksum
         return self._checked("/update_weights_from_distributed", body, timeout_s)

@@ -56,15 +56,17 @@ class PushResult:
 def push(
     urls: list[str], folder: str | Path, version: str, checksum: str | None, broadcaster: Broadcaster,
     *, send_checksum: bool = True, request_timeout_s: float = 600.0, ranks_per_engine: int = 1,
+    bucket_bytes: int = 0,
 ) -> PushResult:
     """Broadcast version ``version`` (the folder's weights, held by the trainer) to ``urls``.
     An engine of tensor-parallel size ``ranks_per_engine`` (SGLang ``--tp-size``) holds
-    that many ranks from its ``rank_offset`` on, as in SGLang."""
+    that many ranks from its ``rank_offset`` on, as in SGLang. ``send_checksum`` and
+    ``bucket_bytes`` (torch engines): our extra fields, never sent to SGLang."""
     t0 = time.perf_counter()
     out = PushResult()
     try:
         held = broadcaster.held()
-        manifest = folder_manifest(folder)
+        manifest = folder_manifest(folder).with_buckets(bucket_bytes)
     except Exception as err:  # noqa: BLE001 - a dead trainer, an unreadable folder: the disk push decides
         held, reason = (None, None), f"cannot prepare the broadcast: {err}"
     else:

@@ -43,6 +43,7 @@ from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
 from gpu_runtime.models.model_folder import read_meta
 from gpu_runtime.node.proc import free_port, port_free
+from gpu_runtime.weight_sync.distributed import DEFAULT_BUCKET_BYTES
 from gpu_runtime.weight_sync.shared_memory import NodeSegments
 
 log = logging.getLogger(__name__)
@@ -387,7 +388,8 @@ class EngineFleet:
             res = distributed_push.push([s.url for s in targets], path, ver, read_meta(path).get("checksum"),
                                         broadcaster, send_checksum=self.backend.supports_checksum,
                                         request_timeout_s=self.generate_timeout_s,
-                                        ranks_per_engine=int(getattr(self.backend, "tp_size", 1)))
+                                        ranks_per_engine=int(getattr(self.backend, "tp_size", 1)),
+                                        bucket_bytes=DEFAULT_BUCKET_BYTES if self.backend.supports_checksum else 0)
             self.last_push = res
             from_disk = [s for s in targets if s.url not in res.updated]
             for s in from_disk:

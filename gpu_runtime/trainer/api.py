@@ -343,6 +343,7 @@ class BroadcastWeightsCall(Message):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+    bucket_bytes: int = 0  # > 0: consecutive tensors packed per broadcast (torch engines; distributed.Manifest)
 
 
 class WeightsBroadcast(Message):

@@ -52,7 +52,7 @@ def published_tensors(trainer: object, folder: Path) -> dict[str, torch.Tensor]:
 
 def broadcast(state: dict[str, torch.Tensor], call: BroadcastWeightsCall) -> WeightsBroadcast:
     spec = GroupSpec(call.master_address, call.master_port, call.world_size, call.group_name, call.backend)
-    manifest = Manifest(call.names, call.dtypes, call.shapes)
+    manifest = Manifest(call.names, call.dtypes, call.shapes, call.bucket_bytes)
     t0 = time.perf_counter()
     group = WeightGroup(spec, 0, call.timeout_s)
     try:

@@ -57,19 +57,60 @@ class GroupError(RuntimeError):
 
 @dataclass(frozen=True)
 class Manifest:
-    """What is broadcast, in broadcast order: SGLang's ``names``, ``dtypes``, ``shapes``."""
+    """What is broadcast, in broadcast order: SGLang's ``names``, ``dtypes``, ``shapes``.
+
+    ``bucket_bytes`` > 0 (ours, torch engines only; SGLang receives tensor by tensor):
+    consecutive tensors are packed into one byte buffer of up to that size per broadcast
+    (``buckets``), because each collective costs a round trip and a model has many
+    small tensors (norms, biases)."""
 
     names: list[str]
     dtypes: list[str]  # torch dtype names without the ``torch.`` prefix ("float32")
     shapes: list[list[int]]
+    bucket_bytes: int = 0
+
+    def with_buckets(self, bucket_bytes: int) -> "Manifest":
+        return Manifest(self.names, self.dtypes, self.shapes, bucket_bytes)
+
+    def sizes(self) -> list[int]:
+        return [_numel(s) * torch.empty(0, dtype=parse_dtype(d)).element_size() for d, s in zip(self.dtypes, self.shapes)]
+
+    def buckets(self) -> list[list[int]]:
+        """Tensor indices per broadcast: one each without buckets; else consecutive tensors
+        up to ``bucket_bytes`` (with their ``BUCKET_ALIGN`` padding; a larger one alone)."""
+        if self.bucket_bytes <= 0:
+            return [[i] for i in range(len(self.names))]
+        out: list[list[int]] = []
+        cur: list[int] = []
+        used = 0
+        for i, n in enumerate(self.sizes()):
+            padded = _aligned(n)
+            if cur and used + padded > self.bucket_bytes:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += padded
+        if cur:
+            out.append(cur)
+        return out
 
     @property
     def nbytes(self) -> int:
-        return sum(_numel(s) * torch.empty(0, dtype=parse_dtype(d)).element_size()
-                   for d, s in zip(self.dtypes, self.shapes))
+        return sum(self.sizes())
 
     def as_request(self) -> dict[str, Any]:
-        return {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes}
+        out: dict[str, Any] = {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes}
+        if self.bucket_bytes > 0:
+            out["bucket_bytes"] = self.bucket_bytes
+        return out
+
+
+BUCKET_ALIGN = 64  # each tensor starts at a multiple of this in a bucket (so it can be viewed as its dtype)
+DEFAULT_BUCKET_BYTES = 4 * 2**20  # what the fleet asks torch engines for: packs the small tensors, larger ones go alone (no copy); bench_weight_sync
+
+
+def _aligned(n: int) -> int:
+    return (n + BUCKET_ALIGN - 1) // BUCKET_ALIGN * BUCKET_ALIGN
 
 
 def _numel(shape: list[int]) -> int:
@@ -135,8 +176,11 @@ def manifest_from_request(body: dict[str, Any]) -> Manifest:
         raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
     for d in dtypes:
         parse_dtype(d)
+    bucket_bytes = int(body.get("bucket_bytes") or 0)
+    if bucket_bytes < 0:
+        raise ValueError(f"bucket_bytes {bucket_bytes}: >= 0 (0: one broadcast per tensor)")
     return Manifest([str(n) for n in names], [str(d).removeprefix("torch.") for d in dtypes],
-                    [[int(x) for x in s] for s in shapes])
+                    [[int(x) for x in s] for s in shapes], bucket_bytes)
 
 
 @dataclass(frozen=True)
@@ -194,31 +238,56 @@ class WeightGroup:
             raise GroupError(f"group {self.spec.group_name} rank {self.rank}: broadcast of {what} failed: {err}") from err
 
     def send(self, state: dict[str, torch.Tensor], manifest: Manifest) -> int:
-        """Rank 0: broadcast ``state`` in the manifest's order; returns the bytes sent."""
+        """Rank 0: broadcast ``state`` in the manifest's order (and buckets); returns the bytes sent."""
         got = manifest_of(state)
-        if got != manifest:
+        if (got.names, got.dtypes, got.shapes) != (manifest.names, manifest.dtypes, manifest.shapes):
             diff = sorted(set(got.names) ^ set(manifest.names)) or [
                 n for n, a, b, c, d in zip(got.names, got.dtypes, manifest.dtypes, got.shapes, manifest.shapes)
                 if (a, c) != (b, d)]
             raise GroupError(f"the trainer's state does not match the manifest (first differences: {diff[:3]})")
         sent = 0
-        for name in manifest.names:
-            t = state[name].detach().contiguous()
-            if self.spec.backend == "gloo" and t.device.type != "cpu":
-                t = t.cpu()
-            self._broadcast(t, name)
-            sent += t.numel() * t.element_size()
+        for bucket in manifest.buckets():
+            names = [manifest.names[i] for i in bucket]
+            tensors = [self._sendable(state[n]) for n in names]
+            if len(tensors) == 1:
+                buf = tensors[0]
+            else:  # one byte buffer, each tensor at an aligned offset
+                buf = torch.zeros(sum(_aligned(t.numel() * t.element_size()) for t in tensors), dtype=torch.uint8,
+                                  device=tensors[0].device)
+                off = 0
+                for t in tensors:
+                    n = t.numel() * t.element_size()
+                    buf[off: off + n] = t.reshape(-1).view(torch.uint8)
+                    off += _aligned(n)
+            self._broadcast(buf, names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} tensors)")
+            sent += sum(t.numel() * t.element_size() for t in tensors)
         return sent
+
+    def _sendable(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().contiguous()
+        return t.cpu() if self.spec.backend == "gloo" and t.device.type != "cpu" else t
 
     def receive(self, manifest: Manifest, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Rank > 0: the manifest's tensors, received into fresh buffers (on ``device``
         with NCCL, on the CPU with gloo)."""
         where = torch.device(device) if self.spec.backend == "nccl" else torch.device("cpu")
+        sizes = manifest.sizes()
         out: dict[str, torch.Tensor] = {}
-        for name, dtype, shape in zip(manifest.names, manifest.dtypes, manifest.shapes):
-            t = torch.empty(shape, dtype=parse_dtype(dtype), device=where)
-            self._broadcast(t, name)
-            out[name] = t
+        for bucket in manifest.buckets():
+            names = [manifest.names[i] for i in bucket]
+            if len(bucket) == 1:
+                i = bucket[0]
+                t = torch.empty(manifest.shapes[i], dtype=parse_dtype(manifest.dtypes[i]), device=where)
+                self._broadcast(t, names[0])
+                out[names[0]] = t
+                continue
+            buf = torch.empty(sum(_aligned(sizes[i]) for i in bucket), dtype=torch.uint8, device=where)
+            self._broadcast(buf, f"{names[0]} .. {names[-1]} ({len(names)} tensors)")
+            off = 0
+            for i in bucket:
+                out[manifest.names[i]] = buf[off: off + sizes[i]].view(parse_dtype(manifest.dtypes[i])).reshape(
+                    manifest.shapes[i])
+                off += _aligned(sizes[i])
         return out
 
     def close(self) -> None:

@@ -48,6 +48,8 @@ def test_folder_manifest_is_the_exported_state_in_checksum_order(tmp_path: Path)
     assert m.names == sorted(sd) and "lm_head.weight" not in m.names  # tied: sent once, as the checksum hashes it
     assert m.nbytes == sum(t.numel() * t.element_size() for t in sd.values())
     assert manifest_from_request({**m.as_request(), "dtypes": ["torch." + d for d in m.dtypes]}) == m
+    assert "bucket_bytes" not in m.as_request()  # SGLang's fields only, unless packing is asked for
+    assert manifest_from_request(m.with_buckets(1024).as_request()) == m.with_buckets(1024)
 
 
 def test_bad_requests_and_specs_are_refused_by_field() -> None:
@@ -63,11 +65,19 @@ def test_bad_requests_and_specs_are_refused_by_field() -> None:
         GroupSpec("127.0.0.1", 1, 1, "g")
 
 
-def test_a_gloo_group_carries_a_model_bitwise_and_refuses_a_wrong_state() -> None:
+@pytest.mark.parametrize("bucket_bytes", [0, 20_000])
+def test_a_gloo_group_carries_a_model_bitwise_and_refuses_a_wrong_state(bucket_bytes: int) -> None:
+    """Per tensor (SGLang's way) and packed in buckets (20 kB here: several tensors per
+    bucket, and tensors larger than a bucket sent alone)."""
     model, _ = tiny_model(2)
     sd = export_state_dict(model)
-    manifest = manifest_of(sd)
-    spec = GroupSpec("127.0.0.1", free_port(), 2, "unit", "gloo")
+    manifest = manifest_of(sd).with_buckets(bucket_bytes)
+    buckets = manifest.buckets()
+    assert [i for b in buckets for i in b] == list(range(len(manifest.names)))
+    if bucket_bytes:
+        assert len(buckets) < len(manifest.names) and any(len(b) > 1 for b in buckets)
+        assert any(len(b) == 1 and manifest.sizes()[b[0]] > bucket_bytes for b in buckets)
+    spec = GroupSpec("127.0.0.1", free_port(), 2, f"unit{bucket_bytes}", "gloo")
     got: dict = {}
 
     def engine() -> None:
@@ -89,7 +99,7 @@ def test_a_gloo_group_carries_a_model_bitwise_and_refuses_a_wrong_state() -> Non
     assert all(torch.equal(got[k], sd[k]) for k in sd)
     wrong = dict(sd)
     wrong.pop(manifest.names[0])
-    spec2 = GroupSpec("127.0.0.1", free_port(), 2, "unit2", "gloo")
+    spec2 = GroupSpec("127.0.0.1", free_port(), 2, f"unit2-{bucket_bytes}", "gloo")
     t = threading.Thread(target=lambda: pytest.raises(GroupError, WeightGroup(spec2, 1, timeout_s=5).receive, manifest))
     t.start()
     g0 = WeightGroup(spec2, 0, timeout_s=5)
