@@ -8,9 +8,11 @@ SGLang's routes (``/init_weights_update_group``, ``/update_weights_from_distribu
   loaded the same version from disk generates;
 - an engine SIGKILLed inside the broadcast (the trainer waits between the join and the
   first tensor: ``MILESTONE_FAULT_WEIGHT_BROADCAST_DELAY_S``) breaks the group: the push
-  falls back to disk (``weight_sync_fallback`` events), the survivor ends on the new
-  version with the trainer's checksum, the dead engine is declared dead and the gated
-  recovery restarts it on that version;
+  falls back to disk for the engines it did not reach (``weight_sync_fallback`` events),
+  the survivor ends on the new version with the trainer's checksum, the dead engine is
+  declared dead and the gated recovery restarts it on that version;
+- the same with every tensor sent alone (SGLang's way, ``bucket_bytes`` 0): the
+  survivor cannot have received the version before the trainer's send failed;
 - a member that never joins fails the join within the stated timeout, not gloo's 30 min,
   and the engines keep serving their old weights.
 """
@@ -30,6 +32,7 @@ from activities import translate
 from gpu_runtime.data.datasets import generate_arithmetic, write_jsonl
 from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
+from gpu_runtime.engine import fleet as fleet_module
 from gpu_runtime.engine.fleet import EngineFleet, HealthConfig
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.trainer.api import VersionInfo
@@ -114,8 +117,13 @@ def test_trainer_broadcasts_a_version_to_two_engines(trainer, model_dirs, procs,
         fleet.stop()
 
 
-def test_engine_killed_during_the_broadcast_falls_back_to_disk(trainer, model_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["packed", "per-tensor"])
+def test_engine_killed_during_the_broadcast_falls_back_to_disk(  # type: ignore[no-untyped-def]
+    per_tensor: bool, trainer, model_dirs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     proc, info = trainer
+    if per_tensor:
+        monkeypatch.setattr(fleet_module, "DEFAULT_BUCKET_BYTES", 0)
     fleet = _fleet(model_dirs, tmp_path)
     logs = tmp_path / "logs"
     try:
@@ -134,15 +142,25 @@ def test_engine_killed_during_the_broadcast_falls_back_to_disk(trainer, model_di
             out = fleet.update_weights(info.model_path, 0, "distributed", proc.broadcaster(RUN, TIMEOUT_S))
         finally:
             killer.join()
-        assert out == {0: info.checksum}  # the survivor, from disk, with the trainer's checksum
-        assert fleet.last_push is not None and fleet.last_push.updated == []
+        assert out == {0: info.checksum}  # the survivor, with the trainer's checksum
+        push = fleet.last_push
+        assert push is not None and fleet.slots[1].url in push.failed
         kinds = [(e.kind, e.slot) for e in fleet.events]
-        assert ("weight_sync_fallback", 0) in kinds and ("weight_sync_fallback", 1) in kinds
-        assert ("engine_dead", 1) in kinds
+        assert ("weight_sync_fallback", 1) in kinds and ("engine_dead", 1) in kinds
+        # the survivor got the whole version by broadcast before the trainer's send to the
+        # dead engine failed (the tiny model is one 4 MiB bucket), or else from disk
+        survivor_log = (logs / "engine-0.log").read_text()
+        if per_tensor:  # the trainer failed at its first tensors: nobody got the whole version
+            assert push.updated == []
+        if fleet.slots[0].url in push.updated:
+            assert ("weight_sync_fallback", 0) not in kinds
+            assert "updated weights from distributed group" in survivor_log
+        else:
+            assert ("weight_sync_fallback", 0) in kinds
+            assert f"updated weights from {Path(info.model_path).resolve()} version=0" in survivor_log
         snap = fleet.snapshot()
         assert (snap[0].state, snap[0].weight_version, snap[0].checksum) == ("healthy", "0", info.checksum)
         assert snap[1].state == "empty"
-        assert "updated weights from" in (logs / "engine-0.log").read_text()
         # the survivor served its old version until the new one was whole; now the gated
         # recovery restarts the dead engine on the new version, as after any engine death
         assert fleet.restart_empty_slots() == [1]
