@@ -226,12 +226,13 @@ class NodeRuntime:
                 restarted = list(range(num_engines))
             else:
                 restarted = self.fleet.restart_empty_slots(model_path, version)
+            broadcaster = None
+            if weight_sync == "distributed":  # the trainer process is rank 0 of each push's group
+                broadcaster = self.trainer.broadcaster(run_id or self.run_id or "", weight_sync_timeout_s,
+                                                       self._engine_devices(backend))
             for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
                 try:
-                    self.fleet.update_weights(model_path, version, weight_sync,
-                                              self.trainer.broadcaster(run_id or self.run_id or "", weight_sync_timeout_s,
-                                                                      self._engine_devices(backend)) if weight_sync == "distributed"
-                                              else None)
+                    self.fleet.update_weights(model_path, version, weight_sync, broadcaster)
                     break
                 except NoHealthyEngine:
                     # every engine died between the restart and the push (a health probe timed
