@@ -286,7 +286,8 @@ class NodeActivities:
         try:
             restarted = with_heartbeat(lambda: self.rt.ensure_engines(
                 e.num_engines, health, folder, inp.policy_version, e.backend, host=e.host,
-                weight_sync=e.weight_sync, release_memory=e.release_memory))
+                weight_sync=e.weight_sync, weight_sync_timeout_s=e.weight_sync_timeout_s, run_id=inp.run_id,
+                release_memory=e.release_memory))
         except WeightMismatch as err:
             raise failure(Failure.WEIGHT_MISMATCH, f"weight checksum mismatch: {err}") from err
         except NoHealthyEngine as err:

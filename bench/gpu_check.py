@@ -12,7 +12,9 @@ Temporal (not on the lent image), and measures:
   again: identical tokens and logprobs);
 - a few GRPO steps (rollout -> math reward -> ``train_step`` -> weight push), the train
   step time, and the push both ways (``store``: model folder + ``/update_weights_from_disk``;
-  ``shared_memory``: ``/dev/shm`` segment) in ms and GB/s, every push checksum-gated;
+  ``shared_memory``: ``/dev/shm`` segment; ``distributed``: broadcast from the trainer over a
+  per-push group, gloo when colocated on one GPU, NCCL across GPUs) in ms and GB/s, every
+  push checksum-gated;
 - the same-seed bitwise check: the GRPO steps again from the same seed in a fresh
   trainer end on the same weight checksum;
 - time to heal an engine: one engine SIGKILLed, detected by the fleet's health probes,
@@ -210,9 +212,10 @@ class Check:
         trainer = PolicyTrainer.create(self.base, hp, self.args.seed)
         self.fleet.update_weights(self.base, 0)  # every run starts the engines from the same weights
         step_s: list[float] = []
-        sync: dict[str, list[float]] = {"store": [], "shared_memory": []}
+        sync: dict[str, list[float]] = {"store": [], "shared_memory": [], "distributed": []}
         nbytes = 0
         shm_error: str | None = None
+        dist_error: str | None = None if tag == "run1" else "measured in the first run only (time budget)"
         rewards_mean = []
         for step in range(1, self.args.steps + 1):
             idx, prompts = self._prompts(step, self.args.prompts)
@@ -244,6 +247,17 @@ class Check:
             sync["store"].append(time.perf_counter() - t0)
             self._gate(got, checksum, "store", step)
             nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+            if dist_error is None:
+                t0 = time.perf_counter()
+                try:
+                    got = self.fleet.update_weights(folder, step, "distributed", self._broadcaster(trainer, step, checksum))
+                    push = self.fleet.last_push
+                    if push is None or push.failed:  # the fleet fell back to disk: not a broadcast
+                        raise RuntimeError(f"broadcast failed: {push.failed if push else None}")
+                    sync["distributed"].append(time.perf_counter() - t0)
+                    self._gate(got, checksum, "distributed", step)
+                except RuntimeError as err:
+                    dist_error = str(err)
             if shm_error is None:
                 t0 = time.perf_counter()
                 try:
@@ -271,7 +285,34 @@ class Check:
                        sync_ratio_store_over_shm=round(med["store"] / med["shared_memory"], 2))
         else:
             res["sync_shm_error"] = shm_error
+        if "distributed" in med:
+            res.update(sync_dist_ms=round(med["distributed"] * 1000, 1), sync_dist_gb_s=_sig(gb / med["distributed"]),
+                       sync_ratio_store_over_dist=round(med["store"] / med["distributed"], 2),
+                       sync_dist_backend=self._dist_backend())
+        else:
+            res["sync_dist_error"] = dist_error
         return {**res, "final_checksum": final}
+
+    def _dist_backend(self) -> str:
+        from gpu_runtime.weight_sync.distributed import group_backend
+
+        return group_backend(self.device, list(getattr(self.fleet.backend, "devices", ("cpu",))))
+
+    def _broadcaster(self, trainer: Any, version: int, checksum: str) -> Any:
+        """The in-process trainer as rank 0 of each push's group (a node's trainer process
+        does the same through its ``broadcast_weights`` RPC)."""
+        from gpu_runtime.engine.distributed_push import Broadcaster
+        from gpu_runtime.weight_sync.distributed import WeightGroup
+
+        def send(spec: Any, manifest: Any, _version: str, _checksum: str) -> None:
+            group = WeightGroup(spec, 0, timeout_s=120)
+            try:
+                group.send(trainer.published_state(), manifest)
+            finally:
+                group.close()
+
+        return Broadcaster(address="127.0.0.1", backend=self._dist_backend(), held=lambda: (version, checksum),
+                           send=send, timeout_s=120)
 
     def _push_segment(self, seg: Any, version: int) -> dict[int, str]:
         """What ``update_weights(..., "shared_memory")`` does after publishing, for a segment the

@@ -349,11 +349,18 @@ class EngineSpec(Strict):
 
     backend: Literal["torch", "sglang"] = "torch"
     num_engines: int = Field(2, ge=1)
-    weight_sync: Literal["store", "shared_memory"] = Field(
+    weight_sync: Literal["store", "shared_memory", "distributed"] = Field(
         "store",
         description="how a new version reaches the node's engines: store (each engine loads the version's folder "
-        "from local disk) or shared_memory (the folder is read once into a /dev/shm segment the engines map; "
-        "version-stamped and checksum-verified; torch engines only). The store stays the durable copy either way",
+        "from local disk), shared_memory (the folder is read once into a /dev/shm segment the engines map; "
+        "torch engines only) or distributed (the trainer broadcasts the version from memory over a "
+        "torch.distributed group formed per push, gloo for a CPU trainer, NCCL on CUDA; SGLang's distributed "
+        "update API; engines it does not reach load from disk). Version-stamped and checksum-verified; the "
+        "store stays the durable copy either way",
+    )
+    weight_sync_timeout_s: float = Field(
+        60.0, gt=0, description="weight_sync distributed: how long joining the push's group, or one broadcast, "
+        "waits for a peer before the push falls back to disk for the engines it did not reach",
     )
     release_memory: Literal["auto", "on", "off"] = Field(
         "auto",

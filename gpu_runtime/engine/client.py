@@ -113,6 +113,44 @@ class EngineClient:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         return self._request("POST", "/resume_memory_occupation", json={"tags": tags})
 
+    # ---- SGLang's distributed weight update (gpu_runtime.weight_sync.distributed) -----
+    def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str, timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Join the group as rank ``rank_offset``; answers once every member joined.
+        ``timeout_s`` (ours, sent to torch engines only) bounds the engine's wait."""
+        body: dict[str, Any] = {"master_address": master_address, "master_port": master_port,
+                                "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+                                "backend": backend}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return self._checked("/init_weights_update_group", body, None if timeout_s is None else timeout_s + 30)
+
+    def update_weights_from_distributed(
+        self, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        version: int | str, checksum: str | None = None, timeout_s: float | None = None, bucket_bytes: int = 0,
+    ) -> dict[str, Any]:
+        """Receive the broadcast tensors; ``checksum`` (ours, torch engines) is the
+        expected ``weights_checksum``: the engine keeps its weights unless they match;
+        ``bucket_bytes`` (ours): tensors come packed (``distributed.Manifest``)."""
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                "flush_cache": True, "weight_version": str(version)}
+        if bucket_bytes:
+            body["bucket_bytes"] = bucket_bytes
+        if checksum is not None:
+            body["checksum"] = checksum
+        return self._checked("/update_weights_from_distributed", body, timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return self._checked("/destroy_weights_update_group", {"group_name": group_name}, 30.0)
+
+    def _checked(self, route: str, body: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
+        out = self._request("POST", route, json=body, timeout_s=timeout_s)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError(self.base_url + route, f"failed: {out.get('message')}")
+        return out
+
     def flush_cache(self) -> None:
         self._request("POST", "/flush_cache")
 

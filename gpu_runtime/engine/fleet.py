@@ -25,7 +25,9 @@ from typing import Any
 
 from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import EngineBackend
+from gpu_runtime.engine import distributed_push
 from gpu_runtime.engine.client import EngineClient, EngineError
+from gpu_runtime.engine.distributed_push import Broadcaster, PushResult
 from gpu_runtime.engine.fleet_types import (  # noqa: F401  (re-exported)
     EventKind,
     FleetError,
@@ -41,6 +43,7 @@ from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
 from gpu_runtime.models.model_folder import read_meta
 from gpu_runtime.node.proc import free_port, port_free
+from gpu_runtime.weight_sync.distributed import DEFAULT_BUCKET_BYTES
 from gpu_runtime.weight_sync.shared_memory import NodeSegments
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,7 @@ class EngineFleet:
         self._owns_router = False
         self._segments = NodeSegments(f"fleet{base_port}")  # engines.weight_sync shared_memory
         self.released = False  # engines.release_memory: the engines' memory is released (training phase)
+        self.last_push: PushResult | None = None  # engines.weight_sync distributed: the last push's outcome
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -361,17 +365,38 @@ class EngineFleet:
             return None
         return read_meta(model_path).get("checksum")
 
-    def update_weights(self, model_path: str | Path, version: int | str, sync: str = "store") -> dict[int, str]:
+    def update_weights(
+        self, model_path: str | Path, version: int | str, sync: str = "store", broadcaster: Broadcaster | None = None,
+    ) -> dict[int, str]:
         """Push weights to every healthy engine in parallel, then verify that every engine
         reports the expected checksum (the folder's meta, else the first engine's).
         ``sync`` ``shared_memory`` (torch engines): the folder is read once into a shared
-        memory segment the engines load from (``gpu_runtime.weight_sync``).
+        memory segment the engines load from (``gpu_runtime.weight_sync``); ``distributed``:
+        the trainer (``broadcaster``) broadcasts the version to the engines over a
+        torch.distributed group formed for this push, and the engines it did not reach load
+        the folder from disk (a ``weight_sync_fallback`` event each).
         Returns {slot: checksum}; raises WeightMismatch naming the disagreeing slots."""
         path, ver = str(model_path), str(version)
         targets = [s for s in self.slots if s.state == "healthy"]
         if not targets:
             raise NoHealthyEngine(f"no healthy engine to update (slots: {[s.state for s in self.slots]})")
+        if sync == "distributed" and broadcaster is None:
+            raise ValueError("update_weights: sync distributed needs a broadcaster (the trainer's)")
         seg = self._segments.publish_folder(path, ver) if sync == "shared_memory" else None
+        from_disk = targets
+        if sync == "distributed":
+            assert broadcaster is not None
+            res = distributed_push.push([s.url for s in targets], path, ver, read_meta(path).get("checksum"),
+                                        broadcaster, send_checksum=self.backend.supports_checksum,
+                                        request_timeout_s=self.generate_timeout_s,
+                                        ranks_per_engine=int(getattr(self.backend, "tp_size", 1)),
+                                        bucket_bytes=DEFAULT_BUCKET_BYTES if self.backend.supports_checksum else 0)
+            self.last_push = res
+            from_disk = [s for s in targets if s.url not in res.updated]
+            for s in from_disk:
+                self._emit("weight_sync_fallback", s.index,
+                           f"version={ver}: distributed push failed ({res.failed.get(s.url)}"
+                           f"{'; trainer: ' + res.trainer_error if res.trainer_error else ''}): loading from disk")
 
         def push(s: _Slot) -> str | None:
             c = EngineClient(s.url, timeout_s=self.generate_timeout_s)
@@ -386,9 +411,9 @@ class EngineFleet:
             finally:
                 c.close()
 
-        for s, err in zip(targets, self._pool.map(push, targets)):
+        for s, err in zip(from_disk, self._pool.map(push, from_disk)):
             if err is not None:
-                self._declare_dead(s, f"update_weights_from_disk failed: {err}", hung=False)
+                self._declare_dead(s, f"weight update failed: {err}", hung=False)
         self.model_path, self.weight_version = path, ver
         targets = [s for s in targets if s.state == "healthy"]
         reports = list(self._pool.map(lambda s: self._read_weights(self._client(s.url)), targets))

@@ -10,7 +10,8 @@ from pydantic import BaseModel
 
 SlotState = Literal["starting", "healthy", "dead", "empty"]
 EventKind = Literal[
-    "engine_dead", "engine_restarted", "engine_recovered", "checksum_ok", "checksum_mismatch", "engine_hung"
+    "engine_dead", "engine_restarted", "engine_recovered", "checksum_ok", "checksum_mismatch", "engine_hung",
+    "weight_sync_fallback",
 ]
 
 

@@ -3,7 +3,9 @@
     python -m gpu_runtime.engine.server --model-path DIR --port P [--host 127.0.0.1] [--threads N] [--device cuda:0]
 
 Routes: POST /generate, GET /health, GET /health_generate,
-POST /update_weights_from_disk, POST /update_weights_from_shared_memory (ours, not SGLang's), POST /flush_cache, GET /get_model_info (and
+POST /update_weights_from_disk, POST /update_weights_from_shared_memory (ours, not SGLang's),
+POST /init_weights_update_group, POST /update_weights_from_distributed, POST /destroy_weights_update_group
+(SGLang's distributed weight update, ``gpu_runtime.weight_sync.distributed``), POST /flush_cache, GET /get_model_info (and
 /model_info), GET /get_server_info (and /server_info), GET /weights_checksum, POST /release_memory_occupation
 and /resume_memory_occupation (SGLang's; ``gpu_runtime.engine.memory_occupation``).
 Generation and weight updates are serialized by one lock; the info routes do
@@ -38,9 +40,11 @@ from transformers import PreTrainedModel
 
 from gpu_runtime.node.proc import exit_when_parent_dies
 from gpu_runtime.node.rpc import send_json
-from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum
+from gpu_runtime.models.causal_lm import load_exported_state_dict
+from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.weight_sync import shared_memory
+from gpu_runtime.weight_sync.distributed import EngineGroups, GroupError
 
 log = logging.getLogger("gpu_runtime.engine.server")
 
@@ -69,6 +73,7 @@ class EngineState:
         self.num_generate_requests = 0
         self.num_generated_tokens = 0
         self.memory = MemoryOccupation(device)  # engines.release_memory: weights on the host between rollouts
+        self.weight_groups = EngineGroups()  # engines.weight_sync distributed
         log.info("loaded %s version=%s checksum=%s", self.model_path, self.weight_version, self.checksum[:12])
 
     def _step(self, _step: int) -> None:
@@ -170,6 +175,29 @@ class EngineState:
                  self.checksum[:12])
         return {"success": True, "message": f"loaded {path}", "num_paused_requests": 0}
 
+    def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's route: receive every tensor of the manifest by broadcast from rank 0,
+        then load them, refused (weights kept) unless their ``weights_checksum`` is the
+        expected ``checksum`` (ours; SGLang has none). The receive does not hold the
+        generation lock: the engine serves its old version until the new one is whole."""
+        version = body.get("weight_version")
+        if version is None:
+            raise ValueError("weight_version is required")
+        t0 = time.perf_counter()
+        tensors = self.weight_groups.receive(body, self.device)
+        got = weights_checksum(tensors)
+        expected = body.get("checksum")
+        if expected is not None and got != expected:
+            raise ValueError(f"received weights hash to {got[:12]}, expected {str(expected)[:12]}: not loaded")
+        with self.lock:
+            with torch.no_grad():
+                load_exported_state_dict(self.model, tensors)
+            self.weight_version = str(version)
+            self.checksum = model_checksum(self.model)
+        log.info("updated weights from distributed group %s version=%s checksum=%s in %.3fs",
+                 body.get("group_name"), self.weight_version, self.checksum[:12], time.perf_counter() - t0)
+        return {"success": True, "message": f"received {len(tensors)} tensors", "num_paused_requests": 0}
+
     def model_info(self) -> dict[str, Any]:
         return {
             "model_path": self.model_path,
@@ -260,6 +288,12 @@ def make_handler(state: EngineState, token: str | None = None) -> type[BaseHTTPR
                     self._send(200, release_route(state, body))
                 elif method == "POST" and path == "/resume_memory_occupation":
                     self._send(200, resume_route(state, body))
+                elif method == "POST" and path == "/init_weights_update_group":
+                    self._send(200, state.weight_groups.init(body))
+                elif method == "POST" and path == "/update_weights_from_distributed":
+                    self._send(200, state.update_weights_from_distributed(body))
+                elif method == "POST" and path == "/destroy_weights_update_group":
+                    self._send(200, state.weight_groups.destroy(body))
                 elif method == "POST" and path == "/flush_cache":
                     self._send(200, {"success": True, "message": "cache flushed (no prefix cache)"})
                 elif method == "GET" and path in ("/get_model_info", "/model_info"):
@@ -275,7 +309,7 @@ def make_handler(state: EngineState, token: str | None = None) -> type[BaseHTTPR
             except EngineReleased as e:  # asleep between rollouts: retry after the resume
                 log.warning("%s %s refused: %s", method, path, e)
                 self._send(503, {"success": False, "error": str(e), "message": str(e)})
-            except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as e:
+            except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError, GroupError) as e:
                 log.warning("%s %s failed: %s", method, path, e)
                 self._send(400, {"success": False, "error": str(e), "message": str(e)})
             except Exception as e:  # noqa: BLE001 - report any engine failure as 500

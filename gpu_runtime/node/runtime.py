@@ -23,6 +23,7 @@ from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.devices import Placement
 from gpu_runtime.node.memory_phases import MemoryPhases, resolve_release_memory
 from gpu_runtime.node.proc import free_port, free_port_block
+from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import NodeEvent, RunSetup, weights_folder
@@ -192,7 +193,8 @@ class NodeRuntime:
 
     def ensure_engines(
         self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch",
-        *, host: str = "127.0.0.1", weight_sync: str = "store", release_memory: str = "off",
+        *, host: str = "127.0.0.1", weight_sync: str = "store", weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
+        run_id: str = "", release_memory: str = "off",
     ) -> list[int]:
         """Resume released engines, gated recovery, then weight push: returns the slots
         (re)started. A run whose engine settings differ from the running fleet's gets a new
@@ -237,9 +239,13 @@ class NodeRuntime:
                 restarted = list(range(num_engines))
             else:
                 restarted = self.fleet.restart_empty_slots(model_path, version)
+            broadcaster = None
+            if weight_sync == "distributed":  # the trainer process is rank 0 of each push's group
+                broadcaster = self.trainer.broadcaster(run_id or self.run_id or "", weight_sync_timeout_s,
+                                                       self._engine_devices(backend))
             for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
                 try:
-                    self.fleet.update_weights(model_path, version, weight_sync)
+                    self.fleet.update_weights(model_path, version, weight_sync, broadcaster)
                     break
                 except NoHealthyEngine:
                     # every engine died between the restart and the push (a health probe timed
@@ -268,6 +274,13 @@ class NodeRuntime:
         ``ensure_engines`` resumes them too, before it pushes the new weights."""
         with self._lock:
             return [] if self.fleet is None else self.fleet.resume_memory()
+
+    def _engine_devices(self, backend: str) -> tuple[str, ...]:
+        """Where the engines run: the torch engines' placement, or an SGLang engine's GPU."""
+        if backend == "sglang":
+            gpus = tuple(f"cuda:{d.split(':')[1]}" for d in self.placement.engines if d.startswith("cuda:"))
+            return gpus or ("cuda:0",)
+        return tuple(self.placement.engines)
 
     def _load_tokenizer(self, model_path: Path) -> None:
         """The served model's tokenizer, loaded again only when its files change (every

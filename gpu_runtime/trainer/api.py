@@ -319,3 +319,41 @@ class RestartCellsCall(Message):
 class CheckpointCall(Message):
     setup: RunSetup
     request: CheckpointRequest
+
+
+# ---- weight broadcast (engines.weight_sync distributed) -------------------------------
+class HeldWeightsCall(Message):
+    run_id: str
+
+
+class HeldWeights(Message):
+    """The published version the trainer holds in memory (None: none of that run)."""
+
+    policy_version: int | None = None
+    checksum: str | None = None
+
+
+class BroadcastWeightsCall(Message):
+    """Join SGLang's weight-update group as rank 0 and broadcast the held version
+    (``gpu_runtime.weight_sync.distributed``): the tensors in ``names`` order."""
+
+    run_id: str
+    policy_version: int
+    checksum: str
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    bucket_bytes: int = 0  # > 0: consecutive tensors packed per broadcast (torch engines; distributed.Manifest)
+
+
+class WeightsBroadcast(Message):
+    policy_version: int
+    nbytes: int
+    join_seconds: float
+    broadcast_seconds: float

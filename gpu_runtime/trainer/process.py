@@ -19,6 +19,10 @@ from gpu_runtime.node.devices import child_env
 from gpu_runtime.node.proc import stop_pid
 from gpu_runtime.node.rpc import RPCClient, ServerDidNotStart, start_rpc_process
 from gpu_runtime.trainer.api import (
+    BroadcastWeightsCall,
+    HeldWeights,
+    HeldWeightsCall,
+    WeightsBroadcast,
     CheckpointCall,
     CheckpointRequest,
     CheckpointSaved,
@@ -32,6 +36,9 @@ from gpu_runtime.trainer.api import (
     TrainStepCall,
     VersionInfo,
 )
+
+from gpu_runtime.engine.distributed_push import Broadcaster
+from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S, GroupSpec, Manifest, group_backend
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=BaseModel)
@@ -71,6 +78,33 @@ class TrainerProcess:
     def restart_cells(self, setup: RunSetup, cells: list[int]) -> CellsRestarted:
         """Start lost DP cells again (``trainer.cells``); they heal from a peer at the next step."""
         return self._call("restart_cells", RestartCellsCall(setup=setup, cells=cells), CellsRestarted)
+
+    def held_weights(self, run_id: str) -> HeldWeights:
+        """The published version the trainer holds in memory (``engines.weight_sync`` distributed)."""
+        return self._call("held_weights", HeldWeightsCall(run_id=run_id), HeldWeights)
+
+    def broadcast_weights(self, call: BroadcastWeightsCall) -> WeightsBroadcast:
+        """Join the push's weight-update group as rank 0 and broadcast the held version."""
+        return self._call("broadcast_weights", call, WeightsBroadcast)
+
+    def broadcaster(self, run_id: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    engine_devices: tuple[str, ...] = ("cpu",)) -> Broadcaster:
+        """This trainer as rank 0 of a push's weight-update group, for ``fleet.update_weights``
+        (``engines.weight_sync`` distributed): gloo on the CPU or colocated, NCCL when the
+        engines are on other GPUs (``distributed.group_backend``)."""
+
+        def held() -> tuple[int | None, str | None]:
+            h = self.held_weights(run_id)
+            return h.policy_version, h.checksum
+
+        def send(spec: GroupSpec, manifest: Manifest, version: str, checksum: str) -> None:
+            self.broadcast_weights(BroadcastWeightsCall(
+                run_id=run_id, policy_version=int(version), checksum=checksum, master_address=spec.master_address,
+                master_port=spec.master_port, world_size=spec.world_size, group_name=spec.group_name,
+                backend=spec.backend, timeout_s=timeout_s, **manifest.as_request()))  # type: ignore[arg-type]
+
+        backend = group_backend(self.device, engine_devices)
+        return Broadcaster(address="127.0.0.1", backend=backend, held=held, send=send, timeout_s=timeout_s)
 
     def _call(self, method: str, arg: BaseModel, result_type: type[R]) -> R:
         self.ensure_running()

@@ -15,7 +15,14 @@ import torch
 
 from gpu_runtime.node.proc import exit_when_parent_dies
 from gpu_runtime.node.rpc import Method, RPCServer
-from gpu_runtime.trainer.api import CheckpointCall, EnsureVersionCall, RestartCellsCall, TrainStepCall
+from gpu_runtime.trainer.api import (
+    BroadcastWeightsCall,
+    CheckpointCall,
+    EnsureVersionCall,
+    HeldWeightsCall,
+    RestartCellsCall,
+    TrainStepCall,
+)
 from gpu_runtime.trainer.service import TrainerService
 
 
@@ -26,6 +33,8 @@ def build_methods(svc: TrainerService) -> dict[str, Method]:
         "train_step": Method(TrainStepCall, lambda a: svc.train_step(a.setup, a.batch)),
         "checkpoint": Method(CheckpointCall, lambda a: svc.checkpoint(a.setup, a.request)),
         "restart_cells": Method(RestartCellsCall, lambda a: svc.restart_cells(a.setup, a.cells)),
+        "held_weights": Method(HeldWeightsCall, lambda a: svc.held_weights(a.run_id)),
+        "broadcast_weights": Method(BroadcastWeightsCall, svc.broadcast_weights),
     }
 
 

@@ -27,8 +27,11 @@ from gpu_runtime.store.fence import FencedStore, StaleEpoch, read_fence
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import (
+    BroadcastWeightsCall,
     CheckpointRequest,
     CellsRestarted,
+    HeldWeights,
+    WeightsBroadcast,
     CellState,
     DPState,
     CheckpointSaved,
@@ -45,6 +48,7 @@ from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.cell import CellFailed  # no Ray import: that waits for a fsdp2 cell
 from gpu_runtime.trainer.offload import OptimizerOffload
 from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer import weight_broadcast
 
 if TYPE_CHECKING:
     from gpu_runtime.trainer.cell_host import CellHost
@@ -83,6 +87,7 @@ class TrainerService:
         self.lighthouse: Lighthouse | None = None  # trainer.cells > 1: torchft's lighthouse (outlives groups)
         self._dp_events: list[NodeEvent] = []  # of closed groups, reported with the next result
         self._offload: tuple[PolicyTrainer, OptimizerOffload] | None = None  # setup.offload_optimizer
+        self._published: tuple[str, int, str] | None = None  # (run, version, checksum) of the last export
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
@@ -392,6 +397,7 @@ class TrainerService:
             self.store.delete_prefix(art.weights_prefix(self.setup.run_id, v - 2) + "/")
         # engines on this node only need the newest two versions locally
         prune_version_folders(folder.parent, v)
+        self._published = (self.setup.run_id, v, checksum)
         return VersionInfo(policy_version=v, checksum=checksum, weights_key=prefix, model_path=str(folder))
 
     def _published_base(self) -> str:
@@ -409,6 +415,25 @@ class TrainerService:
             self.store.put_bytes(f"{prefix}/{DONE}", b"")  # last: the folder is complete
         inner = self.store.inner  # the fenced store's backing store: a local folder or S3
         return str(inner.root / prefix) if isinstance(inner, LocalStore) else inner.uri(prefix)
+
+    # ---- weight broadcast (engines.weight_sync distributed) --------------------------
+    def held_weights(self, run_id: str) -> HeldWeights:
+        """The published version this trainer holds in memory for ``run_id``, if any."""
+        held = self._published
+        if self.trainer is None or held is None or held[0] != run_id or held[1] != self.trainer.policy_version:
+            return HeldWeights()
+        return HeldWeights(policy_version=held[1], checksum=held[2])
+
+    def broadcast_weights(self, call: BroadcastWeightsCall) -> WeightsBroadcast:
+        """Rank 0 of the push's group: broadcast the held version (refused, before
+        joining, unless it is the one asked for)."""
+        held = self.held_weights(call.run_id)
+        if (held.policy_version, held.checksum) != (call.policy_version, call.checksum):
+            raise ValueError(f"broadcast of v{call.policy_version} ({call.checksum[:12]}) refused: the trainer holds "
+                             f"v{held.policy_version} ({(held.checksum or '')[:12]}) of run {call.run_id}")
+        state = weight_broadcast.published_tensors(self.trainer, weights_folder(self.work_dir, call.run_id,
+                                                                                call.policy_version))
+        return weight_broadcast.broadcast(state, call)
 
     # ---- training -----------------------------------------------------------------
     def _train(self, batch: StepBatch, cells: int | None = None) -> dict[str, float]:

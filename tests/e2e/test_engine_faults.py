@@ -128,3 +128,19 @@ def test_shared_memory_weight_sync_with_an_engine_killed(engine_stack: Stack, st
     assert_bitwise_equal(final_weights(store, "kill-one-shm", STEPS), baseline)
     survivor_log = engine_stack.workdir / "nodes" / "node0" / "logs" / "engine-1.log"
     assert "updated weights from shared memory" in survivor_log.read_text()
+
+
+def test_distributed_weight_sync_with_an_engine_killed(engine_stack: Stack, store: Path, baseline: dict) -> None:
+    """``engines.weight_sync: distributed``: the trainer broadcasts every version over a
+    gloo group formed per push (the restarted engine joins the next one), an engine
+    killed mid-rollout is healed, and the run ends bitwise equal to the store-synced
+    baseline."""
+    cfg = tiny_config(store, steps=STEPS, engines={"weight_sync": "distributed"})
+    p, old_pids, _ = _kill_engines_during_step2_rollout(engine_stack, store, "kill-one-dist", [0], cfg)
+    assert "engine_dead" in [e.kind for e in p.events]
+    assert all(e.state == "healthy" for e in p.engines) and p.engines[0].pid != old_pids[0]
+    assert {e.weight_version for e in p.engines} == {STEPS} and len({e.checksum for e in p.engines}) == 1
+    assert_bitwise_equal(final_weights(store, "kill-one-dist", STEPS), baseline)
+    survivor_log = engine_stack.workdir / "nodes" / "node0" / "logs" / "engine-1.log"
+    # versions 1..STEPS (and 0) reached the survivor by broadcast, not from disk
+    assert survivor_log.read_text().count("updated weights from distributed group") >= STEPS

@@ -56,6 +56,53 @@ def test_cuda_engine_loads_from_disk_and_shared_memory(model_dirs, procs, tmp_pa
     assert again == [(r["output_ids"], r["meta_info"]["output_token_logprobs"]) for r in c.generate(PROMPTS, sp)]
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_cuda_engine_receives_a_broadcast(backend: str, model_dirs, procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``engines.weight_sync: distributed`` on the GPU: this process (rank 0, CUDA tensors)
+    broadcasts v2 to an engine on cuda:0 (gloo, colocated: staged through host memory) or
+    on cuda:1 (NCCL, disaggregated: needs 2 GPUs); the engine serves v2's checksum."""
+    import threading
+
+    from gpu_runtime.weight_sync.distributed import GroupSpec, WeightGroup, folder_manifest, group_backend
+
+    engine_gpu = "cuda:0" if backend == "gloo" else "cuda:1"
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL between the trainer and an engine needs two GPUs")
+    assert group_backend("cuda:0", [engine_gpu]) == backend
+    port = free_port()
+    procs.append(start_engine(model_dirs["v1"], port, tmp_path / "e.log", "--device", engine_gpu))
+    c = EngineClient(f"http://127.0.0.1:{port}", timeout_s=120)
+    wait_for(c.health, 300, "cuda engine up")
+    m2, _, _ = load_model_folder(model_dirs["v2"])
+    state = {k: v.to("cuda:0") for k, v in export_state_dict(m2).items()}
+    manifest = folder_manifest(model_dirs["v2"])
+    spec = GroupSpec("127.0.0.1", free_port(), 2, f"cuda-{backend}", backend)
+    errors: list[BaseException] = []
+
+    def engine_side() -> None:
+        try:
+            c.init_weights_update_group(master_address=spec.master_address, master_port=spec.master_port,
+                                        rank_offset=1, world_size=2, group_name=spec.group_name, backend=backend,
+                                        timeout_s=60)
+            c.update_weights_from_distributed(**manifest.as_request(), group_name=spec.group_name, version=2,
+                                              checksum=model_dirs["c2"])
+            c.destroy_weights_update_group(spec.group_name)
+        except BaseException as err:  # noqa: BLE001 - re-raised below
+            errors.append(err)
+
+    t = threading.Thread(target=engine_side)
+    t.start()
+    torch.cuda.set_device(0)
+    group = WeightGroup(spec, 0, timeout_s=60)
+    try:
+        group.send(state, manifest)
+    finally:
+        group.close()
+        t.join()
+    assert not errors, errors
+    assert c.weights_checksum() == (model_dirs["c2"], "2")
+
+
 _TRAIN = """
 import sys, torch
 from gpu_runtime.trainer.server import use_device

@@ -33,7 +33,8 @@ def test_cpu_tiny_run_passes_every_section(tmp_path: Path) -> None:
     assert s["generation"]["same_seed_same_tokens"] is True and s["generation"]["tokens"] > 0
     assert s["grpo"]["final_checksum"] == s["grpo_same_seed"]["final_checksum"]
     assert len(s["grpo"]["train_step_s"]) == 2
-    for k in ("sync_store_ms", "sync_shm_ms", "sync_store_gb_s", "sync_shm_gb_s"):
+    assert s["grpo"]["sync_dist_backend"] == "gloo"
+    for k in ("sync_store_ms", "sync_shm_ms", "sync_dist_ms", "sync_store_gb_s", "sync_shm_gb_s", "sync_dist_gb_s"):
         assert s["grpo"][k] > 0, k
     assert s["heal_engine"]["serves_version"] == "2" and s["heal_engine"]["heal_s"] >= s["heal_engine"]["detect_s"]
     assert s["megatron"]["status"] in ("skipped", "ok") and s["sglang"]["status"] == "skipped"
