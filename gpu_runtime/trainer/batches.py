@@ -125,6 +125,30 @@ def check_groups(samples: list[Sample], rewards: list[float], group_size: int) -
             raise ValueError(f"sample {s.sample_id}: prompt_ids and response_ids must be non-empty")
 
 
+def step_metrics(sums: dict[str, float], samples: list[Sample], rewards: list[float], *, n_tokens: float,
+                 grad_norm: float, lr: float, seconds: float, policy_version: int, epochs: int = 1,
+                 extra: dict[str, float] | None = None) -> dict[str, float]:
+    """A train step's metrics as every trainer backend reports them: its loss sums (the
+    rollout-logprob gap's ``gap_total`` / ``gap_count`` among them, turned into
+    ``rollout_logprob_abs_diff``), ``extra`` (critic, distillation), then the step's own.
+    A non-finite one is a FloatingPointError (the step diverged)."""
+    metrics = dict(sums)
+    gap_total, gap_count = metrics.pop("gap_total"), metrics.pop("gap_count")
+    metrics.update(extra or {})
+    r = torch.tensor(rewards, dtype=torch.float32)
+    lens = [float(len(s.response_ids)) for s in samples]
+    metrics.update(
+        grad_norm=grad_norm, lr=lr, tokens=float(n_tokens), tokens_per_s=n_tokens * epochs / max(seconds, 1e-9),
+        reward_mean=float(r.mean()), reward_std=float(r.std(unbiased=False)), response_len_mean=sum(lens) / len(lens),
+        step_seconds=seconds, policy_version=float(policy_version),
+        rollout_logprob_abs_diff=gap_total / gap_count if gap_count else 0.0,
+    )
+    for k, v in metrics.items():
+        if v != v or v in (float("inf"), float("-inf")):
+            raise FloatingPointError(f"train_step: metric {k} is not finite ({v})")
+    return metrics
+
+
 def lr_at(step: int, hp: TrainerHParams) -> float:
     """The RL LR schedule: constant with optional linear warm-up over ``warmup_steps`` optimizer steps."""
     if hp.warmup_steps > 0 and step < hp.warmup_steps:

@@ -10,7 +10,7 @@ ranks (divide factor 1) and AdamW steps each rank's shard, which is elementwise 
 same arithmetic as one process. Only the order of float sums differs from ``single``.
 
 The loss code is ``PolicyTrainer.train_step`` itself; this class overrides the share, the
-metric reduction and the grad norm (a DTensor's), and saves/restores its state with
+metric reduction (the shared optimizer step reads the DTensor grad norm), and saves/restores its state with
 ``torch.distributed.checkpoint`` (each rank writes its shards).
 
 ``train.precision: bf16`` is the single trainer's: autocast around each forward, not FSDP2's
@@ -26,7 +26,6 @@ layers to bf16 (norms, residual adds) would compute a different model than the s
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
@@ -130,17 +129,6 @@ class CellRankTrainer(PolicyTrainer):
         t = torch.tensor([sums[k] for k in names], dtype=torch.float64)
         dist.all_reduce(t)
         return {k: float(v) for k, v in zip(names, t.tolist())}
-
-    def take_optimizer_step(self, hp: TrainerHParams, what: str) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        total = torch.nn.utils.clip_grad_norm_(params, hp.grad_clip)
-        grad_norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"{what}: grad norm is not finite ({grad_norm})")
-        self.optimizer.step()
-        self.opt_steps += 1
-        return grad_norm
 
     def sft_warmup(self, *args: object, **kwargs: object) -> dict[str, float]:  # type: ignore[override]
         raise NotImplementedError("trainer.backend fsdp2: the SFT warm-up runs before the cell (sft.steps: 0)")

@@ -1,6 +1,6 @@
 """The RL optimizer of a trainer holding a ``model``: AdamW over its trainable parameters,
 the LR schedule's position ``opt_steps``, and one clipped step. Shared by the HF
-``PolicyTrainer`` (and its cell / DP subclasses, which override the step) and the
+``PolicyTrainer`` (and its fsdp2 rank subclass; a DP cell overrides the step) and the
 ``MegatronTrainer``, so both backends step the same way from the same ``train`` knobs."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from gpu_runtime.trainer import lora as lora_lib
 from gpu_runtime.trainer.api import TrainerHParams
@@ -39,7 +40,8 @@ class AdamWSteps:
     def take_optimizer_step(self, hp: TrainerHParams, what: str) -> float:
         """Clip the accumulated grads to ``hp.grad_clip`` and step; the grad norm before clipping.
         A non-finite norm is a FloatingPointError and the weights stay the last good ones."""
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), hp.grad_clip))
+        total = torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), hp.grad_clip)
+        grad_norm = float(total.full_tensor() if isinstance(total, DTensor) else total)  # a fsdp2 rank's is sharded
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"{what}: grad norm is not finite ({grad_norm})")

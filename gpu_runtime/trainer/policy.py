@@ -38,6 +38,7 @@ from gpu_runtime.trainer.batches import (
     micro_batches,
     pad_batch,
     response_mask,
+    step_metrics,
 )
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -300,24 +301,12 @@ class PolicyTrainer(AdamWSteps):
         if critic is not None:
             critic.critic.steps += 1
         self.policy_version += 1
-        gap_total, gap_count = sums.pop("gap_total"), sums.pop("gap_count")
-        secs = time.perf_counter() - t0
-        metrics = dict(sums)
-        if critic is not None:
-            metrics.update(critic.metrics(hp, n_tokens))
+        extra = critic.metrics(hp, n_tokens) if critic is not None else {}
         if distill_kl is not None:
-            metrics["distill_kl"] = distill_kl
-        lens = [float(len(s.response_ids)) for s in samples]
-        metrics.update(
-            grad_norm=grad_norm, lr=lr, tokens=float(n_tokens), tokens_per_s=n_tokens * hp.ppo_epochs / max(secs, 1e-9),
-            reward_mean=float(r.mean()), reward_std=float(r.std(unbiased=False)), response_len_mean=sum(lens) / len(lens),
-            step_seconds=secs, policy_version=float(self.policy_version),
-            rollout_logprob_abs_diff=gap_total / gap_count if gap_count else 0.0,
-        )
-        for k, v in metrics.items():
-            if v != v or v in (float("inf"), float("-inf")):
-                raise FloatingPointError(f"train_step: metric {k} is not finite ({v})")
-        return metrics
+            extra["distill_kl"] = distill_kl
+        return step_metrics(sums, samples, rewards, n_tokens=n_tokens, grad_norm=grad_norm, lr=lr,
+                            seconds=time.perf_counter() - t0, policy_version=self.policy_version,
+                            epochs=hp.ppo_epochs, extra=extra)
 
     def _step_sums(self, sums: dict[str, float], batches: list, old_lps: list, tis: dict,
                    n_tokens: int) -> dict[str, float]:

@@ -30,7 +30,7 @@ from gpu_runtime.models.model_folder import weights_checksum, write_model_folder
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
-from gpu_runtime.trainer.batches import check_groups
+from gpu_runtime.trainer.batches import check_groups, step_metrics
 from gpu_runtime.trainer.megatron import checkpoint
 from gpu_runtime.trainer.megatron.train import grpo_backward, unsupported
 from gpu_runtime.trainer.optim import AdamWSteps
@@ -118,22 +118,9 @@ class MegatronTrainer(AdamWSteps):
         sums = grpo_backward(self.model, samples, rewards, group_size, hp, self.tokenizer.pad_token_id)
         grad_norm = self.take_optimizer_step(hp, "train_step")
         self.policy_version += 1
-        gap_total, gap_count = sums.pop("gap_total"), sums.pop("gap_count")
         n_tokens = sums.pop("tokens")
-        secs = time.perf_counter() - t0
-        r = torch.tensor(rewards, dtype=torch.float32)
-        lens = [float(len(s.response_ids)) for s in samples]
-        metrics = dict(sums)
-        metrics.update(
-            grad_norm=grad_norm, lr=lr, tokens=n_tokens, tokens_per_s=n_tokens / max(secs, 1e-9),
-            reward_mean=float(r.mean()), reward_std=float(r.std(unbiased=False)), response_len_mean=sum(lens) / len(lens),
-            step_seconds=secs, policy_version=float(self.policy_version),
-            rollout_logprob_abs_diff=gap_total / gap_count if gap_count else 0.0,
-        )
-        for k, v in metrics.items():
-            if v != v or v in (float("inf"), float("-inf")):
-                raise FloatingPointError(f"train_step: metric {k} is not finite ({v})")
-        return metrics
+        return step_metrics(sums, samples, rewards, n_tokens=n_tokens, grad_norm=grad_norm, lr=lr,
+                            seconds=time.perf_counter() - t0, policy_version=self.policy_version)
 
     def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
         raise ValueError("trainer.backend megatron does not support mode sft (the RL step only)")
