@@ -219,6 +219,8 @@ class Soak:
         if f.kind in CELL_FAULTS:
             if p.dp is None or p.cell_heal or any(c.state != "alive" for c in p.dp.cells):
                 return None
+            if any(_runs(pid, "gpu_runtime.trainer.dp.cell_server") for pid in self.stopped):
+                return None  # a stopped cell is a fault in progress: its group has not timed it out yet
             pid = p.dp.cells[f.target].pid
             return pid if _runs(pid, "gpu_runtime.trainer.dp.cell_server", f"--index\0{f.target}\0") else None
         if f.kind == "engine_kill":
@@ -270,7 +272,8 @@ def _runs(pid: int, *parts: str) -> bool:
 def fault_checks(faults: list[Fault], events: list[RunEvent]) -> list[str]:
     """Each cell fault cost its cell (a stopped one: timed out and killed by its group), and
     that cell healed from its peer afterwards, unless another fault hit it first (a kill
-    landing in its heal step); each lighthouse kill was restarted; >= 2 cell heals.
+    landing in its heal step); each lighthouse kill was restarted (or hit a lighthouse being
+    started, whose start failed, and a later restart answered both); >= 2 cell heals.
     ``events`` in time order."""
     out = []
     fault_pids = {f.pid for f in faults if f.kind in CELL_FAULTS}
@@ -287,10 +290,14 @@ def fault_checks(faults: list[Fault], events: list[RunEvent]) -> list[str]:
                 out.append(f"{f.kind} of pid {f.pid}: the process is still there (not killed by its group)")
             if not _healed_after(events, at, fault_pids):
                 out.append(f"{f.kind} of pid {f.pid} at step {f.step}: its cell never healed afterwards")
-    restarts = sum(e.kind == "lighthouse_restarted" for e in events)
+    # a kill can land on a lighthouse the watchdog is still starting: that start fails
+    # (lighthouse_restart_failed) and the next one answers for both kills
+    lighthouse = [e.kind for e in events if e.kind in ("lighthouse_restarted", "lighthouse_restart_failed")]
     kills = sum(f.kind == "lighthouse_kill" for f in faults)
-    if restarts != kills:
-        out.append(f"{kills} lighthouse kills, {restarts} lighthouse_restarted events")
+    if len(lighthouse) != kills or (kills and lighthouse[-1] != "lighthouse_restarted"):
+        out.append(f"{kills} lighthouse kills, {lighthouse.count('lighthouse_restarted')} lighthouse_restarted and "
+                   f"{lighthouse.count('lighthouse_restart_failed')} lighthouse_restart_failed events"
+                   + (", the last a failure" if lighthouse and lighthouse[-1] != "lighthouse_restarted" else ""))
     heals = sum(e.kind == "cell_healed" for e in events)
     if heals < 2:
         out.append(f"{heals} cell heals (need >= 2)")

@@ -127,6 +127,20 @@ def test_each_fault_must_show_in_the_events() -> None:
     assert any("never healed" in f for f in fault_checks(faults, healed + events[:3]))
 
 
+def test_a_kill_of_a_starting_lighthouse_is_answered_by_the_next_restart() -> None:
+    """Two kills 1 s apart (soak seed 12, 200 steps): the second hit the lighthouse the
+    watchdog was starting; that start failed and the next one answered both kills."""
+    kills = [Fault(1, 22, "lighthouse_kill", 9), Fault(2, 23, "lighthouse_kill", 10)]
+    heals = [RunEvent(at=f"t{i}", kind="cell_healed", detail="cell 0 healed") for i in (5, 6)]
+    failed = RunEvent(at="t3", kind="lighthouse_restart_failed", detail="torchft lighthouse exited with 247")
+    restarted = RunEvent(at="t4", kind="lighthouse_restarted")
+    assert fault_checks(kills, [failed, restarted, *heals]) == []
+    assert fault_checks(kills, [restarted, failed, *heals]) == [
+        "2 lighthouse kills, 1 lighthouse_restarted and 1 lighthouse_restart_failed events, the last a failure"]
+    assert fault_checks(kills, [restarted, *heals]) == [
+        "2 lighthouse kills, 1 lighthouse_restarted and 0 lighthouse_restart_failed events"]
+
+
 def test_the_schedule_is_the_seeds_and_has_two_early_cell_faults() -> None:
     for seed in range(50):
         a, b = plan(random.Random(seed), 30), plan(random.Random(seed), 30)
