@@ -54,19 +54,40 @@ class TemporalDevServer:
         self.port = free_port()
         self.ui_port = free_port() if ui else None
         self.proc: subprocess.Popen | None = None
+        self._started = False  # once started, the frontend port is the workers' address
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> None:
-        cmd = server_command(
-            self.workdir / "temporal.db", self.port, self.ui_port, http_port=free_port(), metrics_port=free_port()
-        )
-        self.proc = spawn(cmd, self.workdir / "temporal.log")
-        wait_for_port("127.0.0.1", self.port, 60, self.proc)
-        if self.ui_port is not None:
-            wait_for_port("127.0.0.1", self.ui_port, 60, self.proc)
+    def start(self, attempts: int = 4) -> None:
+        """Start the server. ``free_port`` only proposes a port: until the server binds it,
+        any process's outgoing connection may take it as its local port (CI once lost a
+        module's stack to ``bind: address already in use``). Such a start is retried with
+        fresh ports (the frontend port only before the first start: workers keep its
+        address across a restart); any other failure raises with the log's tail."""
+        log_path = self.workdir / "temporal.log"
+        for attempt in range(1, attempts + 1):
+            cmd = server_command(
+                self.workdir / "temporal.db", self.port, self.ui_port, http_port=free_port(), metrics_port=free_port()
+            )
+            log_start = log_path.stat().st_size if log_path.exists() else 0
+            self.proc = spawn(cmd, log_path)
+            try:
+                wait_for_port("127.0.0.1", self.port, 60, self.proc)
+                if self.ui_port is not None:
+                    wait_for_port("127.0.0.1", self.ui_port, 60, self.proc)
+            except RuntimeError as err:  # the server exited before it listened
+                self.stop()
+                out = log_path.read_bytes()[log_start:].decode(errors="replace").strip()
+                if "address already in use" in out and attempt < attempts:
+                    if not self._started:
+                        self.port = free_port()
+                        self.ui_port = free_port() if self.ui_port is not None else None
+                    continue
+                raise RuntimeError(f"{err}; {log_path} says: {out[-2000:]}") from err
+            break
+        self._started = True
         wait_until_serving(self.address)
 
     def restart(self) -> None:
