@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from functools import cache as memoize
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -97,9 +98,15 @@ def load_exported_state_dict(model: PreTrainedModel, sd: dict[str, torch.Tensor]
         model.tie_weights()
 
 
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def config_shape(config: Any) -> dict:
+    """The architecture-defining fields of an HF config (a checkpoint must match them)."""
+    return {k: getattr(config, k, None) for k in SHAPE_KEYS}
+
+
 def shape_summary(model: PreTrainedModel) -> dict:
-    """The architecture-defining config fields (a checkpoint must match them)."""
-    c = model.config
-    keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
-    return {k: getattr(c, k, None) for k in keys}
+    """``config_shape`` of a model's config."""
+    return config_shape(model.config)

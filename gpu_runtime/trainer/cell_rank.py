@@ -25,7 +25,6 @@ layers to bf16 (norms, residual adds) would compute a different model than the s
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
 from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.state import read_meta, restore_progress, write_meta
 
 CELL_META_FILE = "cell_meta.json"  # written by rank 0 after every rank's shards
 CELL_FORMAT_VERSION = 1
@@ -216,17 +216,12 @@ class CellRankTrainer(PolicyTrainer):
                 torch.save(self.ref_model.state_dict(), folder / "reference.pt")
             self.tokenizer.save(folder)
             self.model.config.save_pretrained(str(folder))
-            py_state = random.getstate()
-            meta = {
-                "format": CELL_FORMAT_VERSION, "ranks": self.world, "policy_version": self.policy_version,
+            write_meta(folder, {
+                "ranks": self.world, "policy_version": self.policy_version,
                 "opt_steps": self.opt_steps, "seed": self.seed, "model_config": shape_summary(self.model),
                 "hparams": self.hparams.model_dump(mode="json"), "has_reference": self.ref_model is not None,
-                "optimizer_state": with_optimizer,
-                "python_random": [py_state[0], list(py_state[1]), py_state[2]], "checksum": checksum,
-            }
-            tmp = folder / (CELL_META_FILE + ".tmp")
-            tmp.write_text(json.dumps(meta, indent=1))
-            tmp.replace(folder / CELL_META_FILE)
+                "optimizer_state": with_optimizer, "checksum": checksum,
+            }, CELL_META_FILE, CELL_FORMAT_VERSION)
         torch.save(torch.get_rng_state(), folder / f"rng-rank{self.rank}.pt")
         dist.barrier()
 
@@ -236,11 +231,7 @@ class CellRankTrainer(PolicyTrainer):
         state is loaded in place: ``get_optimizer_state_dict`` returns views of its shards.)"""
         folder = Path(folder)
         path = folder / CELL_META_FILE
-        if not path.exists():
-            raise FileNotFoundError(f"no {CELL_META_FILE} in cell state folder {folder}")
-        meta = json.loads(path.read_text())
-        if meta.get("format") != CELL_FORMAT_VERSION:
-            raise ValueError(f"{path}: field 'format' must be {CELL_FORMAT_VERSION}, got {meta.get('format')!r}")
+        meta = read_meta(folder, CELL_META_FILE, CELL_FORMAT_VERSION, "cell state")
         # a different rank count reshards: DCP reads each rank's slice of every saved tensor
         if meta["model_config"] != shape_summary(self.model):
             raise ValueError(f"{path}: field 'model_config' does not match this cell's model")
@@ -257,12 +248,7 @@ class CellRankTrainer(PolicyTrainer):
             self.ref_model.load_state_dict(torch.load(folder / "reference.pt", weights_only=True))
         rng = folder / f"rng-rank{self.rank}.pt"  # a rank the saving cell did not have: rank 0's
         torch.set_rng_state(torch.load(rng if rng.exists() else folder / "rng-rank0.pt", weights_only=True))
-        v, internal, gauss = meta["python_random"]
-        random.setstate((v, tuple(internal), gauss))
-        self.policy_version, self.opt_steps, self.seed = int(meta["policy_version"]), int(meta["opt_steps"]), int(meta["seed"])
-        got = self.checksum()
-        if got != meta["checksum"]:
-            raise ValueError(f"{folder}: weights checksum {got} != recorded {meta['checksum']}")
+        restore_progress(self, meta, folder / "shards")
         self.model.train()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,14 +31,39 @@ RNG_FILE = "rng.safetensors"
 FORMAT_VERSION = 1
 
 
-def read_meta(folder: Path) -> dict:
-    path = folder / META_FILE
+def read_meta(folder: Path, name: str = META_FILE, format_version: int = FORMAT_VERSION,
+              what: str = "trainer state") -> dict:
+    """``folder/name``, whose ``format`` must be ``format_version``."""
+    path = folder / name
     if not path.exists():
-        raise FileNotFoundError(f"no {META_FILE} in trainer state folder {folder}")
+        raise FileNotFoundError(f"no {name} in {what} folder {folder}")
     meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: field 'format' must be {FORMAT_VERSION}, got {meta.get('format')!r}")
+    if meta.get("format") != format_version:
+        raise ValueError(f"{path}: field 'format' must be {format_version}, got {meta.get('format')!r}")
     return meta
+
+
+def write_meta(folder: Path, fields: dict, name: str = META_FILE, format_version: int = FORMAT_VERSION) -> None:
+    """``fields`` with the format and the Python RNG's state, into ``folder/name`` atomically:
+    written last, so a folder that has it is whole."""
+    py_state = random.getstate()
+    meta = {"format": format_version, **fields, "python_random": [py_state[0], list(py_state[1]), py_state[2]]}
+    tmp = folder / (name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(folder / name)
+
+
+def restore_progress(trainer: Any, meta: dict, weights: Path) -> None:
+    """The Python RNG, policy version, optimizer-step count and seed ``write_meta`` recorded;
+    then the trainer's weights must have the recorded checksum (``weights`` names their file)."""
+    v, internal, gauss = meta["python_random"]
+    random.setstate((v, tuple(internal), gauss))
+    trainer.policy_version = int(meta["policy_version"])
+    trainer.opt_steps = int(meta["opt_steps"])
+    trainer.seed = int(meta["seed"])
+    got = trainer.checksum()
+    if got != meta["checksum"]:
+        raise ValueError(f"{weights}: weights checksum {got} != recorded {meta['checksum']}")
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -82,9 +107,7 @@ def save(trainer: PolicyTrainer, folder: str | Path) -> None:
         save_file(c_tensors, str(folder / critic_lib.CRITIC_OPTIM))
         critic_meta = {"steps": trainer.critic.steps, "optimizer_param_groups": c_groups, "checksum": _critic_checksum(sd)}
     save_file({"torch_cpu": torch.get_rng_state()}, str(folder / RNG_FILE))
-    py_state = random.getstate()
-    meta = {
-        "format": FORMAT_VERSION,
+    write_meta(folder, {
         "policy_version": trainer.policy_version,
         "opt_steps": trainer.opt_steps,
         "seed": trainer.seed,
@@ -94,12 +117,8 @@ def save(trainer: PolicyTrainer, folder: str | Path) -> None:
         "lora": trainer.lora.model_dump(mode="json") if trainer.lora else None,
         "optimizer_param_groups": groups,
         "critic": critic_meta,
-        "python_random": [py_state[0], list(py_state[1]), py_state[2]],
         "checksum": trainer.checksum(),
-    }
-    tmp = folder / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(folder / META_FILE)
+    })
 
 
 def load(trainer: PolicyTrainer, folder: str | Path) -> None:
@@ -128,14 +147,7 @@ def load(trainer: PolicyTrainer, folder: str | Path) -> None:
     _load_optimizer(trainer.optimizer, load_file(str(folder / OPTIM_FILE)), meta["optimizer_param_groups"])
     trainer.critic = _load_critic(trainer, folder, meta.get("critic"))
     torch.set_rng_state(load_file(str(folder / RNG_FILE))["torch_cpu"])
-    v, internal, gauss = meta["python_random"]
-    random.setstate((v, tuple(internal), gauss))
-    trainer.policy_version = int(meta["policy_version"])
-    trainer.opt_steps = int(meta["opt_steps"])
-    trainer.seed = int(meta["seed"])
-    got = trainer.checksum()
-    if got != meta["checksum"]:
-        raise ValueError(f"{folder / WEIGHTS_FILE}: weights checksum {got} != recorded {meta['checksum']}")
+    restore_progress(trainer, meta, folder / WEIGHTS_FILE)
     trainer.model.train()
 
 

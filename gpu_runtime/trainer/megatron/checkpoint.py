@@ -12,17 +12,16 @@ order, so each backend refuses the other's checkpoint by name.
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu_runtime.models.causal_lm import config_shape
+from gpu_runtime.models.model_folder import weights_checksum
 from gpu_runtime.trainer.api import stored_hparams
 from gpu_runtime.trainer.state import (
-    FORMAT_VERSION,
     META_FILE,
     OPTIM_FILE,
     RNG_FILE,
@@ -30,19 +29,15 @@ from gpu_runtime.trainer.state import (
     _load_optimizer,
     _optimizer_tensors,
     read_meta,
+    restore_progress,
+    write_meta,
 )
 
 if TYPE_CHECKING:
     from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
 
 BACKEND = "megatron"
-SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")  # trainer.state's shape_summary
 _TRACKER = "megatron_tracker."
-
-
-def shape_summary(config: Any) -> dict:
-    return {k: getattr(config, k, None) for k in SHAPE_KEYS}
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:
@@ -78,27 +73,19 @@ def save(trainer: MegatronTrainer, folder: str | Path) -> None:
     tensors, groups = _optimizer_tensors(trainer.optimizer)
     save_file(tensors, str(folder / OPTIM_FILE))
     save_file(_rng_tensors(), str(folder / RNG_FILE))
-    py_state = random.getstate()
-    from gpu_runtime.models.model_folder import weights_checksum
-
-    meta = {
-        "format": FORMAT_VERSION,
+    write_meta(folder, {
         "backend": BACKEND,
         "policy_version": trainer.policy_version,
         "opt_steps": trainer.opt_steps,
         "seed": trainer.seed,
-        "model_config": shape_summary(trainer.hf_config),
+        "model_config": config_shape(trainer.hf_config),
         "hparams": trainer.hparams.model_dump(mode="json"),
         "has_reference": False,
         "lora": None,
         "optimizer_param_groups": groups,
         "critic": None,
-        "python_random": [py_state[0], list(py_state[1]), py_state[2]],
         "checksum": weights_checksum(weights),
-    }
-    tmp = folder / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(folder / META_FILE)
+    })
 
 
 def load(trainer: MegatronTrainer, folder: str | Path) -> None:
@@ -112,7 +99,7 @@ def load(trainer: MegatronTrainer, folder: str | Path) -> None:
         raise ValueError(f"{where}: field 'backend' is {meta.get('backend', 'single')!r}: a checkpoint of another "
                          "trainer backend (its optimizer state is in another parameter order); the run's "
                          "trainer.backend is megatron")
-    if shape_summary(trainer.hf_config) != meta["model_config"]:
+    if config_shape(trainer.hf_config) != meta["model_config"]:
         raise ValueError(f"{where}: field 'model_config' does not match this trainer's model")
     device = str(next(trainer.model.parameters()).device)
     with torch.no_grad():
@@ -121,12 +108,5 @@ def load(trainer: MegatronTrainer, folder: str | Path) -> None:
     trainer.optimizer = trainer._new_optimizer(trainer.hparams)
     _load_optimizer(trainer.optimizer, load_file(str(folder / OPTIM_FILE)), meta["optimizer_param_groups"])
     _set_rng(load_file(str(folder / RNG_FILE)))
-    v, internal, gauss = meta["python_random"]
-    random.setstate((v, tuple(internal), gauss))
-    trainer.policy_version = int(meta["policy_version"])
-    trainer.opt_steps = int(meta["opt_steps"])
-    trainer.seed = int(meta["seed"])
-    got = trainer.checksum()
-    if got != meta["checksum"]:
-        raise ValueError(f"{folder / WEIGHTS_FILE}: weights checksum {got} != recorded {meta['checksum']}")
+    restore_progress(trainer, meta, folder / WEIGHTS_FILE)
     trainer.model.train()
