@@ -18,7 +18,7 @@ from workflows.agent_config import AgentSpec
 from workflows.model_config import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec  # noqa: F401  (sections; re-exported)
 from workflows.reward_config import RewardSpec, RewardTerm  # noqa: F401  (a section of RunConfig; re-exported)
 from workflows.strict import Strict
-from workflows.trainer_config import TrainerSpec, dp_conflicts, fsdp2_conflicts, megatron_conflicts
+from workflows.trainer_config import RunAsks, TrainerSpec, layout_conflicts
 
 
 _DATA_SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet", ".pq")}
@@ -562,28 +562,18 @@ class RunConfig(Strict):
     @classmethod
     def _trainer_backend(cls, v: TrainerSpec, info: ValidationInfo) -> TrainerSpec:
         model, train, rollout = info.data.get("model"), info.data.get("train"), info.data.get("rollout")
-        if v.cells > 1:
-            bad = dp_conflicts(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,
-                               distill=info.data.get("distill") is not None,
-                               estimator="grpo" if train is None else train.estimator,
-                               ppo_epochs=1 if train is None else train.ppo_epochs)
-            if bad:
-                raise ValueError(f"cells {v.cells} does not support {'; '.join(bad)}")
+        asks = RunAsks(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,
+                       distill=info.data.get("distill") is not None,
+                       agent=rollout is not None and rollout.agent is not None, train=train)
+        if v.cells > 1 and (bad := layout_conflicts("cells", asks)):
+            raise ValueError(f"cells {v.cells} does not support {'; '.join(bad)}")
+        if v.backend == "single":
+            return v
+        if bad := layout_conflicts(v.backend, asks):
+            docs = " (docs/trainer-backends.md)" if v.backend == "megatron" else ""
+            raise ValueError(f"backend {v.backend} does not support {'; '.join(bad)}{docs}")
         if v.backend == "megatron":
-            bad = megatron_conflicts(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,
-                                     distill=info.data.get("distill") is not None,
-                                     agent=rollout is not None and rollout.agent is not None, train=train)
-            if bad:
-                raise ValueError(f"backend megatron does not support {'; '.join(bad)} (docs/trainer-backends.md)")
             return v
-        if v.backend != "fsdp2":
-            return v
-        bad = fsdp2_conflicts(mode=str(info.data.get("mode")), lora=model is not None and model.lora is not None,
-                              distill=info.data.get("distill") is not None,
-                              estimator="grpo" if train is None else train.estimator,
-                              agent=rollout is not None and rollout.agent is not None)
-        if bad:
-            raise ValueError(f"backend fsdp2 does not support {'; '.join(bad)}")
         if train is not None and rollout is not None:
             n = math.ceil(rollout.prompts_per_step * rollout.group_size / train.micro_batch_size)
             if n % v.ranks_per_cell:

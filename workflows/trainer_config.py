@@ -10,7 +10,8 @@ for every published version); it needs a ``--device cuda`` node and megatron-cor
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -72,26 +73,65 @@ class TrainerSpec(Strict):
         return self
 
 
-def fsdp2_conflicts(*, mode: str, lora: bool, distill: bool, estimator: str = "grpo", agent: bool = False) -> list[str]:
-    """The run settings a fsdp2 cell does not implement yet, each with its reason."""
-    out = []
-    if mode != "rl":
-        out.append("mode sft (the cell trains the RL step only)")
-    if lora:
-        out.append("model.lora (the cell shards full fine-tuning only)")
-    if distill:
-        out.append("distill (the teacher is not sharded)")
-    if estimator == "ppo":
-        out.append("train.estimator ppo (the critic is not sharded)")
-    if agent:
-        out.append("rollout.agent (multi-turn loss masks are not checked against the single trainer in a cell)")
+@dataclass(frozen=True)
+class RunAsks:
+    """What a run config asks of its trainer, as the layouts' gaps are checked against it."""
+
+    mode: str
+    lora: bool
+    distill: bool
+    agent: bool
+    train: Any = None  # the run's TrainSpec (None: the defaults)
+
+    def features(self) -> set[str]:
+        train = self.train
+        return {name for name, on in (
+            ("sft", self.mode != "rl"), ("lora", self.lora), ("distill", self.distill), ("agent", self.agent),
+            ("ppo", getattr(train, "estimator", "grpo") == "ppo"), ("ppo_epochs", getattr(train, "ppo_epochs", 1) != 1),
+        ) if on}
+
+
+# per trainer layout, what it does not implement yet (a feature of RunAsks -> the reason)
+LAYOUT_GAPS: dict[str, dict[str, str]] = {
+    "fsdp2": {
+        "sft": "mode sft (the cell trains the RL step only)",
+        "lora": "model.lora (the cell shards full fine-tuning only)",
+        "distill": "distill (the teacher is not sharded)",
+        "ppo": "train.estimator ppo (the critic is not sharded)",
+        "agent": "rollout.agent (multi-turn loss masks are not checked against the single trainer in a cell)",
+    },
+    "megatron": {  # and megatron_train_conflicts
+        "sft": "mode sft (the megatron trainer trains the RL step only)",
+        "lora": "model.lora (full fine-tuning only)",
+        "distill": "distill (no teacher forward)",
+        "agent": "rollout.agent (multi-turn loss masks are not checked against the single trainer)",
+    },
+    "cells": {  # trainer.cells > 1
+        "sft": "mode sft (the cells train the RL step only)",
+        "lora": "model.lora (a healed cell copies full weights only)",
+        "distill": "distill (not tested across cells yet)",
+        "ppo": "train.estimator ppo (the critic's grads are not reduced across cells)",
+        "ppo_epochs": "train.ppo_epochs {ppo_epochs} (a step a cell loss interrupts is retried whole: one epoch)",
+    },
+}
+
+
+def layout_conflicts(layout: str, asks: RunAsks) -> list[str]:
+    """The settings of ``asks`` the trainer layout (``fsdp2``, ``megatron`` or ``cells``) does
+    not implement yet, each with its reason."""
+    have = asks.features()
+    out = [reason.format(ppo_epochs=getattr(asks.train, "ppo_epochs", 1))
+           for feature, reason in LAYOUT_GAPS[layout].items() if feature in have]
+    if layout == "megatron" and asks.train is not None:
+        out += megatron_train_conflicts(asks.train)
     return out
 
 
 def megatron_train_conflicts(train: object) -> list[str]:
     """The ``train`` knobs the megatron trainer's GRPO loss does not implement yet, set away
-    from what it computes (its runtime twin: ``gpu_runtime.trainer.megatron.train.unsupported``).
-    Also checked when ``set_hparams`` changes them mid-run."""
+    from what it computes (the megatron trainer checks the same list:
+    ``gpu_runtime.trainer.megatron.train.unsupported``). Also checked when ``set_hparams``
+    changes them mid-run."""
     out = []
     if getattr(train, "kl_coef", 0.0) > 0:
         out.append("train.kl_coef > 0 (no frozen reference model is kept)")
@@ -109,36 +149,4 @@ def megatron_train_conflicts(train: object) -> list[str]:
     return out
 
 
-def megatron_conflicts(*, mode: str, lora: bool, distill: bool, agent: bool, train: object | None) -> list[str]:
-    """The run settings the megatron trainer does not implement yet, each with its reason."""
-    out = []
-    if mode != "rl":
-        out.append("mode sft (the megatron trainer trains the RL step only)")
-    if lora:
-        out.append("model.lora (full fine-tuning only)")
-    if distill:
-        out.append("distill (no teacher forward)")
-    if agent:
-        out.append("rollout.agent (multi-turn loss masks are not checked against the single trainer)")
-    if train is not None:
-        out += megatron_train_conflicts(train)
-    return out
-
-
-def dp_conflicts(*, mode: str, lora: bool, distill: bool, estimator: str, ppo_epochs: int) -> list[str]:
-    """The run settings DP cells (``trainer.cells > 1``) do not implement yet, each with its reason."""
-    out = []
-    if mode != "rl":
-        out.append("mode sft (the cells train the RL step only)")
-    if lora:
-        out.append("model.lora (a healed cell copies full weights only)")
-    if distill:
-        out.append("distill (not tested across cells yet)")
-    if estimator == "ppo":
-        out.append("train.estimator ppo (the critic's grads are not reduced across cells)")
-    if ppo_epochs != 1:
-        out.append(f"train.ppo_epochs {ppo_epochs} (a step a cell loss interrupts is retried whole: one epoch)")
-    return out
-
-
-__all__ = ["TrainerSpec", "dp_conflicts", "fsdp2_conflicts", "megatron_conflicts", "megatron_train_conflicts"]
+__all__ = ["LAYOUT_GAPS", "RunAsks", "TrainerSpec", "layout_conflicts", "megatron_train_conflicts"]
