@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_runtime.data.datasets import generate_arithmetic  # noqa: E402
+from bench._tiny_model import add_model_args, tiny_base_folder  # noqa: E402
 from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.api import ModelInit, ModelSource  # noqa: E402
-from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
 from tests.unit.test_policy_trainer import ROWS, hparams, rollout  # noqa: E402
-from workflows.config import ModelInitSpec  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -50,8 +46,7 @@ def timed(step) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (as the trainer process's --device)")
@@ -65,11 +60,7 @@ def main() -> None:
         from gpu_runtime.trainer.server import use_device
 
         use_device(args.device)
-    init = ModelInitSpec(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    source = ModelSource(path=None, init=ModelInit.model_validate(init.model_dump()), lora=None)
-    folder = base_model_folder(source, generate_arithmetic(32, seed=0, max_operand=20), 7,
-                               Path(tempfile.mkdtemp(prefix="bench-precision-")))
+    folder = tiny_base_folder(args, "bench-precision-")
     hps = {pr: hparams(micro_batch_size=4, ppo_epochs=1, kl_coef=0.0, warmup_steps=0, precision=pr)
            for pr in PRECISIONS}
     batches = [rollout(s, n_prompts=4, group=4) for s in range(1, args.steps + 1)]

@@ -19,7 +19,6 @@ import argparse
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,13 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_runtime.data.datasets import generate_arithmetic  # noqa: E402
+from bench._tiny_model import add_model_args, tiny_base_folder  # noqa: E402
 from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.api import ModelInit, ModelSource  # noqa: E402
-from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
 from gpu_runtime.trainer.cell import RayRuntime, TrainerCell  # noqa: E402
 from tests.unit.test_policy_trainer import hparams, rollout  # noqa: E402
-from workflows.config import ModelInitSpec  # noqa: E402
 
 
 def timed(step) -> float:
@@ -44,17 +40,12 @@ def timed(step) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     args = p.parse_args()
     torch.set_num_threads(1)
-    init = ModelInitSpec(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    source = ModelSource(path=None, init=ModelInit.model_validate(init.model_dump()), lora=None)
-    folder = base_model_folder(source, generate_arithmetic(32, seed=0, max_operand=20), 7,
-                               Path(tempfile.mkdtemp(prefix="bench-cell-")))
+    folder = tiny_base_folder(args, "bench-cell-")
     hp = hparams(micro_batch_size=4, ppo_epochs=1, kl_coef=0.0, warmup_steps=0)
     batches = [rollout(s, n_prompts=4, group=4) for s in range(1, args.steps + 1)]  # 16 samples, 4 micro-batches
 
