@@ -3,7 +3,9 @@
 ``--device cpu`` puts everything on the CPU. ``--device cuda`` places the trainer on
 ``cuda:<trainer_gpu>`` and the engines on ``engine_gpus`` (round robin over the list):
 the default list is the trainer's GPU, so one GPU holds both (colocated); naming other
-GPUs gives each engine its own (disaggregated). The choice is made once, when the agent
+GPUs gives each engine its own (disaggregated). A ``trainer.backend: fsdp2`` cell takes one
+GPU per rank from ``cell_gpus``: every GPU no engine holds, and the trainer's (so engines on
+their own GPUs never share one with a rank). The choice is made once, when the agent
 starts, from the GPU count torch reports, so a bad placement is refused before any run
 binds the node. Pure logic: the GPU count is an argument (tests pass one on CPU).
 """
@@ -22,6 +24,7 @@ CUBLAS_DETERMINISM = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 class Placement:
     trainer: str  # "cpu" or "cuda:N"
     engines: tuple[str, ...]  # one device per engine slot, cycled when there are more slots
+    cell_gpus: tuple[int, ...] = ()  # the GPUs a fsdp2 cell's ranks may take (the Ray the trainer starts sees these)
 
     def engine_device(self, slot: int) -> str:
         return self.engines[slot % len(self.engines)]
@@ -31,16 +34,16 @@ class Placement:
         return self.trainer.startswith("cuda") or any(d.startswith("cuda") for d in self.engines)
 
 
-def parse_gpu_list(text: str | None) -> list[int] | None:
+def parse_gpu_list(text: str | None, flag: str = "--engine-gpus") -> list[int] | None:
     """``"0,1"`` -> [0, 1]; empty/None -> None (the default placement)."""
     if text is None or not text.strip():
         return None
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--engine-gpus {text!r}: a comma-separated list of GPU indices, e.g. 0,1") from None
+        raise ValueError(f"{flag} {text!r}: a comma-separated list of GPU indices, e.g. 0,1") from None
     if any(i < 0 for i in out):
-        raise ValueError(f"--engine-gpus {text!r}: GPU indices are >= 0")
+        raise ValueError(f"{flag} {text!r}: GPU indices are >= 0")
     return out
 
 
@@ -61,7 +64,14 @@ def plan_placement(
     if bad:
         raise ValueError(f"GPU index {bad} out of range: this node has {gpu_count} GPU(s) (0..{gpu_count - 1})")
     engines = tuple(f"cuda:{i}" for i in (engine_gpus or [trainer_gpu]))
-    return Placement(f"cuda:{trainer_gpu}", engines)
+    engine_only = set(engine_gpus or ()) - {trainer_gpu}
+    cell = (trainer_gpu, *(i for i in range(gpu_count) if i != trainer_gpu and i not in engine_only))
+    return Placement(f"cuda:{trainer_gpu}", engines, cell)
+
+
+def gpu_list(ids: tuple[int, ...] | list[int]) -> str:
+    """``parse_gpu_list``'s inverse: ``(0, 1)`` -> ``"0,1"``."""
+    return ",".join(str(i) for i in ids)
 
 
 def child_env(device: str, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -51,7 +51,7 @@ class NodeRuntime:
         self.placement = placement
         self.trainer = TrainerProcess(
             work_dir / "trainer", work_dir / "logs" / "trainer.log", threads=trainer_threads, on_event=self._add_event,
-            device=placement.trainer,
+            device=placement.trainer, cell_gpus=placement.cell_gpus,
         )
         self.fleet: EngineFleet | None = None
         self.router: RouterProcess | None = None

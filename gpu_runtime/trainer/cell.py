@@ -19,6 +19,8 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +37,28 @@ log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 60.0  # a placement group not ready by then cannot be satisfied here
 
 
+@contextmanager
+def visible_gpus(ids: tuple[int, ...]) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES`` set to ``ids`` (nothing changed when empty) while Ray starts:
+    its raylet inherits the variable and hands actors only those GPUs (each actor's own
+    ``CUDA_VISIBLE_DEVICES`` then names its physical GPU). ``ids`` count as torch does here:
+    under an outer ``CUDA_VISIBLE_DEVICES`` they index its list. Restored after: the trainer
+    process's own CUDA context was made at its start."""
+    if not ids:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    outer = [v.strip() for v in before.split(",") if v.strip()] if before else None
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(outer[i] if outer else str(i) for i in ids)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 @dataclass
 class RayRuntime:
     """This process's connection to Ray. Without ``address``: a Ray instance started here
@@ -44,6 +68,7 @@ class RayRuntime:
 
     num_cpus: int
     address: str | None = None  # an existing cluster (``trainer.ray_address`` / $MILESTONE_RAY_ADDRESS)
+    gpu_ids: tuple[int, ...] = ()  # started here: the GPUs Ray may assign (empty: what the process sees)
     temp_dir: Path | None = None
     pids: list[int] = field(default_factory=list)
     pid_file: Path | None = None  # where the pids are recorded, so a successor can end what a SIGKILL left
@@ -75,8 +100,10 @@ class RayRuntime:
                 if self.address is not None:
                     ray.init(address=self.address, log_to_driver=False, configure_logging=False)
                 else:
-                    ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self.temp_dir),
-                             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+                    with visible_gpus(self.gpu_ids):
+                        ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self.temp_dir),
+                                 _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False,
+                                 **({"num_gpus": len(self.gpu_ids)} if self.gpu_ids else {}))
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 failed.append(err)
             started.set()

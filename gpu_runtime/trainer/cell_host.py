@@ -28,10 +28,11 @@ def ray_address(settings: TrainerBackendSettings) -> str | None:
 
 
 class CellHost:
-    def __init__(self, work_dir: Path, threads: int = 1, device: str = "cpu") -> None:
+    def __init__(self, work_dir: Path, threads: int = 1, device: str = "cpu", gpus: tuple[int, ...] = ()) -> None:
         self.work_dir = work_dir
         self.threads = threads  # torch threads per rank
         self.device = device  # the trainer process's: cpu, or cuda (one GPU per rank, NCCL)
+        self.gpus = gpus  # cuda: the GPUs the Ray started here may hand to ranks (empty: every GPU)
         self.ray: RayRuntime | None = None
         self.cell: TrainerCell | None = None
         self.generation = 0  # cells built by this process (a rebuilt cell is the next one)
@@ -45,8 +46,13 @@ class CellHost:
         address = ray_address(settings)
         if self.ray is not None and self.ray.address != address:
             self._disconnect()
+        gpus = self.gpus if self.device.startswith("cuda") and address is None else ()
+        if gpus and settings.ranks_per_cell > len(gpus):
+            raise ValueError(f"trainer.ranks_per_cell {settings.ranks_per_cell}: a cuda cell takes one GPU per "
+                             f"rank, and this node gives cells {len(gpus)} (GPUs {list(gpus)}: the trainer's and "
+                             "those no engine holds; see workers.gpu --engine-gpus)")
         if self.ray is None:
-            self.ray = RayRuntime(num_cpus=settings.ranks_per_cell, address=address,
+            self.ray = RayRuntime(num_cpus=settings.ranks_per_cell, address=address, gpu_ids=gpus,
                                   pid_file=self.work_dir / "ray-pids.json").start()
         self.cell = TrainerCell(settings.ranks_per_cell, folder, hparams, seed, threads=self.threads,
                                 placement=settings.placement, collective_timeout_s=settings.collective_timeout_s,

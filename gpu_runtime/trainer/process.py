@@ -15,7 +15,7 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from gpu_runtime.node.metrics import TRAINER_RESTARTS
-from gpu_runtime.node.devices import child_env
+from gpu_runtime.node.devices import child_env, gpu_list
 from gpu_runtime.node.proc import stop_pid
 from gpu_runtime.node.rpc import RPCClient, ServerDidNotStart, start_rpc_process
 from gpu_runtime.trainer.api import (
@@ -51,10 +51,11 @@ class TrainerDied(RuntimeError):
 class TrainerProcess:
     def __init__(
         self, work_dir: Path, log_path: Path, threads: int = 1, start_timeout_s: float = 120.0,
-        on_event: Callable[[NodeEvent], None] | None = None, device: str = "cpu",
+        on_event: Callable[[NodeEvent], None] | None = None, device: str = "cpu", cell_gpus: tuple[int, ...] = (),
     ) -> None:
         self.work_dir = work_dir
         self.device = device  # "cpu" or "cuda:N" (gpu_runtime.node.devices)
+        self.cell_gpus = cell_gpus  # the GPUs a fsdp2 cell's ranks may take (Placement.cell_gpus)
         self.log_path = log_path
         self.threads = threads
         self.start_timeout_s = start_timeout_s
@@ -124,9 +125,15 @@ class TrainerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self) -> None:
+    def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "gpu_runtime.trainer.server", "--work-dir", str(self.work_dir),
                "--threads", str(self.threads), "--parent-pid", str(os.getpid()), "--device", self.device]
+        if self.cell_gpus:
+            cmd += ["--cell-gpus", gpu_list(self.cell_gpus)]
+        return cmd
+
+    def start(self) -> None:
+        cmd = self.command()
         try:
             self.proc, client = start_rpc_process(cmd, self.log_path, self.start_timeout_s, env=child_env(self.device))
         except ServerDidNotStart as err:

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from gpu_runtime.node.devices import parse_gpu_list
 from gpu_runtime.node.proc import exit_when_parent_dies
 from gpu_runtime.node.rpc import Method, RPCServer
 from gpu_runtime.trainer.api import (
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (fixed for bitwise replay)")
     p.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the policy trains (float32 weights)")
+    p.add_argument("--cell-gpus", default=None,
+                   help="--device cuda: the GPUs a fsdp2 cell's ranks may take, e.g. 0,2,3 (default: all)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s trainer %(levelname)s %(message)s")
     if args.parent_pid:
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     use_device(args.device)
-    svc = TrainerService(args.work_dir)
+    svc = TrainerService(args.work_dir, cell_gpus=tuple(parse_gpu_list(args.cell_gpus, "--cell-gpus") or ()))
     server = RPCServer(args.host, args.port, build_methods(svc))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a stop ends a fsdp2 cell's Ray processes
     server.announce_ready()

@@ -72,8 +72,9 @@ def _fault_injection_delay(phase: str) -> None:
 
 
 class TrainerService:
-    def __init__(self, work_dir: str | Path) -> None:
+    def __init__(self, work_dir: str | Path, cell_gpus: tuple[int, ...] = ()) -> None:
         self.work_dir = Path(work_dir)
+        self.cell_gpus = cell_gpus  # on CUDA: the GPUs a fsdp2 cell's ranks may take (empty: all)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.setup: RunSetup | None = None
         self.trainer: PolicyTrainer | None = None
@@ -271,7 +272,7 @@ class TrainerService:
             from gpu_runtime.trainer.cell_host import CellHost  # ray: the optional ``cells`` extra
 
             # the cell trains where this process does (``--device``): one GPU per rank on CUDA
-            self.cell_host = CellHost(self.work_dir, device=torch.get_default_device().type)
+            self.cell_host = CellHost(self.work_dir, device=torch.get_default_device().type, gpus=self.cell_gpus)
         return self.cell_host
 
     def _sft_trainer(self) -> PolicyTrainer:

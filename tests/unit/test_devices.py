@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from gpu_runtime.engine.backends import SGLangEngineBackend, TorchEngineBackend
-from gpu_runtime.node.devices import Placement, child_env, parse_gpu_list, plan_placement
+from gpu_runtime.node.devices import Placement, child_env, gpu_list, parse_gpu_list, plan_placement
 from gpu_runtime.node.runtime import NodeRuntime
 
 
@@ -31,6 +31,16 @@ def test_cuda_disaggregated_engines_cycle_over_their_gpus() -> None:
     assert [p.engine_device(i) for i in range(5)] == ["cuda:1", "cuda:2", "cuda:3", "cuda:1", "cuda:2"]
 
 
+def test_fsdp2_cell_ranks_never_take_an_engines_gpu() -> None:
+    """``cell_gpus``: the trainer's GPU first, then every GPU no engine holds."""
+    assert plan_placement("cpu", 0).cell_gpus == ()
+    assert plan_placement("cuda", 4).cell_gpus == (0, 1, 2, 3)  # colocated: engines share the trainer's GPU
+    assert plan_placement("cuda", 4, trainer_gpu=2).cell_gpus == (2, 0, 1, 3)
+    assert plan_placement("cuda", 8, trainer_gpu=0, engine_gpus=[6, 7]).cell_gpus == (0, 1, 2, 3, 4, 5)
+    # an engine on the trainer's GPU shares it (release_memory), so a rank may too
+    assert plan_placement("cuda", 4, trainer_gpu=0, engine_gpus=[0, 3]).cell_gpus == (0, 1, 2)
+
+
 @pytest.mark.parametrize("device,count,kw,needle", [
     ("cuda", 0, {}, "no CUDA device"),
     ("cuda", 2, {"trainer_gpu": 2}, "out of range"),
@@ -50,6 +60,9 @@ def test_parse_gpu_list() -> None:
     for bad in ("a,b", "-1"):
         with pytest.raises(ValueError, match="--engine-gpus"):
             parse_gpu_list(bad)
+    with pytest.raises(ValueError, match="--cell-gpus"):
+        parse_gpu_list("x", "--cell-gpus")
+    assert gpu_list((0, 2)) == "0,2" and parse_gpu_list(gpu_list([3, 1])) == [3, 1]
 
 
 def test_cuda_children_get_cublas_determinism_and_cpu_children_do_not() -> None:
@@ -68,8 +81,8 @@ def test_engine_backends_put_each_slot_on_its_device() -> None:
 
 
 def test_node_runtime_hands_the_placement_to_trainer_and_engines(tmp_path) -> None:
-    rt = NodeRuntime("n", "b", tmp_path, placement=plan_placement("cuda", 2, trainer_gpu=0, engine_gpus=[1]))
-    assert rt.trainer.device == "cuda:0"
+    rt = NodeRuntime("n", "b", tmp_path, placement=plan_placement("cuda", 3, trainer_gpu=0, engine_gpus=[1]))
+    assert rt.trainer.device == "cuda:0" and rt.trainer.command()[-4:] == ["--device", "cuda:0", "--cell-gpus", "0,2"]
     backend = rt._backend("torch")
     assert isinstance(backend, TorchEngineBackend) and backend.slot_args(0) == ["--device", "cuda:1"]
     sg = rt._backend("sglang")
