@@ -78,6 +78,8 @@ class SeaweedServer:
         self.start_timeout = start_timeout
         self.ports: dict[str, int] = {}
         self._proc: subprocess.Popen[bytes] | None = None
+        self._auto_s3_port = not s3_port
+        self._started = False  # after the first start the ports are the server's address: kept
 
     @property
     def endpoint_url(self) -> str:
@@ -118,9 +120,26 @@ class SeaweedServer:
             f"-filer.localSocket={d / 'filer.sock'}", f"-s3.localSocket={d / 's3.sock'}",
         ]
 
-    def start(self, *, detach: bool = False) -> None:
+    def start(self, *, detach: bool = False, attempts: int = 4) -> None:
         """Start and wait until S3 answers a signed request. ``detach``: the server
-        outlives this Python process (CLI use)."""
+        outlives this Python process (CLI use). A free port is only free until someone
+        binds it: a first start that loses one of its nine ports to another process
+        (``weed`` exits: "port ... is not available") is retried on fresh ports."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_once(detach)
+            except RuntimeError as err:
+                if "is not available" in str(err) and not self._started and attempt < attempts:
+                    log.warning("SeaweedFS lost a port to another process, retrying on fresh ports: %s", err)
+                    self.ports = {}
+                    if self._auto_s3_port:
+                        self.s3_port = 0
+                    continue
+                raise
+            self._started = True
+            return
+
+    def _start_once(self, detach: bool) -> None:
         if self.is_running():
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
