@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from infra.seaweedfs import SeaweedServer
-from tests.stack import TemporalDevServer
+from tests.stack import TemporalDevServer, wait_for
+
+
+def bound(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:  # a connection of the stopped server still in TIME_WAIT
+        return False
 
 
 def test_a_taken_frontend_port_is_replaced_before_the_first_start(tmp_path: Path) -> None:
@@ -34,7 +42,7 @@ def test_a_taken_frontend_port_on_restart_is_an_error_with_the_servers_words(tmp
     port = server.port
     server.stop()
     with socket.socket() as squatter:  # bound, not listening: like an outgoing connection's local port
-        squatter.bind(("127.0.0.1", port))
+        wait_for(lambda: bound(squatter, port), 120, what=f"port {port} free of the stopped server's connections")
         try:
             with pytest.raises(RuntimeError, match=f"{port}: bind: address already in use"):
                 server.start(attempts=2)
