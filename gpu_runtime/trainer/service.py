@@ -45,7 +45,7 @@ from gpu_runtime.trainer.api import (
     weights_folder,
 )
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
-from gpu_runtime.trainer.cell import CellFailed  # no Ray import: that waits for a fsdp2 cell
+from gpu_runtime.trainer.cell_errors import CellFailed  # no Ray, no torch.distributed
 from gpu_runtime.trainer.offload import OptimizerOffload
 from gpu_runtime.trainer.policy import PolicyTrainer
 from gpu_runtime.trainer import weight_broadcast

@@ -293,7 +293,8 @@ def test_fsdp2_cell_on_cuda_through_ray(model_dirs, tmp_path: Path) -> None:  # 
     """The driver's path: ``TrainerCell(device="cuda")`` reserves one GPU per rank in its Ray
     placement group and each actor trains on the GPU Ray assigned it (skipped without Ray)."""
     pytest.importorskip("ray")
-    from gpu_runtime.trainer.cell import RayRuntime, TrainerCell
+    from gpu_runtime.trainer.cell import TrainerCell
+    from gpu_runtime.trainer.ray_runtime import RayRuntime
 
     world = 2 if torch.cuda.device_count() >= 2 else 1
     hp = cell_hparams("bf16")

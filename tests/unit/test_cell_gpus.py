@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
 
 from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
-from gpu_runtime.trainer.cell import RayRuntime, visible_gpus  # noqa: E402
+from gpu_runtime.trainer.ray_runtime import RayRuntime, visible_gpus  # noqa: E402
 from gpu_runtime.trainer.cell_device import rank_placement  # noqa: E402
 from gpu_runtime.trainer.cell_host import CellHost  # noqa: E402
 

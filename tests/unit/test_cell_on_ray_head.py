@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
 
 from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
-from gpu_runtime.trainer.cell import RayRuntime, RayUnavailable  # noqa: E402
+from gpu_runtime.trainer.cell_errors import RayUnavailable  # noqa: E402
+from gpu_runtime.trainer.ray_runtime import RayRuntime  # noqa: E402
 from gpu_runtime.trainer.cell_host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
 from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready  # noqa: E402
 from gpu_runtime.node.proc import pid_alive  # noqa: E402
