@@ -65,7 +65,7 @@ def dp_run(cfg, setup, work: Path, kill_step: int, kill_after: float, restart_st
                 t = time.perf_counter()
                 res = svc.restart_cells(setup, [1])
                 assert res.outcome == {"1": "restarting"}, res.outcome
-                group = svc.dp_group
+                group = svc.layouts.dp_group
                 assert group is not None
                 while group.members[1].state != "alive":  # a bench: time it to the moment it is up
                     assert group.members[1].state == "starting", group.members[1].why
@@ -82,8 +82,8 @@ def dp_run(cfg, setup, work: Path, kill_step: int, kill_after: float, restart_st
             art.put_model(store, rkey, art.StepRewards(run_id=RUN_ID, step=step, rewards=score_samples(samples, by_index, spec)))
             killer = None
             if step == kill_step:
-                assert svc.dp_group is not None
-                pid = svc.dp_group.members[1].pid
+                assert svc.layouts.dp_group is not None
+                pid = svc.layouts.dp_group.members[1].pid
                 assert pid is not None
                 killer = threading.Timer(kill_after, lambda: os.kill(pid, signal.SIGKILL))
                 killer.start()

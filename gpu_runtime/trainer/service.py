@@ -14,7 +14,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store import lineage
@@ -46,14 +45,10 @@ from gpu_runtime.trainer.api import (
 )
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.cell_errors import CellFailed  # no Ray, no torch.distributed
+from gpu_runtime.trainer.layouts import TrainerLayouts, layout
 from gpu_runtime.trainer.offload import OptimizerOffload
 from gpu_runtime.trainer.policy import PolicyTrainer
 from gpu_runtime.trainer import weight_broadcast
-
-if TYPE_CHECKING:
-    from gpu_runtime.trainer.cell_host import CellHost
-    from gpu_runtime.trainer.dp.group import DPGroup
-    from gpu_runtime.trainer.dp.lighthouse import Lighthouse
 
 log = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"  # an adapter export's folder inside each published version
@@ -74,7 +69,6 @@ def _fault_injection_delay(phase: str) -> None:
 class TrainerService:
     def __init__(self, work_dir: str | Path, cell_gpus: tuple[int, ...] = ()) -> None:
         self.work_dir = Path(work_dir)
-        self.cell_gpus = cell_gpus  # on CUDA: the GPUs a fsdp2 cell's ranks may take (empty: all)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.setup: RunSetup | None = None
         self.trainer: PolicyTrainer | None = None
@@ -83,21 +77,15 @@ class TrainerService:
         self.ancestors: list[tuple[int, CheckpointStore]] = []  # a fork: (last step, the ancestor's checkpoints)
         self._events_seen = 0
         self._refused: list[dict] = []  # writes the run's fence refused (reported with the checkpoint events)
-        self.cell_host: CellHost | None = None  # backend fsdp2: Ray and the live cell (created on first use)
-        self.dp_group: DPGroup | None = None  # trainer.cells > 1: the live DP cells
-        self.lighthouse: Lighthouse | None = None  # trainer.cells > 1: torchft's lighthouse (outlives groups)
-        self._dp_events: list[NodeEvent] = []  # of closed groups, reported with the next result
+        self.layouts = TrainerLayouts(self.work_dir, cell_gpus)  # what trains the run (single, fsdp2, DP, megatron)
         self._offload: tuple[PolicyTrainer, OptimizerOffload] | None = None  # setup.offload_optimizer
         self._published: tuple[str, int, str] | None = None  # (run, version, checksum) of the last export
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
         if getattr(self.trainer, "dead", False):  # a fsdp2 cell that lost a rank / every DP cell lost: rebuilt
-            failure = getattr(self.trainer, "failure", None)
-            if failure is not None and self.cell_host is not None:
-                self.cell_host.failed(failure)
+            self.layouts.discard_dead(self.trainer)
             self.trainer = None
-            self._end_dp_group()
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup
             self.store.epoch, self.store.node = setup.epoch, setup.node_id  # this call's placement
@@ -105,7 +93,7 @@ class TrainerService:
         self._check_backend(setup)
         self.setup = setup
         self.trainer = None
-        self._end_dp_group()  # another run's cells (a node rebinds between runs)
+        self.layouts.end_dp_group()  # another run's cells (a node rebinds between runs)
         # writes only under the run's own prefix, refused once the run's fence is past this call's epoch
         self.store = FencedStore(open_store(setup.store_uri), setup.run_id, setup.epoch, setup.node_id,
                                  on_refused=self._on_refused)
@@ -176,21 +164,17 @@ class TrainerService:
         })
 
     def dp_state(self) -> DPState | None:
-        """The DP cells (None unless trainer.cells > 1)."""
-        return self.dp_group.state() if self._dp() and self.dp_group is not None else None
+        return self.layouts.dp_state(self.setup)
 
     def cell_state(self) -> CellState | None:
-        """The live fsdp2 cell's ranks (None for backend single)."""
-        return self.cell_host.report() if self._fsdp2() and self.cell_host is not None else None
+        return self.layouts.cell_state(self.setup)
 
     def new_events(self) -> list[NodeEvent]:
         """Events not yet reported: the fsdp2 cell's (started, failed) and the checkpoint
         store's (corrupt checkpoint, failed upload, refused write)."""
         if self.ckpts is None:
             return []
-        cells = self.cell_host.take_events() if self.cell_host is not None else []
-        cells += self._dp_events + (self.dp_group.take_events() if self.dp_group is not None else [])
-        self._dp_events = []
+        cells = self.layouts.take_events()
         events = self.ckpts.events[self._events_seen :]
         self._events_seen += len(events)
         events, self._refused = [*events, *self._refused], []
@@ -201,110 +185,20 @@ class TrainerService:
         )]
 
     def _new_trainer(self) -> PolicyTrainer:
-        s = self.setup
-        assert s is not None
-        if self._fsdp2():  # a cell answers the calls this service makes of a trainer
-            return self._cells().build(s.trainer, self._base_folder(), s.hparams, s.seed)  # type: ignore[arg-type,return-value]
-        if self._dp():  # so does a group of DP cells
-            return self._new_dp_group(self._base_folder())  # type: ignore[return-value]
-        if self._megatron():  # so does a megatron-core GPTModel's trainer
-            return self._new_megatron(self._base_folder())
-        return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
-
-    def _new_megatron(self, folder: Path) -> PolicyTrainer:
-        from gpu_runtime.trainer.megatron.trainer import MegatronTrainer  # megatron-core: the ``[gpu]`` extra
-
-        s = self.setup
-        assert s is not None
-        return MegatronTrainer.create(folder, s.hparams, s.seed)  # type: ignore[return-value]
-
-    def _megatron(self) -> bool:
-        return self.setup is not None and self.setup.trainer is not None and self.setup.trainer.backend == "megatron"
-
-    def _fsdp2(self) -> bool:
-        return self.setup is not None and self.setup.trainer is not None and self.setup.trainer.backend == "fsdp2"
-
-    def _dp(self) -> bool:
-        return self.setup is not None and self.setup.trainer is not None and self.setup.trainer.cells > 1
-
-    def _new_dp_group(self, folder: Path) -> "DPGroup":
-        """Fresh DP cells over ``folder`` (the previous group's processes end first)."""
-        from gpu_runtime.trainer.dp.group import DPGroup  # torchft: the optional ``cells`` extra
-        from gpu_runtime.trainer.dp.lighthouse import Lighthouse
-
-        s = self.setup
-        assert s is not None and s.trainer is not None
-        self._end_dp_group()
-        if self.lighthouse is None:
-            self.lighthouse = Lighthouse(self.work_dir / "lighthouse.log")
-        self.dp_group = DPGroup(s.trainer.cells, folder, s.hparams, s.seed, self.work_dir / s.run_id / "dp",
-                                self.lighthouse, timeout_s=s.trainer.collective_timeout_s)
-        return self.dp_group
-
-    def _end_dp_group(self) -> None:
-        if self.dp_group is not None:
-            self._dp_events += self.dp_group.take_events()
-            self.dp_group.close()
-            self.dp_group = None
+        assert self.setup is not None
+        return self.layouts.new(self.setup, self._base_folder())
 
     def restart_cells(self, setup: RunSetup, indices: list[int]) -> CellsRestarted:
         """Start the given lost DP cells again (the workflow's heal, on its backoff schedule).
         Each heals from a peer in the next step's quorum. A cell that is not lost is left
         alone; with no live group there is nothing to heal (the next call builds all cells)."""
         self._bind(setup)
-        outcome: dict[str, str] = {}
-        group = self.dp_group if self._dp() and self.trainer is self.dp_group else None
-        for i in indices:
-            if group is None:
-                outcome[str(i)] = "no_group"
-                continue
-            try:
-                outcome[str(i)] = group.restart(i)
-            except Exception as err:  # noqa: BLE001 - reported; the workflow backs off and tries again
-                log.warning("restarting DP cell %d failed: %s", i, err)
-                outcome[str(i)] = f"failed: {err}"
+        outcome = self.layouts.restart_cells(setup, self.trainer, indices)
         return CellsRestarted(outcome=outcome, events=self.new_events(), dp=self.dp_state())
 
-    def _cells(self) -> "CellHost":
-        if self.cell_host is None:
-            import torch
-
-            from gpu_runtime.trainer.cell_host import CellHost  # ray: the optional ``cells`` extra
-
-            # the cell trains where this process does (``--device``): one GPU per rank on CUDA
-            self.cell_host = CellHost(self.work_dir, device=torch.get_default_device().type, gpus=self.cell_gpus)
-        return self.cell_host
-
-    def _sft_trainer(self) -> PolicyTrainer:
-        """The trainer the SFT warm-up runs on: the run's own, or, for a fsdp2, DP or megatron
-        run, a single HF trainer whose post-SFT weights the run's trainer then loads."""
-        s = self.setup
-        assert s is not None
-        if not (self._fsdp2() or self._dp() or self._megatron()):
-            return self._new_trainer()
-        return PolicyTrainer.create(self._base_folder(), s.hparams, s.seed, s.model.lora, s.distill)
-
-    def _after_sft(self, trainer: PolicyTrainer) -> PolicyTrainer:
-        s = self.setup
-        assert s is not None
-        if not (self._fsdp2() or self._dp() or self._megatron()):
-            return trainer
-        folder = self.work_dir / s.run_id / "post-sft"
-        trainer.export_model_folder(folder)
-        del trainer  # one full copy at a time in this process
-        if self._megatron():
-            return self._new_megatron(folder)
-        if self._dp():
-            return self._new_dp_group(folder)  # type: ignore[return-value]
-        return self._cells().build(s.trainer, folder, s.hparams, s.seed)  # type: ignore[arg-type,return-value]
-
     def close(self) -> None:
-        """End the cell and its Ray processes (backend fsdp2), the DP cells and their lighthouse."""
-        if self.cell_host is not None:
-            self.cell_host.close()
-        self._end_dp_group()
-        if self.lighthouse is not None:
-            self.lighthouse.stop()
+        """End the processes behind the run's trainer (a fsdp2 cell's Ray, DP cells, the lighthouse)."""
+        self.layouts.close()
 
     def _base_folder(self) -> Path:
         s = self.setup
@@ -323,8 +217,8 @@ class TrainerService:
                 log.info("restored checkpoint step %d (v%d)", got.step, trainer.policy_version)
                 return got.step, {}
             except CellFailed as err:  # the cell, not the checkpoint: an older one would not help
-                if self.cell_host is not None:
-                    self.cell_host.failed(err)
+                if self.layouts.cell_host is not None:
+                    self.layouts.cell_host.failed(err)
                 raise
             except Exception as err:  # corrupt / missing: fall back to an older one
                 log.warning("checkpoint step %d unusable: %s", info.step, err)
@@ -335,11 +229,11 @@ class TrainerService:
                     ckpts.events.clear()
         # nothing durable: deterministic SFT warm-up from the seed -> version 0
         s = self.setup
-        trainer = self._sft_trainer()
+        trainer = self.layouts.sft_trainer(s, self._base_folder())
         rows = self._rows()
         metrics = trainer.sft_warmup(
             rows, s.sft.steps, s.sft.batch_size, s.sft.lr, s.seed, s.sft.grad_clip, betas=s.sft.betas)
-        self.trainer = self._after_sft(trainer)
+        self.trainer = self.layouts.after_sft(s, trainer)
         self.save_checkpoint(0, data_cursor=0, sync=True)
         return None, metrics
 
@@ -367,7 +261,7 @@ class TrainerService:
     def _recorded_cells(self, step: int) -> int | None:
         """How many DP cells trained ``step`` when it committed (None: not a DP run, or not
         recorded): a replay splits the step the same way, so it is bitwise the original."""
-        if not self._dp():
+        if layout(self.setup) != "dp":
             return None
         assert self.store is not None
         key = f"{art.step_prefix(self._owner(step), step)}/train_result.json"
@@ -450,8 +344,9 @@ class TrainerService:
         rewards = art.get_model(self.store, batch.rewards_key, art.StepRewards).rewards
         if [r.sample_id for r in rewards] != [s.sample_id for s in samples]:
             raise ValueError(f"step {batch.step}: rewards do not match the rollout samples")
-        if cells is not None and self.dp_group is not None and self.trainer is self.dp_group:
-            return self.dp_group.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams,
+        group = self.layouts.dp_group
+        if cells is not None and group is not None and self.trainer is group:
+            return group.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams,
                                             forced_participants=cells)
         return self.trainer.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams)
 
@@ -474,13 +369,8 @@ class TrainerService:
             self.trainer = None  # possibly half-updated: the next call restores a checkpoint
             raise Divergence(f"step {batch.step}: {err}") from err
         except Exception as err:
-            if self._fsdp2():  # a cell that failed mid-step (a rank died): rebuilt by restore + replay
+            if self.layouts.step_failed(setup, self.trainer, err):  # rebuilt by restore + replay
                 self.trainer = None
-                if self.cell_host is not None:
-                    self.cell_host.failed(err)
-            if self._dp() and getattr(self.trainer, "dead", False):  # every DP cell lost, or they diverged
-                self.trainer = None
-                self._end_dp_group()
             raise
         info = self._publish_weights()
         if setup.offload_optimizer:

@@ -60,7 +60,7 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
                 restarted = first.restart_cells(setup, [1])
                 assert restarted.outcome == {"1": "restarting"}
                 kinds += [e.kind for e in restarted.events]
-                group = first.dp_group
+                group = first.layouts.dp_group
                 assert group is not None
                 wait_for(lambda: group.members[1].state == "alive", 120, what="cell 1 restarted")
             chunks = generate_step(load_causal_lm(folder).eval(), rollout_request(cfg, RUN, step, len(rows)), rows,
@@ -74,8 +74,8 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
                 samples, by_index, reward_settings(cfg.reward))))
             killer = None
             if step == 2:
-                assert first.dp_group is not None
-                victim = first.dp_group.members[1].pid
+                assert first.layouts.dp_group is not None
+                victim = first.layouts.dp_group.members[1].pid
                 assert victim is not None
 
                 def kill() -> None:
@@ -94,7 +94,7 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
             folder = first._weights_dir(res.policy_version)
         assert cells == [2, 1, 2]  # step 2 committed by cell 0 alone, cell 1 healed into step 3
         assert {"cells_started", "cell_lost", "cell_restarted", "cell_healed"} <= set(kinds), kinds
-        pids = [c.pid for c in first.dp_group.members] if first.dp_group else []
+        pids = [c.pid for c in first.layouts.dp_group.members] if first.layouts.dp_group else []
     finally:
         first.close()  # the crash: every cell and the lighthouse gone
     assert not any(pid_alive(p) for p in pids if p)
