@@ -15,86 +15,12 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, create_m
 from pydantic.fields import FieldInfo
 
 from workflows.agent_config import AgentSpec
+from workflows.data_config import DataSpec  # noqa: F401  (a section of RunConfig; re-exported)
+from workflows.engine_config import EngineSpec  # noqa: F401  (a section of RunConfig; re-exported)
 from workflows.model_config import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec  # noqa: F401  (sections; re-exported)
 from workflows.reward_config import RewardSpec, RewardTerm  # noqa: F401  (a section of RunConfig; re-exported)
 from workflows.strict import Strict
 from workflows.trainer_config import RunAsks, TrainerSpec, layout_conflicts
-
-
-_DATA_SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet", ".pq")}
-
-
-class DataSpec(Strict):
-    """``arithmetic`` generates rows offline from the run seed; ``jsonl`` / ``parquet``
-    read ``path`` and map its keys onto the normalized row (``gpu_runtime.data.rows``).
-    The prompt comes from ``messages_key`` when it is set (a chat), else from
-    ``prompt_key``: ``messages_key`` wins, ``prompt_key`` is then unused."""
-
-    kind: Literal["arithmetic", "tool_arithmetic", "jsonl", "parquet", "reasoning_gym"] = Field(
-        "arithmetic",
-        description="arithmetic / tool_arithmetic / reasoning_gym: generated offline at data preparation "
-        "(tool_arithmetic: chat rows for rollout.agent with the calculator); jsonl / parquet: read from path",
-    )
-    path: str | None = Field(
-        None, description="the dataset file (required for jsonl / parquet; suffix .jsonl/.ndjson/.json or .parquet/.pq)"
-    )
-    num_train: int = Field(2000, ge=1, description="rows to generate (arithmetic, reasoning_gym)")
-    dataset: str | None = Field(
-        None, min_length=1, description="reasoning_gym: the generator's name (e.g. chain_sum, basic_arithmetic)"
-    )
-    dataset_config: dict[str, Any] = Field(
-        default_factory=dict, description="reasoning_gym: the generator's own settings (e.g. {min_terms: 2})"
-    )
-    min_operand: int = Field(0, ge=0, description="operands are drawn from min_operand..max_operand (arithmetic, tool_arithmetic)")
-    max_operand: int = Field(99, ge=1, description="operands are drawn from min_operand..max_operand (arithmetic, tool_arithmetic)")
-    ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic, tool_arithmetic)")
-    prompt_key: str = Field("question", min_length=1, description="the key / column holding the plain-text prompt")
-    messages_key: str | None = Field(
-        None, min_length=1, description="the key / column holding a chat [{role, content}, ...]; wins over prompt_key"
-    )
-    label_key: str = Field("answer", min_length=1, description="the key / column holding the label (string or integer)")
-    id_key: str | None = Field(
-        "id", min_length=1, description="the key / column holding a unique id; absent, null or unset: row-<index>"
-    )
-    metadata_keys: list[str] = Field(
-        default_factory=list, description="keys / columns copied into the row's metadata (passed to reward functions)"
-    )
-    eval_path: str | None = Field(
-        None, description="held-out rows for the eval (jsonl / parquet, same keys and reader as path); unset: no eval"
-    )
-
-    @field_validator("metadata_keys")
-    @classmethod
-    def _metadata_keys(cls, v: list[str]) -> list[str]:
-        if any(not k for k in v):
-            raise ValueError("keys must not be empty")
-        if len(set(v)) != len(v):
-            raise ValueError(f"keys must be unique, got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _path(self) -> "DataSpec":
-        if self.kind != "reasoning_gym" and (self.dataset is not None or self.dataset_config):
-            raise ValueError(f"dataset / dataset_config apply to kind reasoning_gym, not {self.kind!r} (remove them)")
-        if self.kind == "reasoning_gym":
-            if not self.dataset:
-                raise ValueError("dataset (the reasoning-gym generator's name) is required when kind is 'reasoning_gym'")
-            if self.path is not None or self.eval_path is not None:
-                raise ValueError("path / eval_path are for jsonl / parquet; reasoning_gym generates its rows")
-            return self
-        if self.kind in ("arithmetic", "tool_arithmetic"):
-            if self.min_operand > self.max_operand:
-                raise ValueError(f"min_operand {self.min_operand} must be <= max_operand {self.max_operand}")
-            if self.eval_path is not None:
-                raise ValueError(f"eval_path is for jsonl / parquet; {self.kind} generates its rows")
-            return self
-        if not self.path:
-            raise ValueError(f"path is required when kind is {self.kind!r}")
-        suffixes = _DATA_SUFFIXES[self.kind]
-        for name, value in (("path", self.path), ("eval_path", self.eval_path)):
-            if value is not None and not value.lower().endswith(suffixes):
-                raise ValueError(f"{name} {value!r} must end with {' or '.join(suffixes)} for kind {self.kind!r}")
-        return self
 
 
 def adam_betas(v: tuple[float, float]) -> tuple[float, float]:
@@ -342,60 +268,6 @@ class EvalSpec(Strict):
     def due(self, step: int, last_step: int) -> bool:
         """Whether the eval runs after ``step`` of a run of ``last_step`` steps."""
         return self.enabled and (step == last_step or (self.every > 0 and step % self.every == 0))
-
-
-class EngineSpec(Strict):
-    """Rollout engines per node. Miles: --rollout-health-check-interval/timeout."""
-
-    backend: Literal["torch", "sglang"] = "torch"
-    num_engines: int = Field(2, ge=1)
-    weight_sync: Literal["store", "shared_memory", "distributed"] = Field(
-        "store",
-        description="how a new version reaches the node's engines: store (each engine loads the version's folder "
-        "from local disk), shared_memory (the folder is read once into a /dev/shm segment the engines map; "
-        "torch engines only) or distributed (the trainer broadcasts the version from memory over a "
-        "torch.distributed group formed per push, gloo for a CPU trainer, NCCL on CUDA; SGLang's distributed "
-        "update API; engines it does not reach load from disk). Version-stamped and checksum-verified; the "
-        "store stays the durable copy either way",
-    )
-    weight_sync_timeout_s: float = Field(
-        60.0, gt=0, description="weight_sync distributed: how long joining the push's group, or one broadcast, "
-        "waits for a peer before the push falls back to disk for the engines it did not reach",
-    )
-    release_memory: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="take turns on a shared GPU: the engines free their weights and KV cache while the trainer "
-        "trains, the trainer moves its optimizer state to the host while the engines generate (Miles/slime "
-        "--colocate --offload). auto: on when an engine shares the trainer's CUDA device and rollout.mode is sync; "
-        "on: always (refused in one_step_off and fully_async, whose rollout overlaps train_step); off: never "
-        "(docs/gpu.md#memory-between-phases-enginesrelease_memory)",
-    )
-    health_check_interval_s: float = Field(5.0, gt=0)
-    health_check_timeout_s: float = Field(5.0, gt=0)
-    # ge=0, not gt=0: runs recorded with 0 must still decode (0 = the 120 s default)
-    health_check_first_wait_s: float = Field(
-        120.0, ge=0, description="a starting engine must be healthy within this (0: 120 s)"
-    )
-    health_check_failure_threshold: int = Field(1, ge=1)
-    host: str = Field(
-        "127.0.0.1",
-        description="address the node's engines and router bind; a non-loopback one needs $MILESTONE_ENGINE_TOKEN "
-        "on the node (every request then carries it as a bearer token)",
-    )
-
-    @model_validator(mode="after")
-    def _weight_sync(self) -> "EngineSpec":
-        if self.weight_sync == "shared_memory" and self.backend != "torch":
-            raise ValueError("engines.weight_sync shared_memory needs engines.backend torch "
-                             "(SGLang engines load from disk or their own tensor API)")
-        return self
-
-    @field_validator("host")
-    @classmethod
-    def _host(cls, v: str) -> str:
-        if not v or any(c in v for c in "/: []"):
-            raise ValueError(f"{v!r}: an IPv4 address or host name (no scheme, no port), e.g. 127.0.0.1 or 0.0.0.0")
-        return v
 
 
 # the truncated-IS cap a one_step_off or fully_async run gets when its config does not set train.tis_cap

@@ -1,0 +1,67 @@
+"""The ``engines`` section of the run config: the rollout engines per node, how new
+weights reach them, and their health checks (torch-free)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from workflows.strict import Strict
+
+
+class EngineSpec(Strict):
+    """Rollout engines per node. Miles: --rollout-health-check-interval/timeout."""
+
+    backend: Literal["torch", "sglang"] = "torch"
+    num_engines: int = Field(2, ge=1)
+    weight_sync: Literal["store", "shared_memory", "distributed"] = Field(
+        "store",
+        description="how a new version reaches the node's engines: store (each engine loads the version's folder "
+        "from local disk), shared_memory (the folder is read once into a /dev/shm segment the engines map; "
+        "torch engines only) or distributed (the trainer broadcasts the version from memory over a "
+        "torch.distributed group formed per push, gloo for a CPU trainer, NCCL on CUDA; SGLang's distributed "
+        "update API; engines it does not reach load from disk). Version-stamped and checksum-verified; the "
+        "store stays the durable copy either way",
+    )
+    weight_sync_timeout_s: float = Field(
+        60.0, gt=0, description="weight_sync distributed: how long joining the push's group, or one broadcast, "
+        "waits for a peer before the push falls back to disk for the engines it did not reach",
+    )
+    release_memory: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="take turns on a shared GPU: the engines free their weights and KV cache while the trainer "
+        "trains, the trainer moves its optimizer state to the host while the engines generate (Miles/slime "
+        "--colocate --offload). auto: on when an engine shares the trainer's CUDA device and rollout.mode is sync; "
+        "on: always (refused in one_step_off and fully_async, whose rollout overlaps train_step); off: never "
+        "(docs/gpu.md#memory-between-phases-enginesrelease_memory)",
+    )
+    health_check_interval_s: float = Field(5.0, gt=0)
+    health_check_timeout_s: float = Field(5.0, gt=0)
+    # ge=0, not gt=0: runs recorded with 0 must still decode (0 = the 120 s default)
+    health_check_first_wait_s: float = Field(
+        120.0, ge=0, description="a starting engine must be healthy within this (0: 120 s)"
+    )
+    health_check_failure_threshold: int = Field(1, ge=1)
+    host: str = Field(
+        "127.0.0.1",
+        description="address the node's engines and router bind; a non-loopback one needs $MILESTONE_ENGINE_TOKEN "
+        "on the node (every request then carries it as a bearer token)",
+    )
+
+    @model_validator(mode="after")
+    def _weight_sync(self) -> "EngineSpec":
+        if self.weight_sync == "shared_memory" and self.backend != "torch":
+            raise ValueError("engines.weight_sync shared_memory needs engines.backend torch "
+                             "(SGLang engines load from disk or their own tensor API)")
+        return self
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v or any(c in v for c in "/: []"):
+            raise ValueError(f"{v!r}: an IPv4 address or host name (no scheme, no port), e.g. 127.0.0.1 or 0.0.0.0")
+        return v
+
+
+__all__ = ["EngineSpec"]
