@@ -167,22 +167,17 @@ def fork_input(
     return TrainingRunInput(config=cfg, state=state, lineage=[ForkPoint(run_id=r, step=s) for r, s in lineage])
 
 
-async def parent_buffer(client: Client, inp: TrainingRunInput, parent: TrainingRunInput | None) -> tuple[list[Sampled], str]:
-    """The batches the run owning the fork point had sampled ahead after it (one_step_off,
-    fully_async), for the fork's state, and a line saying what was carried or why not.
-    Carried only when the fork samples and scores as the parent did (its ``rollout`` and
-    ``reward`` unchanged): then its first steps train the batches the parent trained, and a
-    fork without change stays bitwise equal to the parent."""
-    assert inp.state is not None
-    cfg, step = inp.config, inp.state.next_step - 1
+async def sampled_ahead(client: Client, cfg: RunConfig, step: int, data_cursor: int, owner: str,
+                        sampler: RunConfig | None) -> tuple[list[Sampled], str]:
+    """The batches ``owner`` had sampled ahead after ``step`` (one_step_off, fully_async),
+    read from its step workflow's result in Temporal, for a run of ``cfg`` continuing at
+    ``data_cursor``; and a line saying what was carried or why not. Carried only when the
+    run samples and scores as ``sampler`` (the config that sampled them) did: then its next
+    steps train the batches the original trained, bitwise."""
     if cfg.mode != "rl" or cfg.rollout.mode not in OFF_POLICY_MODES or step == 0:
         return [], ""
-    if parent is None or (parent.config.rollout, parent.config.reward) != (cfg.rollout, cfg.reward):
-        return [], "the first step samples its batch afresh (rollout or reward differ from the parent's)"
-    owner = inp.lineage[-1].run_id
-    if [(a.run_id, a.step) for a in parent.lineage] != [(a.run_id, a.step) for a in inp.lineage[:-1]]:
-        # the step belongs to an ancestor of the parent, whose config this fork was not checked against
-        return [], f"the first step samples its batch afresh (step {step} is {owner}'s, an ancestor of the parent)"
+    if sampler is None or (sampler.rollout, sampler.reward) != (cfg.rollout, cfg.reward):
+        return [], f"the first step samples its batch afresh (rollout or reward differ from {owner}'s)"
     try:
         summary = await client.get_workflow_handle(f"{owner}/step-{step}", result_type=StepSummary).result()
     except Exception as err:  # noqa: BLE001  the step's workflow is gone (retention) or failed: sample afresh
@@ -191,10 +186,25 @@ async def parent_buffer(client: Client, inp: TrainingRunInput, parent: TrainingR
     buffer = buffer[: cfg.steps - step]  # batch k is step step+1+k's
     if not buffer:
         return [], ""
-    if buffer[0].data_cursor != inp.state.data_cursor:  # the step would refuse it: say so here instead
+    if buffer[0].data_cursor != data_cursor:  # the step would refuse it: say so here instead
         return [], (f"the first step samples its batch afresh (the buffered batch starts at cursor "
-                    f"{buffer[0].data_cursor}, the fork at {inp.state.data_cursor})")
+                    f"{buffer[0].data_cursor}, the run continues at {data_cursor})")
     return buffer, f"carries {len(buffer)} batch(es) {owner} sampled ahead after step {step}"
+
+
+async def parent_buffer(client: Client, inp: TrainingRunInput, parent: TrainingRunInput | None) -> tuple[list[Sampled], str]:
+    """The batches the run owning the fork point had sampled ahead after it, for the fork's
+    state (``sampled_ahead``): a fork without change stays bitwise equal to the parent."""
+    assert inp.state is not None
+    step = inp.state.next_step - 1
+    owner = inp.lineage[-1].run_id if inp.lineage else ""
+    if parent is not None and [(a.run_id, a.step) for a in parent.lineage] != [(a.run_id, a.step) for a in inp.lineage[:-1]]:
+        if inp.config.mode == "rl" and inp.config.rollout.mode in OFF_POLICY_MODES and step > 0:
+            # the step belongs to an ancestor of the parent, whose config this fork was not checked against
+            return [], f"the first step samples its batch afresh (step {step} is {owner}'s, an ancestor of the parent)"
+        return [], ""
+    return await sampled_ahead(client, inp.config, step, inp.state.data_cursor, owner,
+                               parent.config if parent is not None else None)
 
 
 async def with_parent_buffer(
@@ -206,3 +216,21 @@ async def with_parent_buffer(
     if buffer:
         inp = inp.model_copy(update={"state": inp.state.model_copy(update={"buffer": buffer})})
     return inp, note
+
+
+async def resumed_buffer(client: Client, run_id: str, cfg: RunConfig, state: RunState,
+                         previous: TrainingRunInput | None) -> tuple[RunState, str]:
+    """A ``--resume-from`` of ``run_id``'s checkpoint at step k: ``state`` with the batches
+    the run had sampled ahead after step k (``sampled_ahead``, the previous execution's
+    config as the sampler), and the line saying so. A checkpoint at or below a fork point
+    is an ancestor's step: its batches are sampled afresh."""
+    step = state.next_step - 1
+    lineage = previous.lineage if previous is not None else []
+    if lineage and step <= lineage[-1].step:
+        owner = lineage[-1].run_id
+        if cfg.mode == "rl" and cfg.rollout.mode in OFF_POLICY_MODES and step > 0:
+            return state, f"the first step samples its batch afresh (step {step} is {owner}'s, before the fork)"
+        return state, ""
+    buffer, note = await sampled_ahead(client, cfg, step, state.data_cursor, run_id,
+                                       previous.config if previous is not None else None)
+    return (state.model_copy(update={"buffer": buffer}) if buffer else state), note

@@ -29,7 +29,7 @@ from temporalio.service import RPCError
 
 from gpu_runtime.store.object_store import StoreError
 from milestone_cli.errors import CLIError, connect_error, describe_error, failure_text, one_line
-from milestone_cli.fork import ForkError, fork_input, parent_record, with_parent_buffer
+from milestone_cli.fork import ForkError, fork_input, parent_record, resumed_buffer, with_parent_buffer
 from milestone_cli.preflight import PreflightError, check_config, check_new_run_id
 from milestone_cli.resume import NothingToResume, ResumeError, parse_target, resume_state
 from gpu_runtime.store.uri import open_store
@@ -140,7 +140,7 @@ def format_eval(p: RunProgress) -> str | None:
 
 async def cmd_start(args: argparse.Namespace) -> int:
     cfg = check_config(args.config)  # before connecting: config, jsonl / parquet rows, reward function
-    state, lineage = None, []
+    state, lineage, carried = None, [], ""
     if args.resume_from:
         try:
             _, run_id, _ = parse_target(args.resume_from, cfg)
@@ -155,6 +155,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
             run_id, cfg, state = resume_state(cfg, args.resume_from, [(a.run_id, a.step) for a in lineage])
         except ResumeError as err:
             raise CLIError(str(err), 3 if isinstance(err, NothingToResume) else 2) from None
+        state, carried = await resumed_buffer(client, run_id, cfg, state, previous)
     else:
         run_id = args.run_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
         check_new_run_id(cfg, run_id)  # its store prefix must be empty
@@ -184,6 +185,8 @@ async def cmd_start(args: argparse.Namespace) -> int:
         fork = f", a fork of {lineage[-1].run_id} at step {lineage[-1].step}" if lineage else ""
         print(f"resuming {run_id} at step {state.next_step} (policy v{state.policy_version}, "
               f"data cursor {state.data_cursor}{fork})")
+        if carried:
+            print(f"  rollout.mode {cfg.rollout.mode}: {carried}")
     print(f"started {run_id}\n  UI: {ui_link(run_id, client.namespace)}")
     if args.wait:
         return await watch(client, run_id)

@@ -5,7 +5,8 @@ train_step. The control worker killed mid-run and the Temporal server restarted 
 equal to the fault-free fully_async run, every prompt trained once (asserted by the
 prompt ids stored with each trained sample): the schedule is replayed from history,
 never re-raced. A fork at step 2 (two batches buffered) without change carries the
-parent's buffer and ends bitwise equal to it."""
+parent's buffer and ends bitwise equal to it, and so does a ``--resume-from`` of a
+run's step-2 checkpoint."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from tests.e2e.faults import (
     start_run,
     wait_activity_started,
 )
+import yaml
+
 from tests.stack import Stack, tiny_config
 from workers.common import connect
 
@@ -138,3 +141,32 @@ def test_fork_mid_buffer_without_change_equals_the_parent(stack: Stack, store: P
     for step in (3, 4):  # the parent's batches, trained once each, by the fork
         assert trained_samples(store, "fa-fork", step) == trained_samples(store, "baseline", step)
     assert_bitwise_equal(final_weights(store, "fa-fork", STEPS), baseline)
+
+
+def test_resume_mid_buffer_carries_the_buffer_and_equals_the_baseline(stack: Stack, store: Path, baseline: dict,
+                                                                        tmp_path: Path) -> None:
+    """``--resume-from`` a checkpoint taken with two batches buffered: the resumed run trains
+    the batches its previous execution had sampled ahead (read from that step's workflow in
+    Temporal), as the uninterrupted run did, instead of sampling them afresh on newer weights."""
+    config = tmp_path / "fa.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(store, **{**CFG, "checkpoint": {"every": 2, "keep_last": 3}})))
+    out = cli(stack, "start", str(config), "--run-id", "fa-resume", "--wait")
+    assert out.returncode == 0, out.stderr
+    first = {step: trained_samples(store, "fa-resume", step) for step in (3, 4)}
+    out = cli(stack, "start", str(config), "--resume-from", f"file://{store}/runs/fa-resume/checkpoints/step-000002",
+              "--wait")
+    assert out.returncode == 0, out.stderr
+    assert "resuming fa-resume at step 3" in out.stdout
+    assert "fully_async: carries 2 batch(es) fa-resume sampled ahead after step 2" in out.stdout, out.stdout
+
+    async def main() -> None:
+        client = await connect(stack.server.address)
+        p = await progress(client, "fa-resume")
+        assert [s.step for s in p.steps] == [3, 4] and p.policy_version == STEPS
+        assert [s.staleness for s in p.steps] == STALENESS[2:]
+
+    asyncio.run(main())
+    for step in (3, 4):  # the batches sampled before the checkpoint, on v0, as the baseline trained them
+        assert trained_samples(store, "fa-resume", step) == first[step] == trained_samples(store, "baseline", step)
+    assert_schedule_and_exactly_once(store, "fa-resume")
+    assert_bitwise_equal(final_weights(store, "fa-resume", STEPS), baseline)
