@@ -8,9 +8,8 @@ import json
 import os
 import sys
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -31,6 +30,7 @@ from gpu_runtime.store.object_store import StoreError
 from milestone_cli.errors import CLIError, connect_error, describe_error, failure_text, one_line
 from milestone_cli.fork import ForkError, fork_input, parent_record, resumed_buffer, with_parent_buffer
 from milestone_cli.preflight import PreflightError, check_config, check_new_run_id
+from milestone_cli.progress_view import format_cells, format_eval, format_progress
 from milestone_cli.resume import NothingToResume, ResumeError, parse_target, resume_state
 from gpu_runtime.store.uri import open_store
 from workers.common import connect, temporal_address
@@ -69,73 +69,6 @@ async def _closed_state(handle: WorkflowHandle) -> str | None:
     if st in (None, WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW):
         return None
     return st.name.lower()
-
-
-def _bar(done: int, total: int, width: int = 24) -> str:
-    filled = int(width * done / max(1, total))
-    return "[" + "#" * filled + "-" * (width - filled) + "]"
-
-
-def format_progress(p: RunProgress) -> str:
-    last = p.steps[-1] if p.steps else None
-    line = f"{p.run_id} {_bar(p.step, p.total_steps)} step {p.step}/{p.total_steps} v{p.policy_version} {p.state}"
-    if last and p.mode == "sft":  # no rollout, no reward: the labels' loss is the number to watch
-        line += f" | sft loss {last.loss:.4f} | {last.step_seconds:.1f}s/step"
-    elif last:
-        line += (
-            f" | reward {last.reward_mean:.3f} acc {last.accuracy:.2f} loss {last.loss:+.4f}"
-            f" | {last.step_seconds:.1f}s/step"
-        )
-        if last.sampling:
-            d = last.sampling
-            line += f" | kept {d.groups_kept}/{d.groups_generated} groups in {d.rounds} round{'s' * (d.rounds > 1)}"
-        if last.reward_errors:
-            line += f" | {last.reward_errors} reward errors"
-        stale = last.staleness
-        if stale or last.overlap_seconds or last.buffer_depth:  # one_step_off / fully_async: batches sampled ahead
-            line += (f" | samples v{last.rollout_version} (staleness {stale}), {last.buffer_depth} ahead,"
-                     f" {last.overlap_seconds:.1f}s overlapped")
-        if last.dp_cells is not None and p.dp is not None:  # trainer.cells: how many cells committed the step
-            line += f" | {last.dp_cells}/{len(p.dp.cells)} DP cells"
-    return line
-
-
-
-def format_cells(p: RunProgress) -> list[str]:
-    """One line per fsdp2 cell and per rank (pid, Ray node, state), as the trainer last reported them."""
-    lines = []
-    for c in p.cells:
-        lines.append(f"  cell {c.generation} on {c.node or '?'}: {len(c.ranks)} ranks, {c.placement}, ray {c.ray_address}")
-        lines += [f"    rank {r.rank}: pid {r.pid} node {r.node_ip} {r.state}" for r in c.ranks]
-    if p.dp is not None:
-        alive = sum(c.state == "alive" for c in p.dp.cells)
-        lines.append(f"  DP cells on {p.dp.node or '?'}: {alive}/{len(p.dp.cells)} alive, torchft lighthouse pid "
-                     f"{p.dp.lighthouse_pid}" + (f" (restarted {p.dp.lighthouse_restarts}x)" if p.dp.lighthouse_restarts else ""))
-        for c in p.dp.cells:
-            line = f"    cell {c.index}: pid {c.pid} {c.state} v{c.policy_version}"
-            if c.healed_from_step is not None:
-                line += f", healed from a peer (held v{c.healed_from_step})"
-            if c.restarts:
-                line += f", restarted {c.restarts}x"
-            heal = p.cell_heal.get(str(c.index))
-            if c.state == "lost":
-                line += f": {c.why}"
-            if heal is not None:
-                line += (f"; restart due {datetime.fromtimestamp(heal.due_at, timezone.utc).isoformat(timespec='seconds')}"
-                         f" (failed restarts: {heal.failures})")
-            lines.append(line)
-    return lines
-
-
-def format_eval(p: RunProgress) -> str | None:
-    """The newest held-out eval of the run, or None before the first."""
-    s = next((s for s in reversed(p.steps) if s.eval_greedy is not None), None)
-    if s is None:
-        return None
-    return (
-        f"  eval after step {s.step} (v{s.policy_version}, {s.eval_n} held-out prompts): "
-        f"greedy {s.eval_greedy:.3f}, pass@{s.eval_k} {s.eval_pass_at_k:.3f}"
-    )
 
 
 async def cmd_start(args: argparse.Namespace) -> int:

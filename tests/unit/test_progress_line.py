@@ -1,10 +1,10 @@
-"""``milestone status``'s progress line (``milestone_cli.main.format_progress``)."""
+"""``milestone status``'s progress line (``milestone_cli.progress_view.format_progress``)."""
 
 from __future__ import annotations
 
 
 def test_the_progress_line_shows_staleness_and_overlap() -> None:
-    from milestone_cli.main import format_progress
+    from milestone_cli.progress_view import format_progress
     from workflows.contracts import RunProgress, StepSummary
 
     def line(**kw: object) -> str:
@@ -21,7 +21,7 @@ def test_the_progress_line_shows_staleness_and_overlap() -> None:
 
 
 def test_the_progress_line_of_an_sft_run_shows_its_loss_not_a_reward() -> None:
-    from milestone_cli.main import format_progress
+    from milestone_cli.progress_view import format_progress
     from workflows.contracts import RunProgress, StepSummary
 
     step = StepSummary(step=2, policy_version=2, data_cursor=64, reward_mean=0.0, reward_std=0.0, accuracy=0.0,
@@ -37,7 +37,7 @@ def test_status_lists_the_cell_and_its_ranks() -> None:
     progress): one line per cell, one per rank with pid, Ray node and state."""
     from activities import translate
     from gpu_runtime.trainer.api import CellRankState, CellState, TrainResult
-    from milestone_cli.main import format_cells
+    from milestone_cli.progress_view import format_cells
     from workflows.contracts import RunProgress
 
     cell = CellState(generation=2, placement="strict_pack", ray_address="local", ranks=[
@@ -63,7 +63,7 @@ def test_status_lists_the_dp_cells_and_when_a_lost_one_restarts() -> None:
 
     from activities import translate
     from gpu_runtime.trainer.api import DPCellInfo, DPState, TrainResult
-    from milestone_cli.main import format_cells, format_progress
+    from milestone_cli.progress_view import format_cells, format_progress
     from workflows.contracts import CellHeal, RunProgress, StepSummary
 
     dp = DPState(lighthouse_pid=7, cells=[

@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from milestone_cli.main import format_eval
+from milestone_cli.progress_view import format_eval
 from milestone_cli.report import moving_average, render_report
 from workflows.contracts import RunProgress, StepSummary
 
