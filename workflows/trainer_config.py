@@ -129,8 +129,9 @@ def layout_conflicts(layout: str, asks: RunAsks) -> list[str]:
 
 def megatron_train_conflicts(train: object) -> list[str]:
     """The ``train`` knobs the megatron trainer's GRPO loss does not implement yet, set away
-    from what it computes (the megatron trainer checks the same list:
-    ``gpu_runtime.trainer.megatron.train.unsupported``). Also checked when ``set_hparams``
+    from what it computes (its runtime twin, on ``TrainerHParams``:
+    ``gpu_runtime.trainer.megatron.train.unsupported``; ``gpu_runtime`` imports nothing from
+    ``workflows``, and a test keeps the two in step). Also checked when ``set_hparams``
     changes them mid-run."""
     out = []
     if getattr(train, "kl_coef", 0.0) > 0:

@@ -87,8 +87,7 @@ def test_train_step_refuses_what_the_loss_does_not_implement(tmp_path: Path) -> 
     hp = TrainerHParams(**TrainSpec().model_dump())
     mine = mtrainer.MegatronTrainer(HFAsGPT(model), model.config, None, tok, hp, 0)
     samples, rewards = _batch(1)
-    refused = r"trainer.backend megatron does not support train.kl_coef > 0 \(no frozen reference .*\); train.tis_cap \("
-    with pytest.raises(ValueError, match=refused):
+    with pytest.raises(ValueError, match="trainer.backend megatron does not support train.kl_coef > 0, train.tis_cap"):
         mine.train_step(samples, rewards, 4, hp.model_copy(update={"kl_coef": 0.1, "tis_cap": 2.0}))
     assert mine.policy_version == 0
     with pytest.raises(ValueError, match="mode sft"):

@@ -111,8 +111,7 @@ def test_off_policy_megatron_runs_with_tis_off() -> None:
                                         ("ppo_epochs", 2), ("estimator", "ppo"), ("precision", "bf16")])
 def test_the_config_and_the_megatron_loss_refuse_the_same_knobs(knob: str, value: object) -> None:
     """``megatron_train_conflicts`` (the config, torch-free) and ``megatron.train.unsupported``
-    (which the trainer checks every step, on its TrainerHParams) name each knob: the
-    hparams carry every field the config check reads."""
+    (the runtime twin the trainer checks every step) agree knob by knob."""
     from gpu_runtime.trainer.api import TrainerHParams
     from gpu_runtime.trainer.megatron.train import unsupported
     from workflows.config import TrainSpec

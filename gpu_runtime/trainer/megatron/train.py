@@ -19,7 +19,6 @@ from gpu_runtime.models.causal_lm import positions_from_mask
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.batches import logprob_gap_sums, micro_batch_advantages, micro_batches
-from workflows.trainer_config import megatron_train_conflicts
 
 
 def gpt_logprobs_and_logits(gpt: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,10 +36,22 @@ def gpt_logprobs(gpt: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 
 
 def unsupported(hp: TrainerHParams) -> list[str]:
-    """The knobs this loss does not implement yet, set away from what it computes: the list
-    the run config refuses before a run starts (``workflows.trainer_config``, torch-free),
-    checked again here for hparams set mid-run."""
-    return megatron_train_conflicts(hp)
+    """The knobs this loss does not implement yet, set away from what it computes (the
+    run config refuses the same ones: ``workflows.trainer_config.megatron_train_conflicts``)."""
+    bad = []
+    if hp.kl_coef > 0:
+        bad.append("kl_coef > 0")
+    if hp.entropy_coef > 0:
+        bad.append("entropy_coef > 0")
+    if hp.tis_cap is not None:
+        bad.append("tis_cap")
+    if hp.ppo_epochs != 1:
+        bad.append("ppo_epochs != 1")
+    if hp.estimator == "ppo":
+        bad.append("estimator ppo")
+    if hp.precision != "fp32":
+        bad.append(f"precision {hp.precision}")
+    return bad
 
 
 def grpo_backward(gpt: Any, samples: list[Sample], rewards: list[float], group_size: int, hp: TrainerHParams,

@@ -53,7 +53,7 @@ def runtime_problem(*, need_cuda: bool = True) -> str | None:
 
 def _refuse_hparams(hp: TrainerHParams) -> None:
     if bad := unsupported(hp):
-        raise ValueError(f"trainer.backend megatron does not support {'; '.join(bad)}")
+        raise ValueError(f"trainer.backend megatron does not support train.{', train.'.join(bad)}")
 
 
 class MegatronTrainer(AdamWSteps):
