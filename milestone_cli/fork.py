@@ -167,6 +167,17 @@ def fork_input(
     return TrainingRunInput(config=cfg, state=state, lineage=[ForkPoint(run_id=r, step=s) for r, s in lineage])
 
 
+def buffers_ahead(cfg: RunConfig, step: int) -> bool:
+    """Whether a run of ``cfg`` continuing after ``step`` starts with batches sampled ahead
+    (one_step_off, fully_async; none before step 1)."""
+    return cfg.mode == "rl" and cfg.rollout.mode in OFF_POLICY_MODES and step > 0
+
+
+def _afresh(cfg: RunConfig, step: int, why: str) -> tuple[list[Sampled], str]:
+    """No batches carried, and the line saying why (none when the run buffers nothing)."""
+    return [], (f"the first step samples its batch afresh ({why})" if buffers_ahead(cfg, step) else "")
+
+
 async def sampled_ahead(client: Client, cfg: RunConfig, step: int, data_cursor: int, owner: str,
                         sampler: RunConfig | None) -> tuple[list[Sampled], str]:
     """The batches ``owner`` had sampled ahead after ``step`` (one_step_off, fully_async),
@@ -174,21 +185,21 @@ async def sampled_ahead(client: Client, cfg: RunConfig, step: int, data_cursor: 
     ``data_cursor``; and a line saying what was carried or why not. Carried only when the
     run samples and scores as ``sampler`` (the config that sampled them) did: then its next
     steps train the batches the original trained, bitwise."""
-    if cfg.mode != "rl" or cfg.rollout.mode not in OFF_POLICY_MODES or step == 0:
+    if not buffers_ahead(cfg, step):
         return [], ""
     if sampler is None or (sampler.rollout, sampler.reward) != (cfg.rollout, cfg.reward):
-        return [], f"the first step samples its batch afresh (rollout or reward differ from {owner}'s)"
+        return _afresh(cfg, step, f"rollout or reward differ from {owner}'s")
     try:
         summary = await client.get_workflow_handle(f"{owner}/step-{step}", result_type=StepSummary).result()
     except Exception as err:  # noqa: BLE001  the step's workflow is gone (retention) or failed: sample afresh
-        return [], f"the first step samples its batch afresh ({owner}/step-{step}: {type(err).__name__})"
+        return _afresh(cfg, step, f"{owner}/step-{step}: {type(err).__name__}")
     buffer = summary.next_buffer or ([summary.next_sampled] if summary.next_sampled else [])
     buffer = buffer[: cfg.steps - step]  # batch k is step step+1+k's
     if not buffer:
         return [], ""
     if buffer[0].data_cursor != data_cursor:  # the step would refuse it: say so here instead
-        return [], (f"the first step samples its batch afresh (the buffered batch starts at cursor "
-                    f"{buffer[0].data_cursor}, the run continues at {data_cursor})")
+        return _afresh(cfg, step, f"the buffered batch starts at cursor {buffer[0].data_cursor}, "
+                       f"the run continues at {data_cursor}")
     return buffer, f"carries {len(buffer)} batch(es) {owner} sampled ahead after step {step}"
 
 
@@ -199,10 +210,8 @@ async def parent_buffer(client: Client, inp: TrainingRunInput, parent: TrainingR
     step = inp.state.next_step - 1
     owner = inp.lineage[-1].run_id if inp.lineage else ""
     if parent is not None and [(a.run_id, a.step) for a in parent.lineage] != [(a.run_id, a.step) for a in inp.lineage[:-1]]:
-        if inp.config.mode == "rl" and inp.config.rollout.mode in OFF_POLICY_MODES and step > 0:
-            # the step belongs to an ancestor of the parent, whose config this fork was not checked against
-            return [], f"the first step samples its batch afresh (step {step} is {owner}'s, an ancestor of the parent)"
-        return [], ""
+        # the step belongs to an ancestor of the parent, whose config this fork was not checked against
+        return _afresh(inp.config, step, f"step {step} is {owner}'s, an ancestor of the parent")
     return await sampled_ahead(client, inp.config, step, inp.state.data_cursor, owner,
                                parent.config if parent is not None else None)
 
@@ -227,10 +236,7 @@ async def resumed_buffer(client: Client, run_id: str, cfg: RunConfig, state: Run
     step = state.next_step - 1
     lineage = previous.lineage if previous is not None else []
     if lineage and step <= lineage[-1].step:
-        owner = lineage[-1].run_id
-        if cfg.mode == "rl" and cfg.rollout.mode in OFF_POLICY_MODES and step > 0:
-            return state, f"the first step samples its batch afresh (step {step} is {owner}'s, before the fork)"
-        return state, ""
+        return state, _afresh(cfg, step, f"step {step} is {lineage[-1].run_id}'s, before the fork")[1]
     buffer, note = await sampled_ahead(client, cfg, step, state.data_cursor, run_id,
                                        previous.config if previous is not None else None)
     return (state.model_copy(update={"buffer": buffer}) if buffer else state), note
