@@ -1,6 +1,5 @@
-"""Why a fsdp2 cell cannot take another step: each failure fails the call retryably, and
-the next call rebuilds the cell from the last durable checkpoint plus replay. ``kind`` is
-the run event the trainer reports once a rebuilt cell answers."""
+"""Why a fsdp2 cell cannot take another step (``CellFailed`` and its kinds), importable
+without Ray or torch.distributed."""
 
 from __future__ import annotations
 

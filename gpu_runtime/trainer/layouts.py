@@ -62,11 +62,10 @@ class TrainerLayouts:
             return MegatronTrainer.create(folder, setup.hparams, setup.seed)  # type: ignore[return-value]
         return PolicyTrainer.create(folder, setup.hparams, setup.seed, setup.model.lora, setup.distill)
 
-    def sft_trainer(self, setup: RunSetup, base: Path) -> PolicyTrainer:
-        """The trainer the SFT warm-up runs on: the run's own, or, for a fsdp2, DP or megatron
-        run, a single HF trainer whose post-SFT weights the run's trainer then loads."""
-        if layout(setup) == "single":
-            return self.new(setup, base)
+    @staticmethod
+    def sft_trainer(setup: RunSetup, base: Path) -> PolicyTrainer:
+        """The trainer the SFT warm-up runs on: a single HF trainer, for every layout (a
+        single run keeps it; ``after_sft`` hands the others its post-SFT weights)."""
         return PolicyTrainer.create(base, setup.hparams, setup.seed, setup.model.lora, setup.distill)
 
     def after_sft(self, setup: RunSetup, trainer: PolicyTrainer) -> PolicyTrainer:
@@ -103,12 +102,17 @@ class TrainerLayouts:
         return self.dp_group
 
     # ---- failures ------------------------------------------------------------------
+    def cell_failed(self, err: BaseException) -> None:
+        """The fsdp2 cell failed with ``err``: its host reports it (and rebuilds it next)."""
+        if self.cell_host is not None:
+            self.cell_host.failed(err)
+
     def discard_dead(self, trainer: object) -> None:
         """Before a call: a trainer found dead (a fsdp2 cell that lost a rank, every DP cell
         lost) is dropped; its cell's failure is reported, DP cells end."""
         failure = getattr(trainer, "failure", None)
-        if failure is not None and self.cell_host is not None:
-            self.cell_host.failed(failure)
+        if failure is not None:
+            self.cell_failed(failure)
         self.end_dp_group()
 
     def step_failed(self, setup: RunSetup | None, trainer: object, err: BaseException) -> bool:
@@ -117,8 +121,7 @@ class TrainerLayouts:
         every cell is lost or they diverged (their group then ends)."""
         kind = layout(setup)
         if kind == "fsdp2":
-            if self.cell_host is not None:
-                self.cell_host.failed(err)
+            self.cell_failed(err)
             return True
         if kind == "dp" and getattr(trainer, "dead", False):
             self.end_dp_group()

@@ -217,8 +217,7 @@ class TrainerService:
                 log.info("restored checkpoint step %d (v%d)", got.step, trainer.policy_version)
                 return got.step, {}
             except CellFailed as err:  # the cell, not the checkpoint: an older one would not help
-                if self.layouts.cell_host is not None:
-                    self.layouts.cell_host.failed(err)
+                self.layouts.cell_failed(err)
                 raise
             except Exception as err:  # corrupt / missing: fall back to an older one
                 log.warning("checkpoint step %d unusable: %s", info.step, err)
