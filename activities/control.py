@@ -17,7 +17,7 @@ from temporalio import activity
 from activities import translate
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.node import metrics
+from gpu_runtime.proc import metrics
 from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.arithmetic import generate_heldout_arithmetic
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl

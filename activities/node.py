@@ -27,8 +27,8 @@ from gpu_runtime.agent.tools import ToolNotFound
 from gpu_runtime.engine.fleet import EngineFleet, HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.rollout import NonFiniteLogprobs, RolloutStats, StaleWeights, run_rollout
 from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.node import metrics
-from gpu_runtime.node.rpc import RemoteError
+from gpu_runtime.proc import metrics
+from gpu_runtime.proc.rpc import RemoteError
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.store.fence import FencedStore, StaleEpoch, next_epoch, raise_fence
 from gpu_runtime.store.uri import open_store

@@ -28,7 +28,7 @@ from gpu_runtime.engine.router import RouterProcess  # noqa: E402
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer  # noqa: E402
 from gpu_runtime.models.model_folder import load_model_folder, save_model_folder  # noqa: E402
 from gpu_runtime.models.tokenizer import Tokenizer  # noqa: E402
-from gpu_runtime.node.proc import free_port  # noqa: E402
+from gpu_runtime.proc.processes import free_port  # noqa: E402
 
 log = logging.getLogger("bench_engines")
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gpu_runtime.node.proc import stop_pid  # noqa: E402
+from gpu_runtime.proc.processes import stop_pid  # noqa: E402
 from tests.e2e.faults import progress, start_run, wait_activity_started  # noqa: E402
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402

@@ -41,7 +41,7 @@ from gpu_runtime.models.model_folder import load_weights_into, model_checksum, s
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.models.causal_lm import load_exported_state_dict
 from gpu_runtime.models.model_folder import weights_checksum
-from gpu_runtime.node.proc import free_port
+from gpu_runtime.proc.processes import free_port
 from gpu_runtime.weight_sync import shared_memory as shm
 from gpu_runtime.weight_sync.distributed import DEFAULT_BUCKET_BYTES, GroupSpec, WeightGroup, manifest_of
 

@@ -158,8 +158,8 @@ class Check:
     def start_fleet(self) -> dict[str, Any]:
         from gpu_runtime.engine.backends import TorchEngineBackend
         from gpu_runtime.engine.fleet import EngineFleet, HealthConfig
-        from gpu_runtime.node.devices import plan_placement
-        from gpu_runtime.node.proc import free_port_block
+        from gpu_runtime.proc.devices import plan_placement
+        from gpu_runtime.proc.processes import free_port_block
 
         placement = plan_placement("cpu" if self.args.cpu else "cuda", 0 if self.args.cpu else 1)
         health = HealthConfig(interval_s=1.0, timeout_s=10.0, first_wait_s=300.0, failure_threshold=1)

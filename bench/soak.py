@@ -44,7 +44,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter  # noqa: E402
 from temporalio.worker import Replayer  # noqa: E402
 
 from bench.soak_checks import cells_whole, trained_exactly_once  # noqa: E402
-from gpu_runtime.node.proc import pid_alive  # noqa: E402
+from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.e2e.faults import start_run  # noqa: E402
 from tests.stack import Stack, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402

@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpu_runtime.node.proc import pid_alive, spawn, stop_pid
+from gpu_runtime.proc.processes import pid_alive, spawn, stop_pid
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 from workers.payload_codec import codec_from_env
 from workers.temporal_connection import TemporalSettings, connect_with, settings_from_env

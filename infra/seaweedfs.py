@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from gpu_runtime.node.proc import free_port, packaged_binary, port_free, stop_pid
+from gpu_runtime.proc.processes import free_port, packaged_binary, port_free, stop_pid
 
 log = logging.getLogger(__name__)
 

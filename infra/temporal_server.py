@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from gpu_runtime.node.proc import free_port, packaged_binary  # noqa: F401  (free_port re-exported)
+from gpu_runtime.proc.processes import free_port, packaged_binary  # noqa: F401  (free_port re-exported)
 
 SEARCH_ATTRIBUTES = {
     "RlStep": "Int",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-from gpu_runtime.node.proc import spawn, stop_pid
+from gpu_runtime.proc.processes import spawn, stop_pid
 
 CHROMIUM = os.environ.get("MILESTONE_CHROMIUM", "/usr/bin/chromium")
 

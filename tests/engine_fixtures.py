@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import pytest
 
-from gpu_runtime.node.proc import free_port, free_port_block  # noqa: F401  (re-exported for tests)
+from gpu_runtime.proc.processes import free_port, free_port_block  # noqa: F401  (re-exported for tests)
 from tests.stack import wait_for as stack_wait_for
 
 import tempfile

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 
-from gpu_runtime.node.proc import free_port, pid_alive, spawn, stop_pid
+from gpu_runtime.proc.processes import free_port, pid_alive, spawn, stop_pid
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]

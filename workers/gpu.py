@@ -22,9 +22,9 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.node import NodeActivities
-from gpu_runtime.node.devices import cuda_device_count, parse_gpu_list, plan_placement
+from gpu_runtime.proc.devices import cuda_device_count, parse_gpu_list, plan_placement
 from gpu_runtime.node.runtime import NodeRuntime
-from gpu_runtime.node import metrics
+from gpu_runtime.proc import metrics
 from workers.common import connect, install_shutdown, settings_problem, setup_logging
 from workflows.contracts import POOL_QUEUE, RunEvent
 

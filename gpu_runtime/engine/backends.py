@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from gpu_runtime.node.devices import child_env
+from gpu_runtime.proc.devices import child_env
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from gpu_runtime.engine.auth import bearer_headers, engine_token
-from gpu_runtime.node.http_client import http_client
+from gpu_runtime.proc.http_client import http_client
 
 log = logging.getLogger(__name__)
 

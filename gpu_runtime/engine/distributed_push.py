@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_runtime.engine.client import EngineClient, EngineError
-from gpu_runtime.node.proc import free_port
+from gpu_runtime.proc.processes import free_port
 from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S, GroupSpec, Manifest, folder_manifest
 
 log = logging.getLogger(__name__)

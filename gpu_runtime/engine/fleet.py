@@ -42,7 +42,7 @@ from gpu_runtime.engine.fleet_types import (  # noqa: F401  (re-exported)
 from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
 from gpu_runtime.models.model_folder import read_meta
-from gpu_runtime.node.proc import free_port, port_free
+from gpu_runtime.proc.processes import free_port, port_free
 from gpu_runtime.weight_sync.distributed import DEFAULT_BUCKET_BYTES
 from gpu_runtime.weight_sync.shared_memory import NodeSegments
 

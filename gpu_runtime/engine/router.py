@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 
 from gpu_runtime.engine.auth import ENGINE_TOKEN_ENV, bearer_headers, check_exposure, engine_token
-from gpu_runtime.node.http_client import http_client
-from gpu_runtime.node.proc import die_with_parent, free_port
+from gpu_runtime.proc.http_client import http_client
+from gpu_runtime.proc.processes import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 _ROOT = str(Path(__file__).resolve().parents[2])  # keyed_launch must import from any cwd

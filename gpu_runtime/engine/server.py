@@ -38,8 +38,8 @@ from gpu_runtime.engine.generate import GenResult, generate_batch
 from gpu_runtime.engine.memory_occupation import EngineReleased, MemoryOccupation, release_route, resume_route
 from transformers import PreTrainedModel
 
-from gpu_runtime.node.proc import exit_when_parent_dies
-from gpu_runtime.node.rpc import send_json
+from gpu_runtime.proc.processes import exit_when_parent_dies
+from gpu_runtime.proc.rpc import send_json
 from gpu_runtime.models.causal_lm import load_exported_state_dict
 from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_runtime.node.devices import Placement
+from gpu_runtime.proc.devices import Placement
 
 
 @dataclass(frozen=True)

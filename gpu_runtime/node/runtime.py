@@ -13,16 +13,16 @@ import shutil
 import threading
 from pathlib import Path
 
-from gpu_runtime.node import metrics
+from gpu_runtime.proc import metrics
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig, NoHealthyEngine
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.model_folder import WEIGHTS_FILE, prune_version_folders, read_meta
 from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.node.devices import Placement
+from gpu_runtime.proc.devices import Placement
 from gpu_runtime.node.memory_phases import MemoryPhases, resolve_release_memory
-from gpu_runtime.node.proc import free_port, free_port_block
+from gpu_runtime.proc.processes import free_port, free_port_block
 from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store

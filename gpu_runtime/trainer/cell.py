@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.node.proc import reachable
+from gpu_runtime.proc.processes import reachable
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.cell_errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable

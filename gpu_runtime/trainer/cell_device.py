@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpu_runtime.node.devices import CUBLAS_DETERMINISM
+from gpu_runtime.proc.devices import CUBLAS_DETERMINISM
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def this_rank(kind: str, rank: int) -> RankPlacement:
     """``rank_placement`` from what this process sees (inside a Ray actor: its assigned GPUs)."""
     if cell_kind(kind) == "cpu":
         return rank_placement("cpu", rank=rank)
-    from gpu_runtime.node.devices import cuda_device_count
+    from gpu_runtime.proc.devices import cuda_device_count
 
     ids: list[int | str] = []
     try:

@@ -14,10 +14,10 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from gpu_runtime.node.metrics import TRAINER_RESTARTS
-from gpu_runtime.node.devices import child_env, gpu_list
-from gpu_runtime.node.proc import stop_pid
-from gpu_runtime.node.rpc import RPCClient, ServerDidNotStart, start_rpc_process
+from gpu_runtime.proc.metrics import TRAINER_RESTARTS
+from gpu_runtime.proc.devices import child_env, gpu_list
+from gpu_runtime.proc.processes import stop_pid
+from gpu_runtime.proc.rpc import RPCClient, ServerDidNotStart, start_rpc_process
 from gpu_runtime.trainer.api import (
     BroadcastWeightsCall,
     HeldWeights,
@@ -54,7 +54,7 @@ class TrainerProcess:
         on_event: Callable[[NodeEvent], None] | None = None, device: str = "cpu", cell_gpus: tuple[int, ...] = (),
     ) -> None:
         self.work_dir = work_dir
-        self.device = device  # "cpu" or "cuda:N" (gpu_runtime.node.devices)
+        self.device = device  # "cpu" or "cuda:N" (gpu_runtime.proc.devices)
         self.cell_gpus = cell_gpus  # the GPUs a fsdp2 cell's ranks may take (Placement.cell_gpus)
         self.log_path = log_path
         self.threads = threads

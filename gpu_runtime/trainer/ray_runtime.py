@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from gpu_runtime.node.proc import reachable
+from gpu_runtime.proc.processes import reachable
 from gpu_runtime.trainer.cell_errors import RayUnavailable
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from gpu_runtime.node.devices import parse_gpu_list
-from gpu_runtime.node.proc import exit_when_parent_dies
-from gpu_runtime.node.rpc import Method, RPCServer
+from gpu_runtime.proc.devices import parse_gpu_list
+from gpu_runtime.proc.processes import exit_when_parent_dies
+from gpu_runtime.proc.rpc import Method, RPCServer
 from gpu_runtime.trainer.api import (
     BroadcastWeightsCall,
     CheckpointCall,
@@ -70,7 +70,7 @@ def use_device(device: str) -> None:
     """Make ``device`` this process's default: models load there and every tensor the
     trainer builds (batches, masks, rewards) is created there, so the CPU code is the CUDA
     code. Training stays float32 (fp32 weights, fp32 AdamW, TF32 off) for bitwise replay;
-    cuBLAS determinism comes from CUBLAS_WORKSPACE_CONFIG (``gpu_runtime.node.devices``)."""
+    cuBLAS determinism comes from CUBLAS_WORKSPACE_CONFIG (``gpu_runtime.proc.devices``)."""
     if device == "cpu":
         return
     if not device.startswith("cuda") or not torch.cuda.is_available():

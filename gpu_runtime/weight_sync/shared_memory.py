@@ -28,7 +28,7 @@ import torch
 
 from gpu_runtime.models.causal_lm import load_exported_state_dict
 from gpu_runtime.models.model_folder import weights_checksum
-from gpu_runtime.node.proc import pid_alive
+from gpu_runtime.proc.processes import pid_alive
 
 MAGIC = b"MSWSHM01"
 ALIGN = 64

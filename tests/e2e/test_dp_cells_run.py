@@ -29,7 +29,7 @@ pytest.importorskip("torchft", reason="the cells extra (torchft-nightly) is not 
 from temporalio.contrib.pydantic import pydantic_data_converter  # noqa: E402
 from temporalio.worker import Replayer  # noqa: E402
 
-from gpu_runtime.node.proc import pid_alive  # noqa: E402
+from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.e2e.faults import final_weights, progress, run_to_end, start_run, wait_activity_started  # noqa: E402
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402

@@ -23,7 +23,7 @@ from tests.e2e.faults import (
     start_run,
     wait_activity_started,
 )
-from gpu_runtime.node.proc import pid_alive
+from gpu_runtime.proc.processes import pid_alive
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
 

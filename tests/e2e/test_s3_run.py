@@ -32,7 +32,7 @@ from temporalio.api.common.v1 import Payloads
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 
-from gpu_runtime.node.proc import free_port, spawn, stop_pid
+from gpu_runtime.proc.processes import free_port, spawn, stop_pid
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from infra.seaweedfs import SeaweedServer

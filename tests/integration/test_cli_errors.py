@@ -20,7 +20,7 @@ import yaml
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
-from gpu_runtime.node.proc import free_port, packaged_binary
+from gpu_runtime.proc.processes import free_port, packaged_binary
 from tests.stack import ROOT, Stack, async_wait_for, tiny_config
 from workers.common import connect
 from workflows.contracts import CONTROL_QUEUE

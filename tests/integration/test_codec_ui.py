@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from gpu_runtime.node.proc import free_port, spawn, stop_pid
+from gpu_runtime.proc.processes import free_port, spawn, stop_pid
 from infra.temporal_server import server_command, wait_for_port
 from tests.stack import wait_for
 

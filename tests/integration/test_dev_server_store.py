@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from gpu_runtime.node.proc import free_port, spawn, stop_pid
+from gpu_runtime.proc.processes import free_port, spawn, stop_pid
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 
 

@@ -26,7 +26,7 @@ pytest.importorskip("torchft", reason="the cells extra (torchft-nightly) is not 
 
 from gpu_runtime.models.causal_lm import export_state_dict  # noqa: E402
 from gpu_runtime.models.model_folder import load_model_folder, weights_checksum  # noqa: E402
-from gpu_runtime.node.proc import pid_alive  # noqa: E402
+from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
 from gpu_runtime.trainer.dp.group import DPGroup  # noqa: E402
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse  # noqa: E402
@@ -254,7 +254,7 @@ def test_a_lighthouse_restart_waits_for_the_port_to_be_free(tmp_path: Path) -> N
     after the kill: the restart waits for it to close."""
     import socket
 
-    from gpu_runtime.node.proc import reachable
+    from gpu_runtime.proc.processes import reachable
 
     lh = Lighthouse(tmp_path / "lh.log")
     holder = socket.socket()

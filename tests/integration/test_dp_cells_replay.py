@@ -24,7 +24,7 @@ from bench._inproc import dataset_rows, generate_step, rollout_request, run_setu
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.models.causal_lm import load_causal_lm  # noqa: E402
 from gpu_runtime.models.tokenizer import Tokenizer  # noqa: E402
-from gpu_runtime.node.proc import pid_alive  # noqa: E402
+from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
 from gpu_runtime.trainer.service import TrainerService  # noqa: E402

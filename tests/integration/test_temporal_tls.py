@@ -27,7 +27,7 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.worker import Worker
 
-from gpu_runtime.node.proc import free_port, spawn, stop_pid
+from gpu_runtime.proc.processes import free_port, spawn, stop_pid
 from tests.stack import ROOT, TemporalDevServer, async_wait_for
 from tests.tls_certs import Pki, make_pki
 from workers.temporal_connection import TemporalSettings, connect_with, settings_from_env

@@ -22,7 +22,7 @@ from gpu_runtime.trainer.cell_errors import RayUnavailable  # noqa: E402
 from gpu_runtime.trainer.ray_runtime import RayRuntime  # noqa: E402
 from gpu_runtime.trainer.cell_host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
 from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready  # noqa: E402
-from gpu_runtime.node.proc import pid_alive  # noqa: E402
+from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
 from tests.unit.test_policy_trainer import hparams, rollout  # noqa: E402
 from tests.unit.test_trainer_cell import post_sft_folder  # noqa: E402

@@ -19,7 +19,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.control import compute_rewards, prepare_data
 from gpu_runtime.data.datasets import load_jsonl
-from gpu_runtime.node.proc import free_port
+from gpu_runtime.proc.processes import free_port
 from tests.engine_fixtures import _tokenizer
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store

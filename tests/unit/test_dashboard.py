@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-import gpu_runtime.node.metrics  # noqa: F401  (registers the metrics)
+import gpu_runtime.proc.metrics  # noqa: F401  (registers the metrics)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "infra" / "grafana" / "milestone-dashboard.json"
 

@@ -1,4 +1,4 @@
-"""The node's device choice (``gpu_runtime.node.devices``) and how it reaches the
+"""The node's device choice (``gpu_runtime.proc.devices``) and how it reaches the
 processes it starts: pure logic, tested with a GPU count passed in (no CUDA here)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from gpu_runtime.engine.backends import SGLangEngineBackend, TorchEngineBackend
-from gpu_runtime.node.devices import Placement, child_env, gpu_list, parse_gpu_list, plan_placement
+from gpu_runtime.proc.devices import Placement, child_env, gpu_list, parse_gpu_list, plan_placement
 from gpu_runtime.node.runtime import NodeRuntime
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import ssl
 
 from gpu_runtime.engine.client import EngineClient
-from gpu_runtime.node.http_client import http_client, tls_context
-from gpu_runtime.node.rpc import RPCClient
+from gpu_runtime.proc.http_client import http_client, tls_context
+from gpu_runtime.proc.rpc import RPCClient
 
 
 def test_clients_share_one_verifying_context() -> None:

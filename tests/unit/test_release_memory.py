@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from gpu_runtime.node.devices import Placement, plan_placement
+from gpu_runtime.proc.devices import Placement, plan_placement
 from gpu_runtime.node.memory_phases import resolve_release_memory
 from gpu_runtime.trainer.offload import OptimizerOffload
 from gpu_runtime.trainer.state import OPTIM_FILE

@@ -10,7 +10,7 @@ import pytest
 
 from activities.translate import reward_settings
 from gpu_runtime.data.rewards import RewardError, RewardFatal, ScoreContext, ScoreStats, score_samples
-from gpu_runtime.node.proc import free_port
+from gpu_runtime.proc.processes import free_port
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.store.object_store import LocalStore
 from tests.reward_servers import Behaviour, length_score, reward_server

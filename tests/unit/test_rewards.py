@@ -16,7 +16,7 @@ from gpu_runtime.data.rewards import (
 )
 from gpu_runtime.data.rewards import mathverify, scoring
 from gpu_runtime.data.rewards.rules import format_reward, gsm8k_extract, gsm8k_label, gsm8k_reward, normalize_number
-from gpu_runtime.node.proc import pid_alive
+from gpu_runtime.proc.processes import pid_alive
 from gpu_runtime.store.artifacts import Sample
 from tests.stack import wait_for
 from workflows.config import RewardSpec

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from gpu_runtime.node.proc import pid_alive, stop_pid
+from gpu_runtime.proc.processes import pid_alive, stop_pid
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 

@@ -26,7 +26,7 @@ from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
 from gpu_runtime.trainer.api import TrainerHParams  # noqa: E402
 from gpu_runtime.trainer.cell import CellPlacementFailed, CellRankDied, CellRankHung, TrainerCell  # noqa: E402
 from gpu_runtime.trainer.ray_runtime import RayRuntime  # noqa: E402
-from gpu_runtime.node.proc import pid_alive  # noqa: E402
+from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
 from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.models.model_folder import weights_checksum
-from gpu_runtime.node.proc import free_port
+from gpu_runtime.proc.processes import free_port
 from gpu_runtime.weight_sync.distributed import (
     GroupError,
     GroupSpec,

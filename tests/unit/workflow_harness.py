@@ -32,7 +32,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from gpu_runtime.node.proc import packaged_binary
+from gpu_runtime.proc.processes import packaged_binary
 from infra.temporal_server import SEARCH_ATTRIBUTES
 from workflows.config import RunConfig
 from workflows.contracts import (

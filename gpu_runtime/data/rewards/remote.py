@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from gpu_runtime.data.rewards.settings import RewardError, RewardFatal, RewardTermSettings
-from gpu_runtime.node.http_client import http_client
+from gpu_runtime.proc.http_client import http_client
 from gpu_runtime.store.object_store import ObjectStore
 
 log = logging.getLogger(__name__)

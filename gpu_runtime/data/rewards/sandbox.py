@@ -23,7 +23,7 @@ import time
 from types import TracebackType
 
 from gpu_runtime.data.rewards.settings import RewardFunctionNotFound
-from gpu_runtime.node.proc import exit_when_parent_dies, stop_pid
+from gpu_runtime.proc.processes import exit_when_parent_dies, stop_pid
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One DP cell's process: ``python -m gpu_runtime.trainer.dp.cell_server --index K
 --lighthouse URL --work-dir D``. Prints ``READY port=<p> pid=<pid>`` once it serves the RPC
-(``gpu_runtime.node.rpc``) its group (``gpu_runtime.trainer.dp.group``) calls; ``build``
+(``gpu_runtime.proc.rpc``) its group (``gpu_runtime.trainer.dp.group``) calls; ``build``
 creates the cell's trainer and ``join`` its torchft manager (``build`` does both unless told
 not to: a restarted cell joins at the start of its first step). One call at a time."""
 
@@ -16,8 +16,8 @@ import time
 import torch
 from pydantic import BaseModel
 
-from gpu_runtime.node.proc import exit_when_parent_dies
-from gpu_runtime.node.rpc import Method, RPCServer
+from gpu_runtime.proc.processes import exit_when_parent_dies
+from gpu_runtime.proc.rpc import Method, RPCServer
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.dp.cell_trainer import DPCellTrainer, new_manager

@@ -35,8 +35,8 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from gpu_runtime.node.proc import stop_pid
-from gpu_runtime.node.rpc import RemoteError, RPCClient, ServerDidNotStart, start_rpc_process
+from gpu_runtime.proc.processes import stop_pid
+from gpu_runtime.proc.rpc import RemoteError, RPCClient, ServerDidNotStart, start_rpc_process
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import DPCellInfo, DPState, NodeEvent, TrainerHParams
 from gpu_runtime.trainer.dp.cell_server import BuildCall, CellReport, Empty, PathCall, StepInput, Text, TrainCall

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from gpu_runtime.node.http_client import http_client
-from gpu_runtime.node.proc import free_port, packaged_binary, pid_alive, reachable, spawn, stop_pid
+from gpu_runtime.proc.http_client import http_client
+from gpu_runtime.proc.processes import free_port, packaged_binary, pid_alive, reachable, spawn, stop_pid
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ class LighthouseFailed(RuntimeError):
 def lighthouse_command(port: int, *, min_replicas: int = 1, join_timeout_ms: int = 1000,
                        heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 100) -> list[str]:
     """``torchft_lighthouse`` (the console script of ``torchft-nightly``), watched: it ends when
-    this process does (``gpu_runtime.node.watched``), so a SIGKILLed trainer leaves none behind."""
-    return [sys.executable, "-m", "gpu_runtime.node.watched", "--parent-pid", str(os.getpid()), "--",
+    this process does (``gpu_runtime.proc.watched``), so a SIGKILLed trainer leaves none behind."""
+    return [sys.executable, "-m", "gpu_runtime.proc.watched", "--parent-pid", str(os.getpid()), "--",
             packaged_binary("torchft_lighthouse", "torchft-nightly"),
             "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
             "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),

@@ -24,7 +24,7 @@ def init_single_process(port: int = 0, seed: int = 0) -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if port or "MASTER_PORT" not in os.environ:
-            from gpu_runtime.node.proc import free_port
+            from gpu_runtime.proc.processes import free_port
 
             os.environ["MASTER_PORT"] = str(port or free_port())
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)

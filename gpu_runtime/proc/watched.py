@@ -1,4 +1,4 @@
-"""``python -m gpu_runtime.node.watched --parent-pid P -- CMD ...``: run CMD, and end it when
+"""``python -m gpu_runtime.proc.watched --parent-pid P -- CMD ...``: run CMD, and end it when
 process P is gone. For binaries that cannot watch their parent themselves (torchft's
 lighthouse, a Rust binary) when PR_SET_PDEATHSIG does not fit: that signal fires when the
 *thread* that started the child exits, and a trainer starts children from short-lived RPC
@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from gpu_runtime.node.proc import pid_alive
+from gpu_runtime.proc.processes import pid_alive
 
 
 def main(argv: list[str] | None = None) -> int:

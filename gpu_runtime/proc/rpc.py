@@ -23,8 +23,8 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from gpu_runtime.node.http_client import http_client
-from gpu_runtime.node.proc import spawn, stop_pid
+from gpu_runtime.proc.http_client import http_client
+from gpu_runtime.proc.processes import spawn, stop_pid
 
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=BaseModel)
@@ -138,7 +138,7 @@ def read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
 
 class RPCClient:
     """Calls to one RPC server, through one HTTP client (building a client per call cost
-    ~70 ms of CPU: ``gpu_runtime.node.http_client``)."""
+    ~70 ms of CPU: ``gpu_runtime.proc.http_client``)."""
 
     def __init__(self, base_url: str, timeout_s: float = 3600.0) -> None:
         self.base_url = base_url.rstrip("/")
