@@ -22,14 +22,15 @@ from activities import translate
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import SGLangEngineBackend
-from gpu_runtime.engine.evaluate import run_eval
-from gpu_runtime.agent.tools import ToolNotFound
 from gpu_runtime.engine.fleet import EngineFleet, HealthConfig, NoHealthyEngine, WeightMismatch
-from gpu_runtime.engine.rollout import NonFiniteLogprobs, RolloutStats, StaleWeights, run_rollout
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
 from gpu_runtime.proc.rpc import RemoteError
-from gpu_runtime.node.runtime import NodeRuntime
+from gpu_runtime.rollout.agent.tools import ToolNotFound
+from gpu_runtime.rollout.chunks import NonFiniteLogprobs, StaleWeights
+from gpu_runtime.rollout.dispatch import RolloutStats, run_rollout
+from gpu_runtime.rollout.evaluate import run_eval
 from gpu_runtime.store.fence import FencedStore, StaleEpoch, next_epoch, raise_fence
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import RunSetup

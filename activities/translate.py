@@ -11,12 +11,11 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel
 
-from gpu_runtime.agent.settings import AgentSettings
 from gpu_runtime.data.readers import DataSource
 from gpu_runtime.data.rewards import RewardSettings, RewardTermSettings
-from gpu_runtime.engine.evaluate import EvalRequest, EvalStats
 from gpu_runtime.engine.fleet_types import SlotInfo
-from gpu_runtime.engine.rollout import RolloutRequest
+from gpu_runtime.rollout.evaluate import EvalRequest, EvalStats
+from gpu_runtime.rollout.request import AgentSettings, RolloutRequest
 from gpu_runtime.trainer.api import (
     Ancestor,
     CellsRestarted,

@@ -3,7 +3,7 @@ rollout that calls ``generate_batch`` directly (no engine server, no router, no 
 and ``PlainLoop``, a run's recipe in one process.
 
 The rollout cuts the step into the same chunks with the same seeds as
-``gpu_runtime.engine.rollout.plan_chunks`` and generates each chunk as one batch, exactly
+``gpu_runtime.rollout.chunks.plan_chunks`` and generates each chunk as one batch, exactly
 as a torch engine does, so on CPU its tokens equal those of a real run, and a plain loop
 ends bitwise equal to the run (``tests/e2e/test_rl_run.py`` checks it).
 """
@@ -25,8 +25,10 @@ from activities import translate  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl  # noqa: E402
 from gpu_runtime.engine.generate import generate_batch  # noqa: E402
-from gpu_runtime.engine.rollout import RolloutRequest, generate_chunk, plan_chunks  # noqa: E402
 from gpu_runtime.models.tokenizer import Tokenizer  # noqa: E402
+from gpu_runtime.rollout.chunks import plan_chunks  # noqa: E402
+from gpu_runtime.rollout.request import RolloutRequest  # noqa: E402
+from gpu_runtime.rollout.single_turn import generate_chunk  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.trainer.api import RunSetup, StepBatch  # noqa: E402
 from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402

@@ -13,10 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from gpu_runtime.agent.tools import BUILTIN, ToolNotFound, load_environment_factory, load_tools
 from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.readers import DataSource, DatasetError, check_source
 from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function, mathverify
+from gpu_runtime.rollout.agent.tools import BUILTIN, ToolNotFound, load_environment_factory, load_tools
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import StoreError
 from gpu_runtime.store.s3 import S3Store

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gpu_runtime.agent.tools import ToolCall, ToolResult
+from gpu_runtime.rollout.agent.tool_api import ToolCall, ToolResult
 
 
 @dataclass

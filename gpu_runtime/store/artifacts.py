@@ -100,7 +100,7 @@ def derive_seed(*parts: int | str) -> int:
 
 class EpisodeInfo(BaseModel):
     """An agent episode's summary, carried by its ``Sample`` (built from its turn records,
-    ``gpu_runtime.agent.records``, so a resumed episode carries the same one)."""
+    ``gpu_runtime.rollout.agent.records``, so a resumed episode carries the same one)."""
 
     outcome: str  # completed | truncated | tool_error | timeout
     turns: int

@@ -183,7 +183,9 @@ def test_stop_strings_and_tokens_through_the_server_and_the_rollout(engine, mode
     token that completes a stop string (kept, and reported as ``matched``), the tokens before
     it are those of the run without stops, and the rollout passes ``rollout.stop`` through."""
     from gpu_runtime.data.datasets import generate_arithmetic
-    from gpu_runtime.engine.rollout import ChunkPlan, RolloutRequest, generate_chunk
+    from gpu_runtime.rollout.chunks import ChunkPlan
+    from gpu_runtime.rollout.request import RolloutRequest
+    from gpu_runtime.rollout.single_turn import generate_chunk
 
     _, tok, _ = load_model_folder(model_dirs["v1"])
     free = engine.generate(BATCH, SP)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gpu_runtime.agent.metrics import episode_metrics
 from gpu_runtime.data.datasets import load_jsonl, write_jsonl
 from gpu_runtime.data.rows import final_answer, sft_target
 from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
+from gpu_runtime.rollout.agent.metrics import episode_metrics
 from gpu_runtime.store.artifacts import EpisodeInfo, Sample
 from milestone_cli.preflight import PreflightError, check_agent
 from workflows.config import RunConfig, format_validation_error

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.agent.chat import IncrementalChat
-from gpu_runtime.agent.episodes import AgentCounters, generate_agent_chunk
-from gpu_runtime.agent.metrics import episode_metrics
-from gpu_runtime.agent.settings import AgentSettings
 from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
 from gpu_runtime.engine.generate import generate_batch
-from gpu_runtime.engine.rollout import RolloutRequest, plan_chunks
 from gpu_runtime.models.hf_factory import build_hf_model, train_bpe_tokenizer
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.rollout.agent.chat import IncrementalChat
+from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chunk
+from gpu_runtime.rollout.agent.metrics import episode_metrics
+from gpu_runtime.rollout.chunks import plan_chunks
+from gpu_runtime.rollout.request import AgentSettings, RolloutRequest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.base_model import tokenizer_texts

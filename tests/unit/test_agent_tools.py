@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from gpu_runtime.agent import calculator
-from gpu_runtime.agent.python_sandbox import PythonSandbox, net_isolation_prefix
-from gpu_runtime.agent.tools import ToolNotFound, load_tool, load_tools, parse_tool_call, run_tool
+from gpu_runtime.rollout.agent import calculator
+from gpu_runtime.rollout.agent.python_sandbox import PythonSandbox, net_isolation_prefix
+from gpu_runtime.rollout.agent.tools import ToolNotFound, load_tool, load_tools, parse_tool_call, run_tool
 
 
 @pytest.mark.parametrize("expr,value", [
@@ -62,7 +62,7 @@ def test_custom_tool_by_dotted_path_and_its_errors() -> None:
 
 
 def test_a_hung_custom_tool_times_out() -> None:
-    from gpu_runtime.agent import tools as tools_mod
+    from gpu_runtime.rollout.agent import tools as tools_mod
 
     tool = load_tool("tests.agent_tools:Sleeper", 0.2)
     grace, tools_mod.GRACE_S = tools_mod.GRACE_S, 0.0

@@ -12,7 +12,8 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.control import assemble_batch
 from gpu_runtime.data.dynamic_sampling import assemble_groups, group_stats
-from gpu_runtime.engine.rollout import RolloutRequest, plan_chunks
+from gpu_runtime.rollout.chunks import plan_chunks
+from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
 from workflows.contracts import AssembleBatchInput, SampledRound, SamplingStats

@@ -10,9 +10,9 @@ import pytest
 
 from gpu_runtime.data.arithmetic import generate_arithmetic, generate_heldout_arithmetic
 from gpu_runtime.data.evaluation import accuracy, is_correct, pass_at_k, pass_at_k_estimate
-from gpu_runtime.engine.evaluate import EvalRequest, run_eval, sampling_request
 from gpu_runtime.engine.generate import generate_batch
-from gpu_runtime.engine.rollout import StaleWeights
+from gpu_runtime.rollout.chunks import StaleWeights
+from gpu_runtime.rollout.evaluate import EvalRequest, run_eval, sampling_request
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
 from tests.engine_fixtures import _tokenizer, tiny_model

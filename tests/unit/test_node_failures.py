@@ -9,8 +9,8 @@ import pytest
 from temporalio.exceptions import ApplicationError
 
 from activities.node import NodeActivities
-from gpu_runtime.agent.tools import load_tools
-from gpu_runtime.engine.rollout import NonFiniteLogprobs
+from gpu_runtime.rollout.agent.tools import load_tools
+from gpu_runtime.rollout.chunks import NonFiniteLogprobs
 from workflows.failures import Failure
 
 

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from activities import translate
-from gpu_runtime.engine.evaluate import EvalStats
-from gpu_runtime.engine.rollout import RolloutRequest
+from gpu_runtime.rollout.evaluate import EvalStats
+from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.trainer.api import (
     HPARAMS_ADDED_LATER, CheckpointSaved, NodeEvent, Rebuild, TrainerHParams, TrainResult, VersionInfo,
     stored_hparams, stored_step_batch,

@@ -21,7 +21,8 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.store.artifacts import EpisodeInfo  # noqa: F401  (re-exported)
+
+OUTCOMES = ("completed", "truncated", "tool_error", "timeout")  # how an episode ends (TurnRecord.outcome)
 
 
 def episodes_prefix(run_id: str, step: int, chunk: int, round_: int = 0) -> str:

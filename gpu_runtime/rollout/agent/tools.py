@@ -1,7 +1,7 @@
 """Tools an agent episode can call, how a model's turn names one, and how your own is found.
 
 A tool is any object with a ``name`` (the tag the model writes) and
-``__call__(arguments: str) -> ToolResult | str``: a plain string is a success, a raised
+``__call__(arguments: str) -> ToolResult | str`` (``tool_api``): a plain string is a success, a raised
 exception a failed call (its message goes back to the model). Built in: ``calculator``
 and ``python``. Your own: ``agent.tools: ["my_pkg.tools:make_weather"]`` names a
 zero-argument callable (a class or function) returning such an object, imported on the
@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-from gpu_runtime.agent import calculator
+from gpu_runtime.rollout.agent import calculator
+from gpu_runtime.rollout.agent.python_sandbox import PythonSandbox
+from gpu_runtime.rollout.agent.tool_api import Environment, Tool, ToolCall, ToolResult
 
-MAX_OBSERVATION_CHARS = 2000
 GRACE_S = 5.0  # over agent.tool_timeout_s before a call is abandoned (python kills its child itself first)
 
 
@@ -33,34 +33,8 @@ class ToolNotFound(ValueError):
 
 
 @dataclass(frozen=True)
-class ToolResult:
-    output: str  # what the model sees (on a failure: "error: <message>" when empty)
-    error: str = ""  # non-empty: the call failed
-    timed_out: bool = False  # the call outlived agent.tool_timeout_s: the episode ends as timeout
-    reward: float | None = None  # a per-turn reward (an environment may give one)
-
-    @classmethod
-    def failed(cls, message: str, output: str = "", *, timed_out: bool = False) -> "ToolResult":
-        return cls(output=output, error=message or "failed", timed_out=timed_out)
-
-    def observation(self) -> str:
-        """The text fed back to the model."""
-        if not self.error:
-            return self.output[-MAX_OBSERVATION_CHARS:]
-        text = f"{self.output}\nerror: {self.error}" if self.output else f"error: {self.error}"
-        return text[-MAX_OBSERVATION_CHARS:]
-
-
-@runtime_checkable
-class Tool(Protocol):
-    name: str
-
-    def __call__(self, arguments: str) -> ToolResult | str: ...
-
-
-@dataclass(frozen=True)
 class Calculator:
-    """The ``calculator`` tool: arithmetic by ``ast`` (``gpu_runtime.agent.calculator``)."""
+    """The ``calculator`` tool: arithmetic by ``ast`` (``gpu_runtime.rollout.agent.calculator``)."""
 
     name: str = "calculator"
     description: str = "evaluates an arithmetic expression (+ - * / // % ** and parentheses)"
@@ -73,8 +47,6 @@ class Calculator:
 
 
 def _python(timeout_s: float) -> Tool:
-    from gpu_runtime.agent.python_sandbox import PythonSandbox
-
     return PythonSandbox(timeout_s=timeout_s, cpu_s=max(1, int(timeout_s)))
 
 
@@ -106,13 +78,6 @@ def load_tools(specs: Sequence[str], timeout_s: float) -> dict[str, Tool]:
             raise ToolNotFound(f"agent.tools: two tools are named {tool.name!r}")
         tools[tool.name] = tool
     return tools
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    tool: str
-    arguments: str
-    error: str = ""  # a malformed call (e.g. unclosed tag): not executed
 
 
 def parse_tool_call(text: str, names: Sequence[str]) -> ToolCall | None:
@@ -149,17 +114,6 @@ def run_tool(tool: Tool, arguments: str, timeout_s: float) -> ToolResult:
         return ToolResult.failed(f"timed out after {timeout_s:g} s", timed_out=True)
     finally:
         pool.shutdown(wait=False)
-
-
-class Environment(Protocol):
-    """What answers a model's turn. ``parse`` is pure: the call in the turn's text, or
-    ``None`` when the turn calls nothing (the episode is complete). ``execute`` has the
-    side effects; the episode records its result before using it and never executes the
-    same turn twice once that record exists."""
-
-    def parse(self, model_text: str) -> ToolCall | None: ...
-
-    def execute(self, call: ToolCall) -> ToolResult: ...
 
 
 class ToolEnvironment:

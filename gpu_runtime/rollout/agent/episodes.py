@@ -20,13 +20,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpu_runtime.agent import records as rec
-from gpu_runtime.agent.chat import IncrementalChat
-from gpu_runtime.agent.settings import AgentSettings
-from gpu_runtime.agent.tools import Environment, ToolEnvironment, ToolResult, load_environment_factory, load_tools
 from gpu_runtime.data.rows import prompt_messages, prompt_text
-from gpu_runtime.engine.rollout import ChunkGenerator, ChunkPlan, RolloutRequest, generate_checked, sample_id
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.rollout.agent import records as rec
+from gpu_runtime.rollout.agent.chat import IncrementalChat
+from gpu_runtime.rollout.agent.tool_api import Environment, ToolResult
+from gpu_runtime.rollout.agent.tools import ToolEnvironment, load_environment_factory, load_tools
+from gpu_runtime.rollout.chunks import ChunkGenerator, ChunkPlan, generate_checked, sample_id
+from gpu_runtime.rollout.request import AgentSettings, RolloutRequest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import ObjectStore
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpu_runtime.agent.settings import OUTCOMES
+from gpu_runtime.rollout.agent.records import OUTCOMES
 from gpu_runtime.store.artifacts import Sample
 
 

@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_runtime.data.evaluation import accuracy, is_correct, pass_at_k
-from gpu_runtime.engine.rollout import ChunkGenerator, RolloutRequest, cut_chunks, generate_chunks
 from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.rollout.chunks import ChunkGenerator, cut_chunks
+from gpu_runtime.rollout.dispatch import generate_chunks
+from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import ObjectStore
 

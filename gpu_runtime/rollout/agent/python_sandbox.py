@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from gpu_runtime.agent.tools import ToolResult
+from gpu_runtime.rollout.agent.tool_api import ToolResult
 
 # runs in the child before the model's code: limits first, then the audit hook
 _PRELUDE = """\

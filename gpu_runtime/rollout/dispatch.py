@@ -1,0 +1,110 @@
+"""The dispatcher of a step's rollout: the step's chunks sent to the node's engines as
+capacity frees up (``parallelism`` in flight), each stored under its deterministic key; a
+retried rollout reuses every chunk it finds in the store (idempotent).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chunk
+from gpu_runtime.rollout.agent.metrics import episode_metrics
+from gpu_runtime.rollout.chunks import ChunkGenerator, ChunkPlan, plan_chunks
+from gpu_runtime.rollout.request import RolloutRequest
+from gpu_runtime.rollout.single_turn import generate_chunk
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.object_store import ObjectStore
+
+
+@dataclass
+class RolloutStats:
+    chunk_keys: list[str]
+    n_samples: int
+    gen_tokens: int
+    response_len_mean: float
+    tokens_per_s: float
+    chunks_reused: int
+    seconds: float
+    agent: dict[str, float] | None = None  # episode metrics (gpu_runtime.rollout.agent.metrics), agent rollouts only
+
+
+def run_rollout(
+    req: RolloutRequest,
+    store: ObjectStore,
+    rows: list[dict],
+    tokenizer: Tokenizer,
+    generate: ChunkGenerator,
+    *,
+    parallelism: int,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> RolloutStats:
+    """Generate every missing chunk (``parallelism`` in flight) and store it."""
+    t0 = time.perf_counter()
+    plans = plan_chunks(req)
+    keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk, req.round) for p in plans]
+    counters = AgentCounters() if req.agent is not None else None
+    reused = generate_chunks(
+        req, list(zip(plans, keys)), store, rows, tokenizer, generate, parallelism=parallelism, on_chunk=on_chunk,
+        agent_counters=counters,
+    )
+    n_tokens, n_samples = 0, 0
+    samples: list[art.Sample] = []
+    for key in keys:
+        chunk = art.get_model(store, key, art.RolloutChunk)
+        n_samples += len(chunk.samples)
+        n_tokens += sum(len(s.response_ids) for s in chunk.samples)
+        samples += chunk.samples if counters is not None else []
+    agent = None
+    if counters is not None:
+        agent = episode_metrics(samples) | {
+            "turns_reused": float(counters.turns_reused), "model_turns_reused": float(counters.model_turns_reused),
+            "tools_run": float(counters.tools_run),
+        }
+    seconds = time.perf_counter() - t0
+    return RolloutStats(
+        chunk_keys=keys,
+        n_samples=n_samples,
+        gen_tokens=n_tokens,
+        response_len_mean=n_tokens / max(1, n_samples),
+        tokens_per_s=n_tokens / max(seconds, 1e-9),
+        chunks_reused=reused,
+        seconds=seconds,
+        agent=agent,
+    )
+
+
+def generate_chunks(
+    req: RolloutRequest,
+    planned: list[tuple[ChunkPlan, str]],
+    store: ObjectStore,
+    rows: list[dict],
+    tokenizer: Tokenizer,
+    generate: ChunkGenerator,
+    *,
+    parallelism: int,
+    on_chunk: Callable[[int, int], None] | None = None,
+    agent_counters: AgentCounters | None = None,
+) -> int:
+    """Generate and store each (plan, key) whose key is not in the store yet,
+    ``parallelism`` in flight; the number of chunks found there (reused)."""
+    todo = [(p, k) for p, k in planned if not store.exists(k)]
+    done = reused = len(planned) - len(todo)
+
+    def work(item: tuple[ChunkPlan, str]) -> None:
+        plan, key = item
+        if req.agent is not None:
+            chunk = generate_agent_chunk(req, plan, rows, tokenizer, generate, store, agent_counters)
+        else:
+            chunk = generate_chunk(req, plan, rows, tokenizer, generate)
+        art.put_model(store, key, chunk)
+
+    with ThreadPoolExecutor(max_workers=max(1, parallelism)) as pool:
+        for _ in pool.map(work, todo):
+            done += 1
+            if on_chunk:
+                on_chunk(done, len(planned))
+    return reused
