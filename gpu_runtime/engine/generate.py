@@ -20,6 +20,7 @@ the engine produced; nothing is generated for the sample after it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,62 @@ def sample_token(
     return int(torch.argmax(x.double() + gumbel).item())
 
 
+class _Stops:
+    """When each sample of a batch ends: at a token of ``tokens`` (EOS among them), or once
+    its decoded text contains a string of ``strings`` that its newest token completed."""
+
+    def __init__(self, n: int, tokens: set[int], strings: list[str], decode: Callable[[list[int]], str] | None) -> None:
+        if strings and decode is None:
+            raise ValueError("stop strings need a decode function")
+        self.tokens, self.strings, self.decode = tokens, strings, decode
+        self.text_lens = [0] * n  # length of each sample's decoded text before its newest token
+        self.done = [False] * n
+
+    def check(self, i: int, r: GenResult, tok: int) -> None:
+        """Sample ``i`` (its result ``r``) has just produced ``tok``: mark it done when that stops it."""
+        if tok in self.tokens:
+            r.finish_reason, r.matched = "stop", tok
+            self.done[i] = True
+        elif self.strings:
+            assert self.decode is not None
+            hit, self.text_lens[i] = stop_string_hit(self.decode(r.output_ids), self.text_lens[i], self.strings)
+            if hit is not None:
+                r.finish_reason, r.matched = "stop", hit
+                self.done[i] = True
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts left-padded to one width: (ids [B, W], key mask [B, W]) on ``dev``."""
+    b, width = len(prompts), max(len(p) for p in prompts)
+    cpu = torch.device("cpu")  # built here, moved once (a CUDA trainer's default device is its GPU)
+    ids = torch.full((b, width), pad_id, dtype=torch.long, device=cpu)
+    key_mask = torch.zeros((b, width), dtype=torch.bool, device=cpu)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device=cpu)
+        key_mask[i, width - len(p):] = True
+    return ids.to(dev), key_mask.to(dev)
+
+
+def _sample_step(
+    logits: torch.Tensor, results: list[GenResult], gens: list[torch.Generator | None], stops: _Stops,
+    pad_id: int, pick: Callable[..., int],
+) -> torch.Tensor:
+    """One token for every unfinished sample from the step's logits [B, V] (on the CPU) by
+    ``pick`` (``sample_token`` with the request's sampling params), appended to its result with
+    its logprob; the step's new tokens [B] (``pad_id`` for the finished samples)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    new_tokens = torch.full((len(results),), pad_id, dtype=torch.long, device=torch.device("cpu"))
+    for i, r in enumerate(results):
+        if stops.done[i]:
+            continue
+        tok = pick(logits[i], generator=gens[i])
+        r.output_ids.append(tok)
+        r.logprobs.append(float(logp[i, tok].item()))
+        new_tokens[i] = tok
+        stops.check(i, r, tok)
+    return new_tokens
+
+
 @torch.no_grad()
 def generate_batch(
     model: PreTrainedModel,
@@ -103,55 +160,21 @@ def generate_batch(
     results = [GenResult() for _ in range(b)]
     if max_new_tokens == 0:
         return results
-    stops = set(stop_token_ids)
-    if eos_id is not None:
-        stops.add(eos_id)
-    stop_strings = [x for x in stop if x]
-    if stop_strings and decode is None:
-        raise ValueError("stop strings need a decode function")
-    text_lens = [0] * b  # length of each sample's decoded text before its newest token
-    gens: list[torch.Generator | None] = []
-    for i in range(b):
-        gens.append(torch.Generator().manual_seed(derive_seed(seed, i)) if temperature > 0 else None)
+    stops = _Stops(b, set(stop_token_ids) | ({eos_id} if eos_id is not None else set()), [x for x in stop if x], decode)
+    gens = [torch.Generator().manual_seed(derive_seed(seed, i)) if temperature > 0 else None for i in range(b)]
+    pick = functools.partial(sample_token, temperature=temperature, top_p=top_p, top_k=top_k)
 
     dev = model_device(model)
-    width = max(len(p) for p in prompts)
-    cpu = torch.device("cpu")  # built here, moved once (a CUDA trainer's default device is its GPU)
-    ids = torch.full((b, width), pad_id, dtype=torch.long, device=cpu)
-    key_mask = torch.zeros((b, width), dtype=torch.bool, device=cpu)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device=cpu)
-        key_mask[i, width - len(p):] = True
-    ids, key_mask = ids.to(dev), key_mask.to(dev)
+    ids, key_mask = _left_padded(prompts, pad_id, dev)
     positions = positions_from_mask(key_mask)
     next_pos = positions[:, -1] + 1
-
     cache = new_cache(model)
     logits = lm_logits(model, ids, key_mask, positions, cache)[:, -1, :].cpu()
-    done = [False] * b
     for step in range(max_new_tokens):
-        logp = torch.log_softmax(logits, dim=-1)
-        new_tokens = torch.full((b,), pad_id, dtype=torch.long, device=cpu)
-        for i in range(b):
-            if done[i]:
-                continue
-            tok = sample_token(logits[i], temperature=temperature, top_p=top_p, top_k=top_k, generator=gens[i])
-            r = results[i]
-            r.output_ids.append(tok)
-            r.logprobs.append(float(logp[i, tok].item()))
-            new_tokens[i] = tok
-            if tok in stops:
-                r.finish_reason, r.matched = "stop", tok
-                done[i] = True
-            elif stop_strings:
-                assert decode is not None
-                hit, text_lens[i] = stop_string_hit(decode(r.output_ids), text_lens[i], stop_strings)
-                if hit is not None:
-                    r.finish_reason, r.matched = "stop", hit
-                    done[i] = True
+        new_tokens = _sample_step(logits, results, gens, stops, pad_id, pick)
         if on_step is not None:
             on_step(step)
-        if all(done) or step == max_new_tokens - 1:
+        if all(stops.done) or step == max_new_tokens - 1:
             break
         key_mask = torch.cat([key_mask, torch.ones((b, 1), dtype=torch.bool, device=dev)], dim=1)
         logits = lm_logits(model, new_tokens[:, None].to(dev), key_mask, next_pos[:, None], cache)[:, -1, :].cpu()
