@@ -22,7 +22,8 @@ from activities import translate
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import SGLangEngineBackend
-from gpu_runtime.engine.fleet import EngineFleet, HealthConfig, NoHealthyEngine, WeightMismatch
+from gpu_runtime.engine.fleet import EngineFleet
+from gpu_runtime.engine.fleet_types import HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_runtime.engine.backends import TorchEngineBackend  # noqa: E402
 from gpu_runtime.engine.client import EngineClient  # noqa: E402
-from gpu_runtime.engine.fleet import EngineFleet, HealthConfig  # noqa: E402
+from gpu_runtime.engine.fleet import EngineFleet  # noqa: E402
+from gpu_runtime.engine.fleet_types import HealthConfig  # noqa: E402
 from gpu_runtime.engine.router import RouterProcess  # noqa: E402
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer  # noqa: E402
 from gpu_runtime.models.model_folder import load_model_folder, save_model_folder  # noqa: E402

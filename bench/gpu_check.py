@@ -157,7 +157,8 @@ class Check:
     # ---------------------------------------------------------------- parts
     def start_fleet(self) -> dict[str, Any]:
         from gpu_runtime.engine.backends import TorchEngineBackend
-        from gpu_runtime.engine.fleet import EngineFleet, HealthConfig
+        from gpu_runtime.engine.fleet import EngineFleet
+        from gpu_runtime.engine.fleet_types import HealthConfig
         from gpu_runtime.proc.devices import plan_placement
         from gpu_runtime.proc.processes import free_port_block
 

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -28,26 +25,24 @@ from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine import distributed_push
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.distributed_push import Broadcaster, PushResult
-from gpu_runtime.engine.fleet_types import (  # noqa: F401  (re-exported)
+from gpu_runtime.engine.fleet_types import (
     EventKind,
     FleetError,
     FleetEvent,
     HealthConfig,
     NoHealthyEngine,
     SlotInfo,
-    SlotState,
     WeightMismatch,
     _Slot,
 )
 from gpu_runtime.engine.router import RouterError, RouterProcess
+from gpu_runtime.engine.slots import SlotProcesses
 from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
 from gpu_runtime.models.model_folder import read_meta
-from gpu_runtime.proc.processes import free_port, port_free
 from gpu_runtime.weight_sync.distributed import DEFAULT_BUCKET_BYTES
-from gpu_runtime.weight_sync.shared_memory import NodeSegments
+from gpu_runtime.weight_sync.shared_memory import NodeSegments, Segment
 
 log = logging.getLogger(__name__)
-PORT_MOVES = 3  # a starting engine whose port another process took moves this many times at most
 
 
 class EngineFleet:
@@ -77,12 +72,12 @@ class EngineFleet:
         check_exposure(host, engine_token(), "engine")  # before any engine is spawned
         self.slots = [_Slot(i, f"http://{host}:{base_port + i}", base_port + i) for i in range(num_slots)]
         self.events: list[FleetEvent] = []
-        self._host = host
         self._lock = threading.RLock()
         self._clients: dict[str, EngineClient] = {}
         self._rr = itertools.count()
         self._pool = ThreadPoolExecutor(max_workers=max(4, num_slots), thread_name_prefix="fleet")
         self._stop = threading.Event()
+        self._procs = SlotProcesses(backend, self.log_dir, host, self.health, self._lock, self._stop)
         self._monitor: threading.Thread | None = None
         self._owns_router = False
         self._segments = NodeSegments(f"fleet{base_port}")  # engines.weight_sync shared_memory
@@ -93,8 +88,8 @@ class EngineFleet:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for s in self.slots:
-            self._spawn(s, self.model_path, self.weight_version)
-        ok = self._wait_all_healthy(self.slots)
+            self._procs.spawn(s, self.model_path, self.weight_version)
+        ok = self._procs.wait_all_healthy(self.slots)
         if not all(ok):
             bad = [s.index for s, good in zip(self.slots, ok) if not good]
             self.stop()
@@ -116,7 +111,7 @@ class EngineFleet:
             self._monitor.join(timeout=self.health.timeout_s + 5)
             self._monitor = None
         for s in self.slots:
-            self._kill(s)
+            self._procs.kill(s)
             s.state = "empty"
         if self.router is not None and self._owns_router:
             self.router.stop()
@@ -145,107 +140,12 @@ class EngineFleet:
                 for s in self.slots
             ]
 
-    # ---- processes -------------------------------------------------------------------
+    # ---- slots and events ------------------------------------------------------------
     def _client(self, url: str) -> EngineClient:
         with self._lock:
             if url not in self._clients:
                 self._clients[url] = EngineClient(url, timeout_s=self.generate_timeout_s)
             return self._clients[url]
-
-    def _spawn(self, s: _Slot, model_path: str, version: str | None) -> None:
-        # another process listens there since the fleet chose it: move the slot (the engine
-        # binds with SO_REUSEADDR, so its own predecessor's TIME_WAIT is no reason to move)
-        if not port_free(s.port, reuse_address=True):
-            old_url, s.port = s.url, free_port()
-            s.url = f"http://{self._host}:{s.port}"
-            log.warning("slot %d: port of %s is taken; the slot moves to %s", s.index, old_url, s.url)
-        cmd = self.backend.command(model_path=model_path, port=s.port, host=self._host, weight_version=version)
-        cmd += self.backend.slot_args(s.index)
-        logf = open(self.log_dir / f"engine-{s.index}.log", "ab")
-        try:
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self.backend.env(),
-                                    start_new_session=True)
-        finally:
-            logf.close()
-        with self._lock:
-            s.proc, s.state, s.failures = proc, "starting", 0
-            s.weight_version, s.checksum, s.launched = None, None, (model_path, version)
-        log.info("slot %d: started pid=%d %s", s.index, proc.pid, " ".join(cmd))
-
-    def _wait_all_healthy(self, slots: list[_Slot]) -> list[bool]:
-        if not slots:
-            return []
-        with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="fleet-start") as pool:
-            return list(pool.map(self._wait_healthy, slots))
-
-    def _wait_healthy(self, s: _Slot) -> bool:
-        """Wait until a starting engine answers /health_generate; fills version and checksum."""
-        deadline = time.monotonic() + self.health.first_wait_s
-        probe = EngineClient(s.url, timeout_s=self.health.timeout_s)
-        moves = 0
-        try:
-            while time.monotonic() < deadline and not self._stop.is_set():
-                proc = s.proc
-                if proc is None or proc.poll() is not None:
-                    if proc is not None and moves < PORT_MOVES and s.launched and self._lost_its_port(s):
-                        # the port was free when chosen, but another process (often an outgoing
-                        # connection's ephemeral port) bound it while the engine loaded its model
-                        moves += 1
-                        old, s.port = s.url, free_port()
-                        s.url = f"http://{self._host}:{s.port}"
-                        log.warning("slot %d: %s was taken while its engine started; the slot moves to %s",
-                                    s.index, old, s.url)
-                        self._spawn(s, *s.launched)
-                        probe.close()
-                        probe = EngineClient(s.url, timeout_s=self.health.timeout_s)
-                        continue
-                    log.error("slot %d: engine exited during start (rc=%s)", s.index, proc and proc.returncode)
-                    return False
-                if probe.health() and probe.health_generate(self.health.timeout_s):
-                    version, checksum = self._read_weights(probe)
-                    with self._lock:
-                        s.state, s.weight_version, s.checksum, s.failures = "healthy", version, checksum, 0
-                    log.info("slot %d: healthy pid=%d version=%s", s.index, proc.pid, version)
-                    return True
-                time.sleep(0.1)
-            return False
-        finally:
-            probe.close()
-
-    def _lost_its_port(self, s: _Slot) -> bool:
-        """Whether the slot's engine exited because its port was in use (the end of its log)."""
-        try:
-            with open(self.log_dir / f"engine-{s.index}.log", "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 4096))
-                return b"Address already in use" in f.read()
-        except OSError:
-            return False
-
-    def _read_weights(self, c: EngineClient) -> tuple[str | None, str | None]:
-        try:
-            if self.backend.supports_checksum:
-                checksum, version = c.weights_checksum()
-                return version, checksum
-            return str(c.model_info().get("weight_version")), None
-        except EngineError as e:
-            log.warning("could not read weights info from %s: %s", c.base_url, e)
-            return None, None
-
-    def _kill(self, s: _Slot) -> None:
-        proc = s.proc
-        s.proc = None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGKILL)  # works on a SIGSTOPped process too
-            except ProcessLookupError:
-                pass
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            log.error("slot %d: pid %d did not exit after SIGKILL", s.index, proc.pid)
 
     def kill_slot(self, i: int, detail: str = "killed by request") -> None:
         self._declare_dead(self.slots[i], detail, hung=False)
@@ -259,7 +159,7 @@ class EngineFleet:
         try:
             if hung:
                 self._emit("engine_hung", s.index, detail)
-            self._kill(s)
+            self._procs.kill(s)
             if self.router is not None:
                 try:
                     self.router.remove_worker(s.url)
@@ -328,9 +228,9 @@ class EngineFleet:
         for s in empty:
             with self._lock:
                 s.restart_count += 1
-            self._spawn(s, self.model_path, self.weight_version)
+            self._procs.spawn(s, self.model_path, self.weight_version)
             self._emit("engine_restarted", s.index, f"pid={s.proc.pid if s.proc else None} {self.model_path}")
-        ok = self._wait_all_healthy(empty)
+        ok = self._procs.wait_all_healthy(empty)
         expected = self._expected_checksum(self.model_path)
         recovered: list[int] = []
         for s, good in zip(empty, ok):
@@ -386,19 +286,32 @@ class EngineFleet:
         from_disk = targets
         if sync == "distributed":
             assert broadcaster is not None
-            res = distributed_push.push([s.url for s in targets], path, ver, read_meta(path).get("checksum"),
-                                        broadcaster, send_checksum=self.backend.supports_checksum,
-                                        request_timeout_s=self.generate_timeout_s,
-                                        ranks_per_engine=int(getattr(self.backend, "tp_size", 1)),
-                                        bucket_bytes=DEFAULT_BUCKET_BYTES if self.backend.supports_checksum else 0)
-            self.last_push = res
-            from_disk = [s for s in targets if s.url not in res.updated]
-            for s in from_disk:
-                self._emit("weight_sync_fallback", s.index,
-                           f"version={ver}: distributed push failed ({res.failed.get(s.url)}"
-                           f"{'; trainer: ' + res.trainer_error if res.trainer_error else ''}): loading from disk")
+            from_disk = self._push_distributed(targets, path, ver, broadcaster)
+        self._load_weights(from_disk, path, ver, seg)
+        self.model_path, self.weight_version = path, ver
+        return self._verify_weights([s for s in targets if s.state == "healthy"], path, ver)
 
-        def push(s: _Slot) -> str | None:
+    def _push_distributed(self, targets: list[_Slot], path: str, ver: str, broadcaster: Broadcaster) -> list[_Slot]:
+        """The trainer broadcasts version ``ver`` to ``targets``; the slots it did not reach
+        (a ``weight_sync_fallback`` event each), which load it from disk instead."""
+        res = distributed_push.push([s.url for s in targets], path, ver, read_meta(path).get("checksum"),
+                                    broadcaster, send_checksum=self.backend.supports_checksum,
+                                    request_timeout_s=self.generate_timeout_s,
+                                    ranks_per_engine=int(getattr(self.backend, "tp_size", 1)),
+                                    bucket_bytes=DEFAULT_BUCKET_BYTES if self.backend.supports_checksum else 0)
+        self.last_push = res
+        from_disk = [s for s in targets if s.url not in res.updated]
+        for s in from_disk:
+            self._emit("weight_sync_fallback", s.index,
+                       f"version={ver}: distributed push failed ({res.failed.get(s.url)}"
+                       f"{'; trainer: ' + res.trainer_error if res.trainer_error else ''}): loading from disk")
+        return from_disk
+
+    def _load_weights(self, slots: list[_Slot], path: str, ver: str, seg: Segment | None) -> None:
+        """Each slot loads version ``ver`` (from the shared memory segment ``seg``, else from the
+        folder ``path``), in parallel; a slot that fails is declared dead."""
+
+        def load(s: _Slot) -> str | None:
             c = EngineClient(s.url, timeout_s=self.generate_timeout_s)
             try:
                 if seg is not None:
@@ -411,12 +324,14 @@ class EngineFleet:
             finally:
                 c.close()
 
-        for s, err in zip(from_disk, self._pool.map(push, from_disk)):
+        for s, err in zip(slots, self._pool.map(load, slots)):
             if err is not None:
                 self._declare_dead(s, f"weight update failed: {err}", hung=False)
-        self.model_path, self.weight_version = path, ver
-        targets = [s for s in targets if s.state == "healthy"]
-        reports = list(self._pool.map(lambda s: self._read_weights(self._client(s.url)), targets))
+
+    def _verify_weights(self, targets: list[_Slot], path: str, ver: str) -> dict[int, str]:
+        """Every target's reported weights against version ``ver`` and the expected checksum (a
+        ``checksum_ok`` / ``checksum_mismatch`` event each): {slot: checksum}, or WeightMismatch."""
+        reports = list(self._pool.map(lambda s: self._procs.read_weights(self._client(s.url)), targets))
         expected = self._expected_checksum(path)
         if expected is None and self.backend.supports_checksum and reports:
             expected = reports[0][1]

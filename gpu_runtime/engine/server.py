@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -237,92 +238,114 @@ def _weights_by_name(model: PreTrainedModel, body: dict[str, Any]) -> list:
     return params[name].detach()[:rows].tolist()
 
 
+Route = Callable[[dict[str, Any]], Any]  # the request's JSON body -> the 200 answer
+
+
+def _bodiless(answer: Callable[[], Any]) -> Route:
+    return lambda _body: answer()
+
+
+def engine_routes(state: EngineState) -> dict[tuple[str, str], Route]:
+    """(method, path) -> what answers it."""
+
+    def health() -> dict[str, str]:
+        return {"status": "released" if state.memory.is_released else "ok"}
+
+    def health_generate() -> dict[str, str]:
+        state.health_generate()
+        return health()
+
+    model_info, server_info = _bodiless(state.model_info), _bodiless(state.server_info)
+    return {
+        ("GET", "/health"): _bodiless(health),
+        ("GET", "/health_generate"): _bodiless(health_generate),
+        ("POST", "/generate"): state.generate,
+        ("POST", "/update_weights_from_disk"): state.update_weights_from_disk,
+        ("POST", "/update_weights_from_shared_memory"): state.update_weights_from_shared_memory,
+        ("POST", "/release_memory_occupation"): lambda b: release_route(state, b),
+        ("POST", "/resume_memory_occupation"): lambda b: resume_route(state, b),
+        ("POST", "/init_weights_update_group"): state.weight_groups.init,
+        ("POST", "/update_weights_from_distributed"): state.update_weights_from_distributed,
+        ("POST", "/destroy_weights_update_group"): state.weight_groups.destroy,
+        ("POST", "/flush_cache"): _bodiless(lambda: {"success": True, "message": "cache flushed (no prefix cache)"}),
+        ("GET", "/get_model_info"): model_info,
+        ("GET", "/model_info"): model_info,
+        ("GET", "/get_server_info"): server_info,
+        ("GET", "/server_info"): server_info,
+        ("POST", "/get_weights_by_name"): state.weights_by_name,
+        ("GET", "/weights_checksum"): _bodiless(
+            lambda: {"checksum": state.checksum, "weight_version": state.weight_version}
+        ),
+    }
+
+
+class EngineHandler(BaseHTTPRequestHandler):
+    """One HTTP request to the engine, answered by its ``routes`` (``make_handler`` sets them and the ``token``)."""
+
+    protocol_version = "HTTP/1.1"
+    routes: dict[tuple[str, str], Route] = {}
+    token: str | None = None
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def _send(self, code: int, obj: Any) -> None:
+        send_json(self, code, obj)
+
+    def _body(self) -> dict[str, Any]:
+        n = int(self.headers.get("Content-Length") or 0)
+        if n == 0:
+            return {}
+        obj = json.loads(self.rfile.read(n))
+        if not isinstance(obj, dict):
+            raise ValueError("request body must be a JSON object")
+        return obj
+
+    def _refuse(self) -> None:
+        self.close_connection = True  # the unread body must not be taken for the next request
+        body = b'{"error": "unauthorized: send Authorization: Bearer <token>"}'
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", "Bearer")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _route(self, method: str) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        token = self.token
+        if token is not None and path not in OPEN_ROUTES and not authorized(self.headers.get("Authorization"), token):
+            log.warning("%s %s from %s refused: no valid bearer token", method, path, self.address_string())
+            self._refuse()
+            return
+        try:
+            body = self._body() if method == "POST" else {}
+            route = self.routes.get((method, path))
+            if route is None:
+                self._send(404, {"error": f"no route {method} {path}"})
+            else:
+                self._send(200, route(body))
+        except EngineReleased as e:  # asleep between rollouts: retry after the resume
+            log.warning("%s %s refused: %s", method, path, e)
+            self._send(503, {"success": False, "error": str(e), "message": str(e)})
+        except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError, GroupError) as e:
+            log.warning("%s %s failed: %s", method, path, e)
+            self._send(400, {"success": False, "error": str(e), "message": str(e)})
+        except Exception as e:  # noqa: BLE001 - report any engine failure as 500
+            log.exception("%s %s crashed", method, path)
+            self._send(500, {"success": False, "error": repr(e), "message": repr(e)})
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._route("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._route("POST")
+
+
 def make_handler(state: EngineState, token: str | None = None) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("%s " + fmt, self.address_string(), *args)
-
-        def _send(self, code: int, obj: Any) -> None:
-            send_json(self, code, obj)
-
-        def _body(self) -> dict[str, Any]:
-            n = int(self.headers.get("Content-Length") or 0)
-            if n == 0:
-                return {}
-            obj = json.loads(self.rfile.read(n))
-            if not isinstance(obj, dict):
-                raise ValueError("request body must be a JSON object")
-            return obj
-
-        def _refuse(self) -> None:
-            self.close_connection = True  # the unread body must not be taken for the next request
-            body = b'{"error": "unauthorized: send Authorization: Bearer <token>"}'
-            self.send_response(401)
-            self.send_header("WWW-Authenticate", "Bearer")
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _route(self, method: str) -> None:
-            path = self.path.split("?", 1)[0].rstrip("/") or "/"
-            if token is not None and path not in OPEN_ROUTES and not authorized(self.headers.get("Authorization"), token):
-                log.warning("%s %s from %s refused: no valid bearer token", method, path, self.address_string())
-                self._refuse()
-                return
-            try:
-                body = self._body() if method == "POST" else {}
-                if method == "GET" and path in ("/health", "/health_generate"):
-                    if path == "/health_generate":
-                        state.health_generate()
-                    self._send(200, {"status": "released" if state.memory.is_released else "ok"})
-                elif method == "POST" and path == "/generate":
-                    self._send(200, state.generate(body))
-                elif method == "POST" and path == "/update_weights_from_disk":
-                    self._send(200, state.update_weights_from_disk(body))
-                elif method == "POST" and path == "/update_weights_from_shared_memory":
-                    self._send(200, state.update_weights_from_shared_memory(body))
-                elif method == "POST" and path == "/release_memory_occupation":
-                    self._send(200, release_route(state, body))
-                elif method == "POST" and path == "/resume_memory_occupation":
-                    self._send(200, resume_route(state, body))
-                elif method == "POST" and path == "/init_weights_update_group":
-                    self._send(200, state.weight_groups.init(body))
-                elif method == "POST" and path == "/update_weights_from_distributed":
-                    self._send(200, state.update_weights_from_distributed(body))
-                elif method == "POST" and path == "/destroy_weights_update_group":
-                    self._send(200, state.weight_groups.destroy(body))
-                elif method == "POST" and path == "/flush_cache":
-                    self._send(200, {"success": True, "message": "cache flushed (no prefix cache)"})
-                elif method == "GET" and path in ("/get_model_info", "/model_info"):
-                    self._send(200, state.model_info())
-                elif method == "GET" and path in ("/get_server_info", "/server_info"):
-                    self._send(200, state.server_info())
-                elif method == "POST" and path == "/get_weights_by_name":
-                    self._send(200, state.weights_by_name(body))
-                elif method == "GET" and path == "/weights_checksum":
-                    self._send(200, {"checksum": state.checksum, "weight_version": state.weight_version})
-                else:
-                    self._send(404, {"error": f"no route {method} {path}"})
-            except EngineReleased as e:  # asleep between rollouts: retry after the resume
-                log.warning("%s %s refused: %s", method, path, e)
-                self._send(503, {"success": False, "error": str(e), "message": str(e)})
-            except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError, GroupError) as e:
-                log.warning("%s %s failed: %s", method, path, e)
-                self._send(400, {"success": False, "error": str(e), "message": str(e)})
-            except Exception as e:  # noqa: BLE001 - report any engine failure as 500
-                log.exception("%s %s crashed", method, path)
-                self._send(500, {"success": False, "error": repr(e), "message": repr(e)})
-
-        def do_GET(self) -> None:  # noqa: N802
-            self._route("GET")
-
-        def do_POST(self) -> None:  # noqa: N802
-            self._route("POST")
-
-    return Handler
+    """The request handler class of an engine serving ``state`` (``token``: the bearer token every
+    route but ``OPEN_ROUTES`` requires)."""
+    return type("Handler", (EngineHandler,), {"routes": engine_routes(state), "token": token})
 
 
 def main(argv: list[str] | None = None) -> None:

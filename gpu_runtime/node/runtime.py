@@ -16,7 +16,8 @@ from pathlib import Path
 from gpu_runtime.proc import metrics
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
-from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig, NoHealthyEngine
+from gpu_runtime.engine.fleet import EngineFleet
+from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.model_folder import WEIGHTS_FILE, prune_version_folders, read_meta
 from gpu_runtime.models.tokenizer import Tokenizer

@@ -15,7 +15,8 @@ import pytest
 
 from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient
-from gpu_runtime.engine.fleet import EngineFleet, FleetEvent, HealthConfig, NoHealthyEngine, WeightMismatch
+from gpu_runtime.engine.fleet import EngineFleet
+from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.router import RouterProcess
 from tests.engine_fixtures import free_port, free_port_block, model_dirs, wait_for  # noqa: F401
 

@@ -16,7 +16,8 @@ import pytest
 
 from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
-from gpu_runtime.engine.fleet import EngineFleet, HealthConfig
+from gpu_runtime.engine.fleet import EngineFleet
+from gpu_runtime.engine.fleet_types import HealthConfig
 from tests.engine_fixtures import free_port, free_port_block, model_dirs, procs, start_engine, wait_for  # noqa: F401
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11]]

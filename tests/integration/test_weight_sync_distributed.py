@@ -33,7 +33,8 @@ from gpu_runtime.data.datasets import generate_arithmetic, write_jsonl
 from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine import fleet as fleet_module
-from gpu_runtime.engine.fleet import EngineFleet, HealthConfig
+from gpu_runtime.engine.fleet import EngineFleet
+from gpu_runtime.engine.fleet_types import HealthConfig
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.trainer.api import VersionInfo
 from gpu_runtime.trainer.process import TrainerProcess

@@ -11,7 +11,8 @@ import pytest
 
 from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
-from gpu_runtime.engine.fleet import EngineFleet, HealthConfig
+from gpu_runtime.engine.fleet import EngineFleet
+from gpu_runtime.engine.fleet_types import HealthConfig
 from gpu_runtime.models.model_folder import load_model_folder
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.weight_sync import shared_memory as shm
