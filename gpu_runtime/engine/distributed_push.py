@@ -15,6 +15,7 @@ event. A dead or late member fails the join or the broadcast within ``timeout_s`
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -64,42 +65,21 @@ def push(
     ``bucket_bytes`` (torch engines): our extra fields, never sent to SGLang."""
     t0 = time.perf_counter()
     out = PushResult()
-    try:
-        held = broadcaster.held()
-        manifest = folder_manifest(folder).with_buckets(bucket_bytes)
-    except Exception as err:  # noqa: BLE001 - a dead trainer, an unreadable folder: the disk push decides
-        held, reason = (None, None), f"cannot prepare the broadcast: {err}"
-    else:
-        reason = f"the trainer holds v{held[0]} ({(held[1] or '')[:12]}), not v{version} ({(checksum or '')[:12]})"
-    if checksum is None or held != (int(version), checksum):
-        out.trainer_error = reason
-        out.failed = {u: reason for u in urls}
+    manifest = _manifest_to_send(broadcaster, folder, version, checksum, bucket_bytes)
+    if isinstance(manifest, str):  # why not: every engine loads the folder from disk instead
+        out.trainer_error = manifest
+        out.failed = {u: manifest for u in urls}
         return out
     out.nbytes = manifest.nbytes
-    spec = GroupSpec(broadcaster.address, free_port(), 1 + len(urls) * ranks_per_engine, f"milestone-v{version}-{uuid.uuid4().hex[:8]}",
-                     broadcaster.backend)
-    timeout_s = broadcaster.timeout_s
-
-    def engine_side(url: str, rank: int) -> None:
-        c = EngineClient(url, timeout_s=request_timeout_s)
-        try:
-            c.init_weights_update_group(master_address=spec.master_address, master_port=spec.master_port,
-                                        rank_offset=rank, world_size=spec.world_size, group_name=spec.group_name,
-                                        backend=spec.backend, timeout_s=timeout_s if send_checksum else None)
-            try:
-                c.update_weights_from_distributed(**manifest.as_request(), group_name=spec.group_name,
-                                                  version=version, checksum=checksum if send_checksum else None)
-            finally:
-                try:
-                    c.destroy_weights_update_group(spec.group_name)
-                except EngineError as err:
-                    log.debug("%s: leaving %s failed: %s", url, spec.group_name, err)
-        finally:
-            c.close()
-
+    spec = GroupSpec(broadcaster.address, free_port(), 1 + len(urls) * ranks_per_engine,
+                     f"milestone-v{version}-{uuid.uuid4().hex[:8]}", broadcaster.backend)
+    receive = functools.partial(
+        _receive, spec=spec, manifest=manifest, version=version, checksum=checksum if send_checksum else None,
+        request_timeout_s=request_timeout_s, group_timeout_s=broadcaster.timeout_s if send_checksum else None,
+    )
     with ThreadPoolExecutor(max_workers=1 + len(urls), thread_name_prefix="weight-push") as pool:
         trainer = pool.submit(broadcaster.send, spec, manifest, version, checksum)
-        engines = [pool.submit(engine_side, u, 1 + i * ranks_per_engine) for i, u in enumerate(urls)]
+        engines = [pool.submit(receive, u, 1 + i * ranks_per_engine) for i, u in enumerate(urls)]
         for u, f in zip(urls, engines):
             err = f.exception()
             if err is None:
@@ -114,3 +94,40 @@ def push(
              spec.backend, len(out.updated), len(out.failed),
              f" (trainer: {out.trainer_error})" if out.trainer_error else "", out.seconds)
     return out
+
+
+def _manifest_to_send(
+    broadcaster: Broadcaster, folder: str | Path, version: str, checksum: str | None, bucket_bytes: int,
+) -> Manifest | str:
+    """The folder's manifest when the trainer holds exactly this version, else why it cannot send it."""
+    try:
+        held = broadcaster.held()
+        manifest = folder_manifest(folder).with_buckets(bucket_bytes)
+    except Exception as err:  # noqa: BLE001 - a dead trainer, an unreadable folder: the disk push decides
+        return f"cannot prepare the broadcast: {err}"
+    if checksum is None or held != (int(version), checksum):
+        return f"the trainer holds v{held[0]} ({(held[1] or '')[:12]}), not v{version} ({(checksum or '')[:12]})"
+    return manifest
+
+
+def _receive(
+    url: str, rank: int, *, spec: GroupSpec, manifest: Manifest, version: str, checksum: str | None,
+    request_timeout_s: float, group_timeout_s: float | None,
+) -> None:
+    """One engine's side of the push: join the group at ``rank``, receive the manifest's tensors, leave.
+    ``checksum`` and ``group_timeout_s`` are our extra fields (``None``: not sent, as to SGLang)."""
+    c = EngineClient(url, timeout_s=request_timeout_s)
+    try:
+        c.init_weights_update_group(master_address=spec.master_address, master_port=spec.master_port,
+                                    rank_offset=rank, world_size=spec.world_size, group_name=spec.group_name,
+                                    backend=spec.backend, timeout_s=group_timeout_s)
+        try:
+            c.update_weights_from_distributed(**manifest.as_request(), group_name=spec.group_name,
+                                              version=version, checksum=checksum)
+        finally:
+            try:
+                c.destroy_weights_update_group(spec.group_name)
+            except EngineError as err:
+                log.debug("%s: leaving %s failed: %s", url, spec.group_name, err)
+    finally:
+        c.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from gpu_runtime.proc import metrics
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
+from gpu_runtime.engine.distributed_push import Broadcaster
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine
 from gpu_runtime.engine.router import RouterProcess
@@ -214,28 +215,8 @@ class NodeRuntime:
                 self.fleet.stop()  # the router is ours and stays; the new fleet re-syncs its members
                 self.fleet = None
             if self.fleet is None:
-                if self.router is not None and self.router.host != host:
-                    self.router.stop()
-                    self.router = None
-                if self.router is None:
-                    self.router = RouterProcess(
-                        free_port(), [], policy="round_robin", log_path=self.work_dir / "logs" / "router.log",
-                        host=host,
-                    )
-                    self.router.start()
                 self._fleet_settings = settings
-                self.fleet = EngineFleet(
-                    self._backend(backend),
-                    num_engines,
-                    model_path,
-                    free_port_block(num_engines),
-                    self.work_dir / "logs",
-                    router=self.router,
-                    health=health,
-                    weight_version=version,
-                    on_event=self._on_fleet_event,
-                    host=host,
-                )
+                self.fleet = self._new_fleet(backend, num_engines, health, host, model_path, version)
                 self.fleet.start()
                 restarted = list(range(num_engines))
             else:
@@ -244,23 +225,51 @@ class NodeRuntime:
             if weight_sync == "distributed":  # the trainer process is rank 0 of each push's group
                 broadcaster = self.trainer.broadcaster(run_id or self.run_id or "", weight_sync_timeout_s,
                                                        self._engine_devices(backend))
-            for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
-                try:
-                    self.fleet.update_weights(model_path, version, weight_sync, broadcaster)
-                    break
-                except NoHealthyEngine:
-                    # every engine died between the restart and the push (a health probe timed
-                    # out on a loaded machine, say): restart them with these weights and push
-                    # again, rather than spend one of the activity's few attempts on it
-                    states = [s.state for s in self.fleet.snapshot()]
-                    if attempt == ENGINE_RECOVERY_ROUNDS:
-                        raise
-                    log.warning("no healthy engine to update (slots %s): restarting them (round %d of %d)",
-                                states, attempt, ENGINE_RECOVERY_ROUNDS)
-                    restarted += [i for i in self.fleet.restart_empty_slots(model_path, version) if i not in restarted]
+            restarted = self._push_weights(self.fleet, model_path, version, weight_sync, broadcaster, restarted)
             self._load_tokenizer(model_path)
             self._write_children()
             return restarted
+
+    def _new_fleet(
+        self, backend: str, num_engines: int, health: HealthConfig, host: str, model_path: Path, version: int,
+    ) -> EngineFleet:
+        """A new fleet (not started) of the version at ``model_path`` behind this node's router
+        (a new router when there is none or its bind address is not ``host``)."""
+        if self.router is not None and self.router.host != host:
+            self.router.stop()
+            self.router = None
+        if self.router is None:
+            self.router = RouterProcess(
+                free_port(), [], policy="round_robin", log_path=self.work_dir / "logs" / "router.log", host=host,
+            )
+            self.router.start()
+        return EngineFleet(
+            self._backend(backend), num_engines, model_path, free_port_block(num_engines), self.work_dir / "logs",
+            router=self.router, health=health, weight_version=version, on_event=self._on_fleet_event, host=host,
+        )
+
+    def _push_weights(
+        self, fleet: EngineFleet, model_path: Path, version: int, weight_sync: str, broadcaster: Broadcaster | None,
+        restarted: list[int],
+    ) -> list[int]:
+        """Push the version to the fleet; when every engine died before the push, restart them
+        with these weights and push again (``ENGINE_RECOVERY_ROUNDS`` in all). ``restarted``
+        plus the slots restarted here."""
+        for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
+            try:
+                fleet.update_weights(model_path, version, weight_sync, broadcaster)
+                break
+            except NoHealthyEngine:
+                # every engine died between the restart and the push (a health probe timed
+                # out on a loaded machine, say): restart them with these weights and push
+                # again, rather than spend one of the activity's few attempts on it
+                states = [s.state for s in fleet.snapshot()]
+                if attempt == ENGINE_RECOVERY_ROUNDS:
+                    raise
+                log.warning("no healthy engine to update (slots %s): restarting them (round %d of %d)",
+                            states, attempt, ENGINE_RECOVERY_ROUNDS)
+                restarted += [i for i in fleet.restart_empty_slots(model_path, version) if i not in restarted]
+        return restarted
 
     def release_engines(self) -> list[int]:
         """Before a train step (``engines.release_memory``): the engines free their device
