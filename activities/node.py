@@ -29,7 +29,7 @@ from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
 from gpu_runtime.proc.rpc import RemoteError
 from gpu_runtime.rollout.agent.tools import ToolNotFound
-from gpu_runtime.rollout.chunks import NonFiniteLogprobs, StaleWeights
+from gpu_runtime.rollout.chunks import NonFiniteLogprobs, RolloutContext, StaleWeights
 from gpu_runtime.rollout.dispatch import RolloutStats, run_rollout
 from gpu_runtime.rollout.evaluate import run_eval
 from gpu_runtime.store.fence import FencedStore, StaleEpoch, next_epoch, raise_fence
@@ -167,10 +167,10 @@ class NodeActivities:
             activity.heartbeat(dict(progress))
 
         def generate() -> RolloutStats:
-            return run_rollout(
-                req, self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer, fleet.generate_chunk,
+            return run_rollout(req, RolloutContext(
+                self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer, fleet.generate_chunk,
                 parallelism=max(1, len(fleet.slots)), on_chunk=chunk_done,
-            )
+            ))
 
         # an agent chunk runs many turns and tool calls: heartbeat while it runs, not only per chunk
         # (every model turn and tool call is bounded: the engines' timeout, agent.tool_timeout_s)
@@ -199,12 +199,11 @@ class NodeActivities:
         rows = self.rt.rows(inp.store_uri, inp.eval_key)
         progress = {"chunks_done": 0, "chunks": 0}
         stats = self._generating(inp.run_id, inp.epoch, f"evaluate step {inp.step}", lambda: with_heartbeat(
-            lambda: run_eval(
-                translate.eval_request(inp), self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer,
-                fleet.generate_chunk,
+            lambda: run_eval(translate.eval_request(inp), RolloutContext(
+                self._store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer, fleet.generate_chunk,
                 parallelism=max(1, len(fleet.slots)),
                 on_chunk=lambda done, total: progress.update(chunks_done=done, chunks=total),
-            ),
+            )),
             detail=lambda: dict(progress),
         ))
         metrics.EVAL_GREEDY_ACCURACY.set(stats.greedy_accuracy)

@@ -10,11 +10,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_runtime.data.datasets import prompts_for_step
+from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.object_store import ObjectStore
 
 # (batch of input ids, sampling params) -> (one SGLang-shaped result per prompt, engine url)
 ChunkGenerator = Callable[[list[list[int]], dict], tuple[list[dict], str]]
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What the node gives a rollout or an eval: the store its chunks go to, the split's rows,
+    the served model's tokenizer, the engines (``generate``), how many chunks are in flight at
+    once, and ``on_chunk(done, total)`` after each chunk."""
+
+    store: ObjectStore
+    rows: list[dict]
+    tokenizer: Tokenizer
+    generate: ChunkGenerator
+    parallelism: int = 1
+    on_chunk: Callable[[int, int], None] | None = None
 
 
 class NonFiniteLogprobs(RuntimeError):
@@ -76,7 +92,10 @@ def generate_checked(
             raise StaleWeights(f"engine {url} serves v{version}, step {req.step} needs v{req.policy_version}")
         lps = [float(t[0]) for t in meta.get("output_token_logprobs", [])]
         if not all(math.isfinite(x) for x in lps):
-            raise NonFiniteLogprobs(f"step {req.step} chunk {plan.chunk}: policy v{req.policy_version} logprobs are not finite")
+            raise NonFiniteLogprobs(
+                f"step {req.step} chunk {plan.chunk}: policy v{req.policy_version} logprobs are not finite"
+            )
         finish = meta.get("finish_reason") or {}
-        out.append((list(res["output_ids"]), lps, finish.get("type", "stop") if isinstance(finish, dict) else str(finish)))
+        reason = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
+        out.append((list(res["output_ids"]), lps, reason))
     return out, url

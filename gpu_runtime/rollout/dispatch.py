@@ -6,18 +6,15 @@ retried rollout reuses every chunk it finds in the store (idempotent).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chunk
 from gpu_runtime.rollout.agent.metrics import episode_metrics
-from gpu_runtime.rollout.chunks import ChunkGenerator, ChunkPlan, plan_chunks
+from gpu_runtime.rollout.chunks import ChunkPlan, RolloutContext, plan_chunks
 from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.rollout.single_turn import generate_chunk
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.store.object_store import ObjectStore
 
 
 @dataclass
@@ -32,29 +29,17 @@ class RolloutStats:
     agent: dict[str, float] | None = None  # episode metrics (gpu_runtime.rollout.agent.metrics), agent rollouts only
 
 
-def run_rollout(
-    req: RolloutRequest,
-    store: ObjectStore,
-    rows: list[dict],
-    tokenizer: Tokenizer,
-    generate: ChunkGenerator,
-    *,
-    parallelism: int,
-    on_chunk: Callable[[int, int], None] | None = None,
-) -> RolloutStats:
-    """Generate every missing chunk (``parallelism`` in flight) and store it."""
+def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
+    """Generate every missing chunk (``ctx.parallelism`` in flight) and store it."""
     t0 = time.perf_counter()
     plans = plan_chunks(req)
     keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk, req.round) for p in plans]
     counters = AgentCounters() if req.agent is not None else None
-    reused = generate_chunks(
-        req, list(zip(plans, keys)), store, rows, tokenizer, generate, parallelism=parallelism, on_chunk=on_chunk,
-        agent_counters=counters,
-    )
+    reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters)
     n_tokens, n_samples = 0, 0
     samples: list[art.Sample] = []
     for key in keys:
-        chunk = art.get_model(store, key, art.RolloutChunk)
+        chunk = art.get_model(ctx.store, key, art.RolloutChunk)
         n_samples += len(chunk.samples)
         n_tokens += sum(len(s.response_ids) for s in chunk.samples)
         samples += chunk.samples if counters is not None else []
@@ -78,33 +63,25 @@ def run_rollout(
 
 
 def generate_chunks(
-    req: RolloutRequest,
-    planned: list[tuple[ChunkPlan, str]],
-    store: ObjectStore,
-    rows: list[dict],
-    tokenizer: Tokenizer,
-    generate: ChunkGenerator,
-    *,
-    parallelism: int,
-    on_chunk: Callable[[int, int], None] | None = None,
+    req: RolloutRequest, planned: list[tuple[ChunkPlan, str]], ctx: RolloutContext,
     agent_counters: AgentCounters | None = None,
 ) -> int:
     """Generate and store each (plan, key) whose key is not in the store yet,
-    ``parallelism`` in flight; the number of chunks found there (reused)."""
-    todo = [(p, k) for p, k in planned if not store.exists(k)]
+    ``ctx.parallelism`` in flight; the number of chunks found there (reused)."""
+    todo = [(p, k) for p, k in planned if not ctx.store.exists(k)]
     done = reused = len(planned) - len(todo)
 
     def work(item: tuple[ChunkPlan, str]) -> None:
         plan, key = item
         if req.agent is not None:
-            chunk = generate_agent_chunk(req, plan, rows, tokenizer, generate, store, agent_counters)
+            chunk = generate_agent_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate, ctx.store, agent_counters)
         else:
-            chunk = generate_chunk(req, plan, rows, tokenizer, generate)
-        art.put_model(store, key, chunk)
+            chunk = generate_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate)
+        art.put_model(ctx.store, key, chunk)
 
-    with ThreadPoolExecutor(max_workers=max(1, parallelism)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, ctx.parallelism)) as pool:
         for _ in pool.map(work, todo):
             done += 1
-            if on_chunk:
-                on_chunk(done, len(planned))
+            if ctx.on_chunk:
+                ctx.on_chunk(done, len(planned))
     return reused

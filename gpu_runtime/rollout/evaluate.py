@@ -11,16 +11,13 @@ already has and draws the same samples for the rest (the same numbers on CPU).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_runtime.data.evaluation import accuracy, is_correct, pass_at_k
-from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.rollout.chunks import ChunkGenerator, cut_chunks
+from gpu_runtime.rollout.chunks import RolloutContext, cut_chunks
 from gpu_runtime.rollout.dispatch import generate_chunks
 from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.store.object_store import ObjectStore
 
 
 @dataclass(frozen=True)
@@ -59,17 +56,9 @@ def sampling_request(req: EvalRequest, sampling: str, n_rows: int) -> RolloutReq
     )
 
 
-def run_eval(
-    req: EvalRequest,
-    store: ObjectStore,
-    rows: list[dict],
-    tokenizer: Tokenizer,
-    generate: ChunkGenerator,
-    *,
-    parallelism: int,
-    on_chunk: Callable[[int, int], None] | None = None,
-) -> EvalStats:
-    """Generate (or reuse) both passes over ``rows`` in order and score them."""
+def run_eval(req: EvalRequest, ctx: RolloutContext) -> EvalStats:
+    """Generate (or reuse) both passes over ``ctx.rows`` in order and score them."""
+    rows = ctx.rows
     if not rows:
         raise ValueError("the eval split is empty")
     t0 = time.perf_counter()
@@ -78,10 +67,10 @@ def run_eval(
         rreq = sampling_request(req, sampling, len(rows))
         plans = cut_chunks([(i, g) for i in range(len(rows)) for g in range(rreq.group_size)], rreq)
         planned = [(p, art.eval_chunk_key(req.run_id, req.step, sampling, p.chunk)) for p in plans]
-        generate_chunks(rreq, planned, store, rows, tokenizer, generate, parallelism=parallelism, on_chunk=on_chunk)
+        generate_chunks(rreq, planned, ctx)
         flags: list[list[bool]] = [[] for _ in rows]
         for _, key in planned:
-            for s in art.get_model(store, key, art.RolloutChunk).samples:
+            for s in art.get_model(ctx.store, key, art.RolloutChunk).samples:
                 flags[s.prompt_index].append(is_correct(s.response_text, rows[s.prompt_index]))
         correct[sampling] = flags
     return EvalStats(

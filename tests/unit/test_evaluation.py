@@ -11,7 +11,7 @@ import pytest
 from gpu_runtime.data.arithmetic import generate_arithmetic, generate_heldout_arithmetic
 from gpu_runtime.data.evaluation import accuracy, is_correct, pass_at_k, pass_at_k_estimate
 from gpu_runtime.engine.generate import generate_batch
-from gpu_runtime.rollout.chunks import StaleWeights
+from gpu_runtime.rollout.chunks import RolloutContext, StaleWeights
 from gpu_runtime.rollout.evaluate import EvalRequest, run_eval, sampling_request
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
@@ -116,7 +116,7 @@ def test_run_eval_scores_both_passes_and_reuses_stored_chunks(tmp_path: Path) ->
     assert len({r["prompt"] for r in ROWS}) == 3
     store = open_store(f"file://{tmp_path}")
     engine = StandInEngine()
-    stats = run_eval(REQ, store, ROWS, _tokenizer(), engine, parallelism=2)
+    stats = run_eval(REQ, RolloutContext(store, ROWS, _tokenizer(), engine, parallelism=2))
     assert (stats.k, stats.n) == (4, 3)
     assert (stats.greedy_accuracy, stats.pass_at_k) == (pytest.approx(1 / 3), pytest.approx(2 / 3))
     # greedy: 3 samples in 1 chunk at temperature 0; sampled: 12 samples in chunks of 5, 5, 2
@@ -131,13 +131,13 @@ def test_run_eval_scores_both_passes_and_reuses_stored_chunks(tmp_path: Path) ->
     assert len(keys) == 4
     # a retry finds every chunk in the store: no generation, the same numbers
     again = StandInEngine()
-    assert run_eval(REQ, store, ROWS, _tokenizer(), again, parallelism=2).pass_at_k == stats.pass_at_k
+    assert run_eval(REQ, RolloutContext(store, ROWS, _tokenizer(), again, parallelism=2)).pass_at_k == stats.pass_at_k
     assert again.params == []
 
 
 def test_run_eval_refuses_answers_from_other_weights(tmp_path: Path) -> None:
     with pytest.raises(StaleWeights, match="serves v1"):
-        run_eval(REQ, open_store(f"file://{tmp_path}"), ROWS, _tokenizer(), StandInEngine(version=1), parallelism=1)
+        run_eval(REQ, RolloutContext(open_store(f"file://{tmp_path}"), ROWS, _tokenizer(), StandInEngine(version=1)))
 
 
 def test_run_eval_on_a_real_tiny_model_is_deterministic(tmp_path: Path) -> None:
@@ -153,7 +153,8 @@ def test_run_eval_on_a_real_tiny_model_is_deterministic(tmp_path: Path) -> None:
                  "output_token_logprobs": [[lp, t] for lp, t in zip(r.logprobs, r.output_ids)]}}
                 for r in results], "local"
 
-    runs = [run_eval(REQ, open_store(f"file://{tmp_path / str(i)}"), ROWS, tok, engine, parallelism=1) for i in range(2)]
+    runs = [run_eval(REQ, RolloutContext(open_store(f"file://{tmp_path / str(i)}"), ROWS, tok, engine))
+            for i in range(2)]
     assert (runs[0].greedy_accuracy, runs[0].pass_at_k) == (runs[1].greedy_accuracy, runs[1].pass_at_k)
     assert all(0.0 <= x <= 1.0 and math.isfinite(x) for x in (runs[0].greedy_accuracy, runs[0].pass_at_k))
     chunk = art.eval_chunk_key("r", 2, "sampled", 0)
