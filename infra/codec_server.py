@@ -27,6 +27,7 @@ from google.protobuf import json_format
 from temporalio.api.common.v1 import Payloads
 
 from gpu_runtime.engine.auth import authorized, is_loopback
+from gpu_runtime.proc.rpc import serve_until_interrupted
 from workers.payload_codec import EncryptionCodec, PayloadKeyError, codec_from_env
 
 log = logging.getLogger("infra.codec_server")
@@ -122,13 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     server = build_server(args.host, args.port, codec, tuple(args.cors_origin or DEFAULT_ORIGINS), token)
     url = f"http://{args.host}:{server.server_address[1]}"
     log.info("codec server for key %s on %s", codec.key_id, url)
-    print(f"READY {url}", flush=True)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    serve_until_interrupted(server, url)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from gpu_runtime.engine.memory_occupation import EngineReleased, MemoryOccupatio
 from transformers import PreTrainedModel
 
 from gpu_runtime.proc.processes import exit_when_parent_dies
-from gpu_runtime.proc.rpc import send_json
+from gpu_runtime.proc.rpc import send_json, serve_until_interrupted
 from gpu_runtime.models.causal_lm import load_exported_state_dict
 from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
@@ -377,13 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     server.daemon_threads = True
     url = f"http://{args.host}:{args.port}"
     log.info("serving %s pid=%d", url, os.getpid())
-    print(f"READY {url}", flush=True)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    serve_until_interrupted(server, url)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,18 @@ def send_json(handler: BaseHTTPRequestHandler, code: int, obj: Any) -> None:
     handler.wfile.write(body)
 
 
+def serve_until_interrupted(server: ThreadingHTTPServer, url: str) -> None:
+    """Print ``READY <url>`` (the one stdout line its launcher waits for), then serve until
+    interrupted; the server is closed either way."""
+    print(f"READY {url}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
 class RPCServer:
     def __init__(self, host: str, port: int, methods: dict[str, Method]) -> None:
         self.methods = methods
