@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpu_runtime.trainer.api import CellState, DPState, NodeEvent, RunSetup
-from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 
 if TYPE_CHECKING:
-    from gpu_runtime.trainer.cell_host import CellHost
+    from gpu_runtime.trainer.fsdp2.host import CellHost
     from gpu_runtime.trainer.dp.group import DPGroup
     from gpu_runtime.trainer.dp.lighthouse import Lighthouse
 
@@ -81,7 +81,7 @@ class TrainerLayouts:
         if self.cell_host is None:
             import torch
 
-            from gpu_runtime.trainer.cell_host import CellHost  # ray: the optional ``cells`` extra
+            from gpu_runtime.trainer.fsdp2.host import CellHost  # ray: the optional ``cells`` extra
 
             # the cell trains where this process does (``--device``): one GPU per rank on CUDA
             self.cell_host = CellHost(self.work_dir, device=torch.get_default_device().type, gpus=self.cell_gpus)

@@ -44,10 +44,10 @@ from gpu_runtime.trainer.api import (
     weights_folder,
 )
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
-from gpu_runtime.trainer.cell_errors import CellFailed  # no Ray, no torch.distributed
+from gpu_runtime.trainer.fsdp2.errors import CellFailed  # no Ray, no torch.distributed
 from gpu_runtime.trainer.layouts import TrainerLayouts, layout
-from gpu_runtime.trainer.offload import OptimizerOffload
-from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.common.offload import OptimizerOffload
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer import weight_broadcast
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 
 from gpu_runtime.models.causal_lm import exported_tensors
 from gpu_runtime.trainer.api import BroadcastWeightsCall, WeightsBroadcast
-from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.weight_sync.distributed import GroupSpec, Manifest, WeightGroup
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
 
 from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
-from gpu_runtime.trainer.cell_errors import RayUnavailable  # noqa: E402
-from gpu_runtime.trainer.ray_runtime import RayRuntime  # noqa: E402
-from gpu_runtime.trainer.cell_host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
+from gpu_runtime.trainer.fsdp2.errors import RayUnavailable  # noqa: E402
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime  # noqa: E402
+from gpu_runtime.trainer.fsdp2.host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
 from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready  # noqa: E402
 from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.stack import wait_for  # noqa: E402

@@ -20,8 +20,8 @@ from gpu_runtime.algorithms.gae import (
 )
 from gpu_runtime.algorithms.advantages import compute_advantages
 from gpu_runtime.algorithms.losses import kl_per_token
-from gpu_runtime.trainer import PolicyTrainer
-from gpu_runtime.trainer.critic import CRITIC_OPTIM, CRITIC_WEIGHTS
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.critic import CRITIC_OPTIM, CRITIC_WEIGHTS
 from tests.unit.test_policy_trainer import hparams, new_trainer, rollout
 
 

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer import lora as lora_lib
+from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
-from gpu_runtime.trainer.policy import PolicyTrainer
-from gpu_runtime.trainer.state import _load_optimizer, _optimizer_tensors
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.state import _load_optimizer, _optimizer_tensors
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20  # quorums one step may take before the cell gives up (each failed one is a peer lost)

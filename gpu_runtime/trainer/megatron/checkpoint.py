@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from gpu_runtime.models.causal_lm import config_shape
 from gpu_runtime.models.model_folder import weights_checksum
 from gpu_runtime.trainer.api import stored_hparams
-from gpu_runtime.trainer.state import (
+from gpu_runtime.trainer.policy.state import (
     META_FILE,
     OPTIM_FILE,
     RNG_FILE,

@@ -1,6 +1,6 @@
 """``trainer.backend: megatron``: the policy as a megatron-core GPTModel (local layer spec,
 TP = PP = 1, one process), trained with the repo's GRPO loss (``megatron.train``) and its
-AdamW + LR schedule (``trainer.optim``), published as HF model folders engines load.
+AdamW + LR schedule (``trainer.common.optim``), published as HF model folders engines load.
 
 It answers the calls ``TrainerService`` makes of a ``PolicyTrainer`` for what it supports
 (RL ``train_step``, ``export_model_folder``, ``checksum``, ``published_state``,
@@ -30,10 +30,10 @@ from gpu_runtime.models.model_folder import weights_checksum, write_model_folder
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
-from gpu_runtime.trainer.batches import check_groups, step_metrics
+from gpu_runtime.trainer.common.batches import check_groups, step_metrics
 from gpu_runtime.trainer.megatron import checkpoint
 from gpu_runtime.trainer.megatron.train import grpo_backward, unsupported
-from gpu_runtime.trainer.optim import AdamWSteps
+from gpu_runtime.trainer.common.optim import AdamWSteps
 
 INSTALL = "pip install 'milestone[gpu]'"
 

@@ -19,10 +19,10 @@ from gpu_runtime.data.datasets import encode_prompt, sft_target
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
-from gpu_runtime.trainer.batches import micro_batches
+from gpu_runtime.trainer.common.batches import micro_batches
 
 if TYPE_CHECKING:
-    from gpu_runtime.trainer.policy import PolicyTrainer
+    from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 
 
 def sft_samples(tokenizer: Tokenizer, rows: list[dict], version: int) -> list[Sample]:

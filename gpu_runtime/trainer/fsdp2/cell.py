@@ -4,7 +4,7 @@ The driver (the trainer process) owns a local Ray instance (``ray_runtime.RayRun
 one bundle per rank in a placement group (``STRICT_PACK``: all ranks on one node), starts
 one ``_Rank`` actor per bundle, and the ranks join a ``torch.distributed`` group over TCP
 on 127.0.0.1: gloo on the CPU; on CUDA (the trainer process's ``--device``) each rank
-takes one GPU of the placement group and the group is NCCL (``cell_device``). Every
+takes one GPU of the placement group and the group is NCCL (``fsdp2.device``). Every
 driver call runs the same method on all ranks at once (FSDP's collectives need every
 rank) and answers rank 0's result. Ray is imported lazily: the ``cells`` extra is optional.
 """
@@ -21,7 +21,9 @@ from typing import Any
 from gpu_runtime.proc.processes import reachable
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
-from gpu_runtime.trainer.cell_errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable
+from gpu_runtime.trainer.fsdp2.device import cell_kind, prepare_rank, rank_bundle, this_rank
+from gpu_runtime.trainer.fsdp2.errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable
+from gpu_runtime.trainer.fsdp2.rank import CellRankTrainer
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,6 @@ class _Rank:
     """One rank's process (a Ray actor): joins the cell's group, then hosts a ``CellRankTrainer``."""
 
     def __init__(self, rank: int, threads: int, kind: str = "cpu") -> None:
-        from gpu_runtime.trainer.cell_device import prepare_rank, this_rank
-
         self.placement = this_rank(kind, rank)  # gloo on the CPU; NCCL on the GPU Ray assigned this actor
         prepare_rank(self.placement, threads)  # the single trainer process's determinism settings
         self.rank = rank
@@ -76,8 +76,6 @@ class _Rank:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def build(self, base_folder: str, hparams: TrainerHParams, seed: int) -> None:
-        from gpu_runtime.trainer.cell_rank import CellRankTrainer
-
         self.trainer = CellRankTrainer.create_rank(base_folder, hparams, seed)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -118,8 +116,6 @@ class TrainerCell:
             raise ValueError(f"trainer.ranks_per_cell must be >= 1, got {ranks}")
         if placement not in STRATEGIES:
             raise ValueError(f"trainer.placement must be one of {sorted(STRATEGIES)}, got {placement!r}")
-        from gpu_runtime.trainer.cell_device import cell_kind, rank_bundle
-
         self.ranks = ranks
         self.placement = placement
         self.kind = cell_kind(device)  # cpu | cuda: one GPU per rank, NCCL

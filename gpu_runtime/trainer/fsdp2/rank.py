@@ -47,8 +47,8 @@ from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
-from gpu_runtime.trainer.policy import PolicyTrainer
-from gpu_runtime.trainer.state import read_meta, restore_progress, write_meta
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.state import read_meta, restore_progress, write_meta
 
 CELL_META_FILE = "cell_meta.json"  # written by rank 0 after every rank's shards
 CELL_FORMAT_VERSION = 1

@@ -31,7 +31,7 @@ from gpu_runtime.algorithms.losses import (
     policy_loss_per_token,
     tis_weights,
 )
-from gpu_runtime.trainer.batches import (
+from gpu_runtime.trainer.common.batches import (
     check_groups,
     logprob_gap_sums,
     micro_batch_advantages,
@@ -51,14 +51,14 @@ from gpu_runtime.models.causal_lm import (
 from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.trainer import critic as critic_lib
-from gpu_runtime.trainer import distill as distill_lib
-from gpu_runtime.trainer import lora as lora_lib
-from gpu_runtime.trainer import sft as sft_lib
-from gpu_runtime.trainer import state as trainer_state
+from gpu_runtime.trainer.policy import critic as critic_lib
+from gpu_runtime.trainer.policy import distill as distill_lib
+from gpu_runtime.trainer.common import lora as lora_lib
+from gpu_runtime.trainer.policy import sft as sft_lib
+from gpu_runtime.trainer.policy import state as trainer_state
 from gpu_runtime.trainer.api import DistillSettings, LoraSettings, TrainerHParams, stored_hparams
-from gpu_runtime.trainer.optim import AdamWSteps
-from gpu_runtime.trainer.ppo import CriticPass
+from gpu_runtime.trainer.common.optim import AdamWSteps
+from gpu_runtime.trainer.policy.ppo import CriticPass
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class PolicyTrainer(AdamWSteps):
         self.policy_version = 0
         self.optimizer = self._new_optimizer(hparams)
         self.opt_steps = 0  # LR-schedule position (optimizer steps taken in RL)
-        self.critic: critic_lib.Critic | None = None  # estimator ppo: created at its first step (``trainer.critic``)
+        self.critic: critic_lib.Critic | None = None  # estimator ppo: created at its first step (``policy.critic``)
 
     # ---------------------------------------------------------------- setup
     @classmethod
@@ -171,7 +171,7 @@ class PolicyTrainer(AdamWSteps):
     # ------------------------------------------------------- optimizer steps
     # (``AdamWSteps``: _new_optimizer, lr_at, start_optimizer_step, take_optimizer_step)
     def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
-        """One supervised update (SFT mode); increments ``policy_version`` by 1 (``trainer.sft``)."""
+        """One supervised update (SFT mode); increments ``policy_version`` by 1 (``policy.sft``)."""
         return sft_lib.sft_step(self, rows, hparams)
 
     # ------------------------------------------------------------------ RL
@@ -196,9 +196,9 @@ class PolicyTrainer(AdamWSteps):
         from the first epoch's forward, or from a forward of their own when the KL
         is part of the reward or the run distills), so the first epoch's ratio is 1.
         With ``distill`` the teacher's per-token term is added to the estimator's
-        advantages (``trainer.distill``). With estimator ``ppo`` the critic's old values
+        advantages (``policy.distill``). With estimator ``ppo`` the critic's old values
         give GAE advantages, and the critic trains alongside, one AdamW step per epoch
-        (``trainer.ppo``); during ``critic_warmup_steps`` only the critic steps."""
+        (``policy.ppo``); during ``critic_warmup_steps`` only the critic steps."""
         self._check_groups(samples, rewards, group_size)
         t0 = time.perf_counter()
         self.hparams = hp = hparams
@@ -323,7 +323,7 @@ class PolicyTrainer(AdamWSteps):
     # ------------------------------------------ a cell's rank overrides these
     def micro_batch_share(self, n: int) -> list[int]:
         """The indices of the step's ``n`` micro-batches this process trains on: all of them
-        (a rank of a sharded cell takes its share, ``gpu_runtime.trainer.cell_rank``)."""
+        (a rank of a sharded cell takes its share, ``gpu_runtime.trainer.fsdp2.rank``)."""
         return list(range(n))
 
     def reduce_over_cell(self, sums: dict[str, float]) -> dict[str, float]:

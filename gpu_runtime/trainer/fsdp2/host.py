@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from gpu_runtime.trainer.api import CellRankState, CellState, NodeEvent, TrainerBackendSettings, TrainerHParams
-from gpu_runtime.trainer.cell import TrainerCell
-from gpu_runtime.trainer.cell_errors import CellFailed
-from gpu_runtime.trainer.ray_runtime import RayRuntime
+from gpu_runtime.trainer.fsdp2.cell import TrainerCell
+from gpu_runtime.trainer.fsdp2.errors import CellFailed
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime
 
 log = logging.getLogger(__name__)
 CELL_FILE = "cell.json"

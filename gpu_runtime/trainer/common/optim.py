@@ -10,9 +10,9 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from gpu_runtime.trainer import lora as lora_lib
+from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.api import TrainerHParams
-from gpu_runtime.trainer.batches import lr_at
+from gpu_runtime.trainer.common.batches import lr_at
 
 
 class AdamWSteps:

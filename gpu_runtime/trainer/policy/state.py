@@ -17,11 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from gpu_runtime.models.causal_lm import shape_summary
 from gpu_runtime.models.model_folder import weights_checksum
-from gpu_runtime.trainer import critic as critic_lib
+from gpu_runtime.trainer.policy import critic as critic_lib
 from gpu_runtime.trainer.api import stored_hparams
 
 if TYPE_CHECKING:
-    from gpu_runtime.trainer.policy import PolicyTrainer
+    from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 
 META_FILE = "trainer_meta.json"
 WEIGHTS_FILE = "policy.safetensors"

@@ -25,7 +25,7 @@ from gpu_runtime.algorithms.logprobs import logprobs_and_logits
 from gpu_runtime.models.causal_lm import load_causal_lm
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.trainer.api import DistillSettings
-from gpu_runtime.trainer.batches import MicroBatch
+from gpu_runtime.trainer.common.batches import MicroBatch
 
 
 def load_teacher(settings: DistillSettings, student_tokenizer: Tokenizer) -> PreTrainedModel:
