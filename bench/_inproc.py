@@ -32,7 +32,7 @@ from gpu_runtime.rollout.single_turn import generate_chunk  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.trainer.api import RunSetup, StepBatch  # noqa: E402
 from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
-from gpu_runtime.trainer.policy import PolicyTrainer  # noqa: E402
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
 from workflows.config import RunConfig  # noqa: E402
 from workflows.contracts import DatasetInfo, InitPolicyInput, RolloutInput, TrainStepInput  # noqa: E402

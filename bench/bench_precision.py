@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._tiny_model import add_model_args, tiny_base_folder  # noqa: E402
-from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
 from tests.unit.test_policy_trainer import ROWS, hparams, rollout  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")
@@ -57,7 +57,7 @@ def main() -> None:
         import os
 
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        from gpu_runtime.trainer.server import use_device
+        from gpu_runtime.trainer.common.device import use_device
 
         use_device(args.device)
     folder = tiny_base_folder(args, "bench-precision-")

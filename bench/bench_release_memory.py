@@ -34,7 +34,7 @@ from gpu_runtime.engine.server import EngineState
 from gpu_runtime.models.hf_factory import build_hf_model, train_bpe_tokenizer
 from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.trainer.offload import OptimizerOffload
+from gpu_runtime.trainer.common.offload import OptimizerOffload
 
 
 def _timed(fn: Callable[[], object]) -> float:

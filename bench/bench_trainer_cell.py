@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._tiny_model import add_model_args, tiny_base_folder  # noqa: E402
-from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.cell import TrainerCell  # noqa: E402
-from gpu_runtime.trainer.ray_runtime import RayRuntime  # noqa: E402
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
+from gpu_runtime.trainer.fsdp2.cell import TrainerCell  # noqa: E402
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime  # noqa: E402
 from tests.unit.test_policy_trainer import hparams, rollout  # noqa: E402
 
 

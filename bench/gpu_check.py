@@ -205,7 +205,7 @@ class Check:
         from gpu_runtime.models.model_folder import model_checksum
         from gpu_runtime.store.artifacts import Sample
         from gpu_runtime.trainer.api import TrainerHParams
-        from gpu_runtime.trainer.policy import PolicyTrainer
+        from gpu_runtime.trainer.policy.trainer import PolicyTrainer
         from gpu_runtime.weight_sync import shared_memory as shm
         from workflows.config import TrainSpec
 
@@ -365,7 +365,7 @@ class Check:
         from gpu_runtime.trainer.api import TrainerHParams
         from gpu_runtime.trainer.megatron import model as mm
         from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
-        from gpu_runtime.trainer.policy import PolicyTrainer
+        from gpu_runtime.trainer.policy.trainer import PolicyTrainer
         from workflows.config import TrainSpec
 
         mm.init_single_process()
@@ -430,7 +430,7 @@ class Check:
 
         from gpu_runtime.store.artifacts import Sample
         from gpu_runtime.trainer.api import TrainerHParams
-        from gpu_runtime.trainer.policy import PolicyTrainer
+        from gpu_runtime.trainer.policy.trainer import PolicyTrainer
         from workflows.config import TrainSpec
 
         n = self.args.max_new_tokens
@@ -478,7 +478,7 @@ class Check:
             r.write()
             return r.data
         if not self.args.cpu:
-            from gpu_runtime.trainer.server import use_device
+            from gpu_runtime.trainer.common.device import use_device
 
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             import torch

@@ -58,7 +58,7 @@ from pathlib import Path
 torch.use_deterministic_algorithms(True)
 cuda = sys.argv[3] == "cuda"
 if cuda:
-    from gpu_runtime.trainer.server import use_device
+    from gpu_runtime.trainer.common.device import use_device
 
     use_device("cuda:0")  # as the trainer process of a --device cuda node
 else:
@@ -70,7 +70,7 @@ from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
-from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from workflows.config import TrainSpec
 
 src, work = Path(sys.argv[1]), Path(sys.argv[2])
@@ -119,7 +119,7 @@ from pathlib import Path
 torch.use_deterministic_algorithms(True)
 work, device = Path(sys.argv[1]), sys.argv[2]
 if device == "cuda":
-    from gpu_runtime.trainer.server import use_device
+    from gpu_runtime.trainer.common.device import use_device
 
     use_device("cuda:0")  # as the trainer process of a --device cuda node
 else:

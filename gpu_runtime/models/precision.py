@@ -10,7 +10,7 @@ outside it, so only the network's own arithmetic is rounded to bf16.
 
 Autocast, not a bf16 copy of the weights: it needs no second copy to keep in sync, works
 the same on CPU (CI) and CUDA, and gives an FSDP2 cell's ranks the single trainer's
-arithmetic (``gpu_runtime.trainer.cell_rank``). Deterministic as float32 is: the same
+arithmetic (``gpu_runtime.trainer.fsdp2.rank``). Deterministic as float32 is: the same
 kernels in the same order for the same inputs (fixed threads on CPU; deterministic
 algorithms on CUDA).
 """

@@ -162,7 +162,7 @@ class RunSetup(Message):
     node_id: str = ""  # the node the trainer runs on (named in refused writes)
     trainer: TrainerBackendSettings | None = None  # None: backend single
     # engines.release_memory resolved on: the optimizer state waits on the host between steps
-    # (``gpu_runtime.trainer.offload``); set by the node agent, which knows the placement
+    # (``gpu_runtime.trainer.common.offload``); set by the node agent, which knows the placement
     offload_optimizer: bool = False
 
 

@@ -6,25 +6,26 @@
   which outlives groups).
 - ``megatron``: a megatron-core GPTModel's trainer in this process.
 
-Each answers the calls ``TrainerService`` makes of a trainer. The SFT warm-up always runs
-on a single ``PolicyTrainer``; for the other layouts its post-SFT model folder is what the
-run's trainer is then built from. Ray, torchft and megatron-core are imported only when a
-run asks for them (optional extras).
+Each answers the calls ``TrainerService`` makes of a trainer (``protocol.Trainer``). The SFT
+warm-up always runs on a single ``PolicyTrainer``; for the other layouts its post-SFT model
+folder is what the run's trainer is then built from. Ray, torchft and megatron-core are
+imported only when a run asks for them (optional extras: the backends import them lazily).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import torch
 
 from gpu_runtime.trainer.api import CellState, DPState, NodeEvent, RunSetup
-from gpu_runtime.trainer.policy import PolicyTrainer
-
-if TYPE_CHECKING:
-    from gpu_runtime.trainer.cell_host import CellHost
-    from gpu_runtime.trainer.dp.group import DPGroup
-    from gpu_runtime.trainer.dp.lighthouse import Lighthouse
+from gpu_runtime.trainer.dp.group import DPGroup
+from gpu_runtime.trainer.dp.lighthouse import Lighthouse
+from gpu_runtime.trainer.fsdp2.host import CellHost
+from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.protocol import Dead, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +50,16 @@ class TrainerLayouts:
         self._dp_events: list[NodeEvent] = []  # of closed groups, reported with the next result
 
     # ---- building ----------------------------------------------------------------
-    def new(self, setup: RunSetup, folder: Path) -> PolicyTrainer:
+    def new(self, setup: RunSetup, folder: Path) -> Trainer:
         """The run's trainer over the model folder ``folder``."""
         kind = layout(setup)
-        if kind == "fsdp2":  # a cell answers the calls the service makes of a trainer
-            return self._cells().build(setup.trainer, folder, setup.hparams, setup.seed)  # type: ignore[arg-type,return-value]
-        if kind == "dp":  # so does a group of DP cells
-            return self._new_dp_group(setup, folder)  # type: ignore[return-value]
-        if kind == "megatron":  # so does a megatron-core GPTModel's trainer
-            from gpu_runtime.trainer.megatron.trainer import MegatronTrainer  # megatron-core: the ``[gpu]`` extra
-
-            return MegatronTrainer.create(folder, setup.hparams, setup.seed)  # type: ignore[return-value]
+        if kind == "fsdp2":  # a cell of FSDP2 ranks on Ray
+            assert setup.trainer is not None
+            return self._cells().build(setup.trainer, folder, setup.hparams, setup.seed)
+        if kind == "dp":  # a group of DP cells
+            return self._new_dp_group(setup, folder)
+        if kind == "megatron":  # a megatron-core GPTModel's trainer
+            return MegatronTrainer.create(folder, setup.hparams, setup.seed)
         return PolicyTrainer.create(folder, setup.hparams, setup.seed, setup.model.lora, setup.distill)
 
     @staticmethod
@@ -68,7 +68,7 @@ class TrainerLayouts:
         single run keeps it; ``after_sft`` hands the others its post-SFT weights)."""
         return PolicyTrainer.create(base, setup.hparams, setup.seed, setup.model.lora, setup.distill)
 
-    def after_sft(self, setup: RunSetup, trainer: PolicyTrainer) -> PolicyTrainer:
+    def after_sft(self, setup: RunSetup, trainer: PolicyTrainer) -> Trainer:
         """The run's trainer after the warm-up on ``sft_trainer``'s."""
         if layout(setup) == "single":
             return trainer
@@ -79,19 +79,12 @@ class TrainerLayouts:
 
     def _cells(self) -> CellHost:
         if self.cell_host is None:
-            import torch
-
-            from gpu_runtime.trainer.cell_host import CellHost  # ray: the optional ``cells`` extra
-
             # the cell trains where this process does (``--device``): one GPU per rank on CUDA
             self.cell_host = CellHost(self.work_dir, device=torch.get_default_device().type, gpus=self.cell_gpus)
         return self.cell_host
 
     def _new_dp_group(self, setup: RunSetup, folder: Path) -> DPGroup:
         """Fresh DP cells over ``folder`` (the previous group's processes end first)."""
-        from gpu_runtime.trainer.dp.group import DPGroup  # torchft: the optional ``cells`` extra
-        from gpu_runtime.trainer.dp.lighthouse import Lighthouse
-
         assert setup.trainer is not None
         self.end_dp_group()
         if self.lighthouse is None:
@@ -107,15 +100,14 @@ class TrainerLayouts:
         if self.cell_host is not None:
             self.cell_host.failed(err)
 
-    def discard_dead(self, trainer: object) -> None:
+    def discard_dead(self, dead: Dead) -> None:
         """Before a call: a trainer found dead (a fsdp2 cell that lost a rank, every DP cell
         lost) is dropped; its cell's failure is reported, DP cells end."""
-        failure = getattr(trainer, "failure", None)
-        if failure is not None:
-            self.cell_failed(failure)
+        if dead.failure is not None:
+            self.cell_failed(dead.failure)
         self.end_dp_group()
 
-    def step_failed(self, setup: RunSetup | None, trainer: object, err: BaseException) -> bool:
+    def step_failed(self, setup: RunSetup | None, trainer: Trainer | None, err: BaseException) -> bool:
         """After a train step raised ``err``: whether ``trainer`` must be rebuilt (restore +
         replay). A fsdp2 cell always is (a rank may have died mid-step); DP cells only when
         every cell is lost or they diverged (their group then ends)."""
@@ -123,12 +115,12 @@ class TrainerLayouts:
         if kind == "fsdp2":
             self.cell_failed(err)
             return True
-        if kind == "dp" and getattr(trainer, "dead", False):
+        if kind == "dp" and trainer is not None and isinstance(trainer.health, Dead):
             self.end_dp_group()
             return True
         return False
 
-    def restart_cells(self, setup: RunSetup, trainer: object, indices: list[int]) -> dict[str, str]:
+    def restart_cells(self, setup: RunSetup, trainer: Trainer | None, indices: list[int]) -> dict[str, str]:
         """Start the given lost DP cells again; see ``TrainerService.restart_cells``."""
         group = self.dp_group if layout(setup) == "dp" and trainer is self.dp_group else None
         outcome: dict[str, str] = {}

@@ -23,7 +23,6 @@ from gpu_runtime.data.datasets import load_jsonl, prompts_for_step
 from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.store.fence import FencedStore, StaleEpoch, read_fence
-from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import (
     BroadcastWeightsCall,
@@ -43,12 +42,14 @@ from gpu_runtime.trainer.api import (
     stored_step_batch,
     weights_folder,
 )
-from gpu_runtime.trainer.base_model import DONE, base_model_folder
-from gpu_runtime.trainer.cell_errors import CellFailed  # no Ray, no torch.distributed
-from gpu_runtime.trainer.layouts import TrainerLayouts, layout
-from gpu_runtime.trainer.offload import OptimizerOffload
-from gpu_runtime.trainer.policy import PolicyTrainer
 from gpu_runtime.trainer import weight_broadcast
+from gpu_runtime.trainer.base_model import DONE, base_model_folder
+from gpu_runtime.trainer.common.offload import OptimizerOffload
+from gpu_runtime.trainer.fsdp2.errors import CellFailed
+from gpu_runtime.trainer.layouts import TrainerLayouts, layout
+from gpu_runtime.trainer.megatron.trainer import runtime_problem
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.protocol import Dead, Trainer
 
 log = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"  # an adapter export's folder inside each published version
@@ -71,7 +72,7 @@ class TrainerService:
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.setup: RunSetup | None = None
-        self.trainer: PolicyTrainer | None = None
+        self.trainer: Trainer | None = None
         self.store: FencedStore | None = None
         self.ckpts: CheckpointStore | None = None
         self.ancestors: list[tuple[int, CheckpointStore]] = []  # a fork: (last step, the ancestor's checkpoints)
@@ -83,8 +84,8 @@ class TrainerService:
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
-        if getattr(self.trainer, "dead", False):  # a fsdp2 cell that lost a rank / every DP cell lost: rebuilt
-            self.layouts.discard_dead(self.trainer)
+        if self.trainer is not None and isinstance(self.trainer.health, Dead):  # a fsdp2 cell that lost a rank /
+            self.layouts.discard_dead(self.trainer.health)  # every DP cell lost: rebuilt by restore + replay
             self.trainer = None
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup
@@ -119,8 +120,6 @@ class TrainerService:
         ``trainer.backend megatron`` needs megatron-core and a CUDA trainer (a ValueError: the
         run fails as invalid input instead of retrying on the same node)."""
         if setup.trainer is not None and setup.trainer.backend == "megatron":
-            from gpu_runtime.trainer.megatron.trainer import runtime_problem  # imports no megatron-core
-
             if problem := runtime_problem():
                 raise ValueError(problem)
 
@@ -184,7 +183,7 @@ class TrainerService:
             for e in events
         )]
 
-    def _new_trainer(self) -> PolicyTrainer:
+    def _new_trainer(self) -> Trainer:
         assert self.setup is not None
         return self.layouts.new(self.setup, self._base_folder())
 
@@ -325,8 +324,8 @@ class TrainerService:
         if (held.policy_version, held.checksum) != (call.policy_version, call.checksum):
             raise ValueError(f"broadcast of v{call.policy_version} ({call.checksum[:12]}) refused: the trainer holds "
                              f"v{held.policy_version} ({(held.checksum or '')[:12]}) of run {call.run_id}")
-        state = weight_broadcast.published_tensors(self.trainer, weights_folder(self.work_dir, call.run_id,
-                                                                                call.policy_version))
+        assert self.trainer is not None  # it holds the version
+        state = self.trainer.broadcast_tensors(weights_folder(self.work_dir, call.run_id, call.policy_version))
         return weight_broadcast.broadcast(state, call)
 
     # ---- training -----------------------------------------------------------------

@@ -2,10 +2,11 @@
 weight-update group, broadcasting the version it just published from memory.
 
 The state sent is the published one (the export naming, merged under LoRA), so its
-``weights_checksum`` is the version's checksum; a trainer whose weights live in other
-processes (a fsdp2 cell, DP cells) sends the folder it exported for the version, which
-the page cache still holds. Refused (before joining) when the trainer does not
-hold that version: the fleet then pushes the folder from disk.
+``weights_checksum`` is the version's checksum: each trainer hands it over as cheaply as
+it holds it (``Trainer.broadcast_tensors``: views of the model's own tensors, a fsdp2 cell's
+gathered weights, the folder DP cells exported for the version, which the page cache still
+holds). Refused (before joining) when the trainer does not hold that version: the fleet
+then pushes the folder from disk.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 
-from gpu_runtime.models.causal_lm import exported_tensors
 from gpu_runtime.trainer.api import BroadcastWeightsCall, WeightsBroadcast
-from gpu_runtime.trainer.policy import PolicyTrainer
 from gpu_runtime.weight_sync.distributed import GroupSpec, Manifest, WeightGroup
 
 log = logging.getLogger(__name__)
@@ -34,23 +32,8 @@ def fault_injection_delay() -> None:
         time.sleep(delay)
 
 
-def published_tensors(trainer: object, folder: Path) -> dict[str, torch.Tensor]:
-    """What the engines load for this version: the full-tuned model's own tensors as views
-    (no second copy of the weights on the trainer's device), LoRA's merged weights, or the
-    exported folder for a trainer that keeps its weights elsewhere (cells)."""
-    if isinstance(trainer, PolicyTrainer) and not trainer.lora:
-        return exported_tensors(trainer.model)
-    state = getattr(trainer, "published_state", None)
-    if callable(state):
-        return state()
-    from safetensors.torch import load_file
-
-    from gpu_runtime.models.model_folder import WEIGHTS_FILE
-
-    return load_file(str(folder / WEIGHTS_FILE))
-
-
 def broadcast(state: dict[str, torch.Tensor], call: BroadcastWeightsCall) -> WeightsBroadcast:
+    """``state`` to the engines of ``call``'s group, as its rank 0."""
     spec = GroupSpec(call.master_address, call.master_port, call.world_size, call.group_name, call.backend)
     manifest = Manifest(call.names, call.dtypes, call.shapes, call.bucket_bytes)
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from gpu_runtime.data.datasets import generate_arithmetic
-from gpu_runtime.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.api import ModelInit, ModelSource
 from gpu_runtime.trainer.base_model import base_model_folder
 from activities.translate import trainer_hparams

@@ -105,12 +105,12 @@ def test_cuda_engine_receives_a_broadcast(backend: str, model_dirs, procs, tmp_p
 
 _TRAIN = """
 import sys, torch
-from gpu_runtime.trainer.server import use_device
+from gpu_runtime.trainer.common.device import use_device
 use_device(sys.argv[2])
 torch.use_deterministic_algorithms(True)
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
-from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from workflows.config import TrainSpec
 hp = TrainerHParams(**TrainSpec(lr=1e-3, micro_batch_size=2).model_dump())
 t = PolicyTrainer.create(sys.argv[1], hp, 0)
@@ -160,14 +160,14 @@ print(float((a - b).abs().max()))
 
 _MEGATRON_STEP = """
 import sys, torch
-from gpu_runtime.trainer.server import use_device
+from gpu_runtime.trainer.common.device import use_device
 use_device("cuda:0")
 from gpu_runtime.models.model_folder import weights_checksum
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.megatron import model as mm
 from gpu_runtime.trainer.megatron.train import grpo_step
-from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from workflows.config import TrainSpec
 hp = TrainerHParams(**TrainSpec(lr=1e-4, micro_batch_size=4).model_dump())
 samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6],
@@ -203,20 +203,20 @@ def test_megatron_grpo_step_matches_the_single_trainer_on_cuda(tmp_path: Path) -
     assert diff < 3e-4  # lr 1e-4: a flipped near-zero gradient moves a weight by at most ~2 lr
 
 
-# ---- fsdp2 cells on CUDA: one GPU per rank, NCCL (gpu_runtime.trainer.cell_device) ----------
+# ---- fsdp2 cells on CUDA: one GPU per rank, NCCL (gpu_runtime.trainer.fsdp2.device) ----------
 # A rank launched torchrun-style (RANK / LOCAL_RANK / MASTER_*), no Ray: the GPU image has
 # none. The same CellRankTrainer, placement and determinism settings as a Ray actor rank.
 _CELL_RANK = """
 import os, sys, torch
 import torch.distributed as dist
-from gpu_runtime.trainer.cell_device import prepare_rank, this_rank
+from gpu_runtime.trainer.fsdp2.device import prepare_rank, this_rank
 folder, kind, precision, out = sys.argv[1:5]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 placement = this_rank(kind, rank)
 prepare_rank(placement, 1)
 dist.init_process_group(placement.backend, rank=rank, world_size=world)
-from gpu_runtime.trainer.cell_rank import CellRankTrainer
-from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.fsdp2.rank import CellRankTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from tests.integration.test_cuda_paths import cell_hparams, cell_samples
 hp = cell_hparams(precision)
 t = PolicyTrainer.create(folder, hp, 0) if os.environ.get("SINGLE") else CellRankTrainer.create_rank(folder, hp, 0)
@@ -293,8 +293,8 @@ def test_fsdp2_cell_on_cuda_through_ray(model_dirs, tmp_path: Path) -> None:  # 
     """The driver's path: ``TrainerCell(device="cuda")`` reserves one GPU per rank in its Ray
     placement group and each actor trains on the GPU Ray assigned it (skipped without Ray)."""
     pytest.importorskip("ray")
-    from gpu_runtime.trainer.cell import TrainerCell
-    from gpu_runtime.trainer.ray_runtime import RayRuntime
+    from gpu_runtime.trainer.fsdp2.cell import TrainerCell
+    from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime
 
     world = 2 if torch.cuda.device_count() >= 2 else 1
     hp = cell_hparams("bf16")

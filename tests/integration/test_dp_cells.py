@@ -27,7 +27,7 @@ pytest.importorskip("torchft", reason="the cells extra (torchft-nightly) is not 
 from gpu_runtime.models.causal_lm import export_state_dict  # noqa: E402
 from gpu_runtime.models.model_folder import load_model_folder, weights_checksum  # noqa: E402
 from gpu_runtime.proc.processes import pid_alive  # noqa: E402
-from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
 from gpu_runtime.trainer.dp.group import DPGroup  # noqa: E402
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse  # noqa: E402
 from tests.stack import wait_for  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 from gpu_runtime.engine.memory_occupation import release_route, resume_route
 from gpu_runtime.engine.server import EngineState
-from gpu_runtime.trainer.offload import OptimizerOffload
+from gpu_runtime.trainer.common.offload import OptimizerOffload
 from tests.engine_fixtures import model_dirs, tiny_model  # noqa: F401
 
 pytestmark = pytest.mark.gpu

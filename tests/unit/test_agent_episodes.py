@@ -23,7 +23,7 @@ from gpu_runtime.rollout.request import AgentSettings, RolloutRequest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.base_model import tokenizer_texts
-from gpu_runtime.trainer.batches import MicroBatch, response_aligned_mask
+from gpu_runtime.trainer.common.batches import MicroBatch, response_aligned_mask
 from tests import agent_tools
 
 ROWS = generate_tool_arithmetic(40, 3, 99, "*", min_operand=10)

@@ -15,7 +15,7 @@ from activities.translate import trainer_hparams
 from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import EpisodeInfo, Sample
-from gpu_runtime.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.api import ModelInit, ModelSource
 from gpu_runtime.trainer.base_model import base_model_folder
 from workflows.config import ModelInitSpec, TrainSpec

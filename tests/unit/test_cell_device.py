@@ -1,11 +1,11 @@
-"""Where a fsdp2 cell's rank computes (``gpu_runtime.trainer.cell_device``): pure logic over
+"""Where a fsdp2 cell's rank computes (``gpu_runtime.trainer.fsdp2.device``): pure logic over
 what the rank's process sees, so the CUDA choices are tested here without a GPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpu_runtime.trainer.cell_device import RankPlacement, cell_kind, rank_bundle, rank_placement
+from gpu_runtime.trainer.fsdp2.device import RankPlacement, cell_kind, rank_bundle, rank_placement
 
 
 def test_cpu_cells_use_gloo_on_the_cpu() -> None:

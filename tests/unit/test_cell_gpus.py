@@ -5,7 +5,7 @@ engine holds.
 Ray does not check that a GPU id it is given exists, so the mechanism is tested here on
 CPU with made-up GPU ids (1 and 3 of a 4-GPU node): Ray hands each one-GPU actor one of
 them and sets the actor's ``CUDA_VISIBLE_DEVICES`` to it, which is what the rank reads
-(``cell_device.rank_placement``). Only the CUDA work itself needs a GPU (tests marked gpu).
+(``fsdp2.device.rank_placement``). Only the CUDA work itself needs a GPU (tests marked gpu).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
 
 from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
-from gpu_runtime.trainer.ray_runtime import RayRuntime, visible_gpus  # noqa: E402
-from gpu_runtime.trainer.cell_device import rank_placement  # noqa: E402
-from gpu_runtime.trainer.cell_host import CellHost  # noqa: E402
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime, visible_gpus  # noqa: E402
+from gpu_runtime.trainer.fsdp2.device import rank_placement  # noqa: E402
+from gpu_runtime.trainer.fsdp2.host import CellHost  # noqa: E402
 
 
 def test_visible_gpus_indexes_an_outer_list_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from gpu_runtime.trainer.ray_runtime import end_recorded
+from gpu_runtime.trainer.fsdp2.ray_runtime import end_recorded
 
 
 def test_recorded_processes_are_ended_and_reused_pids_spared(tmp_path: Path) -> None:

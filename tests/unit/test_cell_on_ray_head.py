@@ -18,9 +18,10 @@ import pytest
 pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
 
 from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
-from gpu_runtime.trainer.cell_errors import RayUnavailable  # noqa: E402
-from gpu_runtime.trainer.ray_runtime import RayRuntime  # noqa: E402
-from gpu_runtime.trainer.cell_host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
+from gpu_runtime.trainer.fsdp2.errors import RayUnavailable  # noqa: E402
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime  # noqa: E402
+from gpu_runtime.trainer.fsdp2.host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
+from gpu_runtime.trainer.protocol import Dead  # noqa: E402
 from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready  # noqa: E402
 from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
@@ -137,7 +138,8 @@ def test_a_head_restart_fails_the_call_clearly_and_the_next_one_reconnects(head:
         head.stop()
         with pytest.raises(RayUnavailable, match=f"head \\(.*:{head.port}\\) is unreachable"):
             cell.train_step(*rollout(2), 4, HP)
-        host.failed(cell.failure)  # what the trainer service does with a failed call
+        assert isinstance(cell.health, Dead) and cell.health.failure is not None
+        host.failed(cell.health.failure)  # what the trainer service does with a failed call
         assert host.cell is None and host.ray is None
         assert [e.kind for e in host.take_events()] == ["cell_started", "ray_unavailable"]
         with pytest.raises(RayUnavailable, match="cannot reach the Ray head"):  # still down: at once, not a hang

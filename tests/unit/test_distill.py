@@ -17,10 +17,10 @@ from gpu_runtime.data.datasets import encode_prompt
 from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.api import DistillSettings
-from gpu_runtime.trainer.batches import micro_batches, pad_batch
-from gpu_runtime.trainer.distill import distill_terms
+from gpu_runtime.trainer.common.batches import micro_batches, pad_batch
+from gpu_runtime.trainer.policy.distill import distill_terms
 from tests.engine_fixtures import tiny_model
 from tests.unit.test_policy_trainer import ROWS, TOK, assert_same_state, base, hparams
 from workflows.config import RunConfig

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 
 from gpu_runtime.models.causal_lm import export_state_dict, load_causal_lm
 from gpu_runtime.models.model_folder import load_model_folder, model_checksum
-from gpu_runtime.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.api import LoraSettings
-from gpu_runtime.trainer.lora import merged_state_dict
+from gpu_runtime.trainer.common.lora import merged_state_dict
 from tests.unit.test_policy_trainer import ROWS, assert_same_state, base, hparams, rollout
 from workflows.config import LoraSpec, ModelSpec, RunConfig
 

@@ -139,7 +139,7 @@ def test_megatron_grpo_loss_is_the_single_trainers(tmp_path: Path) -> None:
     from gpu_runtime.store.artifacts import Sample
     from gpu_runtime.trainer.api import TrainerHParams
     from gpu_runtime.trainer.megatron.train import grpo_step, unsupported
-    from gpu_runtime.trainer.policy import PolicyTrainer
+    from gpu_runtime.trainer.policy.trainer import PolicyTrainer
     from workflows.config import TrainSpec
 
     model, tok = tiny_model(7)

@@ -38,7 +38,7 @@ from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.megatron import trainer as mtrainer
-from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.service import TrainerService
 from tests.engine_fixtures import REPO, tiny_model
 from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_service, check_steps, run_service, run_steps
@@ -131,7 +131,7 @@ from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.models.model_folder import weights_checksum
 from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
-from gpu_runtime.trainer.policy import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from workflows.config import TrainSpec
 
 src, work = Path(sys.argv[1]), Path(sys.argv[2])

@@ -16,7 +16,8 @@ from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic
 from gpu_runtime.models.model_folder import load_model_folder, model_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from activities.translate import trainer_hparams
-from gpu_runtime.trainer import PolicyTrainer, TrainerHParams
+from gpu_runtime.trainer.api import TrainerHParams
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.api import ModelInit, ModelSource, VersionInfo
 from gpu_runtime.trainer.base_model import base_model_folder
 from workflows.config import ModelInitSpec, TrainSpec

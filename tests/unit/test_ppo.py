@@ -20,8 +20,8 @@ from gpu_runtime.algorithms.gae import (
 )
 from gpu_runtime.algorithms.advantages import compute_advantages
 from gpu_runtime.algorithms.losses import kl_per_token
-from gpu_runtime.trainer import PolicyTrainer
-from gpu_runtime.trainer.critic import CRITIC_OPTIM, CRITIC_WEIGHTS
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.critic import CRITIC_OPTIM, CRITIC_WEIGHTS
 from tests.unit.test_policy_trainer import hparams, new_trainer, rollout
 
 
@@ -227,7 +227,7 @@ def test_trainer_step_matches_the_plain_torch_reference() -> None:
     with torch.no_grad():  # a reference away from the policy, so the KL penalty is not zero
         for p in tr.ref_model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=gen))
-    tr._ensure_critic(hp)
+    tr.ensure_critic(hp)
     policy, critic = copy.deepcopy(tr.model), copy.deepcopy(tr.critic.model)
     samples, rewards = rollout(1)
     got = tr.train_step(samples, rewards, group_size=4, hparams=hp)
@@ -258,7 +258,7 @@ def test_critic_starts_from_the_policy_and_trains_separately() -> None:
     assert m["critic_grad_norm"] > 0 and m["grad_norm"] > 0
     assert not any(k.startswith(("trunk.", "head.")) for k in tr.published_state())  # engines get the policy only
     fresh = new_trainer(kl_coef=0.0)
-    fresh._ensure_critic(hparams(estimator="ppo", kl_coef=0.0))
+    fresh.ensure_critic(hparams(estimator="ppo", kl_coef=0.0))
     trunk = {k.removeprefix("trunk."): v for k, v in fresh.critic.state_dict().items() if k.startswith("trunk.")}
     assert all(torch.equal(v, before[f"model.{k}"]) for k, v in trunk.items())  # the trunk is the policy's
     assert any(not torch.equal(v, fresh.critic.state_dict()[k]) for k, v in tr.critic.state_dict().items())

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from gpu_runtime.data.datasets import encode_prompt, sft_target
 from gpu_runtime.models.causal_lm import ATTENTION, export_state_dict
 from gpu_runtime.models.precision import autocast_dtype, forward_precision
-from gpu_runtime.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.api import stored_hparams
 from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams, optimizer_tensors, rollout
 from workflows.config import TrainSpec

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from gpu_runtime.proc.devices import Placement, plan_placement
 from gpu_runtime.node.memory_phases import resolve_release_memory
-from gpu_runtime.trainer.offload import OptimizerOffload
-from gpu_runtime.trainer.state import OPTIM_FILE
+from gpu_runtime.trainer.common.offload import OptimizerOffload
+from gpu_runtime.trainer.common.state_io import OPTIM_FILE
 from tests.unit.test_policy_trainer import assert_same_state, new_trainer, rollout
 from workflows.config import EngineSpec, RunConfig
 

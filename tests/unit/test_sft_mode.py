@@ -12,8 +12,8 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from gpu_runtime.data.datasets import sft_target
-from gpu_runtime.trainer import PolicyTrainer
-from gpu_runtime.trainer.sft import sft_samples
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.policy.sft import sft_samples
 from tests.unit.test_lora import LORA
 from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run

@@ -22,10 +22,11 @@ pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip i
 
 from gpu_runtime.models.causal_lm import export_state_dict  # noqa: E402
 from gpu_runtime.models.model_folder import load_model_folder, weights_checksum  # noqa: E402
-from gpu_runtime.trainer import PolicyTrainer  # noqa: E402
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
 from gpu_runtime.trainer.api import TrainerHParams  # noqa: E402
-from gpu_runtime.trainer.cell import CellPlacementFailed, CellRankDied, CellRankHung, TrainerCell  # noqa: E402
-from gpu_runtime.trainer.ray_runtime import RayRuntime  # noqa: E402
+from gpu_runtime.trainer.fsdp2.cell import CellPlacementFailed, CellRankDied, CellRankHung, TrainerCell  # noqa: E402
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime  # noqa: E402
+from gpu_runtime.trainer.protocol import Dead  # noqa: E402
 from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
 from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
@@ -196,7 +197,7 @@ def test_a_killed_rank_fails_the_step_and_frees_the_cell(folder: Path, ray_runti
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(CellRankDied, match="rank 1 of the cell died"):
             cell.train_step(*rollout(2), 4, HP)
-        assert cell.dead
+        assert isinstance(cell.health, Dead)
     finally:
         cell.close()
     wait_for(lambda: not pid_alive(pids[0]), timeout_s=60, what="rank 0 ended with its cell")
@@ -225,7 +226,7 @@ def test_a_stopped_rank_fails_the_step_within_the_collective_timeout(folder: Pat
         os.kill(pids[1], signal.SIGSTOP)
         with pytest.raises(CellRankHung, match="collective timed out|did not finish"):
             cell.train_step(*rollout(2), 4, HP)
-        assert cell.dead
+        assert isinstance(cell.health, Dead)
     finally:
         cell.close()  # no SIGCONT: ending the cell must end a stopped rank too
     wait_for(lambda: not any(pid_alive(p) for p in pids), timeout_s=60, what="the hung cell's ranks ended")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gpu_runtime.algorithms.logprobs import token_logprobs
-from gpu_runtime.trainer import PolicyTrainer
-from gpu_runtime.trainer.batches import MicroBatch
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.common.batches import MicroBatch
 from tests.unit.test_policy_trainer import METRICS, TOK, hparams, new_trainer, rollout
 
 TERMS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction")

@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import time
 from datetime import timedelta
 from typing import Any
@@ -36,10 +35,10 @@ from typing import Any
 import torch
 
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer import lora as lora_lib
 from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
-from gpu_runtime.trainer.policy import PolicyTrainer
-from gpu_runtime.trainer.state import _load_optimizer, _optimizer_tensors
+from gpu_runtime.trainer.common import lora as lora_lib
+from gpu_runtime.trainer.common.state_io import python_rng_state, set_python_rng_state
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20  # quorums one step may take before the cell gives up (each failed one is a peer lost)
@@ -195,33 +194,24 @@ class DPCellTrainer(PolicyTrainer):
     # ---------------------------------------------------------------- state
     def heal_state(self) -> dict[str, Any]:
         """What a peer sends a healing cell (torchft's HTTP transport, torch serialization)."""
-        tensors, groups = _optimizer_tensors(self.optimizer)
-        py = random.getstate()
+        tensors, groups = self.optimizer_state()
+        ref = self.reference_state()
         return {
-            "weights": {k: v.detach().clone() for k, v in self._trained_state(self.model).items()},
-            "ref": ({k: v.detach().clone() for k, v in self._trained_state(self.ref_model).items()}
-                    if self.ref_model is not None else None),
+            "weights": {k: v.detach().clone() for k, v in self.trained_state().items()},
+            "ref": {k: v.detach().clone() for k, v in ref.items()} if ref is not None else None,
             "optimizer": tensors, "param_groups": groups,
             "opt_steps": self.opt_steps, "policy_version": self.policy_version,
             "hparams": self.hparams.model_dump(mode="json"),
-            "rng": torch.get_rng_state(), "py_random": [py[0], list(py[1]), py[2]],
+            "rng": torch.get_rng_state(), "py_random": python_rng_state(),
         }
 
     def load_heal_state(self, st: dict[str, Any]) -> None:
-        with torch.no_grad():
-            self._load_trained_state(self.model, st["weights"])
-            if st["ref"] is not None:
-                if self.ref_model is None:
-                    self.ref_model = self._frozen_copy(self.model)
-                self._load_trained_state(self.ref_model, st["ref"])
-            else:
-                self.ref_model = None
+        self.load_trained_state(st["weights"])
+        self.load_reference_state(st["ref"])
         self.hparams = stored_hparams(st["hparams"])
-        self.optimizer = self._new_optimizer(self.hparams)
-        _load_optimizer(self.optimizer, st["optimizer"], st["param_groups"])
+        self.load_optimizer_state(self.hparams, st["optimizer"], st["param_groups"])
         torch.set_rng_state(st["rng"])
-        v, internal, gauss = st["py_random"]
-        random.setstate((v, tuple(internal), gauss))
+        set_python_rng_state(st["py_random"])
         self.opt_steps = int(st["opt_steps"])
         self.policy_version = int(st["policy_version"])
         self.model.train()
@@ -230,7 +220,7 @@ class DPCellTrainer(PolicyTrainer):
         """Weights + AdamW state + schedule position + version: equal on every cell after a
         step, or the cells have diverged."""
         h = hashlib.sha256(self.checksum().encode())
-        tensors, _ = _optimizer_tensors(self.optimizer)
+        tensors, _ = self.optimizer_state()
         for k in sorted(tensors):
             h.update(k.encode())
             h.update(tensors[k].numpy().tobytes())

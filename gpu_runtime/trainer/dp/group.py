@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -33,17 +32,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import torch
 from pydantic import BaseModel
+from safetensors.torch import load_file
 
-from gpu_runtime.proc.processes import stop_pid
-from gpu_runtime.proc.rpc import RemoteError, RPCClient, ServerDidNotStart, start_rpc_process
+from gpu_runtime.models.model_folder import WEIGHTS_FILE
+from gpu_runtime.proc.rpc import RemoteError, ServerDidNotStart, start_rpc_process
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import DPCellInfo, DPState, NodeEvent, TrainerHParams
+from gpu_runtime.trainer.dp.cell_process import CellProcess, Silent, watched
 from gpu_runtime.trainer.dp.cell_server import BuildCall, CellReport, Empty, PathCall, StepInput, Text, TrainCall
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse, LighthouseWatchdog
+from gpu_runtime.trainer.protocol import ALIVE, Dead, Health
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 STRAGGLER_GRACE_S = 10.0
 START_TIMEOUT_S = 120.0
 YOUNG_LIGHTHOUSE_S = 3.0  # a step waits up to this long after a lighthouse (re)start for every cell's heartbeat
@@ -54,56 +57,8 @@ class DPCellsLost(RuntimeError):
     """Every cell of the group is lost: the trainer rebuilds from a checkpoint."""
 
 
-class _Silent(Exception):
-    """A cell answered neither a call nor its health check for too long."""
-
-
-def _watched(fn: Callable[[], T], check: Callable[[], None], every_s: float) -> T:
-    """``fn()`` on a thread while ``check()`` runs on this one every ``every_s`` until it
-    returns; ``check`` may raise to stop waiting (``fn``'s thread is then left to end)."""
-    box: dict[str, object] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as err:  # noqa: BLE001 - raised below, on the caller's thread
-            box["error"] = err
-        done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    while not done.wait(every_s):
-        check()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["result"]  # type: ignore[return-value]
-
-
 class CellsDiverged(RuntimeError):
     """Cells that committed the same step hold different state (never retried: a bug)."""
-
-
-@dataclass
-class _Cell:
-    index: int
-    proc: subprocess.Popen | None = None
-    client: RPCClient | None = None
-    state: str = "starting"  # alive | lost | starting
-    why: str = ""  # why it was lost
-    report: CellReport | None = None
-    healed_from_step: int | None = None
-    restarts: int = 0
-    joining: bool = False  # restarted, not yet through a step: it must join the quorum first
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def end(self, timeout_s: float = 10.0) -> None:
-        """Stop the cell's process by pid (``stop_pid`` continues a SIGSTOPped one)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        stop_pid(self.proc.pid, self.proc, timeout_s=timeout_s)
 
 
 @dataclass
@@ -116,11 +71,10 @@ class DPGroup:
     lighthouse: Lighthouse
     timeout_s: float = 120.0
     threads: int = 1
-    members: list[_Cell] = field(default_factory=list)
+    members: list[CellProcess] = field(default_factory=list)
     events: list[NodeEvent] = field(default_factory=list)
     version: int = 0
-    dead: bool = False
-    failure: BaseException | None = None
+    health: Health = ALIVE  # Dead: every cell lost, or the cells diverged
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _restarts: list[threading.Thread] = field(default_factory=list)
     _closed: bool = False
@@ -131,7 +85,7 @@ class DPGroup:
             raise ValueError(f"trainer.cells must be >= 2 for a DP group, got {self.cells}")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.lighthouse.ensure_running()
-        self.members = [_Cell(i) for i in range(self.cells)]
+        self.members = [CellProcess(i) for i in range(self.cells)]
         try:
             with ThreadPoolExecutor(self.cells) as pool:
                 reports = list(pool.map(self._start, self.members))
@@ -145,7 +99,7 @@ class DPGroup:
                    f"lighthouse pid {self.lighthouse.pid}")
 
     # ---- processes ---------------------------------------------------------------
-    def _start(self, c: _Cell, joining: bool = False) -> CellReport:
+    def _start(self, c: CellProcess, joining: bool = False) -> CellReport:
         cmd = [sys.executable, "-m", "gpu_runtime.trainer.dp.cell_server", "--index", str(c.index),
                "--lighthouse", self.lighthouse.address, "--timeout-s", str(self.timeout_s),
                "--threads", str(self.threads), "--parent-pid", str(os.getpid())]
@@ -163,7 +117,7 @@ class DPGroup:
             c.state, c.why, c.healed_from_step = "alive", "", None
         return c.report
 
-    def _lose(self, c: _Cell, why: str) -> None:
+    def _lose(self, c: CellProcess, why: str) -> None:
         if c.state == "lost":
             return
         c.end(timeout_s=2.0)
@@ -186,7 +140,7 @@ class DPGroup:
         t.start()
         return "restarting"
 
-    def _restart(self, c: _Cell) -> None:
+    def _restart(self, c: CellProcess) -> None:
         old = c.pid
         try:  # built without its torchft manager: it joins at the start of its first step (``_join``)
             self._start(c, joining=True)
@@ -206,7 +160,7 @@ class DPGroup:
         if self.lighthouse.ensure_running():
             self._note("lighthouse_restarted", f"torchft lighthouse restarted as pid {self.lighthouse.pid}")
 
-    def live(self) -> list[_Cell]:
+    def live(self) -> list[CellProcess]:
         with self._lock:
             return [c for c in self.members if c.state == "alive"]
 
@@ -250,8 +204,19 @@ class DPGroup:
     def policy_version(self) -> int:
         return self.version
 
+    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+        raise ValueError("trainer.cells > 1 does not support mode sft (the cells train the RL step only)")
+
+    def export_adapter_folder(self, folder: str | Path, base_model: str) -> None:
+        raise ValueError("export_adapter_folder: DP cells (trainer.cells > 1) train no LoRA adapters")
+
+    def broadcast_tensors(self, exported: Path) -> dict[str, torch.Tensor]:
+        """The weights live in the cells' processes: the folder exported for the version
+        (the page cache still holds it)."""
+        return load_file(str(exported / WEIGHTS_FILE))
+
     # ---- fan-out -----------------------------------------------------------------
-    def _one(self, method: str, arg: BaseModel, result: type) -> object:
+    def _one(self, method: str, arg: BaseModel, result: type[M]) -> M:
         """``method`` on the first live cell (they are equal); a dead one is lost and the next
         asked, and so is a hung one (SIGSTOP), which would otherwise hold the call for its
         600 s timeout: its health check goes unanswered for ``timeout_s`` + a grace."""
@@ -260,12 +225,12 @@ class DPGroup:
                 return self._watched_call(c, method, arg, result)
             except ConnectionError as err:
                 self._lose(c, f"died during {method}: {err}")
-            except _Silent:
+            except Silent:
                 self._lose(c, f"no answer to {method} nor to its health check within "
                               f"{self.timeout_s + STRAGGLER_GRACE_S:.0f} s (hung or stopped)")
         raise self._all_lost(method)
 
-    def _watched_call(self, c: _Cell, method: str, arg: BaseModel, result: type) -> object:
+    def _watched_call(self, c: CellProcess, method: str, arg: BaseModel, result: type[M]) -> M:
         """The call on a thread while this one checks the cell's /health each second (served
         by its own thread, so a long export answers it; a stopped process does not)."""
         client = c.client
@@ -279,12 +244,12 @@ class DPGroup:
             elif silent_since is None:
                 silent_since = time.monotonic()
             elif time.monotonic() - silent_since > self.timeout_s + STRAGGLER_GRACE_S:
-                raise _Silent()
+                raise Silent()
 
-        return _watched(lambda: client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0)), check, 1.0)
+        return watched(lambda: client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0)), check, 1.0)
 
-    def _on_live(self, method: str, arg: BaseModel, lead: list[_Cell] | None = None,
-                 quorum: bool = False) -> list[tuple[_Cell, CellReport]]:
+    def _on_live(self, method: str, arg: BaseModel, lead: list[CellProcess] | None = None,
+                 quorum: bool = False) -> list[tuple[CellProcess, CellReport]]:
         """``method`` on every live cell at once. A cell whose connection drops is lost; once one
         has answered, the others have ``timeout_s`` + a grace, then are killed and lost.
 
@@ -297,36 +262,47 @@ class DPGroup:
         cells = lead + [c for c in cells if c not in lead]
         if not cells:
             raise self._all_lost(method)
-        results: dict[int, CellReport] = {}
-        errors: dict[int, BaseException] = {}
-        cond = threading.Condition()
-
-        def run(c: _Cell) -> None:
-            assert c.client is not None
-            try:
-                r = c.client.call(method, arg, CellReport)
-                with cond:
-                    results[c.index] = r
-            except BaseException as err:  # noqa: BLE001 - sorted out below
-                with cond:
-                    errors[c.index] = err
-            with cond:
-                cond.notify_all()
-
         if lead:  # restarted cells create their torchft managers now (see ``cell_server.join``)
             lead = self._join(lead)
             cells = [c for c in cells if c.state == "alive"]  # still lead first
             if not cells:
                 raise self._all_lost(method)
+        results, errors = self._fan_out(method, arg, cells, len(lead), quorum)
+        self._lose_silent(method, cells, results, errors)
+        if not results:
+            raise self._failed_everywhere(method, errors)
+        return [(self.members[i], results[i]) for i in sorted(results)]
+
+    def _fan_out(self, method: str, arg: BaseModel, cells: list[CellProcess], n_lead: int,
+                 quorum: bool) -> tuple[dict[int, CellReport], dict[int, BaseException]]:
+        """``method`` on ``cells`` (the first ``n_lead`` of them restarted ones), each on its
+        own thread; the answers and errors by cell, once every cell answered or the
+        stragglers' time after the first answer ran out."""
+        results: dict[int, CellReport] = {}
+        errors: dict[int, BaseException] = {}
+        cond = threading.Condition()
+
+        def run(c: CellProcess) -> None:
+            assert c.client is not None
+            try:
+                r = c.client.call(method, arg, CellReport)
+                with cond:
+                    results[c.index] = r
+            except BaseException as err:  # noqa: BLE001 - sorted out by the caller
+                with cond:
+                    errors[c.index] = err
+            with cond:
+                cond.notify_all()
+
         threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in cells]
-        if lead:  # a lone newcomer forms a quorum of its own when the lighthouse hears only it
+        if n_lead:  # a lone newcomer forms a quorum of its own when the lighthouse hears only it
             self._wait_status(self.lighthouse.heartbeating, len(cells), "heartbeating")
         elif quorum and self.lighthouse.age_s() < YOUNG_LIGHTHOUSE_S:
             self._wait_status(self.lighthouse.heartbeating, len(cells), "heartbeating",
                               timeout_s=YOUNG_LIGHTHOUSE_S - self.lighthouse.age_s())
         for i, t in enumerate(threads):
-            if lead and i == len(lead):
-                self._wait_status(self.lighthouse.pending_requests, len(lead), "waiting for a quorum")
+            if n_lead and i == n_lead:
+                self._wait_status(self.lighthouse.pending_requests, n_lead, "waiting for a quorum")
             t.start()
         deadline: float | None = None
         with cond:
@@ -337,6 +313,11 @@ class DPGroup:
                 if deadline is not None and wait == 0.0:
                     break
                 cond.wait(timeout=wait if wait is not None else 1.0)
+        return results, errors
+
+    def _lose_silent(self, method: str, cells: list[CellProcess], results: dict[int, CellReport],
+                     errors: dict[int, BaseException]) -> None:
+        """The cells of a fan-out that did not answer in time, died, or could not heal: lost."""
         for c in cells:
             if c.index in results:
                 continue
@@ -348,17 +329,19 @@ class DPGroup:
                 self._lose(c, f"died during {method}: {err}")
             elif isinstance(err, RemoteError) and err.error_type == "NotHealed":  # restarted again by the run
                 self._lose(c, f"not healed: {err.message}")
-        if not results:
-            passed = [e for e in errors.values() if isinstance(e, RemoteError) and e.error_type in PASSED_THROUGH]
-            if passed and self.live():  # the cells are fine: the input is not (every cell raises it)
-                raise PASSED_THROUGH[passed[0].error_type](passed[0].message)  # type: ignore[index]
-            other = next((e for e in errors.values() if isinstance(e, RemoteError)), None)
-            if other is not None and self.live():
-                raise RuntimeError(f"DP cells: {method}: {other}")
-            raise self._all_lost(method)
-        return [(self.members[i], results[i]) for i in sorted(results)]
 
-    def _join(self, cells: list[_Cell]) -> list[_Cell]:
+    def _failed_everywhere(self, method: str, errors: dict[int, BaseException]) -> BaseException:
+        """What a fan-out no cell answered raises: the input's error every cell raised (the
+        cells are fine), another cell error, or ``DPCellsLost``."""
+        passed = [e for e in errors.values() if isinstance(e, RemoteError) and e.error_type in PASSED_THROUGH]
+        if passed and self.live():  # the cells are fine: the input is not (every cell raises it)
+            return PASSED_THROUGH[passed[0].error_type](passed[0].message)
+        other = next((e for e in errors.values() if isinstance(e, RemoteError)), None)
+        if other is not None and self.live():
+            return RuntimeError(f"DP cells: {method}: {other}")
+        return self._all_lost(method)
+
+    def _join(self, cells: list[CellProcess]) -> list[CellProcess]:
         """``join`` on each restarted cell (its torchft manager connects to the lighthouse and
         heartbeats); those it fails for are lost."""
         joined = []
@@ -382,18 +365,18 @@ class DPGroup:
         log.warning("the lighthouse did not count %d cell(s) %s within %.0f s", n, what, timeout_s)
 
     def _all_lost(self, method: str) -> DPCellsLost:
-        self.dead = True
-        self.failure = DPCellsLost(f"every DP cell is lost ({method}): "
-                                   + "; ".join(f"cell {c.index}: {c.why}" for c in self.members))
-        return self.failure  # type: ignore[return-value]
+        failure = DPCellsLost(f"every DP cell is lost ({method}): "
+                              + "; ".join(f"cell {c.index}: {c.why}" for c in self.members))
+        self.health = Dead(failure)
+        return failure
 
-    def _check_equal(self, done: list[tuple[_Cell, CellReport]], expect_version: int | None = None) -> None:
+    def _check_equal(self, done: list[tuple[CellProcess, CellReport]], expect_version: int | None = None) -> None:
         """Every answering cell holds the same state (and, after a step, the next version)."""
         sums = {(r.policy_version, r.state_checksum) for _, r in done}
         if len(sums) > 1 or (expect_version is not None and done[0][1].policy_version != expect_version):
             detail = ", ".join(f"cell {c.index}: v{r.policy_version} {r.state_checksum[:12]}" for c, r in done)
             self._note("checksum_mismatch", detail)
-            self.dead = True
+            self.health = Dead()
             expected = "" if expect_version is None else f" (expected v{expect_version})"
             raise CellsDiverged(f"DP cells hold different state after the same step{expected}: {detail}")
         for c, r in done:

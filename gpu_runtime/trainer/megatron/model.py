@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.proc.processes import free_port
 from gpu_runtime.trainer.megatron import config as mconfig
 from gpu_runtime.trainer.megatron.convert import Shape, hf_to_megatron, megatron_to_hf
 
@@ -24,8 +25,6 @@ def init_single_process(port: int = 0, seed: int = 0) -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if port or "MASTER_PORT" not in os.environ:
-            from gpu_runtime.proc.processes import free_port
-
             os.environ["MASTER_PORT"] = str(port or free_port())
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():

@@ -3,7 +3,7 @@
 computed from the GPTModel's logits, so the two can be compared term by term.
 
 The loss of ``trainer.backend: megatron`` (``megatron.trainer.MegatronTrainer``): the batches,
-advantages, per-token loss and aggregation are the repo's own (``trainer.batches``,
+advantages, per-token loss and aggregation are the repo's own (``trainer.common.batches``,
 ``algorithms.losses``); only the forward differs. Needs CUDA to run (megatron-core has
 no CPU forward); checked against the HF trainer by ``tests/integration/test_cuda_paths.py``.
 """
@@ -18,7 +18,7 @@ from gpu_runtime.algorithms.losses import Aggregation, entropy_from_logits, mask
 from gpu_runtime.models.causal_lm import positions_from_mask
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
-from gpu_runtime.trainer.batches import logprob_gap_sums, micro_batch_advantages, micro_batches
+from gpu_runtime.trainer.common.batches import logprob_gap_sums, micro_batch_advantages, micro_batches
 
 
 def gpt_logprobs_and_logits(gpt: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """``trainer.backend: megatron``: the policy as a megatron-core GPTModel (local layer spec,
 TP = PP = 1, one process), trained with the repo's GRPO loss (``megatron.train``) and its
-AdamW + LR schedule (``trainer.optim``), published as HF model folders engines load.
+AdamW + LR schedule (``trainer.common.optim``), published as HF model folders engines load.
 
 It answers the calls ``TrainerService`` makes of a ``PolicyTrainer`` for what it supports
 (RL ``train_step``, ``export_model_folder``, ``checksum``, ``published_state``,
@@ -24,16 +24,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from gpu_runtime.models.causal_lm import config_shape
 from gpu_runtime.models.model_folder import weights_checksum, write_model_folder
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
-from gpu_runtime.trainer.batches import check_groups, step_metrics
+from gpu_runtime.trainer.common import state_io
+from gpu_runtime.trainer.common.batches import check_groups, step_metrics
+from gpu_runtime.trainer.common.optim import AdamWSteps
 from gpu_runtime.trainer.megatron import checkpoint
+from gpu_runtime.trainer.megatron import model as mm
+from gpu_runtime.trainer.megatron.convert import Shape, megatron_to_hf
+from gpu_runtime.trainer.megatron.model import load_hf_weights
 from gpu_runtime.trainer.megatron.train import grpo_backward, unsupported
-from gpu_runtime.trainer.optim import AdamWSteps
+from gpu_runtime.trainer.protocol import ALIVE, Health
 
 INSTALL = "pip install 'milestone[gpu]'"
 
@@ -58,6 +65,7 @@ def _refuse_hparams(hp: TrainerHParams) -> None:
 
 class MegatronTrainer(AdamWSteps):
     lora = None  # full fine-tuning only (the run config refuses model.lora)
+    health: Health = ALIVE  # in the trainer process itself: a failure ends the process (``protocol``)
 
     def __init__(self, gpt: Any, hf_config: PretrainedConfig, generation_config: GenerationConfig | None,
                  tokenizer: Tokenizer, hparams: TrainerHParams, seed: int) -> None:
@@ -69,7 +77,7 @@ class MegatronTrainer(AdamWSteps):
         self.seed = seed
         self.policy_version = 0
         self.opt_steps = 0
-        self.optimizer = self._new_optimizer(hparams)
+        self.optimizer = self.new_optimizer(hparams)
 
     # ---------------------------------------------------------------- setup
     @classmethod
@@ -78,10 +86,6 @@ class MegatronTrainer(AdamWSteps):
         """A trainer over the weights and tokenizer of an HF folder (Qwen2 / Llama), converted to
         a GPTModel on torch's default device. ``require_cuda`` False builds one on CPU anyway
         (export and checkpoints work there; a forward does not): the CPU tests' way."""
-        from safetensors.torch import load_file
-
-        from gpu_runtime.trainer.megatron.model import load_hf_weights
-
         trainer = cls._empty(base_folder, hparams, seed, require_cuda)
         sd = load_file(str(Path(base_folder) / "model.safetensors"), device=str(_device(trainer.model)))
         with torch.no_grad():
@@ -128,14 +132,16 @@ class MegatronTrainer(AdamWSteps):
     # --------------------------------------------------------------- state
     def published_state(self) -> dict[str, torch.Tensor]:
         """The weights engines load for this version, in HF naming (``export_state_dict``'s layout)."""
-        from gpu_runtime.trainer.megatron.convert import Shape, megatron_to_hf
-
         sd = {k: v.detach() for k, v in self.model.state_dict().items()
               if isinstance(v, torch.Tensor) and not k.endswith("._extra_state")}
         return {k: v.contiguous().clone() for k, v in megatron_to_hf(sd, Shape.of(self.hf_config)).items()}
 
     def checksum(self) -> str:
         return weights_checksum(self.published_state())
+
+    def broadcast_tensors(self, exported: Path) -> dict[str, torch.Tensor]:
+        """The published weights (HF naming, converted from the GPTModel's)."""
+        return self.published_state()
 
     def export_model_folder(self, folder: str | Path) -> str:
         """This version as an HF model folder (config, generation config, tokenizer, weights,
@@ -147,27 +153,55 @@ class MegatronTrainer(AdamWSteps):
         raise ValueError("export_adapter_folder: trainer.backend megatron trains no LoRA adapters")
 
     def save_state(self, folder: str | Path) -> None:
-        """Write the full trainer state into ``folder`` (``megatron.checkpoint``; meta file last)."""
-        checkpoint.save(self, folder)
+        """Write the full trainer state into ``folder`` (meta file last; ``megatron.checkpoint``)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = self.published_state()
+        save_file(weights, str(folder / state_io.WEIGHTS_FILE))
+        self.hf_config.save_pretrained(str(folder))
+        if self.generation_config is not None:
+            self.generation_config.save_pretrained(str(folder))
+        self.tokenizer.save(folder)
+        tensors, groups = self.optimizer_state()
+        save_file(tensors, str(folder / state_io.OPTIM_FILE))
+        save_file(checkpoint.rng_tensors(), str(folder / state_io.RNG_FILE))
+        state_io.write_meta(folder, {
+            "backend": checkpoint.BACKEND, "policy_version": self.policy_version, "opt_steps": self.opt_steps,
+            "seed": self.seed, "model_config": config_shape(self.hf_config),
+            "hparams": self.hparams.model_dump(mode="json"), "has_reference": False, "lora": None,
+            "optimizer_param_groups": groups, "critic": None, "checksum": weights_checksum(weights),
+        })
 
     @classmethod
     def from_state(cls, folder: str | Path, *, require_cuda: bool = True) -> "MegatronTrainer":
         """Build a trainer from a folder written by ``save_state``."""
-        meta = checkpoint.read_meta(Path(folder))
+        meta = state_io.read_meta(Path(folder))
         trainer = cls._empty(folder, stored_hparams(meta["hparams"]), int(meta["seed"]), require_cuda)
         trainer.load_state(folder)
         return trainer
 
     def load_state(self, folder: str | Path) -> None:
         """Restore weights, optimizer, schedule, RNGs and version from ``folder``."""
-        checkpoint.load(self, folder)
+        folder = Path(folder)
+        meta = state_io.read_meta(folder)
+        where = folder / state_io.META_FILE
+        checkpoint.check_backend(meta, where)
+        if config_shape(self.hf_config) != meta["model_config"]:
+            raise ValueError(f"{where}: field 'model_config' does not match this trainer's model")
+        with torch.no_grad():
+            load_hf_weights(self.model, load_file(str(folder / state_io.WEIGHTS_FILE), device=str(_device(self.model))),
+                            self.hf_config)
+        self.hparams = stored_hparams(meta["hparams"])
+        self.load_optimizer_state(self.hparams, load_file(str(folder / state_io.OPTIM_FILE)),
+                                  meta["optimizer_param_groups"])
+        checkpoint.set_rng(load_file(str(folder / state_io.RNG_FILE)))
+        state_io.restore_progress(self, meta, folder / state_io.WEIGHTS_FILE)
+        self.model.train()
 
 
 def build(config: PretrainedConfig, seed: int) -> Any:
     """An (unloaded) GPTModel for ``config`` on torch's default device, in a world of one
     (megatron-core's parallel state, TP = PP = 1)."""
-    from gpu_runtime.trainer.megatron import model as mm
-
     mm.init_single_process(seed=seed)
     device = torch.get_default_device()
     gpt = mm.build_gpt(config, cpu_init=device.type != "cuda")  # on CUDA megatron-core initialises on the GPU

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,7 @@ class OptimizerOffload:
     def offloaded(self) -> bool:
         return bool(self.parked)
 
-    def offload(self, optimizers: list[torch.optim.Optimizer]) -> int:
+    def offload(self, optimizers: Sequence[torch.optim.Optimizer]) -> int:
         """Move the optimizers' per-parameter state tensors to the host and drop the
         parameters' grads. Returns the bytes moved. A second call before ``onload`` is a
         no-op."""

@@ -4,7 +4,7 @@ The driver (the trainer process) owns a local Ray instance (``ray_runtime.RayRun
 one bundle per rank in a placement group (``STRICT_PACK``: all ranks on one node), starts
 one ``_Rank`` actor per bundle, and the ranks join a ``torch.distributed`` group over TCP
 on 127.0.0.1: gloo on the CPU; on CUDA (the trainer process's ``--device``) each rank
-takes one GPU of the placement group and the group is NCCL (``cell_device``). Every
+takes one GPU of the placement group and the group is NCCL (``fsdp2.device``). Every
 driver call runs the same method on all ranks at once (FSDP's collectives need every
 rank) and answers rank 0's result. Ray is imported lazily: the ``cells`` extra is optional.
 """
@@ -18,10 +18,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpu_runtime.proc.processes import reachable
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.api import TrainerHParams
-from gpu_runtime.trainer.cell_errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable
+from gpu_runtime.trainer.fsdp2.device import cell_kind, prepare_rank, rank_bundle, this_rank
+from gpu_runtime.trainer.fsdp2.errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable
+from gpu_runtime.trainer.fsdp2.rank import CellRankTrainer
+from gpu_runtime.trainer.protocol import ALIVE, Alive, Dead, Health
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +43,6 @@ class _Rank:
     """One rank's process (a Ray actor): joins the cell's group, then hosts a ``CellRankTrainer``."""
 
     def __init__(self, rank: int, threads: int, kind: str = "cpu") -> None:
-        from gpu_runtime.trainer.cell_device import prepare_rank, this_rank
-
         self.placement = this_rank(kind, rank)  # gloo on the CPU; NCCL on the GPU Ray assigned this actor
         prepare_rank(self.placement, threads)  # the single trainer process's determinism settings
         self.rank = rank
@@ -76,8 +79,6 @@ class _Rank:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def build(self, base_folder: str, hparams: TrainerHParams, seed: int) -> None:
-        from gpu_runtime.trainer.cell_rank import CellRankTrainer
-
         self.trainer = CellRankTrainer.create_rank(base_folder, hparams, seed)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -118,8 +119,6 @@ class TrainerCell:
             raise ValueError(f"trainer.ranks_per_cell must be >= 1, got {ranks}")
         if placement not in STRATEGIES:
             raise ValueError(f"trainer.placement must be one of {sorted(STRATEGIES)}, got {placement!r}")
-        from gpu_runtime.trainer.cell_device import cell_kind, rank_bundle
-
         self.ranks = ranks
         self.placement = placement
         self.kind = cell_kind(device)  # cpu | cuda: one GPU per rank, NCCL
@@ -139,8 +138,9 @@ class TrainerCell:
             ) from None
         except (ray.exceptions.RaySystemError, ConnectionError) as err:
             raise RayUnavailable(f"placing the cell: the Ray cluster is unreachable: {err}") from None
-        self.dead = False  # a rank failed: the cell cannot take another step
-        self.failure: CellFailed | None = None  # why, when it was the cell (not a rank's Python error)
+        # Dead once a rank failed: the cell cannot take another step (its failure: why, when it
+        # was the cell, not a rank's Python error)
+        self.health: Health = ALIVE
         actor = ray.remote(_Rank)
         on_gpu: dict[str, Any] = {} if self.kind == "cpu" else {"num_gpus": 1}  # Ray sets its CUDA_VISIBLE_DEVICES
         self.actors = [
@@ -184,7 +184,7 @@ class TrainerCell:
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
                 raise self._lost(refs.index(done[0]), method, err) from None
             except ray.exceptions.RayTaskError as err:
-                self.dead = True  # a rank raised: its peers may wait in a collective forever
+                self.health = Dead()  # a rank raised: its peers may wait in a collective forever
                 cause = err.as_instanceof_cause()
                 if _collective_timed_out(err):
                     raise self._fail(CellRankHung(
@@ -197,8 +197,7 @@ class TrainerCell:
 
     def _fail(self, err: CellFailed) -> CellFailed:
         """The cell cannot take another step: remember why (``CellHost`` reports it)."""
-        self.dead = True
-        self.failure = err
+        self.health = Dead(err)
         return err
 
     def _lost(self, rank: int, method: str, err: Exception) -> CellFailed:
@@ -228,7 +227,17 @@ class TrainerCell:
     def checksum(self) -> str:
         return str(self._call("checksum"))
 
-    def published_state(self) -> dict:
+    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+        raise ValueError("trainer.backend fsdp2 does not support mode sft (the cell trains the RL step only)")
+
+    def export_adapter_folder(self, folder: str | Path, base_model: str) -> None:
+        raise ValueError("export_adapter_folder: trainer.backend fsdp2 trains no LoRA adapters")
+
+    def broadcast_tensors(self, exported: Path) -> dict[str, torch.Tensor]:
+        """The full weights, gathered from the ranks (``published_state``)."""
+        return self.published_state()
+
+    def published_state(self) -> dict[str, torch.Tensor]:
         """The full weights (gathered on rank 0 and sent here)."""
         return self._call("published_state")
 
@@ -260,7 +269,7 @@ class TrainerCell:
             log.warning("closing the cell: the Ray cluster's head %s is unreachable, nothing to end", gcs)
             return
         try:
-            if not self.dead and self.actors:
+            if isinstance(self.health, Alive) and self.actors:
                 self._all("close")
         except Exception as err:  # noqa: BLE001 - a dead rank: the actors are killed below anyway
             log.warning("closing the cell: %s", err)

@@ -23,8 +23,8 @@ from gpu_runtime.algorithms.gae import (
 )
 from gpu_runtime.algorithms.losses import Aggregation, masked_mean
 from gpu_runtime.trainer.api import TrainerHParams
-from gpu_runtime.trainer.batches import MicroBatch, response_aligned_mask
-from gpu_runtime.trainer.critic import Critic, critic_lr
+from gpu_runtime.trainer.common.batches import MicroBatch, response_aligned_mask
+from gpu_runtime.trainer.policy.critic import Critic, critic_lr
 
 
 @dataclass

@@ -19,13 +19,17 @@ checkpoint + replay creates it bitwise the same. From then on a checkpoint holds
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from gpu_runtime.models.causal_lm import ATTENTION, load_exported_state_dict, positions_from_mask
+from gpu_runtime.models.model_folder import weights_checksum
 from gpu_runtime.store.artifacts import derive_seed
 from gpu_runtime.trainer.api import TrainerHParams
+from gpu_runtime.trainer.common.state_io import load_optimizer_tensors, optimizer_tensors
 
 CRITIC_WEIGHTS = "critic.safetensors"
 CRITIC_OPTIM = "critic_optimizer.safetensors"
@@ -87,6 +91,30 @@ class Critic:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Contiguous copies of every critic tensor (what a checkpoint holds)."""
         return {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
+
+    def save(self, folder: Path) -> dict:
+        """Its weights and AdamW state into ``folder`` (``CRITIC_WEIGHTS``, ``CRITIC_OPTIM``);
+        returns what the trainer's meta records of it (steps, param groups, checksum)."""
+        sd = self.state_dict()
+        save_file(sd, str(folder / CRITIC_WEIGHTS))
+        tensors, groups = optimizer_tensors(self.optimizer)
+        save_file(tensors, str(folder / CRITIC_OPTIM))
+        return {"steps": self.steps, "optimizer_param_groups": groups, "checksum": weights_checksum(sd)}
+
+    @classmethod
+    def restore(cls, folder: Path, meta: dict, config: PretrainedConfig, hp: TrainerHParams) -> "Critic":
+        """The critic ``save`` wrote into ``folder`` (``meta``: what it returned), for a policy
+        of architecture ``config``; its weights must have the recorded checksum."""
+        critic = cls(ValueModel(config), hp)
+        with torch.no_grad():
+            critic.model.load_state_dict(load_file(str(folder / CRITIC_WEIGHTS)))
+        got = weights_checksum(critic.state_dict())
+        if got != meta["checksum"]:
+            raise ValueError(f"{folder / CRITIC_WEIGHTS}: critic checksum {got} != recorded {meta['checksum']}")
+        load_optimizer_tensors(critic.optimizer, load_file(str(folder / CRITIC_OPTIM)), meta["optimizer_param_groups"])
+        critic.steps = int(meta["steps"])
+        critic.model.train()
+        return critic
 
     def start_step(self, hp: TrainerHParams) -> None:
         for group in self.optimizer.param_groups:

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from gpu_runtime.proc.processes import reachable
-from gpu_runtime.trainer.cell_errors import RayUnavailable
+from gpu_runtime.trainer.fsdp2.errors import RayUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 from gpu_runtime.trainer.api import CellRankState, CellState, NodeEvent, TrainerBackendSettings, TrainerHParams
-from gpu_runtime.trainer.cell import TrainerCell
-from gpu_runtime.trainer.cell_errors import CellFailed
-from gpu_runtime.trainer.ray_runtime import RayRuntime
+from gpu_runtime.trainer.fsdp2.cell import TrainerCell
+from gpu_runtime.trainer.fsdp2.errors import CellFailed
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime
+from gpu_runtime.trainer.protocol import Dead
 
 log = logging.getLogger(__name__)
 CELL_FILE = "cell.json"
@@ -77,7 +78,7 @@ class CellHost:
         cell = self.cell
         if cell is None or self.ray is None:
             return None
-        state = "failed" if cell.dead else "alive"
+        state = "failed" if isinstance(cell.health, Dead) else "alive"
         return CellState(
             generation=self.generation, placement=cell.placement, ray_address=self.ray.address or "local",
             ranks=[CellRankState(rank=r, pid=int(w["pid"]), node_ip=str(w["node_ip"]), node_id=str(w["node_id"]),

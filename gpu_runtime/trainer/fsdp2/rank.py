@@ -47,8 +47,8 @@ from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
-from gpu_runtime.trainer.policy import PolicyTrainer
-from gpu_runtime.trainer.state import read_meta, restore_progress, write_meta
+from gpu_runtime.trainer.common.state_io import read_meta, restore_progress, write_meta
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer, frozen_copy
 
 CELL_META_FILE = "cell_meta.json"  # written by rank 0 after every rank's shards
 CELL_FORMAT_VERSION = 1
@@ -102,7 +102,7 @@ class CellRankTrainer(PolicyTrainer):
         torch.manual_seed(derive_seed("trainer", seed) % (1 << 63))
         random.seed(derive_seed("trainer-py", seed))
         model.train()
-        ref = cls._frozen_copy(model) if hparams.kl_coef > 0 else None
+        ref = frozen_copy(model) if hparams.kl_coef > 0 else None
         trainer = cls(shard(model), tokenizer, hparams, seed, ref)  # the optimizer is built over the shards
         trainer.rank, trainer.world = dist.get_rank(), dist.get_world_size()
         return trainer
@@ -236,7 +236,7 @@ class CellRankTrainer(PolicyTrainer):
         if meta["model_config"] != shape_summary(self.model):
             raise ValueError(f"{path}: field 'model_config' does not match this cell's model")
         self.hparams = stored_hparams(meta["hparams"])
-        self.optimizer = self._new_optimizer(self.hparams)
+        self.optimizer = self.new_optimizer(self.hparams)
         state = self._state(bool(meta["optimizer_state"]))
         dcp.load(state, checkpoint_id=str(folder / "shards"))
         set_model_state_dict(self.model, state["model"])  # type: ignore[arg-type]

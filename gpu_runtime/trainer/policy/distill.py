@@ -16,6 +16,7 @@ step reports ``distill_kl``: the token mean of ``logp_old - logp_teacher``, an u
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +26,15 @@ from gpu_runtime.algorithms.logprobs import logprobs_and_logits
 from gpu_runtime.models.causal_lm import load_causal_lm
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.trainer.api import DistillSettings
-from gpu_runtime.trainer.batches import MicroBatch
+from gpu_runtime.trainer.common.batches import MicroBatch
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """The frozen teacher and ``distill.coef``, as a train step uses them."""
+
+    model: PreTrainedModel
+    coef: float
 
 
 def load_teacher(settings: DistillSettings, student_tokenizer: Tokenizer) -> PreTrainedModel:

@@ -1,7 +1,9 @@
 """The RL optimizer of a trainer holding a ``model``: AdamW over its trainable parameters,
 the LR schedule's position ``opt_steps``, and one clipped step. Shared by the HF
 ``PolicyTrainer`` (and its fsdp2 rank subclass; a DP cell overrides the step) and the
-``MegatronTrainer``, so both backends step the same way from the same ``train`` knobs."""
+``MegatronTrainer``, so both backends step the same way from the same ``train`` knobs.
+The optimizer saves and loads itself (``optimizer_state`` / ``load_optimizer_state``); the
+schedule's position is part of the trainer's progress (``state_io.restore_progress``)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from gpu_runtime.trainer import lora as lora_lib
+from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.api import TrainerHParams
-from gpu_runtime.trainer.batches import lr_at
+from gpu_runtime.trainer.common.batches import lr_at
+from gpu_runtime.trainer.common.state_io import load_optimizer_tensors, optimizer_tensors
 
 
 class AdamWSteps:
@@ -20,11 +23,21 @@ class AdamWSteps:
     optimizer: torch.optim.AdamW
     opt_steps: int  # LR-schedule position (optimizer steps taken in RL)
 
-    def _new_optimizer(self, hp: TrainerHParams, lr: float | None = None) -> torch.optim.AdamW:
+    def new_optimizer(self, hp: TrainerHParams, lr: float | None = None) -> torch.optim.AdamW:
+        """A fresh AdamW over the model's trainable parameters (``lr``: other than ``hp.lr``)."""
         return torch.optim.AdamW(
             lora_lib.trainable_parameters(self.model), lr=hp.lr if lr is None else lr, betas=hp.betas, eps=hp.eps,
             weight_decay=hp.weight_decay, foreach=False,
         )
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        """AdamW's state as flat tensors and its param groups (``state_io.optimizer_tensors``)."""
+        return optimizer_tensors(self.optimizer)
+
+    def load_optimizer_state(self, hp: TrainerHParams, flat: dict[str, torch.Tensor], groups: list[dict]) -> None:
+        """A fresh AdamW for ``hp`` holding the state ``optimizer_state`` returned."""
+        self.optimizer = self.new_optimizer(hp)
+        load_optimizer_tensors(self.optimizer, flat, groups)
 
     def lr_at(self, step: int, hp: TrainerHParams) -> float:
         return lr_at(step, hp)

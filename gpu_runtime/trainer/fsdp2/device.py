@@ -15,7 +15,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpu_runtime.proc.devices import CUBLAS_DETERMINISM
+import torch
+
+from gpu_runtime.proc.devices import CUBLAS_DETERMINISM, cuda_device_count
+from gpu_runtime.trainer.common.device import use_device
 
 
 @dataclass(frozen=True)
@@ -70,14 +73,10 @@ def prepare_rank(placement: RankPlacement, threads: int) -> None:
     """This process as the single trainer process sets itself up: a fixed thread count,
     deterministic algorithms, and on CUDA its GPU as the default device with TF32 off and
     cuBLAS's fixed workspace (set here before the first CUDA call when Ray did not)."""
-    import torch
-
     torch.set_num_threads(threads)  # a fixed thread count: the step is bitwise reproducible
     if placement.device != "cpu":
         for k, v in CUBLAS_DETERMINISM.items():
             os.environ.setdefault(k, v)
-        from gpu_runtime.trainer.server import use_device
-
         use_device(placement.device)
     torch.use_deterministic_algorithms(True)
 
@@ -86,8 +85,6 @@ def this_rank(kind: str, rank: int) -> RankPlacement:
     """``rank_placement`` from what this process sees (inside a Ray actor: its assigned GPUs)."""
     if cell_kind(kind) == "cpu":
         return rank_placement("cpu", rank=rank)
-    from gpu_runtime.proc.devices import cuda_device_count
-
     ids: list[int | str] = []
     try:
         import ray
