@@ -31,9 +31,8 @@ from gpu_runtime.store.fence import FencedStore, StaleEpoch
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.failures import Failure, failure
-from workflows.contracts import (
-    AssembleBatchInput, BatchResult, DatasetInfo, PrepareDataInput, RewardInput, RewardResult,
-)
+from workflows.contracts.placement import DatasetInfo, PrepareDataInput
+from workflows.contracts.sampling import AssembleBatchInput, BatchResult, RewardInput, RewardResult
 
 
 @activity.defn(name="prepare_data")

@@ -34,22 +34,15 @@ from gpu_runtime.store.fence import FencedStore, StaleEpoch, next_epoch, raise_f
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import RunSetup
 from gpu_runtime.trainer.process import TrainerDied
-from workflows.contracts import (
+from workflows.contracts.cells import DPCells, RestartCellsInput, RestartCellsResult
+from workflows.contracts.events import RunEvent
+from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, NodeClaim, NodeLivenessInput, PolicyInfo
+from workflows.contracts.sampling import RolloutInput, RolloutResult
+from workflows.contracts.training import (
     CheckpointInput,
     CheckpointResult,
-    ClaimNodeInput,
-    DPCells,
     EvalInput,
     EvalResult,
-    InitPolicyInput,
-    NodeClaim,
-    NodeLivenessInput,
-    PolicyInfo,
-    RestartCellsInput,
-    RestartCellsResult,
-    RolloutInput,
-    RolloutResult,
-    RunEvent,
     TrainStepInput,
     TrainStepResult,
     UpdateWeightsInput,

@@ -48,7 +48,8 @@ from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.e2e.faults import start_run  # noqa: E402
 from tests.stack import Stack, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
-from workflows.contracts import RunEvent, RunProgress  # noqa: E402
+from workflows.contracts.events import RunEvent  # noqa: E402
+from workflows.contracts.run_state import RunProgress  # noqa: E402
 from workflows.rl_step import RLStep  # noqa: E402
 from workflows.training_run import TrainingRun  # noqa: E402
 

@@ -17,7 +17,7 @@ from temporalio.worker import Worker
 from activities.control import assemble_batch, compute_rewards, prepare_data
 from gpu_runtime.proc import metrics
 from workers.common import connect, install_shutdown, settings_problem, setup_logging
-from workflows.contracts import CONTROL_QUEUE
+from workflows.queues import CONTROL_QUEUE
 from workflows.rl_step import RLStep
 from workflows.training_run import TrainingRun
 

@@ -33,7 +33,7 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from workflows.config import NodeSpec
-    from workflows.contracts import NodeLivenessInput
+    from workflows.contracts.placement import NodeLivenessInput
     from workflows.failures import Failure, failure
 
 T = TypeVar("T")

@@ -18,18 +18,16 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from workflows.calls import run_activity
-    from workflows.contracts import (
+    from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
+    from workflows.contracts.events import RunEvent
+    from workflows.contracts.sampling import Sampled
+    from workflows.contracts.step import RLStepInput, StepSummary
+    from workflows.contracts.training import (
         CheckpointInput,
         CheckpointResult,
         EvalInput,
         EvalResult,
-        RestartCellsInput,
-        RestartCellsResult,
-        RLStepInput,
-        RunEvent,
-        Sampled,
         SFTRowsInput,
-        StepSummary,
         TrainStepInput,
         TrainStepResult,
         UpdateWeightsInput,

@@ -21,20 +21,20 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from workflows.calls import run_activity
-    from workflows.contracts import (
-        CONTROL_QUEUE,
+    from workflows.contracts.events import RunEvent
+    from workflows.contracts.sampling import (
         AssembleBatchInput,
         BatchResult,
         RewardInput,
         RewardResult,
-        RLStepInput,
         RolloutInput,
         RolloutResult,
-        RunEvent,
         Sampled,
         SampledRound,
         SamplingStats,
     )
+    from workflows.contracts.step import RLStepInput
+    from workflows.queues import CONTROL_QUEUE
     from workflows.failures import Failure, failure
 
 

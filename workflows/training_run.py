@@ -17,27 +17,20 @@ with workflow.unsafe.imports_passed_through():
 
     from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error, mode_conflicts
     from workflows.trainer_config import megatron_train_conflicts
-    from workflows.contracts import (
-        CONTROL_QUEUE,
-        POOL_QUEUE,
+    from workflows.contracts.events import RunEvent
+    from workflows.contracts.placement import (
         ClaimNodeInput,
         DatasetInfo,
-        EvalResult,
         ForkPoint,
         InitPolicyInput,
         NodeClaim,
         PolicyInfo,
         PrepareDataInput,
-        RLStepInput,
-        RunEvent,
-        RunProgress,
-        RunState,
-        RunSummary,
-        StepSummary,
-        TrainingRunInput,
-        UpdateWeightsInput,
-        UpdateWeightsResult,
     )
+    from workflows.contracts.run_state import RunProgress, RunState, RunSummary, TrainingRunInput
+    from workflows.contracts.step import RLStepInput, StepSummary
+    from workflows.contracts.training import EvalResult, UpdateWeightsInput, UpdateWeightsResult
+    from workflows.queues import CONTROL_QUEUE, POOL_QUEUE
     from workflows import cell_heal
     from workflows.failures import Failure, failure, failure_in
     from workflows.node_watch import NodeWatch

@@ -30,7 +30,8 @@ from tests.e2e.faults import assert_bitwise_equal
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
 from workflows.config import RunConfig
-from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
+from workflows.contracts.run_state import RunProgress, RunSummary, TrainingRunInput
+from workflows.queues import CONTROL_QUEUE
 from workflows.rl_step import RLStep
 from workflows.training_run import TrainingRun
 

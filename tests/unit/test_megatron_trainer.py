@@ -43,7 +43,7 @@ from gpu_runtime.trainer.service import TrainerService
 from tests.engine_fixtures import REPO, tiny_model
 from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_service, check_steps, run_service, run_steps
 from workflows.config import CheckpointSpec, ModelSpec, SFTSpec, TrainSpec
-from workflows.contracts import DatasetInfo, InitPolicyInput
+from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 from workflows.trainer_config import TrainerSpec
 
 def _batch(step: int) -> tuple[list[Sample], list[float]]:

@@ -31,7 +31,7 @@ from tests.unit.workflow_harness import (
     wait_progress,
 )
 from workflows.config import HParamUpdate
-from workflows.contracts import StepSummary
+from workflows.contracts.step import StepSummary
 from workflows.failures import Failure, failure
 from workflows.policies import TIMINGS
 from workflows.training_run import TrainingRun

@@ -9,7 +9,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run, wait_progress
-from workflows.contracts import RunEvent
+from workflows.contracts.events import RunEvent
 from workflows.training_run import TrainingRun
 
 

@@ -15,7 +15,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
-from workflows.contracts import RewardResult
+from workflows.contracts.sampling import RewardResult
 from workflows.failures import Failure, failure_in
 from workflows.rl_step import RLStep
 from workflows.sampling import choose_groups, more_rounds, pooled

@@ -35,35 +35,36 @@ from temporalio.worker import Worker
 from gpu_runtime.proc.processes import packaged_binary
 from infra.temporal_server import SEARCH_ATTRIBUTES
 from workflows.config import RunConfig
-from workflows.contracts import (
-    CONTROL_QUEUE,
-    POOL_QUEUE,
-    AssembleBatchInput,
-    BatchResult,
-    CheckpointInput,
-    CheckpointResult,
+from workflows.contracts.placement import (
     ClaimNodeInput,
     DatasetInfo,
-    EngineSlotInfo,
-    EvalInput,
-    EvalResult,
     InitPolicyInput,
     NodeClaim,
     NodeLivenessInput,
     PolicyInfo,
     PrepareDataInput,
+)
+from workflows.contracts.run_state import RunProgress, RunSummary, TrainingRunInput
+from workflows.contracts.sampling import (
+    AssembleBatchInput,
+    BatchResult,
     RewardInput,
     RewardResult,
     RolloutInput,
     RolloutResult,
-    RunProgress,
-    RunSummary,
-    TrainingRunInput,
+)
+from workflows.contracts.training import (
+    CheckpointInput,
+    CheckpointResult,
+    EngineSlotInfo,
+    EvalInput,
+    EvalResult,
     TrainStepInput,
     TrainStepResult,
     UpdateWeightsInput,
     UpdateWeightsResult,
 )
+from workflows.queues import CONTROL_QUEUE, POOL_QUEUE
 from workflows.failures import Failure, failure
 from workflows.rl_step import RLStep
 from workflows.training_run import TrainingRun
