@@ -22,6 +22,7 @@ from workflows.rl_step import RLStep
 from workflows.training_run import TrainingRun
 
 log = logging.getLogger("workers.control")
+CONTROL_ACTIVITIES = [prepare_data, compute_rewards, assemble_batch]
 
 
 async def run(address: str | None, namespace: str | None) -> None:
@@ -33,7 +34,7 @@ async def run(address: str | None, namespace: str | None) -> None:
             client,
             task_queue=CONTROL_QUEUE,
             workflows=[TrainingRun, RLStep],
-            activities=[prepare_data, compute_rewards, assemble_batch],
+            activities=CONTROL_ACTIVITIES,
             activity_executor=pool,
             graceful_shutdown_timeout=timedelta(seconds=5),
         )

@@ -69,7 +69,7 @@ async def run(args: argparse.Namespace) -> None:
                 max_heartbeat_throttle_interval=LIVENESS_THROTTLE,
             )
             pool_worker = Worker(
-                client, task_queue=POOL_QUEUE, activities=[acts.claim_node], activity_executor=pool,
+                client, task_queue=POOL_QUEUE, activities=acts.pool(), activity_executor=pool,
                 max_concurrent_activities=1, graceful_shutdown_timeout=timedelta(seconds=2),
             )
             log.info("node %s boot %s polling %s and %s", args.node_id, boot_id, runtime.task_queue, POOL_QUEUE)

@@ -17,7 +17,6 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.calls import run_activity
     from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
     from workflows.contracts.events import RunEvent
     from workflows.contracts.sampling import Sampled
@@ -29,13 +28,12 @@ with workflow.unsafe.imports_passed_through():
         EvalResult,
         SFTRowsInput,
         TrainStepInput,
-        TrainStepResult,
         UpdateWeightsInput,
-        UpdateWeightsResult,
     )
     from workflows.failures import Failure, failure_in
     from workflows.rollout_schedule import buffer_depth, buffered, check_batch, steps_ahead
     from workflows.sampling import sample_step
+    from workflows.stubs import CHECKPOINT, EVALUATE, RESTART_CELLS, TRAIN_STEP, UPDATE_WEIGHTS
 
 EVAL_PATCH = "eval-activity"  # steps recorded before the eval existed replay without it
 SFT_MODE_PATCH = "sft-mode"  # mode sft: the step trains on dataset rows, without rollout and reward
@@ -83,36 +81,33 @@ class RLStep:
             start = rest[-1].data_cursor + rest[-1].prompts if rest else cursor
             ahead = asyncio.create_task(sample_ahead(inp, later, start))
         try:
-            trained = await run_activity(
-                "train_step",
+            trained = await TRAIN_STEP.run(
                 TrainStepInput(
                     run_id=inp.run_id, step=inp.step, store_uri=store, policy_version=inp.policy_version,
                     chunk_keys=sampled.chunk_keys, rewards_key=sampled.rewards_key,
                     group_size=cfg.rollout.group_size, train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
                 ),
-                TrainStepResult, task_queue=node, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
+                queue=node, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
             )
             sampled_ahead = await ahead if ahead is not None else []
         except BaseException:
             await _cancel(ahead)  # the step is re-run as a whole: stop its prefetch
             raise
-        synced = await run_activity(
-            "update_weights",
+        synced = await UPDATE_WEIGHTS.run(
             UpdateWeightsInput(
                 run_id=inp.run_id, store_uri=store, policy_version=trained.policy_version,
                 weights_key=trained.weights_key, checksum=trained.checksum, engines=cfg.engines,
             ),
-            UpdateWeightsResult, task_queue=node, summary=f"update weights v{trained.policy_version}",
+            queue=node, summary=f"update weights v{trained.policy_version}",
         )
         ckpt: CheckpointResult | None = None
         if inp.step % cfg.checkpoint.every == 0 or inp.step == cfg.steps:
-            ckpt = await run_activity(
-                "checkpoint",
+            ckpt = await CHECKPOINT.run(
                 CheckpointInput(
                     run_id=inp.run_id, step=inp.step, store_uri=store,
                     data_cursor=cursor, epoch=inp.epoch,
                 ),
-                CheckpointResult, task_queue=node, summary=f"checkpoint step {inp.step}",
+                queue=node, summary=f"checkpoint step {inp.step}",
             )
 
         evaluated: EvalResult | None = None
@@ -183,10 +178,9 @@ async def restart_cells(inp: RLStepInput) -> RestartCellsResult:
     """Start the lost DP cells whose backoff is over (``workflows.cell_heal``) on the trainer's
     node; each heals from a peer in this step's quorum. A restart that fails is an outcome,
     not an error: the run backs off and tries again at a later step."""
-    return await run_activity(
-        "restart_cells",
+    return await RESTART_CELLS.run(
         RestartCellsInput(run_id=inp.run_id, store_uri=inp.config.store, cells=inp.restart_cells, epoch=inp.epoch),
-        RestartCellsResult, task_queue=inp.node_queue, summary=f"restart DP cells {inp.restart_cells}",
+        queue=inp.node_queue, summary=f"restart DP cells {inp.restart_cells}",
     )
 
 
@@ -209,8 +203,7 @@ async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, l
     cfg = inp.config
     assert inp.dataset.eval_key is not None
     try:
-        result = await run_activity(
-            "evaluate",
+        result = await EVALUATE.run(
             EvalInput(
                 run_id=inp.run_id, step=inp.step, store_uri=cfg.store, seed=cfg.seed, policy_version=version,
                 eval_key=inp.dataset.eval_key, k=cfg.eval.k, temperature=cfg.eval.temperature,
@@ -218,7 +211,7 @@ async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, l
                 chunk_size=cfg.rollout.chunk_size, epoch=inp.epoch,
                 stop=cfg.rollout.stop, stop_token_ids=cfg.rollout.stop_token_ids,
             ),
-            EvalResult, task_queue=inp.node_queue,
+            queue=inp.node_queue,
             summary=f"evaluate v{version}: {inp.dataset.n_eval} held-out prompts, greedy and pass@{cfg.eval.k}",
         )
         return result, []

@@ -20,11 +20,9 @@ import math
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.calls import run_activity
     from workflows.contracts.events import RunEvent
     from workflows.contracts.sampling import (
         AssembleBatchInput,
-        BatchResult,
         RewardInput,
         RewardResult,
         RolloutInput,
@@ -34,8 +32,8 @@ with workflow.unsafe.imports_passed_through():
         SamplingStats,
     )
     from workflows.contracts.step import RLStepInput
-    from workflows.queues import CONTROL_QUEUE
     from workflows.failures import Failure, failure
+    from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, ROLLOUT
 
 
 def more_rounds(kept: int, target: int, rounds_done: int, max_rounds: int) -> bool:
@@ -92,17 +90,16 @@ def _rollout_input(inp: RLStepInput, round_: int = 0, cursor: int | None = None,
 async def sample(inp: RLStepInput) -> Sampled:
     """One rollout of ``prompts_per_step`` prompts, then its rewards."""
     cfg = inp.config
-    rollout = await run_activity(
-        "rollout", _rollout_input(inp), RolloutResult, task_queue=inp.node_queue,
+    rollout = await ROLLOUT.run(
+        _rollout_input(inp), queue=inp.node_queue,
         summary=f"rollout step {inp.step} @ v{inp.policy_version}",
     )
-    rewards = await run_activity(
-        "compute_rewards",
+    rewards = await COMPUTE_REWARDS.run(
         RewardInput(
             run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
             dataset=inp.dataset, reward=cfg.reward, epoch=inp.epoch,
         ),
-        RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step}",
+        summary=f"reward step {inp.step}",
     )
     return Sampled(
         chunk_keys=rollout.chunk_keys, rewards_key=rewards.rewards_key, prompts=cfg.rollout.prompts_per_step,
@@ -125,18 +122,17 @@ async def sample_with_filter(inp: RLStepInput) -> Sampled:
     kept = 0
     while more_rounds(kept, spec.prompts_per_step, len(rounds), df.max_rounds):
         r = len(rounds)
-        rollout = await run_activity(
-            "rollout", _rollout_input(inp, r, inp.data_cursor + r * n, n), RolloutResult, task_queue=inp.node_queue,
+        rollout = await ROLLOUT.run(
+            _rollout_input(inp, r, inp.data_cursor + r * n, n), queue=inp.node_queue,
             summary=f"rollout step {inp.step} round {r}: {n} prompts @ v{inp.policy_version}",
         )
-        rewards = await run_activity(
-            "compute_rewards",
+        rewards = await COMPUTE_REWARDS.run(
             RewardInput(
                 run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
                 dataset=inp.dataset, reward=cfg.reward, round=r, group_size=spec.group_size,
                 epoch=inp.epoch,
             ),
-            RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step} round {r}",
+            summary=f"reward step {inp.step} round {r}",
         )
         rounds.append((rollout, rewards))
         kept += len(rewards.varied_groups)
@@ -159,15 +155,13 @@ async def sample_with_filter(inp: RLStepInput) -> Sampled:
             "rollout.dynamic_filter.on_shortfall is fail (raise max_rounds or oversample, or set it to train)",
             final=True,
         )
-    batch = await run_activity(
-        "assemble_batch",
+    batch = await ASSEMBLE_BATCH.run(
         AssembleBatchInput(
             run_id=inp.run_id, step=inp.step, store_uri=cfg.store,
             rounds=[SampledRound(chunk_keys=got.chunk_keys, rewards_key=rw.rewards_key) for got, rw in rounds],
             groups=groups, group_size=spec.group_size, chunk_size=spec.chunk_size, sampling=stats,
             epoch=inp.epoch,
         ),
-        BatchResult, task_queue=CONTROL_QUEUE,
         summary=f"batch step {inp.step}: {len(groups)} groups of {stats.groups_generated} in {len(rounds)} rounds",
     )
     mean, std, accuracy = pooled(results)

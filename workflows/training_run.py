@@ -20,21 +20,19 @@ with workflow.unsafe.imports_passed_through():
     from workflows.contracts.events import RunEvent
     from workflows.contracts.placement import (
         ClaimNodeInput,
-        DatasetInfo,
         ForkPoint,
         InitPolicyInput,
-        NodeClaim,
-        PolicyInfo,
         PrepareDataInput,
     )
     from workflows.contracts.run_state import RunProgress, RunState, RunSummary, TrainingRunInput
     from workflows.contracts.step import RLStepInput, StepSummary
-    from workflows.contracts.training import EvalResult, UpdateWeightsInput, UpdateWeightsResult
-    from workflows.queues import CONTROL_QUEUE, POOL_QUEUE
+    from workflows.contracts.training import EvalResult, UpdateWeightsInput
+    from workflows.queues import CONTROL_QUEUE
     from workflows import cell_heal
     from workflows.failures import Failure, failure, failure_in
     from workflows.node_watch import NodeWatch
-    from workflows.rl_step import RLStep, evaluate, run_activity
+    from workflows.rl_step import RLStep, evaluate
+    from workflows.stubs import CLAIM_NODE, INIT_POLICY, PREPARE_DATA, UPDATE_WEIGHTS
 
 SA_STEP = SearchAttributeKey.for_int("RlStep")
 SA_REWARD = SearchAttributeKey.for_float("RlReward")
@@ -83,13 +81,12 @@ class TrainingRun:
         steps_this_run = 0
 
         if not st.initialized:
-            st.dataset = await run_activity(
-                "prepare_data",
+            st.dataset = await PREPARE_DATA.run(
                 PrepareDataInput(
                     run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data, reward=cfg.reward, eval=cfg.eval,
                     mode=cfg.mode,
                 ),
-                DatasetInfo, task_queue=CONTROL_QUEUE, summary="prepare dataset",
+                summary="prepare dataset",
             )
             if cfg.eval.enabled and st.dataset.eval_key is None:
                 arithmetic = cfg.data.kind in ("arithmetic", "reasoning_gym")  # generated
@@ -221,9 +218,8 @@ class TrainingRun:
         assert cfg is not None and st.dataset is not None and st.train is not None
         exclude = [st.node.task_queue] if st.node else []
         while True:
-            st.node = await run_activity(
-                "claim_node", ClaimNodeInput(run_id=run_id, exclude_queues=exclude, store_uri=cfg.store), NodeClaim,
-                task_queue=POOL_QUEUE, summary="claim a node",
+            st.node = await CLAIM_NODE.run(
+                ClaimNodeInput(run_id=run_id, exclude_queues=exclude, store_uri=cfg.store), summary="claim a node",
             )
             self._event("node_claimed", st.node.task_queue)
             try:
@@ -239,15 +235,14 @@ class TrainingRun:
         """The claimed node's trainer to the committed version, its engines up."""
         cfg, st = self.cfg, self.st
         assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
-        policy = await run_activity(
-            "init_policy",
+        policy = await INIT_POLICY.run(
             InitPolicyInput(
                 run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
                 train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
                 policy_version=st.policy_version, lineage=self.lineage, epoch=st.node.epoch, distill=cfg.distill,
                 trainer=cfg.trainer,
             ),
-            PolicyInfo, task_queue=st.node.task_queue,
+            queue=st.node.task_queue,
             summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
         )
         st.events = [*st.events, *policy.node_events][-100:]
@@ -255,13 +250,12 @@ class TrainingRun:
         if policy.dp is not None:  # trainer.cells > 1: cells this trainer lost are scheduled for a restart
             st.dp = policy.dp
             st.cell_heal = cell_heal.after_step(st.cell_heal, policy.dp, {}, workflow.now(), cfg.trainer)
-        synced = await run_activity(
-            "update_weights",
+        synced = await UPDATE_WEIGHTS.run(
             UpdateWeightsInput(
                 run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
                 weights_key=policy.weights_key, checksum=policy.checksum, engines=cfg.engines,
             ),
-            UpdateWeightsResult, task_queue=st.node.task_queue,
+            queue=st.node.task_queue,
             summary=f"start engines @ v{policy.policy_version}",
         )
         st.events = [*st.events, *synced.node_events][-100:]

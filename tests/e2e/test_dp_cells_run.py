@@ -35,6 +35,7 @@ from tests.stack import Stack, async_wait_for, running_stack, tiny_config  # noq
 from workers.common import connect  # noqa: E402
 from workflows.contracts.run_state import RunProgress  # noqa: E402
 from workflows.rl_step import RLStep  # noqa: E402
+from workflows.stubs import TRAIN_STEP  # noqa: E402
 from workflows.training_run import TrainingRun  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -64,7 +65,7 @@ def runs(stack: Stack) -> tuple[RunProgress, RunProgress, int]:
         twin = await run_to_end(client, "twin", cfg(store), timeout_s=600)
         assert twin.policy_version == STEPS
         handle = await start_run(client, "faulted", cfg(store))
-        await wait_activity_started(client, "faulted/step-2", "train_step")
+        await wait_activity_started(client, "faulted/step-2", TRAIN_STEP.name)
         log = next(iter(stack.workdir.rglob("faulted/dp/cell1.log")))
         await async_wait_for(lambda: _has(log, "fault delay before the allreduce of v2"), 60,
                              what="cell 1 inside step 2")

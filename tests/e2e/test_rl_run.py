@@ -33,13 +33,14 @@ from workflows.config import RunConfig
 from workflows.contracts.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.rl_step import RLStep
+from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, EVALUATE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
 from workflows.training_run import TrainingRun
 
 pytestmark = pytest.mark.e2e
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # git-ignored; CI keeps the UI screenshots here
-STEP_ACTIVITIES = ["rollout", "compute_rewards", "train_step", "update_weights", "checkpoint"]
-LAST_STEP_ACTIVITIES = [*STEP_ACTIVITIES, "evaluate"]  # eval.every 0: the held-out eval after the last step only
+STEP_ACTIVITIES = [ROLLOUT.name, COMPUTE_REWARDS.name, TRAIN_STEP.name, UPDATE_WEIGHTS.name, CHECKPOINT.name]
+LAST_STEP_ACTIVITIES = [*STEP_ACTIVITIES, EVALUATE.name]  # eval.every 0: the held-out eval after the last step only
 
 
 async def run_to_end(client: Client, run_id: str, cfg: dict, timeout_s: float = 600) -> RunSummary:

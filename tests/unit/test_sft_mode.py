@@ -18,6 +18,7 @@ from tests.unit.test_lora import LORA
 from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
 from workflows.config import HParamUpdate, RunConfig
+from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, ROLLOUT, TRAIN_STEP
 from workflows.training_run import TrainingRun
 
 SFT = {"mode": "sft", "sft": {"steps": 0, "batch_size": 5}}
@@ -84,7 +85,7 @@ def test_sft_step_with_lora_trains_only_the_adapters() -> None:
 # ---- the workflow --------------------------------------------------------------------------
 def test_sft_mode_steps_train_on_rows_without_rollout_or_reward() -> None:
     cluster = Cluster()
-    held = cluster.gate("train_step", 2)
+    held = cluster.gate(TRAIN_STEP, 2)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3, **SFT))
@@ -95,10 +96,10 @@ def test_sft_mode_steps_train_on_rows_without_rollout_or_reward() -> None:
         held.release.set()
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 15)
-        assert not cluster.served("rollout") and not cluster.served("compute_rewards")
+        assert not cluster.served(ROLLOUT) and not cluster.served(COMPUTE_REWARDS)
         assert [(t.step, t.policy_version, t.chunk_keys, t.sft_rows.data_cursor, t.sft_rows.n_rows)
                 for t in cluster.train_inputs if t.sft_rows] == [(1, 0, [], 0, 5), (2, 1, [], 5, 5), (3, 2, [], 10, 5)]
-        assert [c.step for c in cluster.served("checkpoint")] == [2, 3]  # checkpoints, evals: as in RL
+        assert [c.step for c in cluster.served(CHECKPOINT)] == [2, 3]  # checkpoints, evals: as in RL
         p = await progress(handle)
         assert [s.data_cursor for s in p.steps] == [5, 10, 15] and [s.loss for s in p.steps] == [1.0, 0.5, 1 / 3]
 
