@@ -34,9 +34,8 @@ from tests.e2e.faults import final_weights, progress, run_to_end, start_run, wai
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
 from workflows.contracts.run_state import RunProgress  # noqa: E402
-from workflows.rl_step import RLStep  # noqa: E402
 from workflows.stubs import TRAIN_STEP  # noqa: E402
-from workflows.training_run import TrainingRun  # noqa: E402
+from workflows.training_run import RUN_WORKFLOWS  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 STEPS = 30  # a restarted cell is built in the background (~4.5 s here) while steps of ~0.4 s go on
@@ -73,7 +72,7 @@ def runs(stack: Stack) -> tuple[RunProgress, RunProgress, int]:
         os.kill(victim, signal.SIGKILL)
         summary = await asyncio.wait_for(handle.result(), 600)
         assert summary.policy_version == STEPS
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         await replayer.replay_workflow(await handle.fetch_history())
         for step in range(2, STEPS + 1):
             await replayer.replay_workflow(await client.get_workflow_handle(f"faulted/step-{step}").fetch_history())

@@ -32,9 +32,8 @@ from workers.common import connect
 from workflows.config import RunConfig
 from workflows.contracts.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
-from workflows.rl_step import RLStep
 from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, EVALUATE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
-from workflows.training_run import TrainingRun
+from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 pytestmark = pytest.mark.e2e
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
@@ -135,7 +134,7 @@ def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -
             histories.append(h)
 
         # replaying the recorded histories against the current workflow code is deterministic
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         for h in histories:
             await replayer.replay_workflow(h)
         if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change

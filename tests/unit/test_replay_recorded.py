@@ -21,8 +21,7 @@ from temporalio.worker import Replayer
 from temporalio.workflow import NondeterminismError
 
 from workflows.node_watch import LIVENESS_PATCH
-from workflows.rl_step import RLStep
-from workflows.training_run import TrainingRun
+from workflows.training_run import RUN_WORKFLOWS
 
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
 HISTORIES = sorted(HISTORY_DIR.glob("*.json"))
@@ -48,7 +47,7 @@ WORKFLOW_IDS = {
 @pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
 def test_recorded_history_replays(path: Path) -> None:
     history = WorkflowHistory.from_json(WORKFLOW_IDS[path.stem], path.read_text())
-    replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+    replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
     asyncio.run(replayer.replay_workflow(history))
 
 
@@ -74,7 +73,7 @@ def _with_eval_due(history_json: str) -> str:
 def test_step_recorded_before_the_eval_replays_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ``eval-activity`` patch is what keeps it deterministic: forced on, replay fails."""
     history = WorkflowHistory.from_json("e2e-run/step-1", _with_eval_due((HISTORY_DIR / "rl_step.json").read_text()))
-    replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+    replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
     asyncio.run(replayer.replay_workflow(history))
     monkeypatch.setattr(workflow, "patched", lambda patch_id: True)
     with pytest.raises(NondeterminismError):
@@ -87,7 +86,7 @@ def test_the_liveness_patch_keeps_both_recordings_replaying(monkeypatch: pytest.
     with it replays with it: ``workflow.patched("node-liveness")`` tells them apart.
     Forcing the patch either way breaks the recording of the other kind."""
     history = WorkflowHistory.from_json(WORKFLOW_IDS[stem], (HISTORY_DIR / f"{stem}.json").read_text())
-    replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+    replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
     real = workflow.patched
     monkeypatch.setattr(workflow, "patched", lambda patch_id: forced if patch_id == LIVENESS_PATCH else real(patch_id))
     with pytest.raises(NondeterminismError):

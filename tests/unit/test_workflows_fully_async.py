@@ -33,10 +33,9 @@ from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import RLStepInput
 from workflows.failures import Failure, failure_in
-from workflows.rl_step import RLStep
 from workflows.rollout_schedule import buffer_depth, check_batch, steps_ahead
 from workflows.stubs import ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
-from workflows.training_run import TrainingRun
+from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 STEPS = 5
 P = PROMPTS_PER_STEP
@@ -177,7 +176,7 @@ def test_fault_free_schedule_versions_staleness_depth_and_cursor() -> None:
             assert order.index((ROLLOUT.name, step, version)) < order.index((UPDATE_WEIGHTS.name, None, version + 1)), order
 
         # the recorded histories replay on the same code: the schedule is in history, not re-raced
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         for wid in (handle.id, f"{handle.id}/step-1", f"{handle.id}/step-3"):
             await replayer.replay_workflow(await env.client.get_workflow_handle(wid).fetch_history())
 

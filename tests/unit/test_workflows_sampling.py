@@ -17,10 +17,9 @@ from temporalio.worker import Replayer, Worker
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
 from workflows.contracts.sampling import RewardResult
 from workflows.failures import Failure, failure_in
-from workflows.rl_step import RLStep
 from workflows.sampling import choose_groups, more_rounds, pooled
 from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, ROLLOUT
-from workflows.training_run import TrainingRun
+from workflows.training_run import RUN_WORKFLOWS
 
 PPS, GROUP = 4, 2
 
@@ -179,7 +178,7 @@ def test_a_retried_round_decides_the_same_and_the_history_replays() -> None:
         scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
                      if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
         assert scheduled[:5] == [ROLLOUT.name, COMPUTE_REWARDS.name, ROLLOUT.name, COMPUTE_REWARDS.name, ASSEMBLE_BATCH.name]
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         await replayer.replay_workflow(history)
 
     scenario(cluster, body)

@@ -66,7 +66,6 @@ from workflows.contracts.training import (
 )
 from workflows.queues import CONTROL_QUEUE, POOL_QUEUE
 from workflows.failures import Failure, failure
-from workflows.rl_step import RLStep
 from workflows.stubs import (
     ASSEMBLE_BATCH,
     CHECKPOINT,
@@ -81,7 +80,7 @@ from workflows.stubs import (
     UPDATE_WEIGHTS,
     ActivityStub,
 )
-from workflows.training_run import TrainingRun
+from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 PROMPTS_PER_STEP = 4
 WAIT_S = 15.0  # real seconds any single wait in a test may take
@@ -366,7 +365,7 @@ async def running(env: WorkflowEnvironment, cluster: Cluster) -> AsyncIterator[d
     workers by queue so a test can stop one (its queue is then served by nobody)."""
     client = env.client
     workers = [
-        Worker(client, task_queue=CONTROL_QUEUE, workflows=[TrainingRun, RLStep],
+        Worker(client, task_queue=CONTROL_QUEUE, workflows=RUN_WORKFLOWS,
                activities=[cluster.prepare_data, cluster.compute_rewards, cluster.assemble_batch]),
         Worker(client, task_queue=POOL_QUEUE, activities=[cluster.claim_node]),
     ]

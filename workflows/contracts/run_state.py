@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from pydantic import BaseModel, Field
 
+from workflows import cell_heal
 from workflows.config import RunConfig, TrainSpec
 from workflows.contracts.cells import CellHeal, CellInfo, DPCells
 from workflows.contracts.events import RunEvent
@@ -11,6 +14,11 @@ from workflows.contracts.placement import DatasetInfo, ForkPoint, NodeClaim
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import StepSummary
 from workflows.contracts.training import EngineSlotInfo, EvalResult
+from workflows.trainer_config import TrainerSpec
+
+HISTORY_KEEP = 200  # step summaries the state keeps (the progress query lists them)
+EVENTS_KEEP = 100  # run events the state keeps
+SUMMARY_STEPS = 5  # the run's summary compares the mean reward of its first and last 5 steps
 
 
 class RunState(BaseModel):
@@ -34,6 +42,61 @@ class RunState(BaseModel):
     prefetched: Sampled | None = None  # the one-batch buffer as carried before ``buffer`` existed (read only)
     dp: DPCells | None = None  # trainer.cells > 1: the DP cells as last reported
     cell_heal: dict[str, CellHeal] = {}  # lost DP cells awaiting their restart, by index
+
+    def commit(self, summary: StepSummary, now: datetime, trainer: TrainerSpec) -> RunState:
+        """The state once ``summary``'s step has committed (at workflow time ``now``): the only
+        place the data cursor and the policy version move. Pure: ``self`` is left as it is."""
+        dp_reported = summary.dp is not None or bool(summary.cell_restarts)  # trainer.cells > 1
+        return self.model_copy(update={
+            "policy_version": summary.policy_version,
+            "data_cursor": summary.data_cursor,
+            # one_step_off / fully_async: the next steps' batches, already sampled (a summary recorded
+            # before the buffer existed carries one_step_off's as next_sampled)
+            "buffer": summary.next_buffer or ([summary.next_sampled] if summary.next_sampled else []),
+            "prefetched": None,
+            "history": [*self.history, summary.model_copy(update={
+                "events": [], "engines": [], "cell": None, "next_sampled": None, "next_buffer": [], "dp": None,
+            })][-HISTORY_KEEP:],
+            "events": [*self.events, *summary.events][-EVENTS_KEEP:],
+            "engines": summary.engines,
+            "cells": [summary.cell] if summary.cell is not None else [],
+            "dp": (summary.dp or self.dp) if dp_reported else self.dp,
+            # the lost cells' restarts, scheduled
+            "cell_heal": (cell_heal.after_step(self.cell_heal, summary.dp, summary.cell_restarts, now, trainer)
+                          if dp_reported else self.cell_heal),
+            "first_rewards": (self.first_rewards if len(self.first_rewards) >= SUMMARY_STEPS
+                              else [*self.first_rewards, summary.reward_mean]),
+            "next_step": self.next_step + 1,
+        })
+
+    def add_events(self, events: list[RunEvent]) -> None:
+        """Append ``events``, keeping the last ``EVENTS_KEEP``."""
+        self.events = [*self.events, *events][-EVENTS_KEEP:]
+
+    def last_evaluated(self) -> StepSummary | None:
+        """The newest step that carries eval numbers."""
+        return next((s for s in reversed(self.history) if s.eval_greedy is not None), None)
+
+    def summary(self, run_id: str) -> RunSummary:
+        """What the finished run returns."""
+        last = self.history[-SUMMARY_STEPS:]
+        evaluated = self.last_evaluated()
+        before = self.eval_before
+        return RunSummary(
+            run_id=run_id,
+            steps=self.next_step - 1,
+            policy_version=self.policy_version,
+            data_cursor=self.data_cursor,
+            first_reward_mean=sum(self.first_rewards) / max(1, len(self.first_rewards)),
+            last_reward_mean=sum(s.reward_mean for s in last) / max(1, len(last)),
+            final_weights_key=self.history[-1].weights_key if self.history else "",
+            eval_before_greedy=before.greedy_accuracy if before else None,
+            eval_before_pass_at_k=before.pass_at_k if before else None,
+            eval_step=evaluated.step if evaluated else None,
+            eval_greedy=evaluated.eval_greedy if evaluated else None,
+            eval_pass_at_k=evaluated.eval_pass_at_k if evaluated else None,
+            eval_k=evaluated.eval_k if evaluated else None,
+        )
 
 
 class TrainingRunInput(BaseModel):
