@@ -54,7 +54,7 @@ class RLStep:
         async with cancelled_on_error(ahead):
             trained = await train(inp, sampled.chunk_keys, sampled.rewards_key)
             sampled_ahead = await ahead if ahead is not None else []
-        synced = await update_weights(inp, trained)  # waits for the batches sampled ahead: the engines serve one version
+        synced = await update_weights(inp, trained)  # after the batches sampled ahead: engines serve one version
         checkpoint = await checkpoint_if_due(inp, cursor)
         evaluated, eval_events = await evaluate_if_due(inp, trained.policy_version, patch=EVAL_PATCH)
         return summarize(StepResults(
