@@ -29,34 +29,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
 from temporalio.workflow import ActivityCancellationType
 
-from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
-from workflows.contracts.placement import (
-    ClaimNodeInput,
-    DatasetInfo,
-    InitPolicyInput,
-    NodeClaim,
-    NodeLivenessInput,
-    PolicyInfo,
-    PrepareDataInput,
-)
-from workflows.contracts.sampling import (
-    AssembleBatchInput,
-    BatchResult,
-    RewardInput,
-    RewardResult,
-    RolloutInput,
-    RolloutResult,
-)
-from workflows.contracts.training import (
-    CheckpointInput,
-    CheckpointResult,
-    EvalInput,
-    EvalResult,
-    TrainStepInput,
-    TrainStepResult,
-    UpdateWeightsInput,
-    UpdateWeightsResult,
-)
+from workflows.contracts import cells, placement, sampling, training
 from workflows.failures import NON_RETRYABLE, Failure, failure
 from workflows.queues import CONTROL_QUEUE, POOL_QUEUE, QueueKind
 
@@ -107,23 +80,12 @@ class ActivityStub(Generic[In, Out]):
 
     async def run(self, arg: In, *, summary: str, queue: str | None = None) -> Out:
         """Execute the activity; a node nobody polls (or that stops heartbeating) becomes ``NodeLost``."""
-        task_queue = self.task_queue(queue)
         try:
-            return await workflow.execute_activity(
-                self.name,
-                arg,
-                result_type=self.output,
-                task_queue=task_queue,
-                start_to_close_timeout=self.start_to_close,
-                heartbeat_timeout=self.heartbeat,
-                schedule_to_start_timeout=self.schedule_to_start,
-                retry_policy=self.retry,
-                cancellation_type=self.cancellation,
-                summary=summary,
-            )
+            return await self.start(arg, summary=summary, queue=queue)
         except ActivityError as err:
             cause = err.cause
             if isinstance(cause, TimeoutError) and cause.type in (TimeoutType.SCHEDULE_TO_START, TimeoutType.HEARTBEAT):
+                task_queue = self.task_queue(queue)
                 raise failure(
                     Failure.NODE_LOST, f"node queue {task_queue} did not run {self.name}: {cause.type.name}", task_queue
                 ) from err
@@ -144,72 +106,59 @@ NODE_SCHEDULE_TO_START = timedelta(seconds=15)
 HEARTBEAT = timedelta(seconds=15)
 WATCH_LIFETIME = timedelta(days=7)  # a liveness watch that outlives this (a long pause) is started again
 
+
+def on_node(name: str, inp: type[In], out: type[Out], start_to_close: timedelta,
+            retry: RetryPolicy) -> ActivityStub[In, Out]:
+    """A stub of the run's node queue: it heartbeats, and waits at most ``NODE_SCHEDULE_TO_START``
+    for the node to pick it up (then the node is lost)."""
+    return ActivityStub(name=name, input=inp, output=out, queue=QueueKind.NODE, start_to_close=start_to_close,
+                        heartbeat=HEARTBEAT, schedule_to_start=NODE_SCHEDULE_TO_START, retry=retry)
+
+
 # ---- placement ---------------------------------------------------------------------------
 # maximum_attempts 0 = unlimited: a run with no free node waits for one (backoff capped at 30 s);
 # short: a claim only reads the run's fence; one sent to a stopped agent's poll is retried elsewhere soon
 CLAIM_NODE = ActivityStub(
-    name="claim_node", input=ClaimNodeInput, output=NodeClaim, queue=QueueKind.POOL,
+    name="claim_node", input=placement.ClaimNodeInput, output=placement.NodeClaim, queue=QueueKind.POOL,
     start_to_close=timedelta(seconds=10), retry=_retry(0),
 )
 PREPARE_DATA = ActivityStub(
-    name="prepare_data", input=PrepareDataInput, output=DatasetInfo, queue=QueueKind.CONTROL,
+    name="prepare_data", input=placement.PrepareDataInput, output=placement.DatasetInfo, queue=QueueKind.CONTROL,
     start_to_close=timedelta(minutes=5), retry=_retry(5),
 )
-INIT_POLICY = ActivityStub(
-    name="init_policy", input=InitPolicyInput, output=PolicyInfo, queue=QueueKind.NODE,
-    start_to_close=timedelta(minutes=30), heartbeat=HEARTBEAT, schedule_to_start=NODE_SCHEDULE_TO_START,
-    retry=_retry(5),
-)
+INIT_POLICY = on_node("init_policy", placement.InitPolicyInput, placement.PolicyInfo, timedelta(minutes=30), _retry(5))
 # heartbeats until cancelled (workflows/node_watch.py); its heartbeat and schedule-to-start timeouts are
 # the run's node.liveness_timeout_s (``with_timeouts``); a cancel completes when the node acknowledges it
 NODE_LIVENESS = ActivityStub(
-    name="node_liveness", input=NodeLivenessInput, output=None, queue=QueueKind.NODE,
+    name="node_liveness", input=placement.NodeLivenessInput, output=None, queue=QueueKind.NODE,
     start_to_close=WATCH_LIFETIME, retry=RetryPolicy(maximum_attempts=1),
     cancellation=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
 )
 
 # ---- the step ----------------------------------------------------------------------------
 # rollout waits in retries while no engine is alive (engines come back at the next update)
-ROLLOUT = ActivityStub(
-    name="rollout", input=RolloutInput, output=RolloutResult, queue=QueueKind.NODE,
-    start_to_close=timedelta(minutes=20), heartbeat=HEARTBEAT, schedule_to_start=NODE_SCHEDULE_TO_START,
-    retry=_retry(20, 10.0),
-)
+ROLLOUT = on_node("rollout", sampling.RolloutInput, sampling.RolloutResult, timedelta(minutes=20), _retry(20, 10.0))
 COMPUTE_REWARDS = ActivityStub(
-    name="compute_rewards", input=RewardInput, output=RewardResult, queue=QueueKind.CONTROL,
+    name="compute_rewards", input=sampling.RewardInput, output=sampling.RewardResult, queue=QueueKind.CONTROL,
     start_to_close=timedelta(minutes=10), heartbeat=HEARTBEAT, retry=_retry(5),
 )
 ASSEMBLE_BATCH = ActivityStub(
-    name="assemble_batch", input=AssembleBatchInput, output=BatchResult, queue=QueueKind.CONTROL,
+    name="assemble_batch", input=sampling.AssembleBatchInput, output=sampling.BatchResult, queue=QueueKind.CONTROL,
     start_to_close=timedelta(minutes=5), retry=_retry(5),
 )
-TRAIN_STEP = ActivityStub(
-    name="train_step", input=TrainStepInput, output=TrainStepResult, queue=QueueKind.NODE,
-    start_to_close=timedelta(minutes=30), heartbeat=HEARTBEAT, schedule_to_start=NODE_SCHEDULE_TO_START,
-    retry=_retry(5),
+TRAIN_STEP = on_node("train_step", training.TrainStepInput, training.TrainStepResult, timedelta(minutes=30), _retry(5))
+UPDATE_WEIGHTS = on_node(
+    "update_weights", training.UpdateWeightsInput, training.UpdateWeightsResult, timedelta(minutes=10), _retry(10),
 )
-UPDATE_WEIGHTS = ActivityStub(
-    name="update_weights", input=UpdateWeightsInput, output=UpdateWeightsResult, queue=QueueKind.NODE,
-    start_to_close=timedelta(minutes=10), heartbeat=HEARTBEAT, schedule_to_start=NODE_SCHEDULE_TO_START,
-    retry=_retry(10),
-)
-CHECKPOINT = ActivityStub(
-    name="checkpoint", input=CheckpointInput, output=CheckpointResult, queue=QueueKind.NODE,
-    start_to_close=timedelta(minutes=10), heartbeat=HEARTBEAT, schedule_to_start=NODE_SCHEDULE_TO_START,
-    retry=_retry(10),
+CHECKPOINT = on_node(
+    "checkpoint", training.CheckpointInput, training.CheckpointResult, timedelta(minutes=10), _retry(10),
 )
 # a failed cell restart is an outcome, not an error (the run backs off): retries are for the trainer process
-RESTART_CELLS = ActivityStub(
-    name="restart_cells", input=RestartCellsInput, output=RestartCellsResult, queue=QueueKind.NODE,
-    start_to_close=timedelta(minutes=5), heartbeat=HEARTBEAT, schedule_to_start=NODE_SCHEDULE_TO_START,
-    retry=_retry(3),
+RESTART_CELLS = on_node(
+    "restart_cells", cells.RestartCellsInput, cells.RestartCellsResult, timedelta(minutes=5), _retry(3),
 )
 # a failed eval costs the step its eval numbers, not the run (the step records an event)
-EVALUATE = ActivityStub(
-    name="evaluate", input=EvalInput, output=EvalResult, queue=QueueKind.NODE,
-    start_to_close=timedelta(minutes=20), heartbeat=HEARTBEAT, schedule_to_start=NODE_SCHEDULE_TO_START,
-    retry=_retry(5, 10.0),
-)
+EVALUATE = on_node("evaluate", training.EvalInput, training.EvalResult, timedelta(minutes=20), _retry(5, 10.0))
 
 STUBS: tuple[ActivityStub, ...] = (
     CLAIM_NODE, PREPARE_DATA, INIT_POLICY, NODE_LIVENESS, ROLLOUT, COMPUTE_REWARDS, ASSEMBLE_BATCH, TRAIN_STEP,
