@@ -49,7 +49,7 @@ from tests.e2e.faults import start_run  # noqa: E402
 from tests.stack import Stack, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
 from workflows.contracts.events import RunEvent  # noqa: E402
-from workflows.contracts.run_state import RunProgress  # noqa: E402
+from workflows.run_state import RunProgress  # noqa: E402
 from workflows.training_run import RUN_WORKFLOWS  # noqa: E402
 
 CELL_FAULTS = ("cell_kill", "cell_stop")

@@ -32,7 +32,7 @@ from milestone_cli.resume import ResumeError, stored_dataset
 from workflows.config import OFF_POLICY_MODES, RunConfig, TrainSpec, format_validation_error
 from workflows.contracts.events import RunEvent
 from workflows.contracts.placement import ForkPoint
-from workflows.contracts.run_state import RunState, TrainingRunInput
+from workflows.run_state import RunState, TrainingRunInput
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import StepSummary
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workflows.contracts.run_state import RunProgress
+from workflows.run_state import RunProgress
 from workflows.contracts.step import StepSummary
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.config import RunConfig
 from workflows.contracts.placement import DatasetInfo
-from workflows.contracts.run_state import RunState
+from workflows.run_state import RunState
 
 CHECKPOINT_URI = re.compile(r"^(?P<root>.+)/runs/(?P<run>[^/]+)/checkpoints/step-(?P<step>\d+)/?$")
 

@@ -24,7 +24,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error, mode_conflicts
     from workflows.contracts.events import RunEvent
     from workflows.contracts.placement import ClaimNodeInput, ForkPoint, InitPolicyInput, PrepareDataInput
-    from workflows.contracts.run_state import RunProgress, RunState, RunSummary, TrainingRunInput
+    from workflows.run_state import RunProgress, RunState, RunSummary, TrainingRunInput
     from workflows.contracts.step import RLStepInput, StepSummary
     from workflows.contracts.training import EvalResult, UpdateWeightsInput
     from workflows.failures import Failure, failure, failure_in

@@ -33,7 +33,7 @@ from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.e2e.faults import final_weights, progress, run_to_end, start_run, wait_activity_started  # noqa: E402
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
-from workflows.contracts.run_state import RunProgress  # noqa: E402
+from workflows.run_state import RunProgress  # noqa: E402
 from workflows.stubs import TRAIN_STEP  # noqa: E402
 from workflows.training_run import RUN_WORKFLOWS  # noqa: E402
 

@@ -22,7 +22,7 @@ from tests.e2e.faults import (
 )
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
-from workflows.contracts.run_state import RunProgress
+from workflows.run_state import RunProgress
 from workflows.stubs import ROLLOUT
 
 pytestmark = pytest.mark.e2e

@@ -24,7 +24,7 @@ from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
 from workflows.config import RunConfig
-from workflows.contracts.run_state import RunProgress, TrainingRunInput
+from workflows.run_state import RunProgress, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.stubs import TRAIN_STEP
 from workflows.training_run import TrainingRun

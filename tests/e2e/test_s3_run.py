@@ -42,7 +42,7 @@ from tests.s3_fixtures import new_bucket_name, seaweed, store_for  # noqa: F401 
 from tests.stack import ROOT, Stack, tiny_config
 from workers.payload_codec import ENCODING, EncryptionCodec
 from workers.temporal_connection import connect_with, data_converter, settings_from_env
-from workflows.contracts.run_state import RunProgress, RunSummary
+from workflows.run_state import RunProgress, RunSummary
 from workflows.node_watch import LIVENESS_PATCH
 from workflows.rl_step import EVAL_PATCH, SFT_MODE_PATCH
 from workflows.stubs import TRAIN_STEP

@@ -21,7 +21,7 @@ from temporalio.worker import Replayer
 from tests.e2e.faults import progress, run_to_end
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
-from workflows.contracts.run_state import RunProgress, RunSummary
+from workflows.run_state import RunProgress, RunSummary
 from workflows.training_run import RUN_WORKFLOWS
 
 pytestmark = pytest.mark.e2e

@@ -109,7 +109,7 @@ def test_a_round_has_its_own_seeds_and_keys() -> None:
 
 def test_the_progress_line_shows_the_filter_and_reward_errors() -> None:
     from milestone_cli.progress_view import format_progress
-    from workflows.contracts.run_state import RunProgress
+    from workflows.run_state import RunProgress
     from workflows.contracts.step import StepSummary
 
     stats = SamplingStats(rounds=2, prompts_drawn=12, groups_generated=12, groups_kept=5, groups_filtered_all_correct=4,

@@ -14,7 +14,7 @@ from gpu_runtime.store.object_store import LocalStore
 from milestone_cli.fork import ForkError, apply_sets, cursor_after, fork_input
 from workflows.config import RunConfig, TrainSpec
 from workflows.contracts.placement import ForkPoint
-from workflows.contracts.run_state import TrainingRunInput
+from workflows.run_state import TrainingRunInput
 
 GROUP = 2
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 from milestone_cli.progress_view import format_eval
 from milestone_cli.report import moving_average, render_report
-from workflows.contracts.run_state import RunProgress
+from workflows.run_state import RunProgress
 from workflows.contracts.step import StepSummary
 
 

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from workflows import cell_heal
 from workflows.contracts.cells import CellInfo, DPCells, DPCellStatus
 from workflows.contracts.events import RunEvent
-from workflows.contracts.run_state import EVENTS_KEEP, HISTORY_KEEP, SUMMARY_STEPS, RunState
+from workflows.run_state import EVENTS_KEEP, HISTORY_KEEP, SUMMARY_STEPS, RunState
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import StepSummary
 from workflows.contracts.training import EngineSlotInfo, EvalResult

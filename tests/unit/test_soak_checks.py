@@ -16,7 +16,7 @@ from gpu_runtime.trainer.api import StepBatch
 from workflows.config import TrainSpec
 from workflows.contracts.cells import DPCells, DPCellStatus
 from workflows.contracts.events import RunEvent
-from workflows.contracts.run_state import RunProgress
+from workflows.run_state import RunProgress
 from workflows.contracts.step import StepSummary
 
 RUN, N_ROWS, SEED, P, G, STEPS = "r", 10, 7, 2, 2, 3

@@ -246,8 +246,8 @@ def test_dynamic_sampling_composes_each_batch_drawing_where_the_last_stopped() -
 def test_a_buffer_that_does_not_start_at_the_committed_cursor_fails_the_run() -> None:
     """A state whose buffer would skip prompts (here: a hand-built one) is refused by the
     step, naming the cursors, instead of training the wrong batch."""
-    from workflows.contracts.run_state import RunState, TrainingRunInput
-    from workflows.contracts.run_state import RunSummary
+    from workflows.run_state import RunState, TrainingRunInput
+    from workflows.run_state import RunSummary
     from workflows.queues import CONTROL_QUEUE
 
     cluster = Cluster()
@@ -277,7 +277,7 @@ def test_a_fork_mid_buffer_takes_the_parents_batches_and_keeps_its_schedule() ->
     version the parent did. A fork that changes the rollout samples afresh."""
     from milestone_cli.fork import parent_buffer, with_parent_buffer
     from workflows.contracts.placement import ForkPoint
-    from workflows.contracts.run_state import RunState, RunSummary, TrainingRunInput
+    from workflows.run_state import RunState, RunSummary, TrainingRunInput
     from workflows.queues import CONTROL_QUEUE
 
     cluster = Cluster()

@@ -44,7 +44,7 @@ from workflows.contracts.placement import (
     PolicyInfo,
     PrepareDataInput,
 )
-from workflows.contracts.run_state import RunProgress, RunSummary, TrainingRunInput
+from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.contracts.sampling import (
     AssembleBatchInput,
     BatchResult,

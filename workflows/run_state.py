@@ -1,4 +1,5 @@
-"""``TrainingRun``'s input, the state it carries across continue-as-new, and what it reports."""
+"""``TrainingRun``'s input, the state it carries across continue-as-new (and its commit
+after each step), and what it reports."""
 
 from __future__ import annotations
 
