@@ -31,12 +31,12 @@ from gpu_runtime.store.fence import FencedStore, StaleEpoch
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.failures import Failure, failure
-from workflows.contracts import (
-    AssembleBatchInput, BatchResult, DatasetInfo, PrepareDataInput, RewardInput, RewardResult,
-)
+from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, PREPARE_DATA
+from workflows.contracts.placement import DatasetInfo, PrepareDataInput
+from workflows.contracts.sampling import AssembleBatchInput, BatchResult, RewardInput, RewardResult
 
 
-@activity.defn(name="prepare_data")
+@activity.defn(name=PREPARE_DATA.name)
 def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
     """Write the run's dataset once, as normalized rows (``gpu_runtime.data.rows``), and
     with ``eval.enabled`` its held-out split next to it: for ``arithmetic`` unseen
@@ -128,7 +128,7 @@ def _load_rows(store_uri: str, dataset: DatasetInfo) -> list[dict]:
     return rows
 
 
-@activity.defn(name="compute_rewards")
+@activity.defn(name=COMPUTE_REWARDS.name)
 def compute_rewards(inp: RewardInput) -> RewardResult:
     """Score the chunks' samples with the run's reward and store them (``rewards.json`` of the
     step, or of the dynamic-sampling round). A ``judge`` reward records each sample's result in
@@ -185,7 +185,7 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
     return result
 
 
-@activity.defn(name="assemble_batch")
+@activity.defn(name=ASSEMBLE_BATCH.name)
 def assemble_batch(inp: AssembleBatchInput) -> BatchResult:
     """Write the trained batch of a step with dynamic sampling: the samples and rewards of the
     groups the workflow kept, in its order, under the step's ``batch/`` keys (the same bytes

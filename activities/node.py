@@ -36,28 +36,32 @@ from gpu_runtime.store.fence import FencedStore, StaleEpoch, next_epoch, raise_f
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.api import RunSetup
 from gpu_runtime.trainer.process import TrainerDied
-from workflows.contracts import (
+from workflows.contracts.cells import DPCells, RestartCellsInput, RestartCellsResult
+from workflows.contracts.events import RunEvent
+from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, NodeClaim, NodeLivenessInput, PolicyInfo
+from workflows.contracts.sampling import RolloutInput, RolloutResult
+from workflows.contracts.training import (
     CheckpointInput,
     CheckpointResult,
-    ClaimNodeInput,
-    DPCells,
     EvalInput,
     EvalResult,
-    InitPolicyInput,
-    NodeClaim,
-    NodeLivenessInput,
-    PolicyInfo,
-    RestartCellsInput,
-    RestartCellsResult,
-    RolloutInput,
-    RolloutResult,
-    RunEvent,
     TrainStepInput,
     TrainStepResult,
     UpdateWeightsInput,
     UpdateWeightsResult,
 )
 from workflows.failures import Failure, failure
+from workflows.stubs import (
+    CHECKPOINT,
+    CLAIM_NODE,
+    EVALUATE,
+    INIT_POLICY,
+    NODE_LIVENESS,
+    RESTART_CELLS,
+    ROLLOUT,
+    TRAIN_STEP,
+    UPDATE_WEIGHTS,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,7 +104,7 @@ class NodeActivities:
         return failure(Failure.NODE_LOST, f"stale placement: {event.detail}", self.rt.task_queue)
 
     # ---- placement ----------------------------------------------------------------
-    @activity.defn(name="claim_node")
+    @activity.defn(name=CLAIM_NODE.name)
     def claim_node(self, inp: ClaimNodeInput) -> NodeClaim:
         # a node the run lost is left to others first; if it is the only one polling, it is
         # alive after all (it was slow, not gone), so it may take the run back
@@ -119,7 +123,7 @@ class NodeActivities:
         epoch = next_epoch(open_store(inp.store_uri), inp.run_id) if inp.store_uri else 0
         return NodeClaim(node_id=self.rt.node_id, boot_id=self.rt.boot_id, task_queue=self.rt.task_queue, epoch=epoch)
 
-    @activity.defn(name="node_liveness")
+    @activity.defn(name=NODE_LIVENESS.name)
     async def node_liveness(self, inp: NodeLivenessInput) -> None:
         """Heartbeat until the run cancels it. On the worker's event loop, not in the
         activity thread pool, so busy activities cannot delay it; a dead, stopped or
@@ -140,7 +144,7 @@ class NodeActivities:
             self.watching[inp.run_id] -= 1
             self.claimed.pop(inp.run_id, None)
 
-    @activity.defn(name="init_policy")
+    @activity.defn(name=INIT_POLICY.name)
     def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
         self.rt.set_run(inp.run_id)
         if inp.epoch:  # before anything this placement writes: older placements' writes are refused from here on
@@ -149,12 +153,12 @@ class NodeActivities:
             except StaleEpoch as err:
                 raise self._stale(inp.run_id, inp.epoch, str(err)) from err
         setup = self.rt.setups[inp.run_id] = translate.run_setup(inp, self.rt.node_id)
-        info = self._trainer_call(inp.run_id, inp.epoch, "init_policy",
+        info = self._trainer_call(inp.run_id, inp.epoch, INIT_POLICY.name,
                                   lambda: self.rt.trainer.ensure_version(setup, inp.policy_version))
         return translate.policy_info(info, self.rt.drain_events(), self.rt.node_id)
 
     # ---- the RL step --------------------------------------------------------------
-    @activity.defn(name="rollout")
+    @activity.defn(name=ROLLOUT.name)
     def rollout(self, inp: RolloutInput) -> RolloutResult:
         fleet, tokenizer = self._engines()
         rows = self.rt.rows(inp.store_uri, inp.dataset.key)
@@ -192,7 +196,7 @@ class NodeActivities:
             node_events=translate.run_events(self.rt.drain_events()),
         )
 
-    @activity.defn(name="evaluate")
+    @activity.defn(name=EVALUATE.name)
     def evaluate(self, inp: EvalInput) -> EvalResult:
         """Held-out greedy accuracy and pass@k of the version the engines serve."""
         fleet, tokenizer = self._engines()
@@ -238,7 +242,7 @@ class NodeActivities:
         except StaleWeights as err:
             raise failure(Failure.STALE_WEIGHTS, str(err)) from err
 
-    @activity.defn(name="train_step")
+    @activity.defn(name=TRAIN_STEP.name)
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
         setup = self._setup(inp.run_id, inp.epoch)
         batch = translate.step_batch(inp)
@@ -255,7 +259,7 @@ class NodeActivities:
         _record_dp(result.dp, result.node_events)
         return result
 
-    @activity.defn(name="restart_cells")
+    @activity.defn(name=RESTART_CELLS.name)
     def restart_cells(self, inp: RestartCellsInput) -> RestartCellsResult:
         """Start the run's lost DP cells again (``trainer.cells``); each heals from a peer in the
         next step's quorum. A restart that fails is reported in ``outcome``, not raised."""
@@ -266,7 +270,7 @@ class NodeActivities:
         _record_dp(result.dp, result.node_events)
         return result
 
-    @activity.defn(name="update_weights")
+    @activity.defn(name=UPDATE_WEIGHTS.name)
     def update_weights(self, inp: UpdateWeightsInput) -> UpdateWeightsResult:
         t0 = time.perf_counter()
         e = inp.engines
@@ -313,7 +317,7 @@ class NodeActivities:
             node_events=translate.run_events(self.rt.drain_events()),
         )
 
-    @activity.defn(name="checkpoint")
+    @activity.defn(name=CHECKPOINT.name)
     def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:
         t0 = time.perf_counter()
         setup = self._setup(inp.run_id, inp.epoch)
@@ -349,9 +353,14 @@ class NodeActivities:
                 cause = err
         raise error from cause
 
-    def all(self) -> list:
+    def all(self) -> list[Callable]:
+        """The activities of this node's own queue."""
         return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate,
                 self.node_liveness, self.restart_cells]
+
+    def pool(self) -> list[Callable]:
+        """The activities of the shared pool queue: claiming this node for a run."""
+        return [self.claim_node]
 
 
 def _record_dp(dp: DPCells | None, events: list[RunEvent]) -> None:

@@ -41,21 +41,16 @@ from gpu_runtime.trainer.api import (
 from workflows.agent_config import AgentSpec
 from workflows.trainer_config import TrainerSpec
 from workflows.config import DataSpec, DistillSpec, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, SFTSpec, TrainSpec
-from workflows.contracts import (
-    CellInfo,
-    CellRankInfo,
+from workflows.contracts.cells import CellInfo, CellRankInfo, DPCells, DPCellStatus, RestartCellsResult
+from workflows.contracts.events import RunEvent
+from workflows.contracts.placement import InitPolicyInput, PolicyInfo
+from workflows.contracts.sampling import RolloutInput
+from workflows.contracts.training import (
     CheckpointInput,
     CheckpointResult,
-    DPCells,
-    DPCellStatus,
     EngineSlotInfo,
     EvalInput,
     EvalResult,
-    InitPolicyInput,
-    PolicyInfo,
-    RestartCellsResult,
-    RolloutInput,
-    RunEvent,
     TrainStepInput,
     TrainStepResult,
 )

@@ -35,7 +35,9 @@ from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
 from workflows.config import RunConfig  # noqa: E402
-from workflows.contracts import DatasetInfo, InitPolicyInput, RolloutInput, TrainStepInput  # noqa: E402
+from workflows.contracts.placement import DatasetInfo, InitPolicyInput  # noqa: E402
+from workflows.contracts.sampling import RolloutInput  # noqa: E402
+from workflows.contracts.training import TrainStepInput  # noqa: E402
 
 DEMO_YAML = ROOT / "examples" / "demo.yaml"
 

@@ -35,6 +35,7 @@ from tests.e2e.faults import progress, start_run, wait_activity_started  # noqa:
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
 from workflows.config import NodeSpec  # noqa: E402
+from workflows.stubs import TRAIN_STEP  # noqa: E402
 
 ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "3"}  # each train step waits first, so the kill lands inside it
 CFG = {"steps": 3, "checkpoint": {"every": 3, "keep_last": 2}}
@@ -44,7 +45,7 @@ async def detect_once(stack: Stack, store: Path, run_id: str, node: dict) -> flo
     """Seconds from SIGKILL of the agent running step 2 to the run's node_lost event."""
     client = await connect(stack.server.address)
     handle = await start_run(client, run_id, tiny_config(store, node=node, **CFG))
-    await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+    await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
     queue = (await progress(client, run_id)).node_queue
     assert queue is not None
     node_id = queue.split("-")[1]

@@ -48,9 +48,9 @@ from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.e2e.faults import start_run  # noqa: E402
 from tests.stack import Stack, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
-from workflows.contracts import RunEvent, RunProgress  # noqa: E402
-from workflows.rl_step import RLStep  # noqa: E402
-from workflows.training_run import TrainingRun  # noqa: E402
+from workflows.contracts.events import RunEvent  # noqa: E402
+from workflows.run_state import RunProgress  # noqa: E402
+from workflows.training_run import RUN_WORKFLOWS  # noqa: E402
 
 CELL_FAULTS = ("cell_kill", "cell_stop")
 KINDS = (*CELL_FAULTS, "engine_kill", "lighthouse_kill", "control_restart", "server_restart")
@@ -320,7 +320,7 @@ def _healed_after(events: list[RunEvent], at: int, fault_pids: set[int]) -> bool
 async def replay(client: Client, run_id: str, steps: int) -> list[str]:
     """The run's and its steps' histories replay on this code (no nondeterminism after the
     restarts of the worker and the server)."""
-    replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+    replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
     out = []
     for wid in [run_id, *(f"{run_id}/step-{s}" for s in range(1, steps + 1))]:
         try:

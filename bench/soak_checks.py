@@ -14,7 +14,7 @@ from pathlib import Path
 from gpu_runtime.data.datasets import prompts_for_step
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.trainer.api import stored_step_batch
-from workflows.contracts import RunProgress
+from workflows.run_state import RunProgress
 
 
 def trained_exactly_once(store: Path, run_id: str, cfg: dict, p: RunProgress) -> list[str]:

@@ -41,11 +41,12 @@ from tests.e2e.faults import progress, run_to_end  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 from workers.common import connect  # noqa: E402
 from workflows.config import RunConfig  # noqa: E402
+from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS  # noqa: E402
 
 RUN_ID = "step-timeline"
 # the StepSummary phase each activity's own seconds are reported under
-PHASE_OF = {"rollout": "rollout", "compute_rewards": "reward", "train_step": "train",
-            "update_weights": "update_weights", "checkpoint": "checkpoint"}
+PHASE_OF = {ROLLOUT.name: "rollout", COMPUTE_REWARDS.name: "reward", TRAIN_STEP.name: "train",
+            UPDATE_WEIGHTS.name: "update_weights", CHECKPOINT.name: "checkpoint"}
 
 
 def _t(ev) -> float:

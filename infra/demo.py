@@ -13,7 +13,8 @@ from infra import devstack
 from milestone_cli.config_file import load_run_config
 from milestone_cli.main import ui_link, watch
 from workers.common import connect
-from workflows.contracts import CONTROL_QUEUE, TrainingRunInput
+from workflows.run_state import TrainingRunInput
+from workflows.queues import CONTROL_QUEUE
 
 
 async def run_demo(config_path: str) -> int:

@@ -30,7 +30,11 @@ from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.store.object_store import ObjectStore
 from milestone_cli.resume import ResumeError, stored_dataset
 from workflows.config import OFF_POLICY_MODES, RunConfig, TrainSpec, format_validation_error
-from workflows.contracts import ForkPoint, RunEvent, RunState, Sampled, StepSummary, TrainingRunInput
+from workflows.contracts.events import RunEvent
+from workflows.contracts.placement import ForkPoint
+from workflows.run_state import RunState, TrainingRunInput
+from workflows.contracts.sampling import Sampled
+from workflows.contracts.step import StepSummary
 
 # what the steps up to N were trained with: a fork cannot change it
 FIXED = ("seed", "model", "data", "sft", "store")

@@ -37,7 +37,8 @@ from workers.common import connect, temporal_address
 from workers.payload_codec import PayloadKeyError
 from workers.temporal_connection import TemporalSettingsError
 from workflows.config import HParamUpdate, format_validation_error
-from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
+from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
+from workflows.queues import CONTROL_QUEUE
 
 UI_BASE = "http://localhost:8233"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from workflows.contracts import RunProgress
+from workflows.run_state import RunProgress
 
 
 def _bar(done: int, total: int, width: int = 24) -> str:

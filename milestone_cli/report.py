@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workflows.contracts import RunProgress, StepSummary
+from workflows.run_state import RunProgress
+from workflows.contracts.step import StepSummary
 
 if TYPE_CHECKING:
     import matplotlib.axes

@@ -18,7 +18,8 @@ from gpu_runtime.store.lineage import Lineage
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.config import RunConfig
-from workflows.contracts import DatasetInfo, RunState
+from workflows.contracts.placement import DatasetInfo
+from workflows.run_state import RunState
 
 CHECKPOINT_URI = re.compile(r"^(?P<root>.+)/runs/(?P<run>[^/]+)/checkpoints/step-(?P<step>\d+)/?$")
 

@@ -1,6 +1,6 @@
 """Orchestration worker: ``python -m workers.control``.
 
-Runs the ``TrainingRun`` and ``RLStep`` workflows and the light CPU activities
+Runs the ``TrainingRun`` workflow and its step children (``RLStep``, ``SFTStep``) and the light CPU activities
 (dataset preparation, rule rewards) on the control task queue.
 """
 
@@ -17,11 +17,11 @@ from temporalio.worker import Worker
 from activities.control import assemble_batch, compute_rewards, prepare_data
 from gpu_runtime.proc import metrics
 from workers.common import connect, install_shutdown, settings_problem, setup_logging
-from workflows.contracts import CONTROL_QUEUE
-from workflows.rl_step import RLStep
-from workflows.training_run import TrainingRun
+from workflows.queues import CONTROL_QUEUE
+from workflows.training_run import RUN_WORKFLOWS
 
 log = logging.getLogger("workers.control")
+CONTROL_ACTIVITIES = [prepare_data, compute_rewards, assemble_batch]
 
 
 async def run(address: str | None, namespace: str | None) -> None:
@@ -32,8 +32,8 @@ async def run(address: str | None, namespace: str | None) -> None:
         worker = Worker(
             client,
             task_queue=CONTROL_QUEUE,
-            workflows=[TrainingRun, RLStep],
-            activities=[prepare_data, compute_rewards, assemble_batch],
+            workflows=RUN_WORKFLOWS,
+            activities=CONTROL_ACTIVITIES,
             activity_executor=pool,
             graceful_shutdown_timeout=timedelta(seconds=5),
         )

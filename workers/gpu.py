@@ -26,7 +26,8 @@ from gpu_runtime.proc.devices import cuda_device_count, parse_gpu_list, plan_pla
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
 from workers.common import connect, install_shutdown, settings_problem, setup_logging
-from workflows.contracts import POOL_QUEUE, RunEvent
+from workflows.contracts.events import RunEvent
+from workflows.queues import POOL_QUEUE
 
 log = logging.getLogger("workers.gpu")
 LIVENESS_THROTTLE = timedelta(seconds=0.5)
@@ -68,7 +69,7 @@ async def run(args: argparse.Namespace) -> None:
                 max_heartbeat_throttle_interval=LIVENESS_THROTTLE,
             )
             pool_worker = Worker(
-                client, task_queue=POOL_QUEUE, activities=[acts.claim_node], activity_executor=pool,
+                client, task_queue=POOL_QUEUE, activities=acts.pool(), activity_executor=pool,
                 max_concurrent_activities=1, graceful_shutdown_timeout=timedelta(seconds=2),
             )
             log.info("node %s boot %s polling %s and %s", args.node_id, boot_id, runtime.task_queue, POOL_QUEUE)

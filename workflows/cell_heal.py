@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from workflows.contracts import CellHeal, DPCells
+from workflows.contracts.cells import CellHeal, DPCells
 from workflows.trainer_config import TrainerSpec
 
 # restart outcomes that end a cell's backoff: the process is starting (or was not lost); if it

@@ -1,7 +1,7 @@
 """Every failure type an activity or workflow raises, in one enum.
 
 The raising side builds its ``ApplicationError`` with :func:`failure`, and the
-retry policies (``workflows.policies``) read which types are final from
+retry policies (the activity stubs, ``workflows.stubs``) read which types are final from
 :data:`NON_RETRYABLE`, so the two sides cannot disagree on a spelling.
 """
 

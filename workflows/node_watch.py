@@ -27,19 +27,17 @@ from datetime import timedelta
 from typing import TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
-from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from workflows.config import NodeSpec
-    from workflows.contracts import NodeLivenessInput
+    from workflows.contracts.placement import NodeLivenessInput
     from workflows.failures import Failure, failure
+    from workflows.stubs import NODE_LIVENESS
 
 T = TypeVar("T")
 LIVENESS_PATCH = "node-liveness"
 FINISH_WAIT_PATCH = "node-liveness-finish-wait"
-WATCH_LIFETIME = timedelta(days=7)  # a watch that outlives this (a long pause) is started again
 
 
 class NodeWatch:
@@ -54,16 +52,10 @@ class NodeWatch:
         self.stop()
         timeout = timedelta(seconds=spec.liveness_timeout_s)
         self.queue = queue
-        self.handle = workflow.start_activity(
-            "node_liveness", NodeLivenessInput(run_id=run_id, interval_s=spec.liveness_interval_s),
-            task_queue=queue,
-            start_to_close_timeout=WATCH_LIFETIME,
-            heartbeat_timeout=timeout,
-            schedule_to_start_timeout=timeout,
-            retry_policy=RetryPolicy(maximum_attempts=1),
-            # a cancel completes when the node acknowledges it (or the heartbeat times out):
-            # ``finish`` waits for that; ``stop`` does not
-            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        # a cancel completes when the node acknowledges it (or the heartbeat times out):
+        # ``finish`` waits for that; ``stop`` does not
+        self.handle = NODE_LIVENESS.with_timeouts(heartbeat=timeout, schedule_to_start=timeout).start(
+            NodeLivenessInput(run_id=run_id, interval_s=spec.liveness_interval_s), queue=queue,
             summary=f"liveness of {queue} (timeout {spec.liveness_timeout_s:g}s)",
         )
         return self.handle
@@ -96,7 +88,7 @@ class NodeWatch:
             cause = _cause(watch)
             if not (isinstance(cause, TimeoutError) and cause.type == TimeoutType.START_TO_CLOSE):
                 break
-            self.handle = None  # outlived WATCH_LIFETIME: start another
+            self.handle = None  # outlived its start-to-close timeout (stubs.WATCH_LIFETIME): start another
         task.cancel()
         try:
             await task

@@ -22,7 +22,8 @@ with workflow.unsafe.imports_passed_through():
     from temporalio.exceptions import ApplicationError
 
     from workflows.config import RunConfig
-    from workflows.contracts import RLStepInput, Sampled
+    from workflows.contracts.sampling import Sampled
+    from workflows.contracts.step import RLStepInput
     from workflows.failures import Failure, failure
 
 

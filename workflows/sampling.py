@@ -20,22 +20,21 @@ import math
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.calls import run_activity
-    from workflows.contracts import (
-        CONTROL_QUEUE,
+    from workflows.contracts.events import RunEvent
+    from workflows.contracts.sampling import (
         AssembleBatchInput,
         BatchResult,
         RewardInput,
         RewardResult,
-        RLStepInput,
         RolloutInput,
         RolloutResult,
-        RunEvent,
         Sampled,
         SampledRound,
         SamplingStats,
     )
+    from workflows.contracts.step import RLStepInput
     from workflows.failures import Failure, failure
+    from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, ROLLOUT
 
 
 def more_rounds(kept: int, target: int, rounds_done: int, max_rounds: int) -> bool:
@@ -89,23 +88,22 @@ def _rollout_input(inp: RLStepInput, round_: int = 0, cursor: int | None = None,
     )
 
 
+def _reward_input(inp: RLStepInput, rollout: RolloutResult, round_: int = 0, group_size: int = 0) -> RewardInput:
+    cfg = inp.config
+    return RewardInput(
+        run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
+        dataset=inp.dataset, reward=cfg.reward, round=round_, group_size=group_size, epoch=inp.epoch,
+    )
+
+
 async def sample(inp: RLStepInput) -> Sampled:
     """One rollout of ``prompts_per_step`` prompts, then its rewards."""
-    cfg = inp.config
-    rollout = await run_activity(
-        "rollout", _rollout_input(inp), RolloutResult, task_queue=inp.node_queue,
-        summary=f"rollout step {inp.step} @ v{inp.policy_version}",
+    rollout = await ROLLOUT.run(
+        _rollout_input(inp), queue=inp.node_queue, summary=f"rollout step {inp.step} @ v{inp.policy_version}",
     )
-    rewards = await run_activity(
-        "compute_rewards",
-        RewardInput(
-            run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
-            dataset=inp.dataset, reward=cfg.reward, epoch=inp.epoch,
-        ),
-        RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step}",
-    )
+    rewards = await COMPUTE_REWARDS.run(_reward_input(inp, rollout), summary=f"reward step {inp.step}")
     return Sampled(
-        chunk_keys=rollout.chunk_keys, rewards_key=rewards.rewards_key, prompts=cfg.rollout.prompts_per_step,
+        chunk_keys=rollout.chunk_keys, rewards_key=rewards.rewards_key, prompts=inp.config.rollout.prompts_per_step,
         reward_mean=rewards.reward_mean, reward_std=rewards.reward_std, accuracy=rewards.accuracy,
         reward_errors=rewards.errors, response_len_mean=rollout.response_len_mean,
         chunks_reused=rollout.chunks_reused, engine_retries=rollout.engine_retries,
@@ -115,78 +113,100 @@ async def sample(inp: RLStepInput) -> Sampled:
     )
 
 
+Round = tuple[RolloutResult, RewardResult]
+
+
 async def sample_with_filter(inp: RLStepInput) -> Sampled:
     """Rounds of rollout + rewards until ``prompts_per_step`` groups vary (or ``max_rounds``),
     then the trained batch of the chosen groups."""
-    cfg = inp.config
-    spec, df = cfg.rollout, cfg.rollout.dynamic_filter
-    n = spec.prompts_per_round
-    rounds: list[tuple[RolloutResult, RewardResult]] = []
-    kept = 0
-    while more_rounds(kept, spec.prompts_per_step, len(rounds), df.max_rounds):
-        r = len(rounds)
-        rollout = await run_activity(
-            "rollout", _rollout_input(inp, r, inp.data_cursor + r * n, n), RolloutResult, task_queue=inp.node_queue,
-            summary=f"rollout step {inp.step} round {r}: {n} prompts @ v{inp.policy_version}",
-        )
-        rewards = await run_activity(
-            "compute_rewards",
-            RewardInput(
-                run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
-                dataset=inp.dataset, reward=cfg.reward, round=r, group_size=spec.group_size,
-                epoch=inp.epoch,
-            ),
-            RewardResult, task_queue=CONTROL_QUEUE, summary=f"reward step {inp.step} round {r}",
-        )
-        rounds.append((rollout, rewards))
-        kept += len(rewards.varied_groups)
-
-    results = [rw for _, rw in rounds]
-    groups, fallback = choose_groups([rw.varied_groups for rw in results], spec.prompts_per_step, results[0].groups)
-    stats = SamplingStats(
-        rounds=len(rounds), prompts_drawn=len(rounds) * n, groups_generated=sum(rw.groups for rw in results),
-        groups_kept=kept, groups_filtered_all_correct=sum(rw.groups_all_correct for rw in results),
-        groups_filtered_all_wrong=sum(rw.groups_all_wrong for rw in results),
-        groups_filtered_other=sum(rw.groups_all_equal_other for rw in results),
-        groups_trained=len(groups), trained_reward_mean=0.0, fallback=fallback,
-    )
-    if kept < spec.prompts_per_step and df.on_shortfall == "fail":
-        raise failure(
-            Failure.SAMPLING_SHORTFALL,
-            f"step {inp.step}: dynamic sampling kept {kept} of {spec.prompts_per_step} groups after {len(rounds)} "
-            f"rounds of {n} prompts ({stats.groups_filtered_all_correct} all correct, "
-            f"{stats.groups_filtered_all_wrong} all wrong, {stats.groups_filtered_other} other groups filtered); "
-            "rollout.dynamic_filter.on_shortfall is fail (raise max_rounds or oversample, or set it to train)",
-            final=True,
-        )
-    batch = await run_activity(
-        "assemble_batch",
+    spec = inp.config.rollout
+    rounds = await draw_rounds(inp)
+    rewards = [rw for _, rw in rounds]
+    groups, fallback = choose_groups([rw.varied_groups for rw in rewards], spec.prompts_per_step, rewards[0].groups)
+    stats = sampling_stats(rounds, len(groups), fallback, spec.prompts_per_round)
+    check_shortfall(inp, stats)
+    batch = await ASSEMBLE_BATCH.run(
         AssembleBatchInput(
-            run_id=inp.run_id, step=inp.step, store_uri=cfg.store,
+            run_id=inp.run_id, step=inp.step, store_uri=inp.config.store,
             rounds=[SampledRound(chunk_keys=got.chunk_keys, rewards_key=rw.rewards_key) for got, rw in rounds],
             groups=groups, group_size=spec.group_size, chunk_size=spec.chunk_size, sampling=stats,
             epoch=inp.epoch,
         ),
-        BatchResult, task_queue=CONTROL_QUEUE,
         summary=f"batch step {inp.step}: {len(groups)} groups of {stats.groups_generated} in {len(rounds)} rounds",
     )
-    mean, std, accuracy = pooled(results)
+    return pooled_batch(inp, rounds, batch, stats)
+
+
+async def draw_rounds(inp: RLStepInput) -> list[Round]:
+    """Dynamic sampling's rounds: round ``r`` generates and scores ``prompts_per_round`` new
+    prompts from ``cursor + r*n``, until enough groups vary or ``max_rounds``."""
+    spec = inp.config.rollout
+    n = spec.prompts_per_round
+    rounds: list[Round] = []
+    kept = 0
+    while more_rounds(kept, spec.prompts_per_step, len(rounds), spec.dynamic_filter.max_rounds):
+        r = len(rounds)
+        rollout = await ROLLOUT.run(
+            _rollout_input(inp, r, inp.data_cursor + r * n, n), queue=inp.node_queue,
+            summary=f"rollout step {inp.step} round {r}: {n} prompts @ v{inp.policy_version}",
+        )
+        rewards = await COMPUTE_REWARDS.run(
+            _reward_input(inp, rollout, r, spec.group_size), summary=f"reward step {inp.step} round {r}",
+        )
+        rounds.append((rollout, rewards))
+        kept += len(rewards.varied_groups)
+    return rounds
+
+
+def sampling_stats(rounds: list[Round], trained: int, fallback: bool, prompts_per_round: int) -> SamplingStats:
+    """The step's dynamic-sampling counts (``trained_reward_mean`` is the assembled batch's, filled in later)."""
+    rewards = [rw for _, rw in rounds]
+    return SamplingStats(
+        rounds=len(rounds), prompts_drawn=len(rounds) * prompts_per_round,
+        groups_generated=sum(rw.groups for rw in rewards), groups_kept=sum(len(rw.varied_groups) for rw in rewards),
+        groups_filtered_all_correct=sum(rw.groups_all_correct for rw in rewards),
+        groups_filtered_all_wrong=sum(rw.groups_all_wrong for rw in rewards),
+        groups_filtered_other=sum(rw.groups_all_equal_other for rw in rewards),
+        groups_trained=trained, trained_reward_mean=0.0, fallback=fallback,
+    )
+
+
+def check_shortfall(inp: RLStepInput, stats: SamplingStats) -> None:
+    """Fail the run (``SamplingShortfall``) when too few groups varied and
+    ``rollout.dynamic_filter.on_shortfall`` is fail."""
+    spec = inp.config.rollout
+    if stats.groups_kept >= spec.prompts_per_step or spec.dynamic_filter.on_shortfall != "fail":
+        return
+    raise failure(
+        Failure.SAMPLING_SHORTFALL,
+        f"step {inp.step}: dynamic sampling kept {stats.groups_kept} of {spec.prompts_per_step} groups after "
+        f"{stats.rounds} rounds of {spec.prompts_per_round} prompts ({stats.groups_filtered_all_correct} all correct, "
+        f"{stats.groups_filtered_all_wrong} all wrong, {stats.groups_filtered_other} other groups filtered); "
+        "rollout.dynamic_filter.on_shortfall is fail (raise max_rounds or oversample, or set it to train)",
+        final=True,
+    )
+
+
+def pooled_batch(inp: RLStepInput, rounds: list[Round], batch: BatchResult, stats: SamplingStats) -> Sampled:
+    """The step's batch: the assembled groups, with the rewards and metrics of every round."""
     rollouts = [got for got, _ in rounds]
+    rewards = [rw for _, rw in rounds]
+    mean, std, accuracy = pooled(rewards)
     events = [e for got in rollouts for e in got.node_events]
-    if fallback:
+    if stats.fallback:
         events.append(RunEvent(
             at=workflow.now().isoformat(), kind="dynamic_filter_empty",
             detail=f"step {inp.step}: no group's rewards varied in {len(rounds)} rounds: trained on the first "
-                   f"round's first {len(groups)} groups as they were",
+                   f"round's first {stats.groups_trained} groups as they were",
         ))
-    samples = sum(rw.n for rw in results)
+    samples = sum(rw.n for rw in rewards)
     return Sampled(
         chunk_keys=batch.chunk_keys, rewards_key=batch.rewards_key, prompts=stats.prompts_drawn,
-        reward_mean=mean, reward_std=std, accuracy=accuracy, reward_errors=sum(rw.errors for rw in results),
+        reward_mean=mean, reward_std=std, accuracy=accuracy, reward_errors=sum(rw.errors for rw in rewards),
         response_len_mean=sum(got.response_len_mean * got.n_samples for got in rollouts) / max(1, samples),
         chunks_reused=sum(got.chunks_reused for got in rollouts),
         engine_retries=sum(got.engine_retries for got in rollouts),
-        phases={"rollout": sum(got.seconds for got in rollouts), "reward": sum(rw.seconds for rw in results),
+        phases={"rollout": sum(got.seconds for got in rollouts), "reward": sum(rw.seconds for rw in rewards),
                 "assemble": batch.seconds},
         node_events=events,
         agent=pool_agent_metrics([got.agent for got in rollouts if got.agent]),

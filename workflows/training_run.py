@@ -1,5 +1,10 @@
 """``TrainingRun``: one per run. Owns the data cursor and the policy version and
-advances them only after an ``RLStep`` child commits (exactly-once data ownership).
+advances them only after a step child (``RLStep``, in mode sft ``SFTStep``) commits
+(exactly-once data ownership: ``RunState.commit``).
+
+prepare the dataset -> place on a node (claim, SFT warm-up or restore, engines up) ->
+held-out eval of v0 -> per step: wait while paused, continue-as-new when due, the step
+as a child (re-placed when its node is lost, paused on a divergence), commit.
 """
 
 from __future__ import annotations
@@ -15,47 +20,29 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
-    from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error, mode_conflicts
-    from workflows.trainer_config import megatron_train_conflicts
-    from workflows.contracts import (
-        CONTROL_QUEUE,
-        POOL_QUEUE,
-        ClaimNodeInput,
-        DatasetInfo,
-        EvalResult,
-        ForkPoint,
-        InitPolicyInput,
-        NodeClaim,
-        PolicyInfo,
-        PrepareDataInput,
-        RLStepInput,
-        RunEvent,
-        RunProgress,
-        RunState,
-        RunSummary,
-        StepSummary,
-        TrainingRunInput,
-        UpdateWeightsInput,
-        UpdateWeightsResult,
-    )
     from workflows import cell_heal
+    from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error, mode_conflicts
+    from workflows.contracts.events import RunEvent
+    from workflows.contracts.placement import ClaimNodeInput, ForkPoint, InitPolicyInput, PrepareDataInput
+    from workflows.run_state import RunProgress, RunState, RunSummary, TrainingRunInput
+    from workflows.contracts.step import RLStepInput, StepSummary
+    from workflows.contracts.training import EvalResult, UpdateWeightsInput
     from workflows.failures import Failure, failure, failure_in
     from workflows.node_watch import NodeWatch
-    from workflows.rl_step import RLStep, evaluate, run_activity
+    from workflows.queues import CONTROL_QUEUE
+    from workflows.rl_step import RLStep
+    from workflows.sft_step import SFTStep
+    from workflows.step_phases import evaluate
+    from workflows.stubs import CLAIM_NODE, INIT_POLICY, PREPARE_DATA, UPDATE_WEIGHTS
+    from workflows.trainer_config import megatron_train_conflicts
 
 SA_STEP = SearchAttributeKey.for_int("RlStep")
 SA_REWARD = SearchAttributeKey.for_float("RlReward")
 SA_VERSION = SearchAttributeKey.for_int("RlPolicyVersion")
 SA_STATUS = SearchAttributeKey.for_keyword("RlStatus")
-HISTORY_KEEP = 200
 EVAL_BEFORE_PATCH = "eval-before-rl"  # runs recorded before it replay without the v0 eval
-SUMMARY_STEPS = 5  # the summary compares the mean reward of the first and last 5 steps
+SFT_STEP_PATCH = "sft-step-workflow"  # mode sft: SFTStep children (runs started before: RLStep in mode sft)
 MAX_NODE_REPLACEMENTS = 10
-
-
-def last_eval(history: list[StepSummary]) -> StepSummary | None:
-    """The newest step that carries eval numbers."""
-    return next((s for s in reversed(history) if s.eval_greedy is not None), None)
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -71,97 +58,73 @@ class TrainingRun:
         self.watch = NodeWatch()
         self.status = "initializing"
 
-    # ---- the RL loop -------------------------------------------------------------
+    # ---- the loop ----------------------------------------------------------------
     @workflow.run
     async def run(self, raw: Any = None) -> RunSummary:
         """``raw`` is the ``TrainingRunInput`` as decoded JSON, validated here: a bad
         field started from the Temporal CLI fails the run at once, naming the field,
         instead of failing the workflow task forever in the data converter."""
-        try:
-            inp = TrainingRunInput.model_validate(raw)
-        except ValidationError as err:
-            self.status = "failed"
-            raise failure(Failure.INVALID_INPUT, "invalid TrainingRun input:\n" + format_validation_error(err)) from None
+        inp = self._validated(raw)
         self.cfg = cfg = inp.config
-        self.st = st = inp.state or RunState(train=cfg.train)
+        self.st = inp.state or RunState(train=cfg.train)
         self.lineage = inp.lineage
-        run_id = workflow.info().workflow_id
-        chash = config_hash(cfg)
+        run_id, chash = workflow.info().workflow_id, config_hash(cfg)
+        await self._set_up(run_id, chash)
         steps_this_run = 0
-
-        if not st.initialized:
-            st.dataset = await run_activity(
-                "prepare_data",
-                PrepareDataInput(
-                    run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data, reward=cfg.reward, eval=cfg.eval,
-                    mode=cfg.mode,
-                ),
-                DatasetInfo, task_queue=CONTROL_QUEUE, summary="prepare dataset",
-            )
-            if cfg.eval.enabled and st.dataset.eval_key is None:
-                arithmetic = cfg.data.kind in ("arithmetic", "reasoning_gym")  # generated
-                why = "every prompt is in the train set" if arithmetic else "data.eval_path is not set"
-                self._event("eval_skipped", f"no held-out split ({why}): the run is not evaluated")
-            await self._place_on_node(run_id, chash, init=True)
-            st.initialized = True
-            if cfg.eval.enabled and st.dataset.eval_key and workflow.patched(EVAL_BEFORE_PATCH):
-                st.eval_before = await self._eval_before_rl(run_id)
-        elif st.node is None:
-            await self._place_on_node(run_id, chash, init=False)
-
-        while st.next_step <= cfg.steps:
-            self.status = "paused" if st.paused else "running"
-            self._publish()
-            await workflow.wait_condition(lambda: not self.st.paused)
-            self.status = "running"
-            if steps_this_run >= cfg.steps_per_workflow_run or workflow.info().is_continue_as_new_suggested():
-                await self.watch.finish()  # the next execution watches the node again
-                workflow.continue_as_new(TrainingRunInput(config=cfg, state=st, lineage=self.lineage))
+        while self.st.next_step <= cfg.steps:
+            await self._between_steps(steps_this_run)
             summary = await self._run_step(run_id, chash)
-            # commit: the only place the cursor and the version move
-            st.policy_version = summary.policy_version
-            st.data_cursor = summary.data_cursor
-            # one_step_off / fully_async: the next steps' batches, already sampled (a summary recorded
-            # before the buffer existed carries one_step_off's as next_sampled)
-            st.buffer = summary.next_buffer or ([summary.next_sampled] if summary.next_sampled else [])
-            st.prefetched = None
-            st.history = [
-                *st.history,
-                summary.model_copy(update={"events": [], "engines": [], "cell": None, "next_sampled": None,
-                                           "next_buffer": [], "dp": None}),
-            ][-HISTORY_KEEP:]
-            st.events = [*st.events, *summary.events][-100:]
-            st.engines = summary.engines
-            st.cells = [summary.cell] if summary.cell is not None else []
-            if summary.dp is not None or summary.cell_restarts:  # trainer.cells > 1: schedule the lost cells' restarts
-                st.dp = summary.dp or st.dp
-                st.cell_heal = cell_heal.after_step(st.cell_heal, summary.dp, summary.cell_restarts, workflow.now(),
-                                                    cfg.trainer)
-            if len(st.first_rewards) < SUMMARY_STEPS:
-                st.first_rewards.append(summary.reward_mean)
-            st.next_step += 1
+            self.st = self.st.commit(summary, workflow.now(), cfg.trainer)
             steps_this_run += 1
-
         await self.watch.finish()
         self.status = "completed"
         self._publish()
-        last = st.history[-SUMMARY_STEPS:]
-        evaluated = last_eval(st.history)
-        return RunSummary(
-            run_id=run_id,
-            steps=st.next_step - 1,
-            policy_version=st.policy_version,
-            data_cursor=st.data_cursor,
-            first_reward_mean=sum(st.first_rewards) / max(1, len(st.first_rewards)),
-            last_reward_mean=sum(s.reward_mean for s in last) / max(1, len(last)),
-            final_weights_key=st.history[-1].weights_key if st.history else "",
-            eval_before_greedy=st.eval_before.greedy_accuracy if st.eval_before else None,
-            eval_before_pass_at_k=st.eval_before.pass_at_k if st.eval_before else None,
-            eval_step=evaluated.step if evaluated else None,
-            eval_greedy=evaluated.eval_greedy if evaluated else None,
-            eval_pass_at_k=evaluated.eval_pass_at_k if evaluated else None,
-            eval_k=evaluated.eval_k if evaluated else None,
+        return self.st.summary(run_id)
+
+    def _validated(self, raw: Any) -> TrainingRunInput:
+        try:
+            return TrainingRunInput.model_validate(raw)
+        except ValidationError as err:
+            self.status = "failed"
+            raise failure(Failure.INVALID_INPUT, "invalid TrainingRun input:\n" + format_validation_error(err)) from None
+
+    async def _set_up(self, run_id: str, chash: str) -> None:
+        """A new run: its dataset, a node, v0 and its held-out eval. A continued one: a node
+        when it has none (it continued as new while re-placing)."""
+        cfg, st = self.cfg, self.st
+        assert cfg is not None
+        if st.initialized:
+            if st.node is None:
+                await self._place_on_node(run_id, chash, init=False)
+            return
+        st.dataset = await PREPARE_DATA.run(
+            PrepareDataInput(
+                run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data, reward=cfg.reward, eval=cfg.eval,
+                mode=cfg.mode,
+            ),
+            summary="prepare dataset",
         )
+        if cfg.eval.enabled and st.dataset.eval_key is None:
+            arithmetic = cfg.data.kind in ("arithmetic", "reasoning_gym")  # generated
+            why = "every prompt is in the train set" if arithmetic else "data.eval_path is not set"
+            self._event("eval_skipped", f"no held-out split ({why}): the run is not evaluated")
+        await self._place_on_node(run_id, chash, init=True)
+        st.initialized = True
+        if cfg.eval.enabled and st.dataset.eval_key and workflow.patched(EVAL_BEFORE_PATCH):
+            st.eval_before = await self._eval_before_rl(run_id)
+
+    async def _between_steps(self, steps_this_run: int) -> None:
+        """Wait while paused; continue as new when this execution has run its share of steps
+        (or its history grew large)."""
+        cfg = self.cfg
+        assert cfg is not None
+        self.status = "paused" if self.st.paused else "running"
+        self._publish()
+        await workflow.wait_condition(lambda: not self.st.paused)
+        self.status = "running"
+        if steps_this_run >= cfg.steps_per_workflow_run or workflow.info().is_continue_as_new_suggested():
+            await self.watch.finish()  # the next execution watches the node again
+            workflow.continue_as_new(TrainingRunInput(config=cfg, state=self.st, lineage=self.lineage))
 
     async def _eval_before_rl(self, run_id: str) -> EvalResult | None:
         """The post-SFT policy (v0, served since placement) on the held-out split, so the
@@ -178,29 +141,35 @@ class TrainingRun:
         except (ActivityError, ApplicationError) as err:
             result, events = None, [RunEvent(at=workflow.now().isoformat(), kind="eval_failed",
                                              detail=f"step 0: {failure_in(err)[1]}")]
-        st.events = [*st.events, *events][-100:]
+        st.add_events(events)
         return result
+
+    def _step_input(self, run_id: str) -> RLStepInput:
+        cfg, st = self.cfg, self.st
+        assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
+        return RLStepInput(
+            run_id=run_id, step=st.next_step, config=cfg, train=st.train,
+            policy_version=st.policy_version, data_cursor=st.data_cursor,
+            dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
+            buffer=st.buffer or ([st.prefetched] if st.prefetched else []),
+            restart_cells=cell_heal.due(st.cell_heal, workflow.now()),
+        )
 
     async def _run_step(self, run_id: str, chash: str) -> StepSummary:
         """Run the step as a child. A lost node is replaced and the step re-run; a
         divergence (NaN) pauses the run on its last good state until ``resume``."""
         cfg, st = self.cfg, self.st
-        assert cfg is not None and st.dataset is not None and st.train is not None
+        assert cfg is not None
         replacements = 0
         while True:
             assert st.node is not None
+            sft = cfg.mode == "sft" and workflow.patched(SFT_STEP_PATCH)
             child = workflow.execute_child_workflow(
-                RLStep.run,
-                RLStepInput(
-                    run_id=run_id, step=st.next_step, config=cfg, train=st.train,
-                    policy_version=st.policy_version, data_cursor=st.data_cursor,
-                    dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
-                    buffer=st.buffer or ([st.prefetched] if st.prefetched else []),
-                    restart_cells=cell_heal.due(st.cell_heal, workflow.now()),
-                ),
+                SFTStep.run if sft else RLStep.run,
+                self._step_input(run_id),
                 id=f"{run_id}/step-{st.next_step}",
                 task_queue=CONTROL_QUEUE,
-                static_summary=f"RL step {st.next_step} of {cfg.steps}",
+                static_summary=f"{'SFT' if sft else 'RL'} step {st.next_step} of {cfg.steps}",
             )
             try:
                 return await self.watch.on_live_node(run_id, st.node.task_queue, cfg.node, child)
@@ -228,9 +197,8 @@ class TrainingRun:
         assert cfg is not None and st.dataset is not None and st.train is not None
         exclude = [st.node.task_queue] if st.node else []
         while True:
-            st.node = await run_activity(
-                "claim_node", ClaimNodeInput(run_id=run_id, exclude_queues=exclude, store_uri=cfg.store), NodeClaim,
-                task_queue=POOL_QUEUE, summary="claim a node",
+            st.node = await CLAIM_NODE.run(
+                ClaimNodeInput(run_id=run_id, exclude_queues=exclude, store_uri=cfg.store), summary="claim a node",
             )
             self._event("node_claimed", st.node.task_queue)
             try:
@@ -246,38 +214,35 @@ class TrainingRun:
         """The claimed node's trainer to the committed version, its engines up."""
         cfg, st = self.cfg, self.st
         assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
-        policy = await run_activity(
-            "init_policy",
+        policy = await INIT_POLICY.run(
             InitPolicyInput(
                 run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
                 train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
                 policy_version=st.policy_version, lineage=self.lineage, epoch=st.node.epoch, distill=cfg.distill,
                 trainer=cfg.trainer,
             ),
-            PolicyInfo, task_queue=st.node.task_queue,
+            queue=st.node.task_queue,
             summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
         )
-        st.events = [*st.events, *policy.node_events][-100:]
+        st.add_events(policy.node_events)
         st.cells = [policy.cell] if policy.cell is not None else []
         if policy.dp is not None:  # trainer.cells > 1: cells this trainer lost are scheduled for a restart
             st.dp = policy.dp
             st.cell_heal = cell_heal.after_step(st.cell_heal, policy.dp, {}, workflow.now(), cfg.trainer)
-        synced = await run_activity(
-            "update_weights",
+        synced = await UPDATE_WEIGHTS.run(
             UpdateWeightsInput(
                 run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
                 weights_key=policy.weights_key, checksum=policy.checksum, engines=cfg.engines,
             ),
-            UpdateWeightsResult, task_queue=st.node.task_queue,
+            queue=st.node.task_queue,
             summary=f"start engines @ v{policy.policy_version}",
         )
-        st.events = [*st.events, *synced.node_events][-100:]
+        st.add_events(synced.node_events)
         st.engines = synced.engines
 
     # ---- observability -----------------------------------------------------------
     def _event(self, kind: str, detail: str) -> None:
-        ev = RunEvent(at=workflow.now().isoformat(), kind=kind, detail=detail)
-        self.st.events = [*self.st.events, ev][-100:]
+        self.st.add_events([RunEvent(at=workflow.now().isoformat(), kind=kind, detail=detail)])
         workflow.logger.info("run event %s: %s", kind, detail)
 
     def _publish(self) -> None:
@@ -300,7 +265,7 @@ class TrainingRun:
                 f"last step: reward {last.reward_mean:.3f} (acc {last.accuracy:.2f}), loss {last.loss:.4f}, "
                 f"{last.step_seconds:.1f}s"
             )
-        evaluated = last_eval(st.history)
+        evaluated = st.last_evaluated()
         if evaluated:
             lines.append(
                 f"held-out eval after step {evaluated.step}: greedy {evaluated.eval_greedy:.3f}, "
@@ -343,7 +308,7 @@ class TrainingRun:
     def node_event(self, event: RunEvent) -> None:
         """An event a node reports outside any activity result (``stale_write_refused``
         from a node the run has left behind: its results are no longer awaited)."""
-        self.st.events = [*self.st.events, event][-100:]
+        self.st.add_events([event])
         workflow.logger.warning("node event %s: %s", event.kind, event.detail)
 
     @workflow.signal
@@ -378,3 +343,6 @@ class TrainingRun:
         if self.cfg is not None and self.cfg.trainer.backend == "megatron" and (bad := megatron_train_conflicts(train)):
             raise ValueError(f"set_hparams: trainer.backend megatron does not support {'; '.join(bad)}")
 
+
+
+RUN_WORKFLOWS = [TrainingRun, RLStep, SFTStep]  # a run and its step children: what the control worker runs

@@ -16,7 +16,8 @@ from temporalio.service import RPCError
 from tests.stack import Stack, async_wait_for, running_stack
 from workers.common import connect
 from workflows.config import RunConfig
-from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
+from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
+from workflows.queues import CONTROL_QUEUE
 from workflows.training_run import TrainingRun
 
 STARTED = 2  # PendingActivityState.PENDING_ACTIVITY_STATE_STARTED

@@ -22,7 +22,7 @@ import torch
 from tests.e2e.faults import assert_bitwise_equal, baseline_weights, final_weights, progress, start_run
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
-from workflows.contracts import RunProgress
+from workflows.run_state import RunProgress
 
 pytestmark = pytest.mark.e2e
 STEPS = 3

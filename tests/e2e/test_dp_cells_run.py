@@ -33,9 +33,9 @@ from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from tests.e2e.faults import final_weights, progress, run_to_end, start_run, wait_activity_started  # noqa: E402
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
-from workflows.contracts import RunProgress  # noqa: E402
-from workflows.rl_step import RLStep  # noqa: E402
-from workflows.training_run import TrainingRun  # noqa: E402
+from workflows.run_state import RunProgress  # noqa: E402
+from workflows.stubs import TRAIN_STEP  # noqa: E402
+from workflows.training_run import RUN_WORKFLOWS  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 STEPS = 30  # a restarted cell is built in the background (~4.5 s here) while steps of ~0.4 s go on
@@ -64,7 +64,7 @@ def runs(stack: Stack) -> tuple[RunProgress, RunProgress, int]:
         twin = await run_to_end(client, "twin", cfg(store), timeout_s=600)
         assert twin.policy_version == STEPS
         handle = await start_run(client, "faulted", cfg(store))
-        await wait_activity_started(client, "faulted/step-2", "train_step")
+        await wait_activity_started(client, "faulted/step-2", TRAIN_STEP.name)
         log = next(iter(stack.workdir.rglob("faulted/dp/cell1.log")))
         await async_wait_for(lambda: _has(log, "fault delay before the allreduce of v2"), 60,
                              what="cell 1 inside step 2")
@@ -72,7 +72,7 @@ def runs(stack: Stack) -> tuple[RunProgress, RunProgress, int]:
         os.kill(victim, signal.SIGKILL)
         summary = await asyncio.wait_for(handle.result(), 600)
         assert summary.policy_version == STEPS
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         await replayer.replay_workflow(await handle.fetch_history())
         for step in range(2, STEPS + 1):
             await replayer.replay_workflow(await client.get_workflow_handle(f"faulted/step-{step}").fetch_history())

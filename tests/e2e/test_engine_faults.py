@@ -22,7 +22,8 @@ from tests.e2e.faults import (
 )
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
-from workflows.contracts import RunProgress
+from workflows.run_state import RunProgress
+from workflows.stubs import ROLLOUT
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
@@ -71,14 +72,14 @@ def _kill_engines_during_step2_rollout(
     async def main() -> tuple[RunProgress, list[int], int]:
         client = await connect(stack.server.address)
         handle = await start_run(client, run_id, cfg or tiny_config(store, steps=STEPS))
-        await wait_activity_started(client, f"{run_id}/step-2", "rollout")
+        await wait_activity_started(client, f"{run_id}/step-2", ROLLOUT.name)
         engines = stack.node_pids("node0")["engines"]
         for slot in slots:
             os.kill(engines[slot], signal.SIGKILL)
         summary = await asyncio.wait_for(handle.result(), 300)
         assert summary.steps == STEPS and summary.policy_version == STEPS
         p = await progress(client, run_id)
-        return p, engines, await _activity_attempts(client, f"{run_id}/step-2", "rollout")
+        return p, engines, await _activity_attempts(client, f"{run_id}/step-2", ROLLOUT.name)
 
     return asyncio.run(main())
 

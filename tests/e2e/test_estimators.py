@@ -24,7 +24,9 @@ from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
 from workflows.config import RunConfig
-from workflows.contracts import CONTROL_QUEUE, RunProgress, TrainingRunInput
+from workflows.run_state import RunProgress, TrainingRunInput
+from workflows.queues import CONTROL_QUEUE
+from workflows.stubs import TRAIN_STEP
 from workflows.training_run import TrainingRun
 
 pytestmark = pytest.mark.e2e
@@ -167,7 +169,7 @@ def test_ppo_trainer_killed_mid_step_ends_bitwise_equal(estimator_stack: Stack, 
     async def main() -> None:
         client = await connect(estimator_stack.server.address)
         handle = await start_run(client, run_id, ppo_config(store))
-        await wait_activity_started(client, f"{run_id}/step-{PPO_STEPS}", "train_step")
+        await wait_activity_started(client, f"{run_id}/step-{PPO_STEPS}", TRAIN_STEP.name)
         old = estimator_stack.node_pids("node0")["trainer"]
         os.kill(old, signal.SIGKILL)
         await asyncio.wait_for(handle.result(), 300)

@@ -28,6 +28,7 @@ from tests.e2e.faults import (
 from tests.e2e.test_process_faults import assert_trained_exactly_once
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config
 from workers.common import connect
+from workflows.stubs import TRAIN_STEP
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
@@ -57,7 +58,7 @@ def test_partitioned_node_writes_nothing_the_run_uses(stack: Stack, store: Path)
     async def main() -> None:
         client = await connect(stack.server.address)
         handle = await start_run(client, run_id, tiny_config(store, **CFG))
-        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
         lost = (await progress(client, run_id)).node_queue
         assert lost is not None
         node_id = lost.split("-")[1]

@@ -30,6 +30,7 @@ import yaml
 
 from tests.stack import Stack, tiny_config
 from workers.common import connect
+from workflows.stubs import ROLLOUT
 
 pytestmark = pytest.mark.e2e
 STEPS, K = 4, 2
@@ -96,7 +97,7 @@ def test_control_worker_killed_while_a_later_batch_generates(stack: Stack, store
         client = await connect(stack.server.address)
         handle = await start_run(client, run_id, cfg(store))
         # step 4's batch is generated inside step 2's workflow, beside step 2's train_step
-        await wait_activity_started(client, f"{run_id}/step-2", "rollout")
+        await wait_activity_started(client, f"{run_id}/step-2", ROLLOUT.name)
         stack.kill("control")
         stack.start_control()
         summary = await asyncio.wait_for(handle.result(), 300)
@@ -114,7 +115,7 @@ def test_temporal_server_restarted_while_a_later_batch_generates(stack: Stack, s
     async def main() -> None:
         client = await connect(stack.server.address)
         await start_run(client, run_id, cfg(store))
-        await wait_activity_started(client, f"{run_id}/step-2", "rollout")
+        await wait_activity_started(client, f"{run_id}/step-2", ROLLOUT.name)
         stack.server.restart()  # same port, same SQLite file
         client = await connect(stack.server.address)
         summary = await asyncio.wait_for(client.get_workflow_handle(run_id).result(), 300)

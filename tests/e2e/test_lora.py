@@ -23,6 +23,7 @@ from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_
 from tests.e2e.pretrained import pretrained_folder
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
+from workflows.stubs import TRAIN_STEP
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
@@ -110,7 +111,7 @@ def test_trainer_killed_mid_step_ends_bitwise_equal(lora_stack: Stack, store: Pa
     async def main() -> None:
         client = await connect(lora_stack.server.address)
         handle = await start_run(client, run_id, cfg)
-        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
         old = lora_stack.node_pids("node0")["trainer"]
         os.kill(old, signal.SIGKILL)
         await asyncio.wait_for(handle.result(), 300)

@@ -23,6 +23,7 @@ from tests.e2e.faults import (
 from tests.e2e.test_process_faults import assert_trained_exactly_once
 from tests.stack import Stack, tiny_config
 from workers.common import connect
+from workflows.stubs import ROLLOUT, TRAIN_STEP
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
@@ -69,7 +70,7 @@ def test_engine_killed_during_the_overlapped_rollout(stack: Stack, store: Path, 
         client = await connect(stack.server.address)
         handle = await start_run(client, run_id, cfg(store))
         # step 3's batch is generated inside step 2's workflow, beside step 2's train_step
-        await wait_activity_started(client, f"{run_id}/step-2", "rollout")
+        await wait_activity_started(client, f"{run_id}/step-2", ROLLOUT.name)
         engines = stack.node_pids("node0")["engines"]
         os.kill(engines[0], signal.SIGKILL)
         summary = await asyncio.wait_for(handle.result(), 300)
@@ -91,7 +92,7 @@ def test_trainer_killed_while_the_next_batch_generates(stack: Stack, store: Path
     async def main() -> None:
         client = await connect(stack.server.address)
         handle = await start_run(client, run_id, cfg(store))
-        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
         old = stack.node_pids("node0")["trainer"]
         os.kill(old, signal.SIGKILL)
         await asyncio.wait_for(handle.result(), 300)

@@ -26,6 +26,7 @@ from tests.e2e.faults import (
 from gpu_runtime.proc.processes import pid_alive
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
+from workflows.stubs import CHECKPOINT, TRAIN_STEP
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
@@ -73,7 +74,7 @@ def test_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline:
     async def main() -> None:
         client = await connect(proc_stack.server.address)
         handle = await start_run(client, "trainer-crash", tiny_config(store, **CFG))
-        await wait_activity_started(client, "trainer-crash/step-2", "train_step")
+        await wait_activity_started(client, "trainer-crash/step-2", TRAIN_STEP.name)
         old = proc_stack.node_pids("node0")["trainer"]
         os.kill(old, signal.SIGKILL)
         await asyncio.wait_for(handle.result(), 300)
@@ -105,7 +106,7 @@ def test_bf16_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, base
     async def main() -> None:
         client = await connect(proc_stack.server.address)
         handle = await start_run(client, run_id, tiny_config(store, **CFG_BF16))
-        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
         old = proc_stack.node_pids("node0")["trainer"]
         os.kill(old, signal.SIGKILL)
         await asyncio.wait_for(handle.result(), 300)
@@ -126,7 +127,7 @@ def test_trainer_killed_during_checkpoint_is_an_event(proc_stack: Stack, store: 
     async def main() -> None:
         client = await connect(proc_stack.server.address)
         handle = await start_run(client, run_id, tiny_config(store, **CFG))
-        await wait_activity_started(client, f"{run_id}/step-{STEPS}", "checkpoint")
+        await wait_activity_started(client, f"{run_id}/step-{STEPS}", CHECKPOINT.name)
         old = proc_stack.node_pids("node0")["trainer"]
         os.kill(old, signal.SIGKILL)
         await asyncio.wait_for(handle.result(), 300)
@@ -145,7 +146,7 @@ def test_control_worker_killed_mid_run(proc_stack: Stack, store: Path, baseline:
     async def main() -> None:
         client = await connect(proc_stack.server.address)
         handle = await start_run(client, "control-crash", tiny_config(store, **CFG))
-        await wait_activity_started(client, "control-crash/step-2", "train_step")
+        await wait_activity_started(client, "control-crash/step-2", TRAIN_STEP.name)
         proc_stack.kill("control")
         proc_stack.start_control()
         summary = await asyncio.wait_for(handle.result(), 300)
@@ -160,7 +161,7 @@ def test_temporal_server_restarted_mid_run(proc_stack: Stack, store: Path, basel
     async def main() -> None:
         client = await connect(proc_stack.server.address)
         await start_run(client, "server-restart", tiny_config(store, **CFG))
-        await wait_activity_started(client, "server-restart/step-2", "train_step")
+        await wait_activity_started(client, "server-restart/step-2", TRAIN_STEP.name)
         proc_stack.server.restart()  # same port, same SQLite file
         client = await connect(proc_stack.server.address)
         handle = client.get_workflow_handle("server-restart")
@@ -179,7 +180,7 @@ def test_node_agent_killed_run_moves_to_spare(tmp_path: Path, baseline: dict) ->
         async def main() -> None:
             client = await connect(stack.server.address)
             handle = await start_run(client, "node-loss", tiny_config(store, **CFG))
-            await wait_activity_started(client, "node-loss/step-2", "train_step")
+            await wait_activity_started(client, "node-loss/step-2", TRAIN_STEP.name)
             lost = (await progress(client, "node-loss")).node_queue
             assert lost is not None
             node_id = lost.split("-")[1]
@@ -211,7 +212,7 @@ def test_corrupt_checkpoint_is_reported_and_previous_used(proc_stack: Stack, sto
     async def main() -> None:
         client = await connect(proc_stack.server.address)
         handle = await start_run(client, run_id, cfg)
-        await wait_activity_started(client, f"{run_id}/step-3", "train_step")
+        await wait_activity_started(client, f"{run_id}/step-3", TRAIN_STEP.name)
         ckpt2 = store / "runs" / run_id / "checkpoints" / "step-000002"
         wait_for(lambda: (ckpt2 / "manifest.json").exists(), 60, what="checkpoint 2 durable")
         blob = ckpt2 / "policy.safetensors"

@@ -25,6 +25,7 @@ from tests.e2e.faults import (
 )
 from tests.stack import Stack, async_wait_for, tiny_config
 from workers.common import connect
+from workflows.stubs import TRAIN_STEP
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
@@ -55,7 +56,7 @@ def test_released_engines_killed_mid_train_step_heal_and_the_run_is_bitwise(stac
     async def main() -> tuple:
         client = await connect(stack.server.address)
         handle = await start_run(client, run_id, _config(store, "on"))
-        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
         urls = [e.url for e in (await progress(client, run_id)).engines]
         assert len(urls) == 2
         await async_wait_for(lambda: asyncio.to_thread(lambda: all(_released(u) for u in urls)), 60,

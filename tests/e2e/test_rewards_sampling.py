@@ -21,9 +21,9 @@ from tests.reward_servers import Behaviour, length_score, reward_server
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
 from workflows.config import RunConfig
-from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
-from workflows.rl_step import RLStep
-from workflows.training_run import TrainingRun
+from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
+from workflows.queues import CONTROL_QUEUE
+from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 pytestmark = pytest.mark.e2e
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
@@ -60,7 +60,7 @@ def test_dynamic_filter_trains_only_groups_whose_rewards_vary(shared_stack: Stac
     async def main() -> tuple[RunSummary, RunProgress]:
         client = await connect(shared_stack.server.address)
         summary, progress = await run(client, "e2e-dyn", cfg)
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         for step in (1, 2):
             history = await client.get_workflow_handle(f"e2e-dyn/step-{step}").fetch_history()
             await replayer.replay_workflow(history)

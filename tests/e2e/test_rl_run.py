@@ -30,15 +30,16 @@ from tests.e2e.faults import assert_bitwise_equal
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
 from workflows.config import RunConfig
-from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
-from workflows.rl_step import RLStep
-from workflows.training_run import TrainingRun
+from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
+from workflows.queues import CONTROL_QUEUE
+from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, EVALUATE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
+from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 pytestmark = pytest.mark.e2e
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # git-ignored; CI keeps the UI screenshots here
-STEP_ACTIVITIES = ["rollout", "compute_rewards", "train_step", "update_weights", "checkpoint"]
-LAST_STEP_ACTIVITIES = [*STEP_ACTIVITIES, "evaluate"]  # eval.every 0: the held-out eval after the last step only
+STEP_ACTIVITIES = [ROLLOUT.name, COMPUTE_REWARDS.name, TRAIN_STEP.name, UPDATE_WEIGHTS.name, CHECKPOINT.name]
+LAST_STEP_ACTIVITIES = [*STEP_ACTIVITIES, EVALUATE.name]  # eval.every 0: the held-out eval after the last step only
 
 
 async def run_to_end(client: Client, run_id: str, cfg: dict, timeout_s: float = 600) -> RunSummary:
@@ -133,7 +134,7 @@ def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -
             histories.append(h)
 
         # replaying the recorded histories against the current workflow code is deterministic
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         for h in histories:
             await replayer.replay_workflow(h)
         if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change

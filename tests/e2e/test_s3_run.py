@@ -42,9 +42,10 @@ from tests.s3_fixtures import new_bucket_name, seaweed, store_for  # noqa: F401 
 from tests.stack import ROOT, Stack, tiny_config
 from workers.payload_codec import ENCODING, EncryptionCodec
 from workers.temporal_connection import connect_with, data_converter, settings_from_env
-from workflows.contracts import RunProgress, RunSummary
+from workflows.run_state import RunProgress, RunSummary
 from workflows.node_watch import LIVENESS_PATCH
 from workflows.rl_step import EVAL_PATCH, SFT_MODE_PATCH
+from workflows.stubs import TRAIN_STEP
 from workflows.training_run import EVAL_BEFORE_PATCH
 
 pytestmark = pytest.mark.e2e
@@ -84,7 +85,7 @@ def s3_run(seaweed: SeaweedServer, tmp_path_factory: pytest.TempPathFactory) -> 
         async def main() -> S3Run:
             client = await connect_with(settings_from_env(stack.server.address), data_converter(codec_env))
             handle = await start_run(client, RUN, cfg)
-            await wait_activity_started(client, f"{RUN}/step-2", "train_step")
+            await wait_activity_started(client, f"{RUN}/step-2", TRAIN_STEP.name)
             # the node loses its disk copy of every checkpoint, then its trainer
             shutil.rmtree(workdir / "nodes" / "node0" / "trainer" / RUN / "checkpoints", ignore_errors=True)
             os.kill(stack.node_pids("node0")["trainer"], signal.SIGKILL)

@@ -21,9 +21,8 @@ from temporalio.worker import Replayer
 from tests.e2e.faults import progress, run_to_end
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
-from workflows.contracts import RunProgress, RunSummary
-from workflows.rl_step import RLStep
-from workflows.training_run import TrainingRun
+from workflows.run_state import RunProgress, RunSummary
+from workflows.training_run import RUN_WORKFLOWS
 
 pytestmark = pytest.mark.e2e
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
@@ -78,12 +77,16 @@ def test_sft_mode_run(sd_stack: Stack, store: Path, sft_run: tuple[RunSummary, R
 
     async def replay() -> None:
         client = await connect(sd_stack.server.address)
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
-        history = await client.get_workflow_handle("sft/step-2").fetch_history()
-        await replayer.replay_workflow(history)
-        await replayer.replay_workflow(await client.get_workflow_handle("sft").fetch_history())
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
+        step = await client.get_workflow_handle("sft/step-2").fetch_history()  # an SFTStep child
+        run = await client.get_workflow_handle("sft").fetch_history()
+        assert step.events[0].workflow_execution_started_event_attributes.workflow_type.name == "SFTStep"
+        await replayer.replay_workflow(step)
+        await replayer.replay_workflow(run)
         if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change
-            (HISTORY_DIR / "rl_step_sft.json").write_text(history.to_json())  # step 2: with its checkpoint
+            (HISTORY_DIR / "sft_step.json").write_text(step.to_json())  # step 2: with its checkpoint
+            (HISTORY_DIR / "training_run_sft.json").write_text(run.to_json())
+            # rl_step_sft.json (an SFT step run as RLStep, before SFTStep) is kept as it was recorded
 
     asyncio.run(replay())
 

@@ -30,6 +30,7 @@ from tests.e2e.faults import (  # noqa: E402
 )
 from tests.stack import ROOT, Stack, async_wait_for, running_stack, tiny_config, wait_for  # noqa: E402
 from workers.common import connect  # noqa: E402
+from workflows.stubs import TRAIN_STEP  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 STEPS = 2
@@ -125,7 +126,7 @@ def test_rank_killed_mid_step_ends_bitwise_equal(stack: Stack, runs: tuple[list,
         assert all(r["state"] == "alive" and r["node_ip"] for r in before[0]["ranks"]), before
         ranks = [r["pid"] for r in before[0]["ranks"]]
         assert all(psutil.pid_exists(p) for p in ranks), ranks
-        await wait_activity_started(client, f"{run_id}/step-2", "train_step")
+        await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
         os.kill(ranks[-1], signal.SIGKILL)
         await asyncio.wait_for(handle.result(), 300)
         p = await progress(client, run_id)

@@ -23,7 +23,7 @@ from temporalio.exceptions import ApplicationError
 from gpu_runtime.proc.processes import free_port, packaged_binary
 from tests.stack import ROOT, Stack, async_wait_for, tiny_config
 from workers.common import connect
-from workflows.contracts import CONTROL_QUEUE
+from workflows.queues import CONTROL_QUEUE
 from workflows.failures import Failure
 
 BAD_CONFIG = {"name": "bad", "steps": 2, "stepz": 1, "train": {"lr": -1}}

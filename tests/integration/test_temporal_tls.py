@@ -31,7 +31,7 @@ from gpu_runtime.proc.processes import free_port, spawn, stop_pid
 from tests.stack import ROOT, TemporalDevServer, async_wait_for
 from tests.tls_certs import Pki, make_pki
 from workers.temporal_connection import TemporalSettings, connect_with, settings_from_env
-from workflows.contracts import CONTROL_QUEUE
+from workflows.queues import CONTROL_QUEUE
 
 SERVER_NAME = "temporal.test"
 

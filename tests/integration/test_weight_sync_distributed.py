@@ -41,7 +41,7 @@ from gpu_runtime.trainer.process import TrainerProcess
 from gpu_runtime.weight_sync.distributed import folder_manifest
 from tests.engine_fixtures import free_port, free_port_block, model_dirs, procs, start_engine, wait_for  # noqa: F401
 from workflows.config import CheckpointSpec, ModelSpec, SFTSpec, TrainSpec
-from workflows.contracts import DatasetInfo, InitPolicyInput
+from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=10.0, first_wait_s=120.0, failure_threshold=3)
 PROMPTS = [[1, 5, 6, 7], [1, 9], [3, 4, 5]]

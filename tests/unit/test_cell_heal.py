@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from tests.stack import tiny_config
 from workflows import cell_heal
 from workflows.config import RunConfig
-from workflows.contracts import DPCells, DPCellStatus
+from workflows.contracts.cells import DPCells, DPCellStatus
 from workflows.trainer_config import TrainerSpec
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)

@@ -24,7 +24,8 @@ from tests.engine_fixtures import _tokenizer
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
 from workflows.config import DataSpec, EvalSpec, RewardSpec
-from workflows.contracts import DatasetInfo, PrepareDataInput, RewardInput, RewardResult
+from workflows.contracts.placement import DatasetInfo, PrepareDataInput
+from workflows.contracts.sampling import RewardInput, RewardResult
 from workflows.failures import Failure
 
 FNS = "tests.reward_fns"  # light functions the reward process loads by dotted path

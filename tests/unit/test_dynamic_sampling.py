@@ -16,7 +16,7 @@ from gpu_runtime.rollout.chunks import plan_chunks
 from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
-from workflows.contracts import AssembleBatchInput, SampledRound, SamplingStats
+from workflows.contracts.sampling import AssembleBatchInput, SampledRound, SamplingStats
 from workflows.failures import Failure
 
 
@@ -110,7 +110,8 @@ def test_a_round_has_its_own_seeds_and_keys() -> None:
 
 def test_the_progress_line_shows_the_filter_and_reward_errors() -> None:
     from milestone_cli.progress_view import format_progress
-    from workflows.contracts import RunProgress, StepSummary
+    from workflows.run_state import RunProgress
+    from workflows.contracts.step import StepSummary
 
     stats = SamplingStats(rounds=2, prompts_drawn=12, groups_generated=12, groups_kept=5, groups_filtered_all_correct=4,
                           groups_filtered_all_wrong=3, groups_filtered_other=0, groups_trained=4, trained_reward_mean=0.5)

@@ -13,7 +13,8 @@ from gpu_runtime.store.lineage import fork_lineage, owner
 from gpu_runtime.store.object_store import LocalStore
 from milestone_cli.fork import ForkError, apply_sets, cursor_after, fork_input
 from workflows.config import RunConfig, TrainSpec
-from workflows.contracts import ForkPoint, TrainingRunInput
+from workflows.contracts.placement import ForkPoint
+from workflows.run_state import TrainingRunInput
 
 GROUP = 2
 

@@ -43,7 +43,8 @@ from gpu_runtime.trainer.service import TrainerService
 from tests.engine_fixtures import REPO, tiny_model
 from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_service, check_steps, run_service, run_steps
 from workflows.config import CheckpointSpec, ModelSpec, SFTSpec, TrainSpec
-from workflows.contracts import DatasetInfo, InitPolicyInput
+from workflows.contracts.placement import DatasetInfo, InitPolicyInput
+from workflows.stubs import TRAIN_STEP
 from workflows.trainer_config import TrainerSpec
 
 def _batch(step: int) -> tuple[list[Sample], list[float]]:
@@ -248,7 +249,7 @@ def test_set_hparams_refuses_what_megatron_does_not_implement_mid_run() -> None:
     from workflows.training_run import TrainingRun
 
     cluster = Cluster()
-    held = cluster.gate("train_step", 1)
+    held = cluster.gate(TRAIN_STEP, 1)
 
     async def body(env, nodes) -> None:  # type: ignore[no-untyped-def]
         handle = await start_run(env, run_config(steps=2, trainer={"backend": "megatron"}))

@@ -50,7 +50,7 @@ def test_a_node_serving_a_live_run_refuses_another_runs_claim() -> None:
 
     from temporalio.testing import ActivityEnvironment
 
-    from workflows.contracts import ClaimNodeInput, NodeLivenessInput
+    from workflows.contracts.placement import ClaimNodeInput, NodeLivenessInput
 
     acts = NodeActivities.__new__(NodeActivities)
     acts.report, acts.watching, acts.claimed = None, Counter(), {}

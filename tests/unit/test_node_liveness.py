@@ -12,6 +12,7 @@ from temporalio.worker import Worker
 
 from tests.unit.test_workflows import assert_replaced
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
+from workflows.stubs import TRAIN_STEP
 
 FAST = {"liveness_timeout_s": 1.0, "liveness_interval_s": 0.2}
 
@@ -19,14 +20,14 @@ FAST = {"liveness_timeout_s": 1.0, "liveness_interval_s": 0.2}
 def test_silent_node_is_lost_and_its_step_rerun_elsewhere() -> None:
     cluster = Cluster(n_nodes=2)
     node_a, node_b = cluster.queues
-    stuck = cluster.gate("train_step", 2)  # A hangs in step 2's train_step ...
+    stuck = cluster.gate(TRAIN_STEP, 2)  # A hangs in step 2's train_step ...
 
     async def go_silent(queue: str, attempt: int) -> None:
         if queue == node_a:
             cluster.silent.add(node_a)  # ... and its agent stops heartbeating (SIGSTOP, partition)
             await stuck.hook(queue, attempt)
 
-    cluster.hooks[("train_step", 2)] = go_silent
+    cluster.hook(TRAIN_STEP, 2, go_silent)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3, node=FAST))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def test_the_progress_line_shows_staleness_and_overlap() -> None:
     from milestone_cli.progress_view import format_progress
-    from workflows.contracts import RunProgress, StepSummary
+    from workflows.run_state import RunProgress
+    from workflows.contracts.step import StepSummary
 
     def line(**kw: object) -> str:
         step = StepSummary(step=3, policy_version=3, data_cursor=12, reward_mean=0.5, reward_std=0.1, accuracy=0.5,
@@ -22,7 +23,8 @@ def test_the_progress_line_shows_staleness_and_overlap() -> None:
 
 def test_the_progress_line_of_an_sft_run_shows_its_loss_not_a_reward() -> None:
     from milestone_cli.progress_view import format_progress
-    from workflows.contracts import RunProgress, StepSummary
+    from workflows.run_state import RunProgress
+    from workflows.contracts.step import StepSummary
 
     step = StepSummary(step=2, policy_version=2, data_cursor=64, reward_mean=0.0, reward_std=0.0, accuracy=0.0,
                        loss=1.2345, step_seconds=0.5)
@@ -38,7 +40,7 @@ def test_status_lists_the_cell_and_its_ranks() -> None:
     from activities import translate
     from gpu_runtime.trainer.api import CellRankState, CellState, TrainResult
     from milestone_cli.progress_view import format_cells
-    from workflows.contracts import RunProgress
+    from workflows.run_state import RunProgress
 
     cell = CellState(generation=2, placement="strict_pack", ray_address="local", ranks=[
         CellRankState(rank=r, pid=100 + r, node_ip="127.0.0.1", node_id=f"n{r}", state="alive") for r in range(2)])
@@ -64,7 +66,9 @@ def test_status_lists_the_dp_cells_and_when_a_lost_one_restarts() -> None:
     from activities import translate
     from gpu_runtime.trainer.api import DPCellInfo, DPState, TrainResult
     from milestone_cli.progress_view import format_cells, format_progress
-    from workflows.contracts import CellHeal, RunProgress, StepSummary
+    from workflows.contracts.cells import CellHeal
+    from workflows.run_state import RunProgress
+    from workflows.contracts.step import StepSummary
 
     dp = DPState(lighthouse_pid=7, cells=[
         DPCellInfo(index=0, pid=100, state="alive", policy_version=3, state_checksum="abc"),

@@ -20,7 +20,7 @@ from gpu_runtime.data.evaluation import is_correct
 from gpu_runtime.data.rewards import score_samples
 from gpu_runtime.store import artifacts as art
 from workflows.config import DataSpec, EvalSpec, RewardSpec, RunConfig
-from workflows.contracts import PrepareDataInput
+from workflows.contracts.placement import PrepareDataInput
 from workflows.failures import Failure
 
 pytest.importorskip("reasoning_gym")

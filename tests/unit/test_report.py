@@ -2,7 +2,8 @@ from pathlib import Path
 
 from milestone_cli.progress_view import format_eval
 from milestone_cli.report import moving_average, render_report
-from workflows.contracts import RunProgress, StepSummary
+from workflows.run_state import RunProgress
+from workflows.contracts.step import StepSummary
 
 
 def test_moving_average_window() -> None:

@@ -1,12 +1,14 @@
 """SFT mode: the config rules, the trainer's supervised step (loss on the label tokens
-only, micro-batch invariant, LoRA too), and ``RLStep`` driving it without rollout or
-reward (real workflows on the time-skipping server, stand-in activities)."""
+only, micro-batch invariant, LoRA too), and ``SFTStep`` (or, in runs started before it,
+``RLStep``) driving it without rollout or reward (real workflows on the time-skipping
+server, stand-in activities)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from pydantic import ValidationError
+from temporalio import workflow
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -18,7 +20,8 @@ from tests.unit.test_lora import LORA
 from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
 from workflows.config import HParamUpdate, RunConfig
-from workflows.training_run import TrainingRun
+from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, ROLLOUT, TRAIN_STEP
+from workflows.training_run import SFT_STEP_PATCH, TrainingRun
 
 SFT = {"mode": "sft", "sft": {"steps": 0, "batch_size": 5}}
 
@@ -82,9 +85,16 @@ def test_sft_step_with_lora_trains_only_the_adapters() -> None:
 
 
 # ---- the workflow --------------------------------------------------------------------------
-def test_sft_mode_steps_train_on_rows_without_rollout_or_reward() -> None:
+@pytest.mark.parametrize("step_workflow", ["SFTStep", "RLStep"])
+def test_sft_mode_steps_train_on_rows_without_rollout_or_reward(monkeypatch: pytest.MonkeyPatch,
+                                                                step_workflow: str) -> None:
+    """New runs make SFTStep children; runs started before it (the sft-step-workflow patch
+    absent from their history) keep making RLStep children, which train the same way."""
+    if step_workflow == "RLStep":
+        patched = workflow.patched
+        monkeypatch.setattr(workflow, "patched", lambda patch_id: patch_id != SFT_STEP_PATCH and patched(patch_id))
     cluster = Cluster()
-    held = cluster.gate("train_step", 2)
+    held = cluster.gate(TRAIN_STEP, 2)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3, **SFT))
@@ -95,11 +105,15 @@ def test_sft_mode_steps_train_on_rows_without_rollout_or_reward() -> None:
         held.release.set()
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 15)
-        assert not cluster.served("rollout") and not cluster.served("compute_rewards")
+        assert not cluster.served(ROLLOUT) and not cluster.served(COMPUTE_REWARDS)
         assert [(t.step, t.policy_version, t.chunk_keys, t.sft_rows.data_cursor, t.sft_rows.n_rows)
                 for t in cluster.train_inputs if t.sft_rows] == [(1, 0, [], 0, 5), (2, 1, [], 5, 5), (3, 2, [], 10, 5)]
-        assert [c.step for c in cluster.served("checkpoint")] == [2, 3]  # checkpoints, evals: as in RL
+        assert [c.step for c in cluster.served(CHECKPOINT)] == [2, 3]  # checkpoints, evals: as in RL
         p = await progress(handle)
         assert [s.data_cursor for s in p.steps] == [5, 10, 15] and [s.loss for s in p.steps] == [1.0, 0.5, 1 / 3]
+        assert [s.rollout_version for s in p.steps] == [0, 1, 2] and all(s.reward_mean == 0.0 for s in p.steps)
+        for step in (1, 2, 3):
+            child = await env.client.get_workflow_handle(f"{handle.id}/step-{step}").describe()
+            assert child.workflow_type == step_workflow
 
     scenario(cluster, body)

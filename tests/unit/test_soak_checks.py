@@ -14,7 +14,10 @@ from gpu_runtime.data.datasets import prompts_for_step
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.trainer.api import StepBatch
 from workflows.config import TrainSpec
-from workflows.contracts import DPCells, DPCellStatus, RunEvent, RunProgress, StepSummary
+from workflows.contracts.cells import DPCells, DPCellStatus
+from workflows.contracts.events import RunEvent
+from workflows.run_state import RunProgress
+from workflows.contracts.step import StepSummary
 
 RUN, N_ROWS, SEED, P, G, STEPS = "r", 10, 7, 2, 2, 3
 CFG = {"seed": SEED, "data": {"num_train": N_ROWS}, "rollout": {"prompts_per_step": P, "group_size": G}}

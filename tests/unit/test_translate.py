@@ -21,9 +21,10 @@ from workflows.config import (
     CheckpointSpec, DistillSpec, HParamUpdate, LoraSpec, ModelInitSpec, ModelSpec, RewardSpec, RewardTerm, RolloutSpec, SFTSpec, TrainSpec,
 )
 from workflows.trainer_config import TrainerSpec
-from workflows.contracts import (
-    DatasetInfo, EvalInput, InitPolicyInput, RolloutInput, RunEvent, SFTRowsInput, TrainStepInput,
-)
+from workflows.contracts.events import RunEvent
+from workflows.contracts.placement import DatasetInfo, InitPolicyInput
+from workflows.contracts.sampling import RolloutInput
+from workflows.contracts.training import EvalInput, SFTRowsInput, TrainStepInput
 
 
 @pytest.mark.parametrize("workflow_side,runtime_side", translate.MIRRORS, ids=lambda m: m.__name__)

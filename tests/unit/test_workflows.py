@@ -9,7 +9,6 @@ of DESIGN §4-7: activity retry, node loss and re-placement, pause / resume,
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -31,9 +30,9 @@ from tests.unit.workflow_harness import (
     wait_progress,
 )
 from workflows.config import HParamUpdate
-from workflows.contracts import StepSummary
+from workflows.contracts.step import StepSummary
 from workflows.failures import Failure, failure
-from workflows.policies import TIMINGS
+from workflows.stubs import CLAIM_NODE, INIT_POLICY, PREPARE_DATA, ROLLOUT, TRAIN_STEP
 from workflows.training_run import TrainingRun
 
 
@@ -50,13 +49,13 @@ async def assert_replaced(handle: WorkflowHandle, cluster: Cluster, node_a: str,
     """Node A served until ``lost_at_step``; B was claimed (A excluded), brought to the
     committed version, and ran the lost step and the rest; each step committed once."""
     # train steps A served before the loss, then all of them on B (A's failed call aside)
-    trained = [(c.queue, c.step) for c in cluster.served("train_step") if c.queue == node_b or c.step < lost_at_step]
+    trained = [(c.queue, c.step) for c in cluster.served(TRAIN_STEP) if c.queue == node_b or c.step < lost_at_step]
     assert trained == [(node_a, n) for n in range(1, lost_at_step)] + [(node_b, n) for n in range(lost_at_step, 4)]
     assert [(q, i.policy_version) for q, i in cluster.init_inputs] == [(node_a, 0), (node_b, lost_at_step - 1)]
     # each placement has its epoch, and every step's node work carries the epoch it ran under
     assert [i.epoch for _, i in cluster.init_inputs] == [1, 2]
     assert [t.epoch for t in cluster.train_inputs] == [1] * (lost_at_step - 1) + [2] * (4 - lost_at_step)
-    assert len(cluster.served("claim_node")) == 2
+    assert len(cluster.served(CLAIM_NODE)) == 2
     p = await progress(handle)
     assert p.state == "completed" and p.node_queue == node_b
     events = [(e.kind, e.detail) for e in p.events]
@@ -73,13 +72,13 @@ def test_train_step_retried_then_used_once() -> None:
         if attempt == 1:
             raise ApplicationError("trainer process exited", type=Failure.TRAINER_DIED.value)
 
-    cluster.hooks[("train_step", 2)] = flaky
+    cluster.hook(TRAIN_STEP, 2, flaky)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3))
         summary = await finish(handle)
-        assert [c.attempt for c in cluster.served("train_step", 2)] == [1, 2]
-        assert len(cluster.served("rollout", 2)) == 1  # the retry stays inside the activity
+        assert [c.attempt for c in cluster.served(TRAIN_STEP, 2)] == [1, 2]
+        assert len(cluster.served(ROLLOUT, 2)) == 1  # the retry stays inside the activity
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 3 * PROMPTS_PER_STEP)
         p = await progress(handle)
         assert p.state == "completed"
@@ -95,10 +94,10 @@ def test_lost_node_is_replaced_and_the_step_rerun(monkeypatch: pytest.MonkeyPatc
 
     The test server does not skip time while an activity task waits in a queue, so
     this timeout runs on the wall clock: it is shortened from 15 s to 1 s here."""
-    monkeypatch.setitem(TIMINGS, "train_step", replace(TIMINGS["train_step"], schedule_to_start=timedelta(seconds=1)))
+    monkeypatch.setattr(TRAIN_STEP, "schedule_to_start", timedelta(seconds=1))
     cluster = Cluster(n_nodes=2)
     node_a, node_b = cluster.queues
-    a_stopping = cluster.last_call_on(node_a, "rollout", 2)
+    a_stopping = cluster.last_call_on(node_a, ROLLOUT, 2)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3))
@@ -107,7 +106,7 @@ def test_lost_node_is_replaced_and_the_step_rerun(monkeypatch: pytest.MonkeyPatc
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 3 * PROMPTS_PER_STEP)
         # A ran step 1 and step 2's rollout; step 2 was re-run whole on B, from v1
-        assert [(c.queue, c.step) for c in cluster.served("rollout")] == [
+        assert [(c.queue, c.step) for c in cluster.served(ROLLOUT)] == [
             (node_a, 1), (node_a, 2), (node_b, 2), (node_b, 3)
         ]
         await assert_replaced(handle, cluster, node_a, node_b, lost_at_step=2)
@@ -125,13 +124,13 @@ def test_node_lost_raised_by_activity_is_replaced() -> None:
         if queue == node_a:
             raise failure(Failure.NODE_LOST, "node has no setup for run")
 
-    cluster.hooks[("train_step", 2)] = no_setup
+    cluster.hook(TRAIN_STEP, 2, no_setup)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3))
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 3 * PROMPTS_PER_STEP)
-        assert [c.attempt for c in cluster.served("train_step", 2)] == [1, 1]  # non-retryable on A, then B
+        assert [c.attempt for c in cluster.served(TRAIN_STEP, 2)] == [1, 1]  # non-retryable on A, then B
         await assert_replaced(handle, cluster, node_a, node_b, lost_at_step=2)
 
     scenario(cluster, body)
@@ -147,14 +146,14 @@ def test_node_lost_during_placement_claims_another() -> None:
         if queue == node_a:
             raise failure(Failure.NODE_LOST, "node lost its setup during init")
 
-    cluster.hooks[("init_policy", None)] = lost
+    cluster.hook(INIT_POLICY, None, lost)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=2))
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version) == (2, 2)
-        assert [c.queue for c in cluster.served("init_policy")] == [node_a, node_b]
-        assert [c.queue for c in cluster.served("train_step")] == [node_b, node_b]
+        assert [c.queue for c in cluster.served(INIT_POLICY)] == [node_a, node_b]
+        assert [c.queue for c in cluster.served(TRAIN_STEP)] == [node_b, node_b]
         p = await progress(handle)
         lost = [e.detail for e in p.events if e.kind == "node_lost"]
         assert p.node_queue == node_b and lost == [f"{node_a}: node lost its setup during init"]
@@ -164,7 +163,7 @@ def test_node_lost_during_placement_claims_another() -> None:
 
 def test_paused_run_waits_for_resume() -> None:
     cluster = Cluster()
-    held = cluster.gate("train_step", 1)
+    held = cluster.gate(TRAIN_STEP, 1)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         # no liveness watch: the test server does not skip time while an activity runs,
@@ -179,7 +178,7 @@ def test_paused_run_waits_for_resume() -> None:
         await env.sleep(timedelta(hours=1))  # an hour of skipped time changes nothing
         p = await progress(handle)
         assert (p.state, p.step, p.policy_version) == ("paused", 1, 1)
-        assert not cluster.served("rollout", 2)
+        assert not cluster.served(ROLLOUT, 2)
 
         await handle.signal(TrainingRun.resume)
         summary = await finish(handle)
@@ -191,7 +190,7 @@ def test_paused_run_waits_for_resume() -> None:
 
 def test_set_hparams_accepted_applies_to_next_step() -> None:
     cluster = Cluster()
-    held = cluster.gate("train_step", 1)
+    held = cluster.gate(TRAIN_STEP, 1)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3))
@@ -212,7 +211,7 @@ def test_set_hparams_accepted_applies_to_next_step() -> None:
 
 def test_set_hparams_null_turns_an_optional_knob_off_from_the_next_step() -> None:
     cluster = Cluster()
-    held = cluster.gate("train_step", 1)
+    held = cluster.gate(TRAIN_STEP, 1)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=2, train={"lr": 1e-4, "tis_cap": 2.0}))
@@ -236,7 +235,7 @@ def test_set_hparams_null_turns_an_optional_knob_off_from_the_next_step() -> Non
 )
 def test_set_hparams_rejected_leaves_run_unaffected(update: HParamUpdate, message: str) -> None:
     cluster = Cluster()
-    held = cluster.gate("train_step", 1)
+    held = cluster.gate(TRAIN_STEP, 1)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         cfg = run_config(steps=2)
@@ -276,7 +275,7 @@ def test_continue_as_new_carries_the_summary() -> None:
         p = await progress(latest)
         assert_committed_once(cluster, steps, p.steps)
         # the placement travelled with the state: data prepared and node claimed once
-        assert len(cluster.served("prepare_data")) == 1 and len(cluster.served("init_policy")) == 1
+        assert len(cluster.served(PREPARE_DATA)) == 1 and len(cluster.served(INIT_POLICY)) == 1
 
     scenario(cluster, body)
 
@@ -285,10 +284,10 @@ def test_divergence_pauses_then_resume_retries_the_step() -> None:
     cluster = Cluster()
 
     async def nan_once(queue: str, attempt: int) -> None:
-        if len(cluster.served("train_step", 2)) == 1:
+        if len(cluster.served(TRAIN_STEP, 2)) == 1:
             raise failure(Failure.DIVERGENCE, "step 2: non-finite ['loss']")
 
-    cluster.hooks[("train_step", 2)] = nan_once
+    cluster.hook(TRAIN_STEP, 2, nan_once)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3))
@@ -296,13 +295,13 @@ def test_divergence_pauses_then_resume_retries_the_step() -> None:
         assert (p.step, p.policy_version, p.data_cursor) == (1, 1, PROMPTS_PER_STEP)
         diverged = [e.detail for e in p.events if e.kind == "divergence"]
         assert len(diverged) == 1 and "step 2" in diverged[0] and "non-finite" in diverged[0]
-        assert [c.attempt for c in cluster.served("train_step", 2)] == [1]  # non-retryable
+        assert [c.attempt for c in cluster.served(TRAIN_STEP, 2)] == [1]  # non-retryable
 
         await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(lr=5e-5))  # the advised fix
         await handle.signal(TrainingRun.resume)
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version) == (3, 3)
-        assert len(cluster.served("rollout", 2)) == 2  # the step was re-run from its start
+        assert len(cluster.served(ROLLOUT, 2)) == 2  # the step was re-run from its start
         assert [(t.step, t.train.lr) for t in cluster.train_inputs] == [(1, 1e-4), (2, 5e-5), (3, 5e-5)]
         assert_committed_once(cluster, 3, (await progress(handle)).steps)
 

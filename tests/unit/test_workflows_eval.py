@@ -10,6 +10,7 @@ from temporalio.worker import Worker
 
 from tests.unit.workflow_harness import Cluster, eval_of, finish, progress, run_config, scenario, start_run
 from workflows.failures import Failure, failure
+from workflows.stubs import CHECKPOINT, EVALUATE, TRAIN_STEP
 
 
 def test_eval_runs_on_due_steps_and_after_the_last() -> None:
@@ -19,13 +20,13 @@ def test_eval_runs_on_due_steps_and_after_the_last() -> None:
         handle = await start_run(env, run_config(steps=5, eval={"every": 2, "k": 3, "max_new_tokens": 5}))
         summary = await finish(handle)
         # the post-SFT policy once before RL (step 0, v0), then the due steps
-        assert [(c.step, c.version) for c in cluster.served("evaluate")] == [(0, 0), (2, 2), (4, 4), (5, 5)]
+        assert [(c.step, c.version) for c in cluster.served(EVALUATE)] == [(0, 0), (2, 2), (4, 4), (5, 5)]
         inp = cluster.eval_inputs[1]
         assert (inp.k, inp.temperature, inp.max_new_tokens, inp.chunk_size) == (3, 1.0, 5, 4)
         assert inp.eval_key == f"runs/{handle.id}/data/eval.jsonl"
         # after the step's checkpoint (steps 2 and 4 checkpoint: checkpoint.every is 2)
         step4 = [c.name for c in cluster.calls if c.step == 4]
-        assert step4[-2:] == ["checkpoint", "evaluate"]
+        assert step4[-2:] == [CHECKPOINT.name, EVALUATE.name]
         p = await progress(handle)
         evals = {s.step: (s.eval_greedy, s.eval_pass_at_k, s.eval_k, s.eval_n) for s in p.steps}
         assert evals == {1: (None,) * 4, 2: (*eval_of(2), 3, 3), 3: (None,) * 4, 4: (*eval_of(4), 3, 3),
@@ -42,7 +43,7 @@ def test_eval_every_0_evaluates_only_after_the_last_step() -> None:
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         summary = await finish(await start_run(env, run_config(steps=3)))  # the default: every 0
-        assert [c.step for c in cluster.served("evaluate")] == [0, 3]
+        assert [c.step for c in cluster.served(EVALUATE)] == [0, 3]
         assert (summary.eval_step, summary.eval_greedy, summary.eval_pass_at_k) == (3, *eval_of(3))
 
     scenario(cluster, body)
@@ -55,7 +56,7 @@ def test_no_eval_when_disabled_or_without_a_heldout_split() -> None:
         off = await finish(await start_run(env, run_config(steps=2, eval={"enabled": False, "every": 1})))
         handle = await start_run(env, run_config(steps=2, data={"kind": "jsonl", "path": "/data/train.jsonl"}))
         no_split = await finish(handle)
-        assert cluster.served("evaluate") == []
+        assert cluster.served(EVALUATE) == []
         assert off.eval_step is None and no_split.eval_greedy is None
         skipped = [e.detail for e in (await progress(handle)).events if e.kind == "eval_skipped"]
         assert skipped == ["no held-out split (data.eval_path is not set): the run is not evaluated"]
@@ -75,13 +76,13 @@ def test_failed_eval_costs_its_numbers_not_the_run() -> None:
     async def broken(queue: str, attempt: int) -> None:
         raise failure(Failure.INVALID_INPUT, "row h3: field 'answer' has no integer answer")
 
-    cluster.hooks[("evaluate", 1)] = once
-    cluster.hooks[("evaluate", 3)] = broken
+    cluster.hook(EVALUATE, 1, once)
+    cluster.hook(EVALUATE, 3, broken)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=3, eval={"every": 1}))
         summary = await finish(handle)
-        assert [(c.step, c.attempt) for c in cluster.served("evaluate")] == [(0, 1), (1, 1), (1, 2), (2, 1), (3, 1)]
+        assert [(c.step, c.attempt) for c in cluster.served(EVALUATE)] == [(0, 1), (1, 1), (1, 2), (2, 1), (3, 1)]
         p = await progress(handle)
         assert p.state == "completed" and [s.step for s in p.steps] == [1, 2, 3]
         assert p.steps[0].eval_greedy == eval_of(1)[0] and p.steps[2].eval_greedy is None
@@ -100,12 +101,12 @@ def test_node_lost_during_eval_reruns_the_step_elsewhere() -> None:
         if queue == node_a:
             raise failure(Failure.NODE_LOST, f"{queue} lost its engines")
 
-    cluster.hooks[("evaluate", 2)] = lost_on_a
+    cluster.hook(EVALUATE, 2, lost_on_a)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         summary = await finish(await start_run(env, run_config(steps=2)))
-        assert [(c.queue, c.step) for c in cluster.served("evaluate")] == [(node_a, 0), (node_a, 2), (node_b, 2)]
-        assert [(c.queue, c.step) for c in cluster.served("train_step")] == [(node_a, 1), (node_a, 2), (node_b, 2)]
+        assert [(c.queue, c.step) for c in cluster.served(EVALUATE)] == [(node_a, 0), (node_a, 2), (node_b, 2)]
+        assert [(c.queue, c.step) for c in cluster.served(TRAIN_STEP)] == [(node_a, 1), (node_a, 2), (node_b, 2)]
         assert (summary.steps, summary.eval_step) == (2, 2)
 
     scenario(cluster, body)
@@ -117,7 +118,7 @@ def test_failed_eval_before_rl_is_an_event_not_a_failure() -> None:
     async def broken(queue: str, attempt: int) -> None:
         raise failure(Failure.INVALID_INPUT, "eval split unreadable")
 
-    cluster.hooks[("evaluate", 0)] = broken
+    cluster.hook(EVALUATE, 0, broken)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=2))

@@ -9,13 +9,14 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run, wait_progress
-from workflows.contracts import RunEvent
+from workflows.contracts.events import RunEvent
+from workflows.stubs import TRAIN_STEP
 from workflows.training_run import TrainingRun
 
 
 def test_node_event_signal_is_a_run_event() -> None:
     cluster = Cluster()
-    held = cluster.gate("train_step", 1)
+    held = cluster.gate(TRAIN_STEP, 1)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=1))

@@ -9,7 +9,6 @@ trained once. A re-placed step, a continue-as-new and a replay make the same sch
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -30,12 +29,13 @@ from tests.unit.workflow_harness import (
     start_run,
 )
 from workflows.config import ONE_STEP_OFF_TIS_CAP, RunConfig
-from workflows.contracts import DatasetInfo, RLStepInput, Sampled
+from workflows.contracts.placement import DatasetInfo
+from workflows.contracts.sampling import Sampled
+from workflows.contracts.step import RLStepInput
 from workflows.failures import Failure, failure_in
-from workflows.policies import TIMINGS
-from workflows.rl_step import RLStep
 from workflows.rollout_schedule import buffer_depth, check_batch, steps_ahead
-from workflows.training_run import TrainingRun
+from workflows.stubs import ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
+from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 STEPS = 5
 P = PROMPTS_PER_STEP
@@ -124,18 +124,18 @@ def test_config_knobs() -> None:
 # ---- the workflows ---------------------------------------------------------------------------
 def test_step_one_fills_the_buffer_during_its_train_step_on_v0() -> None:
     cluster = Cluster()
-    gate = cluster.gate("train_step", 1)
+    gate = cluster.gate(TRAIN_STEP, 1)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, fully_async())
         await gate.wait_reached()
 
         async def buffered_two() -> None:  # train_step 1 is held: steps 2 and 3 are sampled beside it
-            while not cluster.served("rollout", 3):
+            while not cluster.served(ROLLOUT, 3):
                 await asyncio.sleep(0.05)
         await asyncio.wait_for(buffered_two(), WAIT_S)
-        assert [(c.step, c.version) for c in cluster.served("rollout")] == [(1, 0), (2, 0), (3, 0)]
-        assert [c.version for c in cluster.served("update_weights")] == [0]  # v1 waits for train_step 1
+        assert [(c.step, c.version) for c in cluster.served(ROLLOUT)] == [(1, 0), (2, 0), (3, 0)]
+        assert [c.version for c in cluster.served(UPDATE_WEIGHTS)] == [0]  # v1 waits for train_step 1
         gate.release.set()
         await finish(handle)
 
@@ -171,12 +171,12 @@ def test_fault_free_schedule_versions_staleness_depth_and_cursor() -> None:
         # steps 4 and 5 find the buffer already holding every remaining step's batch: nothing to overlap
         assert [s.overlap_seconds > 0 for s in p.steps] == [True, True, True, False, False]
         # the engines serve one version: v(n) is pushed after the batches sampled during step n
-        order = [(c.name, c.step, c.version) for c in cluster.calls if c.name in ("rollout", "update_weights")]
+        order = [(c.name, c.step, c.version) for c in cluster.calls if c.name in (ROLLOUT.name, UPDATE_WEIGHTS.name)]
         for step, version in [(2, 0), (3, 0), (4, 1), (5, 2)]:
-            assert order.index(("rollout", step, version)) < order.index(("update_weights", None, version + 1)), order
+            assert order.index((ROLLOUT.name, step, version)) < order.index((UPDATE_WEIGHTS.name, None, version + 1)), order
 
         # the recorded histories replay on the same code: the schedule is in history, not re-raced
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         for wid in (handle.id, f"{handle.id}/step-1", f"{handle.id}/step-3"):
             await replayer.replay_workflow(await env.client.get_workflow_handle(wid).fetch_history())
 
@@ -201,11 +201,11 @@ def test_lost_node_reruns_the_step_from_the_recorded_buffer(monkeypatch: pytest.
     v2 with its own and step 4's batches from the run's state (never sampled again), and
     step 5's batch is sampled again on B at the same version, step and cursor (on a real
     node the stored chunks make that a reuse)."""
-    for name in ("train_step", "update_weights"):
-        monkeypatch.setitem(TIMINGS, name, replace(TIMINGS[name], schedule_to_start=timedelta(seconds=1)))
+    for stub in (TRAIN_STEP, UPDATE_WEIGHTS):
+        monkeypatch.setattr(stub, "schedule_to_start", timedelta(seconds=1))
     cluster = Cluster(n_nodes=2)
     node_a, node_b = cluster.queues
-    a_stopping = cluster.last_call_on(node_a, "rollout", 5)
+    a_stopping = cluster.last_call_on(node_a, ROLLOUT, 5)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, fully_async())
@@ -213,7 +213,7 @@ def test_lost_node_reruns_the_step_from_the_recorded_buffer(monkeypatch: pytest.
         await nodes[node_a].shutdown()
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (STEPS, STEPS, STEPS * P)
-        rollouts = [(c.queue, c.step, c.version) for c in cluster.served("rollout")]
+        rollouts = [(c.queue, c.step, c.version) for c in cluster.served(ROLLOUT)]
         assert rollouts == [(node_a, 1, 0), (node_a, 2, 0), (node_a, 3, 0), (node_a, 4, 1), (node_a, 5, 2),
                             (node_b, 5, 2)]
         p = await progress(handle)
@@ -246,8 +246,9 @@ def test_dynamic_sampling_composes_each_batch_drawing_where_the_last_stopped() -
 def test_a_buffer_that_does_not_start_at_the_committed_cursor_fails_the_run() -> None:
     """A state whose buffer would skip prompts (here: a hand-built one) is refused by the
     step, naming the cursors, instead of training the wrong batch."""
-    from workflows.contracts import RunState, TrainingRunInput
-    from workflows.contracts import CONTROL_QUEUE, RunSummary
+    from workflows.run_state import RunState, TrainingRunInput
+    from workflows.run_state import RunSummary
+    from workflows.queues import CONTROL_QUEUE
 
     cluster = Cluster()
     cfg = fully_async()
@@ -275,7 +276,9 @@ def test_a_fork_mid_buffer_takes_the_parents_batches_and_keeps_its_schedule() ->
     fork trains steps 3 and 4 on the parent's batches and samples only step 5's, on the
     version the parent did. A fork that changes the rollout samples afresh."""
     from milestone_cli.fork import parent_buffer, with_parent_buffer
-    from workflows.contracts import CONTROL_QUEUE, ForkPoint, RunState, RunSummary, TrainingRunInput
+    from workflows.contracts.placement import ForkPoint
+    from workflows.run_state import RunState, RunSummary, TrainingRunInput
+    from workflows.queues import CONTROL_QUEUE
 
     cluster = Cluster()
     cfg = fully_async()

@@ -7,7 +7,6 @@ batch is trained exactly once."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -24,7 +23,7 @@ from tests.unit.workflow_harness import (
     scenario,
     start_run,
 )
-from workflows.policies import TIMINGS
+from workflows.stubs import ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
 
 STEPS = 4
 
@@ -40,17 +39,17 @@ def step_of(chunk_key: str) -> int:
 
 def test_next_rollout_runs_during_train_step_one_version_behind() -> None:
     cluster = Cluster()
-    gate = cluster.gate("train_step", 2)
+    gate = cluster.gate(TRAIN_STEP, 2)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, one_step_off())
         await gate.wait_reached()
         # train_step 2 is held: step 3's rollout still runs, on the weights step 2 sampled with (v0)
         async def step3_sampled() -> None:
-            while not cluster.served("rollout", 3):
+            while not cluster.served(ROLLOUT, 3):
                 await asyncio.sleep(0.05)
         await asyncio.wait_for(step3_sampled(), WAIT_S)
-        assert [c.version for c in cluster.served("update_weights")] == [0, 1]  # v2 waits for train_step 2
+        assert [c.version for c in cluster.served(UPDATE_WEIGHTS)] == [0, 1]  # v2 waits for train_step 2
         gate.release.set()
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (STEPS, STEPS, STEPS * PROMPTS_PER_STEP)
@@ -60,11 +59,11 @@ def test_next_rollout_runs_during_train_step_one_version_behind() -> None:
         # each train step trained its own step's batch, once, from the version before it
         assert [(t.step, t.policy_version) for t in cluster.train_inputs] == [(n, n - 1) for n in range(1, STEPS + 1)]
         assert [{step_of(k) for k in t.chunk_keys} for t in cluster.train_inputs] == [{n} for n in range(1, STEPS + 1)]
-        assert len(cluster.served("rollout")) == STEPS  # no batch sampled twice
+        assert len(cluster.served(ROLLOUT)) == STEPS  # no batch sampled twice
         # the push of v(n) comes after step n+1's rollout (the engines serve one version at a time)
-        order = [(c.name, c.step, c.version) for c in cluster.calls if c.name in ("rollout", "update_weights")]
+        order = [(c.name, c.step, c.version) for c in cluster.calls if c.name in (ROLLOUT.name, UPDATE_WEIGHTS.name)]
         for n in range(1, STEPS):
-            assert order.index(("rollout", n + 1, n - 1)) < order.index(("update_weights", None, n)), order
+            assert order.index((ROLLOUT.name, n + 1, n - 1)) < order.index((UPDATE_WEIGHTS.name, None, n)), order
         p = await progress(handle)
         assert [s.rollout_version for s in p.steps] == [0, 0, 1, 2]
         assert all(s.next_sampled is None for s in p.steps)  # the state carries the batch, not the history
@@ -89,11 +88,11 @@ def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest
     step 4's is being sampled): the step is re-run on B from v2 with the batch already
     recorded, and step 4's batch is sampled again on B at the same version with the same
     inputs (the stored chunks make that a reuse on a real node)."""
-    for name in ("train_step", "update_weights"):
-        monkeypatch.setitem(TIMINGS, name, replace(TIMINGS[name], schedule_to_start=timedelta(seconds=1)))
+    for stub in (TRAIN_STEP, UPDATE_WEIGHTS):
+        monkeypatch.setattr(stub, "schedule_to_start", timedelta(seconds=1))
     cluster = Cluster(n_nodes=2)
     node_a, node_b = cluster.queues
-    a_stopping = cluster.last_call_on(node_a, "rollout", 4)
+    a_stopping = cluster.last_call_on(node_a, ROLLOUT, 4)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, one_step_off())
@@ -101,7 +100,7 @@ def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest
         await nodes[node_a].shutdown()
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (STEPS, STEPS, STEPS * PROMPTS_PER_STEP)
-        rollouts = [(c.queue, c.step, c.version) for c in cluster.served("rollout")]
+        rollouts = [(c.queue, c.step, c.version) for c in cluster.served(ROLLOUT)]
         assert rollouts[:4] == [(node_a, 1, 0), (node_a, 2, 0), (node_a, 3, 1), (node_a, 4, 2)]
         assert (node_b, 3, 1) not in rollouts  # step 3's batch was recorded: not sampled again
         assert rollouts[4:] == [(node_b, 4, 2)]

@@ -15,11 +15,11 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
-from workflows.contracts import RewardResult
+from workflows.contracts.sampling import RewardResult
 from workflows.failures import Failure, failure_in
-from workflows.rl_step import RLStep
 from workflows.sampling import choose_groups, more_rounds, pooled
-from workflows.training_run import TrainingRun
+from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, ROLLOUT
+from workflows.training_run import RUN_WORKFLOWS
 
 PPS, GROUP = 4, 2
 
@@ -165,20 +165,20 @@ def test_a_retried_round_decides_the_same_and_the_history_replays() -> None:
         if attempt == 1 and cluster.reward_inputs[-1].round == 1:
             raise ApplicationError("judge endpoint down", type=Failure.REWARD_ERROR.value)
 
-    cluster.hooks[("compute_rewards", 1)] = flaky
+    cluster.hook(COMPUTE_REWARDS, 1, flaky)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=1, rollout=filtered()))
         await finish(handle)
-        assert [(c.attempt, i.round) for c, i in zip(cluster.served("compute_rewards", 1), cluster.reward_inputs)] == [
+        assert [(c.attempt, i.round) for c, i in zip(cluster.served(COMPUTE_REWARDS, 1), cluster.reward_inputs)] == [
             (1, 0), (1, 1), (2, 1)]
         assert [i.round for i in cluster.rollout_inputs] == [0, 1]
         assert cluster.assemble_inputs[0].groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
         history = await env.client.get_workflow_handle(f"{handle.id}/step-1").fetch_history()
         scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
                      if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
-        assert scheduled[:5] == ["rollout", "compute_rewards", "rollout", "compute_rewards", "assemble_batch"]
-        replayer = Replayer(workflows=[TrainingRun, RLStep], data_converter=pydantic_data_converter)
+        assert scheduled[:5] == [ROLLOUT.name, COMPUTE_REWARDS.name, ROLLOUT.name, COMPUTE_REWARDS.name, ASSEMBLE_BATCH.name]
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         await replayer.replay_workflow(history)
 
     scenario(cluster, body)

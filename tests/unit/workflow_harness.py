@@ -1,7 +1,7 @@
 """Stand-in activities and workers for running the real ``TrainingRun`` / ``RLStep``
 workflows on Temporal's time-skipping test server (tests/unit/test_workflows*.py).
 
-Every stand-in is registered under the real activity name and takes and returns
+Every stand-in is registered under its activity stub's name (``workflows.stubs``) and takes and returns
 the real contract models. A ``Cluster`` holds their state: which queue served
 which call (``calls``), each node's trainer version, the inputs the workflows
 sent, and per-(activity, step) hooks a test installs to inject a fault or hold
@@ -35,38 +35,52 @@ from temporalio.worker import Worker
 from gpu_runtime.proc.processes import packaged_binary
 from infra.temporal_server import SEARCH_ATTRIBUTES
 from workflows.config import RunConfig
-from workflows.contracts import (
-    CONTROL_QUEUE,
-    POOL_QUEUE,
-    AssembleBatchInput,
-    BatchResult,
-    CheckpointInput,
-    CheckpointResult,
+from workflows.contracts.placement import (
     ClaimNodeInput,
     DatasetInfo,
-    EngineSlotInfo,
-    EvalInput,
-    EvalResult,
     InitPolicyInput,
     NodeClaim,
     NodeLivenessInput,
     PolicyInfo,
     PrepareDataInput,
+)
+from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
+from workflows.contracts.sampling import (
+    AssembleBatchInput,
+    BatchResult,
     RewardInput,
     RewardResult,
     RolloutInput,
     RolloutResult,
-    RunProgress,
-    RunSummary,
-    TrainingRunInput,
+)
+from workflows.contracts.training import (
+    CheckpointInput,
+    CheckpointResult,
+    EngineSlotInfo,
+    EvalInput,
+    EvalResult,
     TrainStepInput,
     TrainStepResult,
     UpdateWeightsInput,
     UpdateWeightsResult,
 )
+from workflows.queues import CONTROL_QUEUE, POOL_QUEUE
 from workflows.failures import Failure, failure
-from workflows.rl_step import RLStep
-from workflows.training_run import TrainingRun
+from workflows.stubs import (
+    ASSEMBLE_BATCH,
+    CHECKPOINT,
+    CLAIM_NODE,
+    COMPUTE_REWARDS,
+    EVALUATE,
+    INIT_POLICY,
+    NODE_LIVENESS,
+    PREPARE_DATA,
+    ROLLOUT,
+    TRAIN_STEP,
+    UPDATE_WEIGHTS,
+    ActivityStub,
+)
+from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 PROMPTS_PER_STEP = 4
 WAIT_S = 15.0  # real seconds any single wait in a test may take
@@ -104,7 +118,7 @@ def eval_of(step: int) -> tuple[float, float]:
 @dataclass
 class Call:
     queue: str
-    name: str
+    name: str  # the activity's (its stub's) name
     step: int | None  # None for calls that carry no step (placement, weight updates)
     version: int | None  # the policy version the call was made with
     attempt: int
@@ -143,7 +157,7 @@ class Cluster:
         self.liveness_started: list[str] = []  # the queue of each node_liveness watch
         self.epoch = 0  # the placement epoch of the last claim
         self.silent: set[str] = set()  # node queues whose liveness watch stops heartbeating (a stopped agent)
-        self.hooks: dict[tuple[str, int | None], Hook] = {}  # (activity, step or None)
+        self.hooks: dict[tuple[str, int | None], Hook] = {}  # (activity name, step or None): see ``hook``
         self.rollout_extra: dict[int, dict] = {}  # step -> RolloutResult fields (chunks_reused, engine_retries)
         # dynamic sampling: (step, round, groups) -> indices of the groups whose rewards vary (default: all)
         self.varied: Callable[[int, int, int], list[int]] = lambda step, round_, groups: list(range(groups))
@@ -153,13 +167,17 @@ class Cluster:
         self.checkpoint_inputs: list[CheckpointInput] = []
         self.nodes = [StandInNode(self, q) for q in self.queues]
 
-    def gate(self, name: str, step: int) -> Gate:
+    def hook(self, stub: ActivityStub, step: int | None, hook: Hook) -> None:
+        """Run ``hook`` in every ``stub`` call of ``step`` (None: calls that carry no step)."""
+        self.hooks[(stub.name, step)] = hook
+
+    def gate(self, stub: ActivityStub, step: int) -> Gate:
         g = Gate()
-        self.hooks[(name, step)] = g.hook
+        self.hook(stub, step, g.hook)
         return g
 
-    def last_call_on(self, queue: str, name: str, step: int) -> asyncio.Event:
-        """Node ``queue`` finishes its ``name`` call of ``step`` and then stops (its worker
+    def last_call_on(self, queue: str, stub: ActivityStub, step: int) -> asyncio.Event:
+        """Node ``queue`` finishes its ``stub`` call of ``step`` and then stops (its worker
         shut down by the test once the returned event is set): a node lost mid-run."""
         stopping = asyncio.Event()
 
@@ -168,11 +186,11 @@ class Cluster:
                 stopping.set()
                 await activity.wait_for_worker_shutdown()  # finish this call, then the node is gone
 
-        self.hooks[(name, step)] = hook
+        self.hook(stub, step, hook)
         return stopping
 
-    def served(self, name: str, step: int | None = None) -> list[Call]:
-        return [c for c in self.calls if c.name == name and (step is None or c.step == step)]
+    def served(self, stub: ActivityStub, step: int | None = None) -> list[Call]:
+        return [c for c in self.calls if c.name == stub.name and (step is None or c.step == step)]
 
     async def record(self, queue: str, name: str, step: int | None, version: int | None) -> None:
         attempt = activity.info().attempt
@@ -182,18 +200,18 @@ class Cluster:
             await hook(queue, attempt)
 
     # ---- control-queue activities -------------------------------------------------
-    @activity.defn(name="prepare_data")
+    @activity.defn(name=PREPARE_DATA.name)
     async def prepare_data(self, inp: PrepareDataInput) -> DatasetInfo:
-        await self.record(CONTROL_QUEUE, "prepare_data", None, None)
+        await self.record(CONTROL_QUEUE, PREPARE_DATA.name, None, None)
         info = DatasetInfo(key=f"runs/{inp.run_id}/data/train.jsonl", n_rows=inp.data.num_train, sha256="0" * 64)
         if inp.eval.enabled and (inp.data.kind == "arithmetic" or inp.data.eval_path):
             info = info.model_copy(update={"eval_key": f"runs/{inp.run_id}/data/eval.jsonl", "n_eval": inp.eval.n})
         return info
 
-    @activity.defn(name="compute_rewards")
+    @activity.defn(name=COMPUTE_REWARDS.name)
     async def compute_rewards(self, inp: RewardInput) -> RewardResult:
         self.reward_inputs.append(inp)  # before the hook, which may look at it
-        await self.record(CONTROL_QUEUE, "compute_rewards", inp.step, None)
+        await self.record(CONTROL_QUEUE, COMPUTE_REWARDS.name, inp.step, None)
         r = reward_of(inp.step)
         result = RewardResult(
             rewards_key=f"runs/{inp.run_id}/steps/{inp.step}/r{inp.round}/rewards.json", reward_mean=r,
@@ -212,9 +230,9 @@ class Cluster:
             "groups_all_wrong": sum(1 for g in rest if g % 2 == 1),
         })
 
-    @activity.defn(name="assemble_batch")
+    @activity.defn(name=ASSEMBLE_BATCH.name)
     async def assemble_batch(self, inp: AssembleBatchInput) -> BatchResult:
-        await self.record(CONTROL_QUEUE, "assemble_batch", inp.step, None)
+        await self.record(CONTROL_QUEUE, ASSEMBLE_BATCH.name, inp.step, None)
         self.assemble_inputs.append(inp)
         return BatchResult(
             chunk_keys=[f"runs/{inp.run_id}/steps/{inp.step}/batch/chunk-0"],
@@ -223,9 +241,9 @@ class Cluster:
         )
 
     # ---- pool queue ---------------------------------------------------------------
-    @activity.defn(name="claim_node")
+    @activity.defn(name=CLAIM_NODE.name)
     async def claim_node(self, inp: ClaimNodeInput) -> NodeClaim:
-        await self.record(POOL_QUEUE, "claim_node", None, None)
+        await self.record(POOL_QUEUE, CLAIM_NODE.name, None, None)
         for q in self.queues:
             if q not in inp.exclude_queues:
                 node_id, boot_id = q.split("-")[1:3]
@@ -245,7 +263,7 @@ class StandInNode:
         return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate,
                 self.node_liveness]
 
-    @activity.defn(name="node_liveness")
+    @activity.defn(name=NODE_LIVENESS.name)
     async def node_liveness(self, inp: NodeLivenessInput) -> None:
         self.cluster.liveness_started.append(self.queue)
         while True:
@@ -253,16 +271,16 @@ class StandInNode:
                 activity.heartbeat()
             await asyncio.sleep(inp.interval_s)
 
-    @activity.defn(name="init_policy")
+    @activity.defn(name=INIT_POLICY.name)
     async def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
-        await self.cluster.record(self.queue, "init_policy", None, inp.policy_version)
+        await self.cluster.record(self.queue, INIT_POLICY.name, None, inp.policy_version)
         self.cluster.init_inputs.append((self.queue, inp))
         self.cluster.trainer_version[self.queue] = v = inp.policy_version
         return PolicyInfo(policy_version=v, checksum=f"sum-v{v}", weights_key=f"runs/{inp.run_id}/weights/v{v:06d}")
 
-    @activity.defn(name="rollout")
+    @activity.defn(name=ROLLOUT.name)
     async def rollout(self, inp: RolloutInput) -> RolloutResult:
-        await self.cluster.record(self.queue, "rollout", inp.step, inp.policy_version)
+        await self.cluster.record(self.queue, ROLLOUT.name, inp.step, inp.policy_version)
         served = self.cluster.engine_version.get(self.queue)
         if served != inp.policy_version:  # the real rollout raises StaleWeights on an engine answer from other weights
             raise failure(Failure.INVALID_INPUT, f"rollout step {inp.step}: engines of {self.queue} serve v{served}, "
@@ -276,10 +294,10 @@ class StandInNode:
             seconds=0.5, **self.cluster.rollout_extra.get(inp.step, {}),
         )
 
-    @activity.defn(name="train_step")
+    @activity.defn(name=TRAIN_STEP.name)
     async def train_step(self, inp: TrainStepInput) -> TrainStepResult:
-        await self.cluster.record(self.queue, "train_step", inp.step, inp.policy_version)
-        self._check_version(inp.policy_version, "train_step", inp.step)
+        await self.cluster.record(self.queue, TRAIN_STEP.name, inp.step, inp.policy_version)
+        self._check_version(inp.policy_version, TRAIN_STEP.name, inp.step)
         self.cluster.train_inputs.append(inp)
         self.cluster.trainer_version[self.queue] = v = inp.policy_version + 1
         return TrainStepResult(
@@ -287,9 +305,9 @@ class StandInNode:
             metrics={"loss": 1.0 / inp.step, "kl": 0.0, "grad_norm": 0.5}, seconds=0.2,
         )
 
-    @activity.defn(name="update_weights")
+    @activity.defn(name=UPDATE_WEIGHTS.name)
     async def update_weights(self, inp: UpdateWeightsInput) -> UpdateWeightsResult:
-        await self.cluster.record(self.queue, "update_weights", None, inp.policy_version)
+        await self.cluster.record(self.queue, UPDATE_WEIGHTS.name, None, inp.policy_version)
         self.cluster.engine_version[self.queue] = inp.policy_version
         engines = [
             EngineSlotInfo(slot=i, state="healthy", weight_version=inp.policy_version, checksum=inp.checksum)
@@ -297,15 +315,15 @@ class StandInNode:
         ]
         return UpdateWeightsResult(policy_version=inp.policy_version, engines=engines, seconds=0.1)
 
-    @activity.defn(name="checkpoint")
+    @activity.defn(name=CHECKPOINT.name)
     async def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:
-        await self.cluster.record(self.queue, "checkpoint", inp.step, inp.step)  # a checkpoint saves version = step
+        await self.cluster.record(self.queue, CHECKPOINT.name, inp.step, inp.step)  # a checkpoint saves version = step
         self.cluster.checkpoint_inputs.append(inp)
         return CheckpointResult(step=inp.step, key=f"runs/{inp.run_id}/checkpoints/{inp.step}", seconds=0.3, durable=True)
 
-    @activity.defn(name="evaluate")
+    @activity.defn(name=EVALUATE.name)
     async def evaluate(self, inp: EvalInput) -> EvalResult:
-        await self.cluster.record(self.queue, "evaluate", inp.step, inp.policy_version)
+        await self.cluster.record(self.queue, EVALUATE.name, inp.step, inp.policy_version)
         self.cluster.eval_inputs.append(inp)
         if inp.policy_version != inp.step:  # the engines serve the step's new version
             raise failure(Failure.INVALID_INPUT, f"evaluate step {inp.step} asked for v{inp.policy_version}")
@@ -347,7 +365,7 @@ async def running(env: WorkflowEnvironment, cluster: Cluster) -> AsyncIterator[d
     workers by queue so a test can stop one (its queue is then served by nobody)."""
     client = env.client
     workers = [
-        Worker(client, task_queue=CONTROL_QUEUE, workflows=[TrainingRun, RLStep],
+        Worker(client, task_queue=CONTROL_QUEUE, workflows=RUN_WORKFLOWS,
                activities=[cluster.prepare_data, cluster.compute_rewards, cluster.assemble_batch]),
         Worker(client, task_queue=POOL_QUEUE, activities=[cluster.claim_node]),
     ]

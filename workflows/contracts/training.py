@@ -1,0 +1,112 @@
+"""The training half of a step: train_step, update_weights, checkpoint and the held-out eval."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from workflows.config import EngineSpec, TrainSpec
+from workflows.contracts.cells import CellInfo, DPCells
+from workflows.contracts.events import RunEvent
+
+
+class SFTRowsInput(BaseModel):
+    """An SFT-mode step's rows: positions ``data_cursor .. data_cursor + n_rows - 1`` of the prompt order."""
+
+    data_cursor: int
+    n_rows: int
+
+
+class TrainStepInput(BaseModel):
+    run_id: str
+    step: int
+    store_uri: str
+    policy_version: int  # version the trainer must hold before this step
+    chunk_keys: list[str]
+    rewards_key: str
+    group_size: int
+    train: TrainSpec
+    sft_rows: SFTRowsInput | None = None  # mode sft: train on these rows' labels (no chunks, no rewards)
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
+
+
+class TrainStepResult(BaseModel):
+    policy_version: int
+    checksum: str
+    weights_key: str
+    metrics: dict[str, float]
+    replayed_steps: list[int] = []
+    restored_from_step: int | None = None
+    seconds: float
+    node_events: list[RunEvent] = []
+    cell: CellInfo | None = None  # backend fsdp2: the cell that trained the step
+    dp: DPCells | None = None  # trainer.cells > 1: the DP cells after the step
+
+
+class UpdateWeightsInput(BaseModel):
+    run_id: str
+    store_uri: str
+    policy_version: int
+    weights_key: str
+    checksum: str
+    engines: EngineSpec
+
+
+class EngineSlotInfo(BaseModel):
+    slot: int
+    pid: int | None = None
+    url: str = ""
+    state: str
+    weight_version: int | None = None
+    checksum: str | None = None
+    restart_count: int = 0
+
+
+class UpdateWeightsResult(BaseModel):
+    policy_version: int
+    restarted_slots: list[int] = []
+    engines: list[EngineSlotInfo] = []
+    seconds: float
+    node_events: list[RunEvent] = []
+
+
+class CheckpointInput(BaseModel):
+    run_id: str
+    step: int  # = the policy version to save
+    store_uri: str
+    data_cursor: int
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
+
+
+class CheckpointResult(BaseModel):
+    step: int
+    key: str
+    seconds: float
+    durable: bool
+    node_events: list[RunEvent] = []
+
+
+class EvalInput(BaseModel):
+    run_id: str
+    step: int
+    store_uri: str
+    seed: int
+    policy_version: int  # the version the engines serve (= step): a sample from another fails the eval
+    eval_key: str
+    k: int
+    temperature: float
+    max_new_tokens: int
+    chunk_size: int
+    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
+    stop: list[str] = []  # rollout.stop / stop_token_ids: answers end as the rollout's do
+    stop_token_ids: list[int] = []
+
+
+class EvalResult(BaseModel):
+    step: int
+    policy_version: int
+    greedy_accuracy: float  # pass@1 of the greedy (temperature 0) answers
+    pass_at_k: float  # unbiased pass@k estimate from k samples per prompt (= any of the k correct)
+    k: int
+    n: int  # held-out prompts
+    seconds: float
+    node_events: list[RunEvent] = []

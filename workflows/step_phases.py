@@ -1,0 +1,148 @@
+"""The phases a step child (``RLStep``, ``SFTStep``) shares after it has its batch:
+train -> update weights -> checkpoint (every k steps) -> evaluate (every k steps, on
+the held-out split, after the checkpoint: the step's durable state is saved before the
+observational eval, which cannot then delay or lose it), and the restart of lost DP
+cells that joins the train step. One awaited activity each, through its stub."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from datetime import datetime
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
+    from workflows.contracts.events import RunEvent
+    from workflows.contracts.step import RLStepInput
+    from workflows.contracts.training import (
+        CheckpointInput,
+        CheckpointResult,
+        EvalInput,
+        EvalResult,
+        SFTRowsInput,
+        TrainStepInput,
+        TrainStepResult,
+        UpdateWeightsInput,
+        UpdateWeightsResult,
+    )
+    from workflows.failures import Failure, failure_in
+    from workflows.stubs import CHECKPOINT, EVALUATE, RESTART_CELLS, TRAIN_STEP, UPDATE_WEIGHTS
+
+
+def seconds_since(started: datetime) -> float:
+    return (workflow.now() - started).total_seconds()
+
+
+async def cancel(task: asyncio.Task | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+
+@contextlib.asynccontextmanager
+async def cancelled_on_error(task: asyncio.Task | None) -> AsyncIterator[None]:
+    """Cancel ``task`` (work started beside the block's) when the block fails: the step is
+    re-run as a whole."""
+    try:
+        yield
+    except BaseException:
+        await cancel(task)
+        raise
+
+
+async def restart_cells(inp: RLStepInput) -> RestartCellsResult:
+    """Start the lost DP cells whose backoff is over (``workflows.cell_heal``) on the trainer's
+    node; each heals from a peer in this step's quorum. A restart that fails is an outcome,
+    not an error: the run backs off and tries again at a later step."""
+    return await RESTART_CELLS.run(
+        RestartCellsInput(run_id=inp.run_id, store_uri=inp.config.store, cells=inp.restart_cells, epoch=inp.epoch),
+        queue=inp.node_queue, summary=f"restart DP cells {inp.restart_cells}",
+    )
+
+
+def start_cell_restarts(inp: RLStepInput) -> asyncio.Task[RestartCellsResult] | None:
+    """The due cells' restart, started beside the step's sampling (None: none is due)."""
+    return asyncio.create_task(restart_cells(inp)) if inp.restart_cells else None
+
+
+async def train(inp: RLStepInput, chunk_keys: list[str], rewards_key: str,
+                sft_rows: SFTRowsInput | None = None) -> TrainStepResult:
+    """The trainer's step on the sampled chunks and their rewards (or, in mode sft, on ``sft_rows``)."""
+    return await TRAIN_STEP.run(
+        TrainStepInput(
+            run_id=inp.run_id, step=inp.step, store_uri=inp.config.store, policy_version=inp.policy_version,
+            chunk_keys=chunk_keys, rewards_key=rewards_key, group_size=inp.config.rollout.group_size,
+            train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
+        ),
+        queue=inp.node_queue, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
+    )
+
+
+async def update_weights(inp: RLStepInput, trained: TrainStepResult) -> UpdateWeightsResult:
+    """The trained version to every engine (empty slots restarted first), checksums compared."""
+    return await UPDATE_WEIGHTS.run(
+        UpdateWeightsInput(
+            run_id=inp.run_id, store_uri=inp.config.store, policy_version=trained.policy_version,
+            weights_key=trained.weights_key, checksum=trained.checksum, engines=inp.config.engines,
+        ),
+        queue=inp.node_queue, summary=f"update weights v{trained.policy_version}",
+    )
+
+
+async def checkpoint_if_due(inp: RLStepInput, cursor: int) -> CheckpointResult | None:
+    """The step's checkpoint every ``checkpoint.every`` steps and after the last one."""
+    cfg = inp.config
+    if inp.step % cfg.checkpoint.every != 0 and inp.step != cfg.steps:
+        return None
+    return await CHECKPOINT.run(
+        CheckpointInput(run_id=inp.run_id, step=inp.step, store_uri=cfg.store, data_cursor=cursor, epoch=inp.epoch),
+        queue=inp.node_queue, summary=f"checkpoint step {inp.step}",
+    )
+
+
+async def evaluate_if_due(inp: RLStepInput, version: int, *,
+                          patch: str | None = None) -> tuple[EvalResult | None, list[RunEvent]]:
+    """The held-out eval when the step is due one (``eval.every``, and the run has a held-out
+    split). ``patch``: also only when ``workflow.patched(patch)`` (``RLStep`` recorded
+    steps before the eval existed)."""
+    cfg = inp.config
+    if inp.dataset.eval_key and cfg.eval.due(inp.step, cfg.steps) and (patch is None or workflow.patched(patch)):
+        return await evaluate(inp, version)
+    return None, []
+
+
+async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, list[RunEvent]]:
+    """The held-out eval of ``version`` (the engines serve it since ``update_weights``).
+    An eval that fails after its retries costs the step its eval numbers, not the run:
+    the step commits with an ``eval_failed`` event. A lost node still re-places the step."""
+    cfg = inp.config
+    assert inp.dataset.eval_key is not None
+    try:
+        result = await EVALUATE.run(
+            EvalInput(
+                run_id=inp.run_id, step=inp.step, store_uri=cfg.store, seed=cfg.seed, policy_version=version,
+                eval_key=inp.dataset.eval_key, k=cfg.eval.k, temperature=cfg.eval.temperature,
+                max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                chunk_size=cfg.rollout.chunk_size, epoch=inp.epoch,
+                stop=cfg.rollout.stop, stop_token_ids=cfg.rollout.stop_token_ids,
+            ),
+            queue=inp.node_queue,
+            summary=f"evaluate v{version}: {inp.dataset.n_eval} held-out prompts, greedy and pass@{cfg.eval.k}",
+        )
+        return result, []
+    except (ActivityError, ApplicationError) as err:
+        kind, message = failure_in(err)
+        if kind == Failure.NODE_LOST:
+            raise
+        if kind is None:  # not one of ours: the innermost cause says what happened
+            cause: BaseException = err
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            message = f"{getattr(cause, 'type', None) or type(cause).__name__}: {cause}"
+        workflow.logger.warning("eval of step %d failed: %s", inp.step, message)
+        return None, [RunEvent(at=workflow.now().isoformat(), kind="eval_failed", detail=f"step {inp.step}: {message}")]
