@@ -1,5 +1,7 @@
-"""Light CPU activities on the control queue: dataset preparation, rewards, and the
-trained batch of a step with dynamic sampling."""
+"""Light CPU activities on the control queue: dataset preparation, and for steps recorded
+before the ``samples-on-node`` patch (``workflows.sampling``) their rewards and the trained
+batch of a step with dynamic sampling (since, the run's node scores the samples it generated
+and the trainer takes the kept groups from the rounds' chunks)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
-from activities import translate
-from activities.heartbeat import with_heartbeat
+from activities import rewards, translate
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.proc import metrics
 from gpu_runtime.data import reasoning_gym
@@ -23,10 +25,7 @@ from gpu_runtime.data.arithmetic import generate_heldout_arithmetic
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl
 from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
 from gpu_runtime.data.readers import iter_rows, read_rows
-from gpu_runtime.data.dynamic_sampling import assemble_groups, group_stats
-from gpu_runtime.data.rewards import (
-    RewardError, RewardFatal, RewardFunctionNotFound, ScoreContext, ScoreStats, score_samples,
-)
+from gpu_runtime.data.dynamic_sampling import assemble_groups
 from gpu_runtime.store.fence import FencedStore, StaleEpoch
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
@@ -130,59 +129,18 @@ def _load_rows(store_uri: str, dataset: DatasetInfo) -> list[dict]:
 
 @activity.defn(name=COMPUTE_REWARDS.name)
 def compute_rewards(inp: RewardInput) -> RewardResult:
-    """Score the chunks' samples with the run's reward and store them (``rewards.json`` of the
-    step, or of the dynamic-sampling round). A ``judge`` reward records each sample's result in
-    the store first, so a retry never asks the endpoint again for a sample it judged."""
+    """The reward activity of steps recorded before the ``samples-on-node`` patch (since, the
+    run's node scores the samples it holds): the chunks read from the store, scored by
+    ``activities.rewards.score``."""
     t0 = time.perf_counter()
     store = open_store(inp.store_uri)
     rows = _load_rows(inp.store_uri, inp.dataset)
-    samples = _samples(store, inp.chunk_keys)
-    spec = translate.reward_settings(inp.reward)
-    # every write (the judge's records as well) at the step's placement epoch
-    fenced = FencedStore(store, inp.run_id, inp.epoch, "control")
-    ctx = ScoreContext(store=fenced, judge_prefix=art.judge_prefix(inp.run_id, inp.step, inp.round))
-    stats = ScoreStats()
-    try:
-        rewards = with_heartbeat(lambda: score_samples(samples, dict(enumerate(rows)), spec, ctx, stats))
-    except RewardFunctionNotFound as err:  # the same on every attempt: fail the run, naming the field
-        raise failure(Failure.INVALID_INPUT, f"reward.function: {err}") from err
-    except RewardFatal as err:  # a 4xx, junk from an endpoint, error_policy fail, an unreadable label
-        raise failure(Failure.REWARD_ERROR, str(err), final=True) from err
-    except RewardError as err:  # an endpoint down, a dead reward process: retried
-        raise failure(Failure.REWARD_ERROR, str(err)) from err
-    except StaleEpoch as err:  # a judge record refused: the run has moved to a newer placement
-        raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
-    finally:
-        metrics.REWARD_JUDGE_CALLS.inc(stats.judged)
-    key = art.rewards_key(inp.run_id, inp.step, inp.round)
-    try:  # at the step's placement epoch: a step the run has left behind writes nothing
-        art.put_model(fenced, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
-    except StaleEpoch as err:
-        raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
-    values = [r.reward for r in rewards]
-    result = RewardResult(
-        rewards_key=key,
-        reward_mean=statistics.fmean(values) if values else 0.0,
-        reward_std=statistics.pstdev(values) if len(values) > 1 else 0.0,
-        accuracy=sum(r.correct for r in rewards) / max(1, len(rewards)),
-        n=len(rewards),
-        seconds=time.perf_counter() - t0,
-        errors=stats.errors,
-    )
-    if inp.group_size:
-        try:
-            groups = group_stats(rewards, inp.group_size)
-        except ValueError as err:
-            raise failure(Failure.INVALID_INPUT, f"step {inp.step} round {inp.round}: {err}") from err
-        result = result.model_copy(update={
-            "groups": groups.groups, "varied_groups": groups.varied, "groups_all_correct": groups.all_correct,
-            "groups_all_wrong": groups.all_wrong, "groups_all_equal_other": groups.all_equal_other,
-        })
-    metrics.REWARD_MEAN.set(result.reward_mean)
-    metrics.REWARD_STD.set(result.reward_std)
-    metrics.REWARD_ERRORS.inc(stats.errors)
-    metrics.PHASE_SECONDS.labels("reward").observe(result.seconds)
-    return result
+    samples = rewards.stored_samples(store, inp.chunk_keys)
+    return rewards.score(inp, store, samples, rows, "control", _stale, t0)
+
+
+def _stale(err: StaleEpoch) -> ApplicationError:
+    return failure(Failure.NODE_LOST, f"stale placement: {err}")
 
 
 @activity.defn(name=ASSEMBLE_BATCH.name)
@@ -193,11 +151,11 @@ def assemble_batch(inp: AssembleBatchInput) -> BatchResult:
     t0 = time.perf_counter()
     store = open_store(inp.store_uri)
     rounds = [
-        (_samples(store, r.chunk_keys), art.get_model(store, r.rewards_key, art.StepRewards).rewards)
+        (rewards.stored_samples(store, r.chunk_keys), art.get_model(store, r.rewards_key, art.StepRewards).rewards)
         for r in inp.rounds
     ]
     try:
-        samples, rewards = assemble_groups(rounds, inp.groups, inp.group_size)
+        samples, kept = assemble_groups(rounds, inp.groups, inp.group_size)
     except ValueError as err:
         raise failure(Failure.INVALID_INPUT, f"assemble_batch step {inp.step}: {err}") from err
     fenced = FencedStore(store, inp.run_id, inp.epoch, "control")  # at the step's placement epoch
@@ -212,20 +170,14 @@ def assemble_batch(inp: AssembleBatchInput) -> BatchResult:
             ))
             keys.append(key)
         rewards_key = art.batch_rewards_key(inp.run_id, inp.step)
-        art.put_model(fenced, rewards_key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+        art.put_model(fenced, rewards_key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=kept))
     except StaleEpoch as err:
         raise failure(Failure.NODE_LOST, f"stale placement: {err}") from err
     metrics.record_sampling(inp.sampling.model_dump())
     return BatchResult(
         chunk_keys=keys, rewards_key=rewards_key, n_samples=len(samples),
-        reward_mean=statistics.fmean(r.reward for r in rewards) if rewards else 0.0,
-        accuracy=sum(r.correct for r in rewards) / max(1, len(rewards)),
+        reward_mean=statistics.fmean(r.reward for r in kept) if kept else 0.0,
+        accuracy=sum(r.correct for r in kept) / max(1, len(kept)),
         seconds=time.perf_counter() - t0,
     )
 
-
-def _samples(store: ObjectStore, chunk_keys: list[str]) -> list[art.Sample]:
-    out: list[art.Sample] = []
-    for key in chunk_keys:
-        out.extend(art.get_model(store, key, art.RolloutChunk).samples)
-    return out

@@ -18,7 +18,7 @@ from typing import TypeVar
 from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
-from activities import translate
+from activities import rewards, translate
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import SGLangEngineBackend
@@ -39,7 +39,7 @@ from gpu_runtime.trainer.process import TrainerDied
 from workflows.contracts.cells import DPCells, RestartCellsInput, RestartCellsResult
 from workflows.contracts.events import RunEvent
 from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, NodeClaim, NodeLivenessInput, PolicyInfo
-from workflows.contracts.sampling import RolloutInput, RolloutResult
+from workflows.contracts.sampling import RewardInput, RewardResult, RolloutInput, RolloutResult
 from workflows.contracts.training import (
     CheckpointInput,
     CheckpointResult,
@@ -54,6 +54,7 @@ from workflows.failures import Failure, failure
 from workflows.stubs import (
     CHECKPOINT,
     CLAIM_NODE,
+    COMPUTE_REWARDS_ON_NODE,
     EVALUATE,
     INIT_POLICY,
     NODE_LIVENESS,
@@ -186,6 +187,7 @@ class NodeActivities:
         for name, value in (stats.agent or {}).items():
             metrics.AGENT.labels(name).set(value)
         metrics.PHASE_SECONDS.labels("rollout").observe(stats.seconds)
+        self.rt.held.keep((inp.store_uri, inp.epoch), stats.chunks)  # scored next, on this node
         return RolloutResult(
             chunk_keys=stats.chunk_keys, n_samples=stats.n_samples, gen_tokens=stats.gen_tokens,
             response_len_mean=stats.response_len_mean, tokens_per_s=stats.tokens_per_s,
@@ -195,6 +197,24 @@ class NodeActivities:
             seconds=stats.seconds,
             node_events=translate.run_events(self.rt.drain_events()),
         )
+
+    @activity.defn(name=COMPUTE_REWARDS_ON_NODE.name)
+    def compute_rewards_on_node(self, inp: RewardInput) -> RewardResult:
+        """Score a rollout's samples here, where the rollout left them in memory (the store is
+        read only for chunks this agent does not hold), with the run's reward: the same
+        scoring, stored rewards and judge records as ``activities.control.compute_rewards``."""
+        t0 = time.perf_counter()
+        where = (inp.store_uri, inp.epoch)
+        store = open_store(inp.store_uri)
+        samples, read = self.rt.held.samples(store, where, inp.chunk_keys)
+        if read:
+            log.info("rewards of step %d round %d: %d of %d chunks read from the store (not held here)",
+                     inp.step, inp.round, read, len(inp.chunk_keys))
+        rows = self.rt.rows(inp.store_uri, inp.dataset.key)
+        result = rewards.score(inp, store, samples, rows, self.rt.node_id,
+                               lambda err: self._stale(inp.run_id, inp.epoch, str(err)), t0)
+        self.rt.held.release(where, inp.chunk_keys)
+        return result
 
     @activity.defn(name=EVALUATE.name)
     def evaluate(self, inp: EvalInput) -> EvalResult:
@@ -255,6 +275,8 @@ class NodeActivities:
             raise failure(Failure.DIVERGENCE, f"step {inp.step}: non-finite {bad}")
         result = translate.train_step_result(res, self.rt.drain_events(), self.rt.node_id)
         metrics.record_train(result.metrics, result.seconds, len(result.replayed_steps))
+        if inp.sampling is not None:  # dynamic sampling's counts (exported by assemble_batch before the selection)
+            metrics.record_sampling(inp.sampling.model_dump())
         metrics.POLICY_VERSION.set(result.policy_version)
         _record_dp(result.dp, result.node_events)
         return result
@@ -355,8 +377,8 @@ class NodeActivities:
 
     def all(self) -> list[Callable]:
         """The activities of this node's own queue."""
-        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate,
-                self.node_liveness, self.restart_cells]
+        return [self.init_policy, self.rollout, self.compute_rewards_on_node, self.train_step, self.update_weights,
+                self.checkpoint, self.evaluate, self.node_liveness, self.restart_cells]
 
     def pool(self) -> list[Callable]:
         """The activities of the shared pool queue: claiming this node for a run."""

@@ -18,6 +18,7 @@ from gpu_runtime.rollout.evaluate import EvalRequest, EvalStats
 from gpu_runtime.rollout.request import AgentSettings, RolloutRequest
 from gpu_runtime.trainer.api import (
     Ancestor,
+    BatchSelection,
     CellsRestarted,
     CellState,
     CheckpointRequest,
@@ -107,10 +108,13 @@ def run_setup(inp: InitPolicyInput, node_id: str = "") -> RunSetup:
 
 def step_batch(inp: TrainStepInput) -> StepBatch:
     rows = inp.sft_rows
+    # the selection's fields are the same on both sides; the trainer's model forbids extras
+    selection = None if inp.selection is None else BatchSelection.model_validate(inp.selection.model_dump())
     return StepBatch(
         step=inp.step, policy_version=inp.policy_version, chunk_keys=inp.chunk_keys,
         rewards_key=inp.rewards_key, group_size=inp.group_size, hparams=trainer_hparams(inp.train),
         sft=None if rows is None else SFTRows(data_cursor=rows.data_cursor, n_rows=rows.n_rows),
+        selection=selection,
     )
 
 

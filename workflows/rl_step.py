@@ -52,7 +52,7 @@ class RLStep:
         cursor = inp.data_cursor + sampled.prompts
         ahead = start_sampling_ahead(inp, rest, cursor, depth)
         async with cancelled_on_error(ahead):
-            trained = await train(inp, sampled.chunk_keys, sampled.rewards_key)
+            trained = await train(inp, sampled)
             sampled_ahead = await ahead if ahead is not None else []
         synced = await update_weights(inp, trained)  # after the batches sampled ahead: engines serve one version
         checkpoint = await checkpoint_if_due(inp, cursor)

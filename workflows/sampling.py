@@ -8,9 +8,17 @@ the run seed, the step's committed cursor and ``r``), generates and scores them,
 learns from the reward activity which groups' rewards vary. Rounds stop once
 ``prompts_per_step`` varying groups are kept or after ``max_rounds``; the workflow then
 picks the trained groups (``choose_groups``: every decision is made here, from
-activity results recorded in history, so a retry or a replay picks the same ones) and
-``assemble_batch`` writes them as the step's batch. Every drawn prompt counts as used:
-the data cursor moves past all of them, kept, filtered or surplus.
+activity results recorded in history, so a retry or a replay picks the same ones). The
+trained batch is that selection (``BatchSelection``: the rounds' keys and the chosen
+groups), carried to the train step, which reads each round's chunks once and takes the
+groups in memory. Every drawn prompt counts as used: the data cursor moves past all of
+them, kept, filtered or surplus.
+
+Rewards are scored where the samples are: on the run's node, which still holds the
+chunks it just generated (``COMPUTE_REWARDS_ON_NODE``). Steps recorded before
+``SAMPLES_PATCH`` scored on the control worker (``COMPUTE_REWARDS``, reading the chunks
+back) and had ``assemble_batch`` write the kept groups as a ``batch/`` copy; they replay,
+and in-flight ones finish, that way.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.contracts.sampling import (
         AssembleBatchInput,
         BatchResult,
+        BatchSelection,
         RewardInput,
         RewardResult,
         RolloutInput,
@@ -34,7 +43,10 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.contracts.step import RLStepInput
     from workflows.failures import Failure, failure
-    from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, ROLLOUT
+    from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, COMPUTE_REWARDS_ON_NODE, ROLLOUT
+
+# rewards scored on the node that holds the samples; dynamic sampling trains a selection (no batch/ copy)
+SAMPLES_PATCH = "samples-on-node"
 
 
 def more_rounds(kept: int, target: int, rounds_done: int, max_rounds: int) -> bool:
@@ -88,12 +100,18 @@ def _rollout_input(inp: RLStepInput, round_: int = 0, cursor: int | None = None,
     )
 
 
-def _reward_input(inp: RLStepInput, rollout: RolloutResult, round_: int = 0, group_size: int = 0) -> RewardInput:
+async def score(inp: RLStepInput, rollout: RolloutResult, summary: str, round_: int = 0,
+                group_size: int = 0) -> RewardResult:
+    """The rollout's rewards, scored on the run's node (which holds its samples), or on the
+    control worker in steps recorded before ``SAMPLES_PATCH``."""
     cfg = inp.config
-    return RewardInput(
+    arg = RewardInput(
         run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
         dataset=inp.dataset, reward=cfg.reward, round=round_, group_size=group_size, epoch=inp.epoch,
     )
+    if workflow.patched(SAMPLES_PATCH):
+        return await COMPUTE_REWARDS_ON_NODE.run(arg, queue=inp.node_queue, summary=summary)
+    return await COMPUTE_REWARDS.run(arg, summary=summary)
 
 
 async def sample(inp: RLStepInput) -> Sampled:
@@ -101,7 +119,7 @@ async def sample(inp: RLStepInput) -> Sampled:
     rollout = await ROLLOUT.run(
         _rollout_input(inp), queue=inp.node_queue, summary=f"rollout step {inp.step} @ v{inp.policy_version}",
     )
-    rewards = await COMPUTE_REWARDS.run(_reward_input(inp, rollout), summary=f"reward step {inp.step}")
+    rewards = await score(inp, rollout, f"reward step {inp.step}")
     return Sampled(
         chunk_keys=rollout.chunk_keys, rewards_key=rewards.rewards_key, prompts=inp.config.rollout.prompts_per_step,
         reward_mean=rewards.reward_mean, reward_std=rewards.reward_std, accuracy=rewards.accuracy,
@@ -125,16 +143,29 @@ async def sample_with_filter(inp: RLStepInput) -> Sampled:
     groups, fallback = choose_groups([rw.varied_groups for rw in rewards], spec.prompts_per_step, rewards[0].groups)
     stats = sampling_stats(rounds, len(groups), fallback, spec.prompts_per_round)
     check_shortfall(inp, stats)
+    selection = BatchSelection(
+        rounds=[SampledRound(chunk_keys=got.chunk_keys, rewards_key=rw.rewards_key) for got, rw in rounds],
+        groups=groups,
+    )
+    if workflow.patched(SAMPLES_PATCH):
+        trained_mean = trained_reward_mean(rewards, groups)
+        return pooled_batch(inp, rounds, stats.model_copy(update={"trained_reward_mean": trained_mean}),
+                            selection=selection)
     batch = await ASSEMBLE_BATCH.run(
         AssembleBatchInput(
-            run_id=inp.run_id, step=inp.step, store_uri=inp.config.store,
-            rounds=[SampledRound(chunk_keys=got.chunk_keys, rewards_key=rw.rewards_key) for got, rw in rounds],
+            run_id=inp.run_id, step=inp.step, store_uri=inp.config.store, rounds=selection.rounds,
             groups=groups, group_size=spec.group_size, chunk_size=spec.chunk_size, sampling=stats,
             epoch=inp.epoch,
         ),
         summary=f"batch step {inp.step}: {len(groups)} groups of {stats.groups_generated} in {len(rounds)} rounds",
     )
-    return pooled_batch(inp, rounds, batch, stats)
+    return pooled_batch(inp, rounds, stats.model_copy(update={"trained_reward_mean": batch.reward_mean}), batch=batch)
+
+
+def trained_reward_mean(rewards: list[RewardResult], groups: list[tuple[int, int]]) -> float:
+    """The mean reward of the trained groups, from each round's per-group means (the groups
+    are of equal size)."""
+    return math.fsum(rewards[r].group_means[g] for r, g in groups) / len(groups) if groups else 0.0
 
 
 async def draw_rounds(inp: RLStepInput) -> list[Round]:
@@ -150,16 +181,14 @@ async def draw_rounds(inp: RLStepInput) -> list[Round]:
             _rollout_input(inp, r, inp.data_cursor + r * n, n), queue=inp.node_queue,
             summary=f"rollout step {inp.step} round {r}: {n} prompts @ v{inp.policy_version}",
         )
-        rewards = await COMPUTE_REWARDS.run(
-            _reward_input(inp, rollout, r, spec.group_size), summary=f"reward step {inp.step} round {r}",
-        )
+        rewards = await score(inp, rollout, f"reward step {inp.step} round {r}", r, spec.group_size)
         rounds.append((rollout, rewards))
         kept += len(rewards.varied_groups)
     return rounds
 
 
 def sampling_stats(rounds: list[Round], trained: int, fallback: bool, prompts_per_round: int) -> SamplingStats:
-    """The step's dynamic-sampling counts (``trained_reward_mean`` is the assembled batch's, filled in later)."""
+    """The step's dynamic-sampling counts (``trained_reward_mean`` is the trained batch's, filled in later)."""
     rewards = [rw for _, rw in rounds]
     return SamplingStats(
         rounds=len(rounds), prompts_drawn=len(rounds) * prompts_per_round,
@@ -187,8 +216,10 @@ def check_shortfall(inp: RLStepInput, stats: SamplingStats) -> None:
     )
 
 
-def pooled_batch(inp: RLStepInput, rounds: list[Round], batch: BatchResult, stats: SamplingStats) -> Sampled:
-    """The step's batch: the assembled groups, with the rewards and metrics of every round."""
+def pooled_batch(inp: RLStepInput, rounds: list[Round], stats: SamplingStats, *, batch: BatchResult | None = None,
+                 selection: BatchSelection | None = None) -> Sampled:
+    """The step's batch: the kept groups (a ``selection`` of the rounds' chunks, or the
+    ``batch`` ``assemble_batch`` wrote), with the rewards and metrics of every round."""
     rollouts = [got for got, _ in rounds]
     rewards = [rw for _, rw in rounds]
     mean, std, accuracy = pooled(rewards)
@@ -200,17 +231,18 @@ def pooled_batch(inp: RLStepInput, rounds: list[Round], batch: BatchResult, stat
                    f"round's first {stats.groups_trained} groups as they were",
         ))
     samples = sum(rw.n for rw in rewards)
+    phases = {"rollout": sum(got.seconds for got in rollouts), "reward": sum(rw.seconds for rw in rewards)}
     return Sampled(
-        chunk_keys=batch.chunk_keys, rewards_key=batch.rewards_key, prompts=stats.prompts_drawn,
+        chunk_keys=batch.chunk_keys if batch else [], rewards_key=batch.rewards_key if batch else "",
+        selection=selection, prompts=stats.prompts_drawn,
         reward_mean=mean, reward_std=std, accuracy=accuracy, reward_errors=sum(rw.errors for rw in rewards),
         response_len_mean=sum(got.response_len_mean * got.n_samples for got in rollouts) / max(1, samples),
         chunks_reused=sum(got.chunks_reused for got in rollouts),
         engine_retries=sum(got.engine_retries for got in rollouts),
-        phases={"rollout": sum(got.seconds for got in rollouts), "reward": sum(rw.seconds for rw in rewards),
-                "assemble": batch.seconds},
+        phases=phases | {"assemble": batch.seconds} if batch else phases,
         node_events=events,
         agent=pool_agent_metrics([got.agent for got in rollouts if got.agent]),
-        sampling=stats.model_copy(update={"trained_reward_mean": batch.reward_mean}),
+        sampling=stats,
         policy_version=inp.policy_version, data_cursor=inp.data_cursor,
     )
 

@@ -38,7 +38,7 @@ async def train_on_rows(inp: RLStepInput, started: datetime, *, eval_patch: str 
     """The SFT step's phases; ``eval_patch``: the eval's patch in ``RLStep``'s histories."""
     rows = SFTRowsInput(data_cursor=inp.data_cursor, n_rows=inp.config.sft.batch_size)
     restarted = await restart_cells(inp) if inp.restart_cells else None  # lost DP cells rejoin for the train step
-    trained = await train(inp, chunk_keys=[], rewards_key="", sft_rows=rows)
+    trained = await train(inp, None, sft_rows=rows)
     synced = await update_weights(inp, trained)
     cursor = inp.data_cursor + rows.n_rows
     checkpoint = await checkpoint_if_due(inp, cursor)

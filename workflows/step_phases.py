@@ -17,6 +17,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
     from workflows.contracts.events import RunEvent
+    from workflows.contracts.sampling import Sampled
     from workflows.contracts.step import RLStepInput
     from workflows.contracts.training import (
         CheckpointInput,
@@ -70,14 +71,15 @@ def start_cell_restarts(inp: RLStepInput) -> asyncio.Task[RestartCellsResult] | 
     return asyncio.create_task(restart_cells(inp)) if inp.restart_cells else None
 
 
-async def train(inp: RLStepInput, chunk_keys: list[str], rewards_key: str,
-                sft_rows: SFTRowsInput | None = None) -> TrainStepResult:
-    """The trainer's step on the sampled chunks and their rewards (or, in mode sft, on ``sft_rows``)."""
+async def train(inp: RLStepInput, sampled: Sampled | None, sft_rows: SFTRowsInput | None = None) -> TrainStepResult:
+    """The trainer's step on the sampled batch: its chunks and their rewards, or the kept
+    groups of its rounds (dynamic sampling); or, in mode sft, on ``sft_rows``."""
     return await TRAIN_STEP.run(
         TrainStepInput(
             run_id=inp.run_id, step=inp.step, store_uri=inp.config.store, policy_version=inp.policy_version,
-            chunk_keys=chunk_keys, rewards_key=rewards_key, group_size=inp.config.rollout.group_size,
-            train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
+            chunk_keys=sampled.chunk_keys if sampled else [], rewards_key=sampled.rewards_key if sampled else "",
+            group_size=inp.config.rollout.group_size, train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
+            selection=sampled.selection if sampled else None, sampling=sampled.sampling if sampled else None,
         ),
         queue=inp.node_queue, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
     )

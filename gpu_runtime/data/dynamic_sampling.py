@@ -1,5 +1,6 @@
 """Dynamic sampling (DAPO) on stored artifacts: which groups of a round carry a learning
-signal, and the trained batch built from the groups the workflow kept.
+signal, and the trained batch: the groups the workflow kept, taken from the rounds' samples
+(by the trainer, in memory; by ``assemble_batch`` in steps recorded before it did).
 
 A group is the ``group_size`` consecutive samples of one prompt (the rollout's order).
 Its rewards "vary" unless they are all equal; an all-equal group gets zero advantage
@@ -8,6 +9,7 @@ under every group-relative estimator, so it is filtered.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +23,7 @@ class GroupStats:
     all_correct: int = 0  # all rewards equal, every sample correct
     all_wrong: int = 0  # all rewards equal, no sample correct
     all_equal_other: int = 0  # all rewards equal, correctness mixed (e.g. a format-only reward)
+    means: list[float] = field(default_factory=list)  # each group's mean reward, in order
 
 
 def group_stats(rewards: Sequence[SampleReward], group_size: int) -> GroupStats:
@@ -30,6 +33,7 @@ def group_stats(rewards: Sequence[SampleReward], group_size: int) -> GroupStats:
     for g in range(out.groups):
         grp = rewards[g * group_size : (g + 1) * group_size]
         values = [r.reward for r in grp]
+        out.means.append(statistics.fmean(values))
         if max(values) != min(values):
             out.varied.append(g)
         elif all(r.correct for r in grp):

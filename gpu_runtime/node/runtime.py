@@ -25,6 +25,7 @@ from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.proc.devices import Placement
 from gpu_runtime.node.memory_phases import MemoryPhases, resolve_release_memory
 from gpu_runtime.proc.processes import free_port, free_port_block
+from gpu_runtime.rollout.held import HeldChunks
 from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
@@ -67,6 +68,7 @@ class NodeRuntime:
         self._undrained: list[NodeEvent] = []
         self.engine_deaths = 0  # total, for per-activity deltas
         self._rows: dict[str, list[dict]] = {}
+        self.held = HeldChunks()  # the rollouts' chunks until their rewards are scored here
         self._lock = threading.Lock()  # fleet lifecycle and data cache
         self._events_lock = threading.Lock()  # fleet callbacks arrive while _lock is held
 

@@ -1,13 +1,14 @@
 """The dispatcher of a step's rollout: the step's chunks sent to the node's engines as
 capacity frees up (``parallelism`` in flight), each stored under its deterministic key; a
-retried rollout reuses every chunk it finds in the store (idempotent).
+retried rollout reuses every chunk it finds in the store (idempotent). The rollout returns
+its chunks as well, so the node agent scores them from memory (``gpu_runtime.rollout.held``).
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chunk
 from gpu_runtime.rollout.agent.metrics import episode_metrics
@@ -27,6 +28,7 @@ class RolloutStats:
     chunks_reused: int
     seconds: float
     agent: dict[str, float] | None = None  # episode metrics (gpu_runtime.rollout.agent.metrics), agent rollouts only
+    chunks: dict[str, art.RolloutChunk] = field(default_factory=dict, repr=False)  # by key, as stored
 
 
 def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
@@ -35,11 +37,10 @@ def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
     plans = plan_chunks(req)
     keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk, req.round) for p in plans]
     counters = AgentCounters() if req.agent is not None else None
-    reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters)
+    chunks, reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters)
     n_tokens, n_samples = 0, 0
     samples: list[art.Sample] = []
-    for key in keys:
-        chunk = art.get_model(ctx.store, key, art.RolloutChunk)
+    for chunk in chunks:
         n_samples += len(chunk.samples)
         n_tokens += sum(len(s.response_ids) for s in chunk.samples)
         samples += chunk.samples if counters is not None else []
@@ -59,29 +60,34 @@ def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
         chunks_reused=reused,
         seconds=seconds,
         agent=agent,
+        chunks=dict(zip(keys, chunks)),
     )
 
 
 def generate_chunks(
     req: RolloutRequest, planned: list[tuple[ChunkPlan, str]], ctx: RolloutContext,
     agent_counters: AgentCounters | None = None,
-) -> int:
+) -> tuple[list[art.RolloutChunk], int]:
     """Generate and store each (plan, key) whose key is not in the store yet,
-    ``ctx.parallelism`` in flight; the number of chunks found there (reused)."""
-    todo = [(p, k) for p, k in planned if not ctx.store.exists(k)]
-    done = reused = len(planned) - len(todo)
+    ``ctx.parallelism`` in flight. Returns every planned chunk, in order (the ones found in
+    the store read from it, the others as stored), and the number found there (reused)."""
+    found = {k: art.get_model(ctx.store, k, art.RolloutChunk) for _, k in planned if ctx.store.exists(k)}
+    todo = [(p, k) for p, k in planned if k not in found]
+    done = reused = len(found)
 
-    def work(item: tuple[ChunkPlan, str]) -> None:
+    def work(item: tuple[ChunkPlan, str]) -> tuple[str, art.RolloutChunk]:
         plan, key = item
         if req.agent is not None:
             chunk = generate_agent_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate, ctx.store, agent_counters)
         else:
             chunk = generate_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate)
         art.put_model(ctx.store, key, chunk)
+        return key, chunk
 
     with ThreadPoolExecutor(max_workers=max(1, ctx.parallelism)) as pool:
-        for _ in pool.map(work, todo):
+        for key, chunk in pool.map(work, todo):
+            found[key] = chunk
             done += 1
             if ctx.on_chunk:
                 ctx.on_chunk(done, len(planned))
-    return reused
+    return [found[k] for _, k in planned], reused

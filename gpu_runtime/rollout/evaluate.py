@@ -67,10 +67,10 @@ def run_eval(req: EvalRequest, ctx: RolloutContext) -> EvalStats:
         rreq = sampling_request(req, sampling, len(rows))
         plans = cut_chunks([(i, g) for i in range(len(rows)) for g in range(rreq.group_size)], rreq)
         planned = [(p, art.eval_chunk_key(req.run_id, req.step, sampling, p.chunk)) for p in plans]
-        generate_chunks(rreq, planned, ctx)
+        chunks, _ = generate_chunks(rreq, planned, ctx)
         flags: list[list[bool]] = [[] for _ in rows]
-        for _, key in planned:
-            for s in art.get_model(ctx.store, key, art.RolloutChunk).samples:
+        for chunk in chunks:
+            for s in chunk.samples:
                 flags[s.prompt_index].append(is_correct(s.response_text, rows[s.prompt_index]))
         correct[sampling] = flags
     return EvalStats(

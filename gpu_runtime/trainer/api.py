@@ -174,9 +174,25 @@ class SFTRows(Message):
     n_rows: int
 
 
+class SelectedRound(Message):
+    """One dynamic-sampling round of a step: its chunks and their rewards."""
+
+    chunk_keys: list[str]
+    rewards_key: str
+
+
+class BatchSelection(Message):
+    """A step's batch as a selection (dynamic sampling): the (round, group index) of each
+    trained group, in training order, taken from the rounds' samples."""
+
+    rounds: list[SelectedRound]
+    groups: list[tuple[int, int]]
+
+
 class StepBatch(Message):
     """One step's training input, stored before training so replay uses exactly it:
-    the rollout's chunks and rewards (RL), or the rows of an SFT-mode step (``sft``)."""
+    the rollout's chunks and rewards (RL), the kept groups of its rounds (``selection``,
+    dynamic sampling; ``chunk_keys`` then empty), or the rows of an SFT-mode step (``sft``)."""
 
     step: int
     policy_version: int  # the version the trainer holds before the step
@@ -185,10 +201,12 @@ class StepBatch(Message):
     group_size: int
     hparams: TrainerHParams
     sft: SFTRows | None
+    selection: BatchSelection | None = None
 
 
 def stored_step_batch(raw: str | bytes) -> "StepBatch":
-    """A ``StepBatch`` stored before training, possibly by an older version (before SFT mode: RL)."""
+    """A ``StepBatch`` stored before training, possibly by an older version (before SFT mode: RL;
+    before selections: a dynamic-sampling step's ``batch/`` copy as its chunks and rewards)."""
     data = json.loads(raw)
     return StepBatch.model_validate({"sft": None, **data, "hparams": stored_hparams(data["hparams"])})
 

@@ -45,6 +45,7 @@ from gpu_runtime.trainer.api import (
 from gpu_runtime.trainer import weight_broadcast
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.common.offload import OptimizerOffload
+from gpu_runtime.trainer.common.step_samples import step_samples
 from gpu_runtime.trainer.fsdp2.errors import CellFailed
 from gpu_runtime.trainer.layouts import TrainerLayouts, layout
 from gpu_runtime.trainer.megatron.trainer import runtime_problem
@@ -336,12 +337,7 @@ class TrainerService:
             rows = self._rows()
             picked = prompts_for_step(len(rows), self.setup.seed, batch.sft.data_cursor, batch.sft.n_rows)
             return self.trainer.sft_step([rows[i] for i in picked], batch.hparams)
-        samples: list[art.Sample] = []
-        for key in batch.chunk_keys:
-            samples.extend(art.get_model(self.store, key, art.RolloutChunk).samples)
-        rewards = art.get_model(self.store, batch.rewards_key, art.StepRewards).rewards
-        if [r.sample_id for r in rewards] != [s.sample_id for s in samples]:
-            raise ValueError(f"step {batch.step}: rewards do not match the rollout samples")
+        samples, rewards = step_samples(self.store, batch)
         group = self.layouts.dp_group
         if cells is not None and group is not None and self.trainer is group:
             return group.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams,

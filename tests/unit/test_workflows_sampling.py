@@ -14,11 +14,12 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
+from tests.unit.workflow_harness import Cluster, finish, group_mean, progress, run_config, scenario, start_run
 from workflows.contracts.sampling import RewardResult
 from workflows.failures import Failure, failure_in
-from workflows.sampling import choose_groups, more_rounds, pooled
-from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, ROLLOUT
+from workflows.queues import CONTROL_QUEUE
+from workflows.sampling import SAMPLES_PATCH, choose_groups, more_rounds, pooled, trained_reward_mean
+from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP
 from workflows.training_run import RUN_WORKFLOWS
 
 PPS, GROUP = 4, 2
@@ -57,6 +58,15 @@ def test_pooled_reward_statistics() -> None:
     assert pooled([]) == (0.0, 0.0, 0.0)
 
 
+def test_the_trained_reward_mean_is_the_mean_of_the_kept_groups_means() -> None:
+    def rw(means: list[float]) -> RewardResult:
+        return RewardResult(rewards_key="k", reward_mean=0, reward_std=0, accuracy=0, n=2 * len(means), seconds=0,
+                            groups=len(means), group_means=means)
+
+    assert trained_reward_mean([rw([0.0, 0.5, 1.0]), rw([0.25, 0.75])], [(0, 1), (1, 0), (1, 1)]) == 0.5
+    assert trained_reward_mean([rw([1.0])], []) == 0.0
+
+
 def test_config_rules() -> None:
     assert run_config(rollout=filtered()).rollout.prompts_per_round == 6
     with pytest.raises(ValueError, match="dynamic_filter.enabled needs group_size >= 2"):
@@ -85,13 +95,16 @@ def test_rounds_until_enough_groups_vary_then_the_kept_groups_train() -> None:
         step1 = [i for i in cluster.rollout_inputs if i.step == 1]
         assert [(i.round, i.data_cursor, i.n_prompts) for i in step1] == [(0, 0, 6), (1, 6, 6)]
         assert [(i.round, i.group_size) for i in cluster.reward_inputs if i.step == 1] == [(0, GROUP), (1, GROUP)]
-        (batch,) = [a for a in cluster.assemble_inputs if a.step == 1]
-        assert batch.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
-        assert [r.rewards_key.rpartition("/steps/1/")[2] for r in batch.rounds] == ["r0/rewards.json", "r1/rewards.json"]
-        assert all(k.startswith("runs/") and "/r1/" in k for k in batch.rounds[1].chunk_keys)
-        # the trainer got the assembled batch, never a round's own chunks
-        assert [t.chunk_keys for t in cluster.train_inputs] == [[f"runs/{t.run_id}/steps/{t.step}/batch/chunk-0"]
-                                                               for t in cluster.train_inputs]
+        # scored on the node that generated the samples; nothing assembled: the trainer gets the selection
+        assert {c.queue for c in cluster.served(COMPUTE_REWARDS_ON_NODE)} == {cluster.queues[0]}
+        assert not cluster.served(COMPUTE_REWARDS) and not cluster.served(ASSEMBLE_BATCH)
+        train = cluster.train_inputs[0]
+        assert (train.step, train.chunk_keys, train.rewards_key) == (1, [], "")
+        assert train.selection is not None and train.selection.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
+        rounds = train.selection.rounds
+        assert [r.rewards_key.rpartition("/steps/1/")[2] for r in rounds] == ["r0/rewards.json", "r1/rewards.json"]
+        assert all(k.startswith("runs/") and "/r1/" in k for k in rounds[1].chunk_keys)
+        assert train.sampling is not None and train.sampling.groups_trained == 4  # exported by the node
         assert [c.data_cursor for c in cluster.checkpoint_inputs] == [24, 36]  # checkpoints at steps 2 and 3
         p = await progress(handle)
         s = p.steps[0].sampling
@@ -99,8 +112,11 @@ def test_rounds_until_enough_groups_vary_then_the_kept_groups_train() -> None:
         assert (s.rounds, s.prompts_drawn, s.groups_generated, s.groups_kept, s.groups_trained) == (2, 12, 12, 5, 4)
         # filtered: round 0 groups 1, 3, 4, 5 and round 1 groups 0, 2, 4 (the stand-in calls even ones all correct)
         assert (s.groups_filtered_all_correct, s.groups_filtered_all_wrong, s.fallback) == (4, 3, False)
+        # the trained groups' mean reward, from the rounds' per-group means
+        assert s.trained_reward_mean == sum(group_mean(r, g) for r, g in [(0, 0), (0, 2), (1, 1), (1, 3)]) / 4
         assert [st.data_cursor for st in p.steps] == [12, 24, 36]
-        assert set(p.steps[0].phase_seconds) >= {"rollout", "reward", "assemble", "train"}
+        assert set(p.steps[0].phase_seconds) >= {"rollout", "reward", "train"}
+        assert "assemble" not in p.steps[0].phase_seconds
 
     scenario(cluster, body)
 
@@ -112,7 +128,7 @@ def test_enough_in_the_first_round_draws_no_second() -> None:
         summary = await finish(await start_run(env, run_config(steps=2, rollout=filtered())))
         assert summary.data_cursor == 12  # 6 prompts a step
         assert [(i.step, i.round) for i in cluster.rollout_inputs] == [(1, 0), (2, 0)]
-        assert [a.groups for a in cluster.assemble_inputs] == [[(0, 0), (0, 1), (0, 2), (0, 3)]] * 2
+        assert [t.selection.groups for t in cluster.train_inputs if t.selection] == [[(0, 0), (0, 1), (0, 2), (0, 3)]] * 2
 
     scenario(cluster, body)
 
@@ -126,8 +142,8 @@ def test_shortfall_trains_on_what_was_kept_or_the_first_round_when_nothing() -> 
         handle = await start_run(env, run_config(steps=2, rollout=filtered(max_rounds=3)))
         summary = await finish(handle)
         assert summary.data_cursor == 2 * 3 * 6
-        assert [a.groups for a in cluster.assemble_inputs] == [[(0, 0), (1, 1), (2, 2)],
-                                                               [(0, 0), (0, 1), (0, 2), (0, 3)]]
+        assert [t.selection.groups for t in cluster.train_inputs if t.selection] == [[(0, 0), (1, 1), (2, 2)],
+                                                                                    [(0, 0), (0, 1), (0, 2), (0, 3)]]
         p = await progress(handle)
         assert [(s.sampling.groups_kept, s.sampling.groups_trained, s.sampling.fallback)
                 for s in p.steps if s.sampling] == [(3, 3, False), (0, 4, True)]
@@ -165,19 +181,20 @@ def test_a_retried_round_decides_the_same_and_the_history_replays() -> None:
         if attempt == 1 and cluster.reward_inputs[-1].round == 1:
             raise ApplicationError("judge endpoint down", type=Failure.REWARD_ERROR.value)
 
-    cluster.hook(COMPUTE_REWARDS, 1, flaky)
+    cluster.hook(COMPUTE_REWARDS_ON_NODE, 1, flaky)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         handle = await start_run(env, run_config(steps=1, rollout=filtered()))
         await finish(handle)
-        assert [(c.attempt, i.round) for c, i in zip(cluster.served(COMPUTE_REWARDS, 1), cluster.reward_inputs)] == [
-            (1, 0), (1, 1), (2, 1)]
+        served = cluster.served(COMPUTE_REWARDS_ON_NODE, 1)
+        assert [(c.attempt, i.round) for c, i in zip(served, cluster.reward_inputs)] == [(1, 0), (1, 1), (2, 1)]
         assert [i.round for i in cluster.rollout_inputs] == [0, 1]
-        assert cluster.assemble_inputs[0].groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
+        assert cluster.train_inputs[0].selection.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
         history = await env.client.get_workflow_handle(f"{handle.id}/step-1").fetch_history()
         scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
                      if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
-        assert scheduled[:5] == [ROLLOUT.name, COMPUTE_REWARDS.name, ROLLOUT.name, COMPUTE_REWARDS.name, ASSEMBLE_BATCH.name]
+        assert scheduled[:5] == [ROLLOUT.name, COMPUTE_REWARDS_ON_NODE.name, ROLLOUT.name, COMPUTE_REWARDS_ON_NODE.name,
+                                 TRAIN_STEP.name]
         replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         await replayer.replay_workflow(history)
 
@@ -193,8 +210,38 @@ def test_without_the_filter_the_step_is_unchanged() -> None:
         assert [(i.round, i.n_prompts, i.data_cursor) for i in cluster.rollout_inputs] == [(0, None, 0)]
         assert [i.group_size for i in cluster.reward_inputs] == [0]
         assert cluster.assemble_inputs == []
+        (train,) = cluster.train_inputs  # the rollout's chunks and their rewards, as they are
+        assert train.selection is None and train.chunk_keys == cluster.reward_inputs[0].chunk_keys
+        assert train.rewards_key == "runs/" + train.run_id + "/steps/1/r0/rewards.json"
         p = await progress(handle)
         assert p.steps[0].sampling is None and p.steps[0].data_cursor == 4
+
+    scenario(cluster, body)
+
+
+def test_steps_recorded_before_the_patch_score_on_control_and_assemble_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``samples-on-node`` (a step recorded before it, forced here) the rewards are the
+    control worker's and ``assemble_batch`` writes the kept groups, which the trainer gets as
+    its chunks: the path in-flight runs of an older version finish on."""
+    from temporalio import workflow
+
+    real = workflow.patched
+    monkeypatch.setattr(workflow, "patched", lambda patch_id: patch_id != SAMPLES_PATCH and real(patch_id))
+    cluster = Cluster()
+    cluster.varied = varied_0_2_then_odd
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, run_config(steps=1, rollout=filtered()))
+        await finish(handle)
+        assert {c.queue for c in cluster.served(COMPUTE_REWARDS)} == {CONTROL_QUEUE}
+        assert not cluster.served(COMPUTE_REWARDS_ON_NODE)
+        (batch,) = cluster.assemble_inputs
+        assert batch.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
+        (train,) = cluster.train_inputs
+        assert train.selection is None and train.chunk_keys == [f"runs/{train.run_id}/steps/1/batch/chunk-0"]
+        p = await progress(handle)
+        assert p.steps[0].sampling.trained_reward_mean == 0.5  # the stand-in assemble_batch's
+        assert "assemble" in p.steps[0].phase_seconds
 
     scenario(cluster, body)
 

@@ -71,6 +71,7 @@ from workflows.stubs import (
     CHECKPOINT,
     CLAIM_NODE,
     COMPUTE_REWARDS,
+    COMPUTE_REWARDS_ON_NODE,
     EVALUATE,
     INIT_POLICY,
     NODE_LIVENESS,
@@ -108,6 +109,11 @@ def run_config(**overrides: object) -> RunConfig:
 def reward_of(step: int) -> float:
     """The stand-in reward of a step: easy to average by hand."""
     return step / 10
+
+
+def group_mean(round_: int, group: int) -> float:
+    """The stand-in mean reward of a dynamic-sampling round's group."""
+    return round_ + group / 8
 
 
 def eval_of(step: int) -> tuple[float, float]:
@@ -210,8 +216,13 @@ class Cluster:
 
     @activity.defn(name=COMPUTE_REWARDS.name)
     async def compute_rewards(self, inp: RewardInput) -> RewardResult:
+        """Steps recorded before the samples-on-node patch (a test that turns it off)."""
+        return await self.rewards(CONTROL_QUEUE, COMPUTE_REWARDS.name, inp)
+
+    async def rewards(self, queue: str, name: str, inp: RewardInput) -> RewardResult:
+        """A reward activity's stand-in, on the control queue or a node's."""
         self.reward_inputs.append(inp)  # before the hook, which may look at it
-        await self.record(CONTROL_QUEUE, COMPUTE_REWARDS.name, inp.step, None)
+        await self.record(queue, name, inp.step, None)
         r = reward_of(inp.step)
         result = RewardResult(
             rewards_key=f"runs/{inp.run_id}/steps/{inp.step}/r{inp.round}/rewards.json", reward_mean=r,
@@ -228,6 +239,7 @@ class Cluster:
             "n": n, "groups": groups, "varied_groups": varied,
             "groups_all_correct": sum(1 for g in rest if g % 2 == 0),
             "groups_all_wrong": sum(1 for g in rest if g % 2 == 1),
+            "group_means": [group_mean(inp.round, g) for g in range(groups)],
         })
 
     @activity.defn(name=ASSEMBLE_BATCH.name)
@@ -260,8 +272,8 @@ class StandInNode:
         self.queue = queue
 
     def activities(self) -> list[Callable]:
-        return [self.init_policy, self.rollout, self.train_step, self.update_weights, self.checkpoint, self.evaluate,
-                self.node_liveness]
+        return [self.init_policy, self.rollout, self.compute_rewards_on_node, self.train_step, self.update_weights,
+                self.checkpoint, self.evaluate, self.node_liveness]
 
     @activity.defn(name=NODE_LIVENESS.name)
     async def node_liveness(self, inp: NodeLivenessInput) -> None:
@@ -293,6 +305,10 @@ class StandInNode:
             chunk_keys=keys, n_samples=n, gen_tokens=4 * n, response_len_mean=4.0, tokens_per_s=100.0,
             seconds=0.5, **self.cluster.rollout_extra.get(inp.step, {}),
         )
+
+    @activity.defn(name=COMPUTE_REWARDS_ON_NODE.name)
+    async def compute_rewards_on_node(self, inp: RewardInput) -> RewardResult:
+        return await self.cluster.rewards(self.queue, COMPUTE_REWARDS_ON_NODE.name, inp)
 
     @activity.defn(name=TRAIN_STEP.name)
     async def train_step(self, inp: TrainStepInput) -> TrainStepResult:

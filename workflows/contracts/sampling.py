@@ -1,5 +1,5 @@
-"""The sampling half of a step: rollout, rewards, dynamic sampling's rounds and trained batch, and the
-sampled batch a step trains on (``Sampled``)."""
+"""The sampling half of a step: rollout, rewards, dynamic sampling's rounds and trained batch (a
+``BatchSelection``), and the sampled batch a step trains on (``Sampled``)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ class RewardResult(BaseModel):
     groups_all_correct: int = 0  # all rewards equal and every sample correct
     groups_all_wrong: int = 0  # all rewards equal and no sample correct
     groups_all_equal_other: int = 0  # all rewards equal, correctness mixed
+    group_means: list[float] = []  # each group's mean reward, in order (what a trained selection reports)
 
 
 class SamplingStats(BaseModel):
@@ -80,6 +81,23 @@ class SamplingStats(BaseModel):
     fallback: bool = False  # no group was kept: the first round's groups were trained as they were
 
 
+class SampledRound(BaseModel):
+    """One dynamic-sampling round of a step, as stored: its chunks and their rewards."""
+
+    chunk_keys: list[str]
+    rewards_key: str
+
+
+class BatchSelection(BaseModel):
+    """The trained batch of a step with dynamic sampling, as a selection: the rounds' chunks
+    and rewards, and the (round, group index) of each trained group, in training order. The
+    trainer reads each round's chunks once and takes these groups in memory; nothing is
+    copied (before the ``samples-on-node`` patch ``assemble_batch`` wrote them as ``batch/``)."""
+
+    rounds: list[SampledRound]
+    groups: list[tuple[int, int]]
+
+
 class Sampled(BaseModel):
     """A step's sampled batch (rollout and rewards, after any dynamic sampling): what the
     step trains on, and what its summary reports of the sampling. In ``one_step_off`` and
@@ -87,7 +105,7 @@ class Sampled(BaseModel):
     and the cursor it drew from), and ``TrainingRun`` carries it, in its buffer, to the step
     that trains on it."""
 
-    chunk_keys: list[str]
+    chunk_keys: list[str]  # the trained chunks and their rewards ([] and "" with a ``selection``)
     rewards_key: str
     prompts: int  # prompts drawn: the data cursor advances by this
     reward_mean: float  # over every generated sample (every round)
@@ -103,16 +121,12 @@ class Sampled(BaseModel):
     policy_version: int = 0  # the weights the engines generated every sample of the batch with
     data_cursor: int = 0  # the cursor its prompts were drawn from
     agent: dict[str, float] | None = None  # rollout.agent: episode metrics (docs/agents.md)
-
-
-class SampledRound(BaseModel):
-    """One dynamic-sampling round of a step, as stored: its chunks and their rewards."""
-
-    chunk_keys: list[str]
-    rewards_key: str
+    selection: BatchSelection | None = None  # dynamic sampling: the kept groups of the rounds' chunks
 
 
 class AssembleBatchInput(BaseModel):
+    """``assemble_batch`` (steps recorded before the ``samples-on-node`` patch)."""
+
     run_id: str
     step: int
     store_uri: str

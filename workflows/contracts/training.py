@@ -7,6 +7,7 @@ from pydantic import BaseModel
 from workflows.config import EngineSpec, TrainSpec
 from workflows.contracts.cells import CellInfo, DPCells
 from workflows.contracts.events import RunEvent
+from workflows.contracts.sampling import BatchSelection, SamplingStats
 
 
 class SFTRowsInput(BaseModel):
@@ -27,6 +28,8 @@ class TrainStepInput(BaseModel):
     train: TrainSpec
     sft_rows: SFTRowsInput | None = None  # mode sft: train on these rows' labels (no chunks, no rewards)
     epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
+    selection: BatchSelection | None = None  # dynamic sampling: train these groups of the rounds' chunks
+    sampling: SamplingStats | None = None  # dynamic sampling's counts, exported as metrics by the node
 
 
 class TrainStepResult(BaseModel):

@@ -1,0 +1,101 @@
+"""Scoring a rollout's samples: the body of the reward activity, wherever it runs.
+
+Since the ``samples-on-node`` patch (``workflows.sampling``) the run's node agent scores
+the samples it just generated (``NodeActivities.compute_rewards_on_node``, from memory);
+steps recorded before it score on the control worker (``activities.control.compute_rewards``,
+reading the chunks from the store). Both call ``score``: the same scoring, the same
+stored rewards and judge records, the same errors.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+from temporalio.exceptions import ApplicationError
+
+from activities import translate
+from activities.heartbeat import with_heartbeat
+from gpu_runtime.data.dynamic_sampling import group_stats
+from gpu_runtime.data.rewards import (
+    RewardError, RewardFatal, RewardFunctionNotFound, ScoreContext, ScoreStats, score_samples,
+)
+from gpu_runtime.proc import metrics
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.fence import FencedStore, StaleEpoch
+from gpu_runtime.store.object_store import ObjectStore
+from workflows.contracts.sampling import RewardInput, RewardResult
+from workflows.failures import Failure, failure
+
+# what a write the run's fence refused becomes (NodeLost: the run has moved to a newer placement)
+Stale = Callable[[StaleEpoch], ApplicationError]
+
+
+def score(inp: RewardInput, store: ObjectStore, samples: list[art.Sample], rows: list[dict], writer: str,
+          stale: Stale, started: float) -> RewardResult:
+    """Score ``samples`` with the run's reward and store them (``rewards.json`` of the step,
+    or of the dynamic-sampling round). A ``judge`` reward records each sample's result in the
+    store first, so a retry never asks the endpoint again for a sample it judged. Every write
+    goes to ``store`` at the step's placement epoch, as ``writer``."""
+    spec = translate.reward_settings(inp.reward)
+    fenced = FencedStore(store, inp.run_id, inp.epoch, writer)
+    ctx = ScoreContext(store=fenced, judge_prefix=art.judge_prefix(inp.run_id, inp.step, inp.round))
+    stats = ScoreStats()
+    try:
+        rewards = with_heartbeat(lambda: score_samples(samples, dict(enumerate(rows)), spec, ctx, stats))
+    except RewardFunctionNotFound as err:  # the same on every attempt: fail the run, naming the field
+        raise failure(Failure.INVALID_INPUT, f"reward.function: {err}") from err
+    except RewardFatal as err:  # a 4xx, junk from an endpoint, error_policy fail, an unreadable label
+        raise failure(Failure.REWARD_ERROR, str(err), final=True) from err
+    except RewardError as err:  # an endpoint down, a dead reward process: retried
+        raise failure(Failure.REWARD_ERROR, str(err)) from err
+    except StaleEpoch as err:  # a judge record refused: the run has moved to a newer placement
+        raise stale(err) from err
+    finally:
+        metrics.REWARD_JUDGE_CALLS.inc(stats.judged)
+    key = art.rewards_key(inp.run_id, inp.step, inp.round)
+    try:  # at the step's placement epoch: a step the run has left behind writes nothing
+        art.put_model(fenced, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
+    except StaleEpoch as err:
+        raise stale(err) from err
+    result = summary(inp, key, rewards, stats.errors, time.perf_counter() - started)
+    metrics.REWARD_MEAN.set(result.reward_mean)
+    metrics.REWARD_STD.set(result.reward_std)
+    metrics.REWARD_ERRORS.inc(stats.errors)
+    metrics.PHASE_SECONDS.labels("reward").observe(result.seconds)
+    return result
+
+
+def summary(inp: RewardInput, key: str, rewards: list[art.SampleReward], errors: int, seconds: float) -> RewardResult:
+    """The reward activity's result: statistics, and with ``group_size`` each group's fate
+    and mean reward (what dynamic sampling decides and reports from; a few floats a group)."""
+    values = [r.reward for r in rewards]
+    result = RewardResult(
+        rewards_key=key,
+        reward_mean=statistics.fmean(values) if values else 0.0,
+        reward_std=statistics.pstdev(values) if len(values) > 1 else 0.0,
+        accuracy=sum(r.correct for r in rewards) / max(1, len(rewards)),
+        n=len(rewards),
+        seconds=seconds,
+        errors=errors,
+    )
+    if not inp.group_size:
+        return result
+    try:
+        groups = group_stats(rewards, inp.group_size)
+    except ValueError as err:
+        raise failure(Failure.INVALID_INPUT, f"step {inp.step} round {inp.round}: {err}") from err
+    return result.model_copy(update={
+        "groups": groups.groups, "varied_groups": groups.varied, "groups_all_correct": groups.all_correct,
+        "groups_all_wrong": groups.all_wrong, "groups_all_equal_other": groups.all_equal_other,
+        "group_means": groups.means,
+    })
+
+
+def stored_samples(store: ObjectStore, chunk_keys: list[str]) -> list[art.Sample]:
+    """The samples of ``chunk_keys``, in order, read from the store."""
+    out: list[art.Sample] = []
+    for key in chunk_keys:
+        out.extend(art.get_model(store, key, art.RolloutChunk).samples)
+    return out
