@@ -1,7 +1,8 @@
 """Orchestration worker: ``python -m workers.control``.
 
 Runs the ``TrainingRun`` workflow and its step children (``RLStep``, ``SFTStep``) and the light CPU activities
-(dataset preparation, rule rewards) on the control task queue.
+on the control task queue: dataset preparation, and the rewards and dynamic-sampling batch of steps recorded
+before rewards moved to the node agents (``workflows.sampling.SAMPLES_PATCH``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Dynamic sampling and the durable judge reward through whole (tiny) runs on one shared
 stack: real Temporal server, workers, trainer, engine and router processes, and a real
-judge HTTP server in this test process on 127.0.0.1."""
+judge HTTP server in this test process on 127.0.0.1. Rewards are scored on the node that
+generated the samples, and dynamic sampling trains a selection of the rounds' chunks."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from workers.common import connect
 from workflows.config import RunConfig
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
+from workflows.stubs import COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP
 from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 pytestmark = pytest.mark.e2e
@@ -49,6 +51,11 @@ def stored(store: Path, key: str, cls: type) -> object:
     return cls.model_validate_json((store / key).read_text())
 
 
+def scheduled(history: WorkflowHistory) -> list[str]:
+    return [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+
+
 def test_dynamic_filter_trains_only_groups_whose_rewards_vary(shared_stack: Stack) -> None:
     store = shared_stack.workdir / "store"
     cfg = tiny_config(
@@ -64,8 +71,11 @@ def test_dynamic_filter_trains_only_groups_whose_rewards_vary(shared_stack: Stac
         for step in (1, 2):
             history = await client.get_workflow_handle(f"e2e-dyn/step-{step}").fetch_history()
             await replayer.replay_workflow(history)
+        # step 2 drew two rounds, scored on the node; no assemble_batch: the trainer got the selection
+        assert scheduled(history)[:5] == [ROLLOUT.name, COMPUTE_REWARDS_ON_NODE.name] * 2 + [TRAIN_STEP.name]
         if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change
-            (HISTORY_DIR / "rl_step_dynamic.json").write_text(history.to_json())  # step 2: two rounds
+            # rl_step_dynamic.json stays as recorded: a step before the samples-on-node patch
+            (HISTORY_DIR / "rl_step_dynamic_on_node.json").write_text(history.to_json())  # step 2: two rounds
         return summary, progress
 
     summary, progress = asyncio.run(main())
@@ -85,23 +95,35 @@ def test_dynamic_filter_trains_only_groups_whose_rewards_vary(shared_stack: Stac
         assert d.fallback == (d.groups_kept == 0)
         cursor += d.prompts_drawn
         assert s.data_cursor == cursor  # every drawn prompt counts as used, filtered or not
-        assert set(s.phase_seconds) >= {"rollout", "reward", "assemble", "train"}
+        assert set(s.phase_seconds) >= {"rollout", "reward", "train"} and "assemble" not in s.phase_seconds
 
-        # the trainer trained exactly the assembled batch: every group's rewards vary
+        # the trainer trained exactly the selected groups of the rounds: every group's rewards vary
         batch = json.loads((store / art.step_batch_key("e2e-dyn", s.step)).read_text())
-        assert batch["chunk_keys"][0].endswith("/batch/chunk-0000.json")
-        rewards = stored(store, batch["rewards_key"], art.StepRewards).rewards
-        samples = [x for k in batch["chunk_keys"] for x in stored(store, k, art.RolloutChunk).samples]
+        assert (batch["chunk_keys"], batch["rewards_key"]) == ([], "")
+        rounds, chosen = batch["selection"]["rounds"], batch["selection"]["groups"]
+        assert len(rounds) == d.rounds and len(chosen) == d.groups_trained
+        assert not (store / art.step_prefix("e2e-dyn", s.step) / "batch").exists()  # nothing copied
+        samples, rewards = [], []
+        for r, g in chosen:
+            round_samples = [x for k in rounds[r]["chunk_keys"] for x in stored(store, k, art.RolloutChunk).samples]
+            round_rewards = stored(store, rounds[r]["rewards_key"], art.StepRewards).rewards
+            samples += round_samples[g * GROUP : (g + 1) * GROUP]
+            rewards += round_rewards[g * GROUP : (g + 1) * GROUP]
         assert [r.sample_id for r in rewards] == [x.sample_id for x in samples]
-        assert len(samples) == d.groups_trained * GROUP
         groups = [rewards[i : i + GROUP] for i in range(0, len(rewards), GROUP)]
         assert all(len({r.reward for r in g}) > 1 for g in groups) or d.fallback
         assert all(len({x.prompt_index for x in samples[i : i + GROUP]}) == 1 for i in range(0, len(samples), GROUP))
+        assert d.trained_reward_mean == pytest.approx(sum(r.reward for r in rewards) / len(rewards))
     totals = [sum(getattr(s.sampling, f) for s in progress.steps if s.sampling)
               for f in ("groups_kept", "groups_filtered_all_correct", "groups_filtered_all_wrong")]
     assert totals[0] > 0 and totals[1] + totals[2] > 0, totals  # this seed both keeps and filters groups ...
     assert max(s.sampling.rounds for s in progress.steps if s.sampling) > 1  # ... and needs a second round
     assert summary.data_cursor == cursor
+    # the node agent exports the rewards' and dynamic sampling's metrics
+    exported = shared_stack.scrape("node0")
+    last = progress.steps[-1]
+    assert exported['milestone_dynamic_sampling{metric="rounds"}'] == last.sampling.rounds
+    assert exported["milestone_reward_std"] >= 0 and 'milestone_phase_seconds_count{phase="reward"}' in exported
 
 
 def test_judge_reward_is_asked_once_per_sample_across_a_failed_attempt(shared_stack: Stack) -> None:
@@ -128,6 +150,9 @@ def test_judge_reward_is_asked_once_per_sample_across_a_failed_attempt(shared_st
     attempts = [e.activity_task_started_event_attributes.attempt for e in history.events
                 if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED]
     assert 2 in attempts  # the reward activity failed once and was retried (its attempt 2 started)
+    assert scheduled(history)[:2] == [ROLLOUT.name, COMPUTE_REWARDS_ON_NODE.name]  # scored on the node
+    if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change
+        (HISTORY_DIR / "rl_step_on_node.json").write_text(history.to_json())  # a step scored on its node
 
     chunk_keys = json.loads((store / art.step_batch_key("e2e-judge", 1)).read_text())["chunk_keys"]
     samples = [x for k in chunk_keys for x in stored(store, k, art.RolloutChunk).samples]

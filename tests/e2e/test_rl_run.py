@@ -32,13 +32,13 @@ from workers.common import connect
 from workflows.config import RunConfig
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
-from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, EVALUATE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
+from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS_ON_NODE, EVALUATE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
 from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 pytestmark = pytest.mark.e2e
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # git-ignored; CI keeps the UI screenshots here
-STEP_ACTIVITIES = [ROLLOUT.name, COMPUTE_REWARDS.name, TRAIN_STEP.name, UPDATE_WEIGHTS.name, CHECKPOINT.name]
+STEP_ACTIVITIES = [ROLLOUT.name, COMPUTE_REWARDS_ON_NODE.name, TRAIN_STEP.name, UPDATE_WEIGHTS.name, CHECKPOINT.name]
 LAST_STEP_ACTIVITIES = [*STEP_ACTIVITIES, EVALUATE.name]  # eval.every 0: the held-out eval after the last step only
 
 

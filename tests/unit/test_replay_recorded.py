@@ -4,7 +4,7 @@ A change to ``TrainingRun``, ``RLStep`` or ``SFTStep`` that would break running
 workflows (non-determinism) fails here without any server. Refresh the recordings with
 ``MILESTONE_RECORD_HISTORY=1 pytest tests/e2e/test_rl_run.py`` (and
 test_rewards_sampling.py, test_sft_distill.py) when the change is intended (and
-versioned with ``workflow.patched``).
+versioned with ``workflow.patched``), keeping the recordings of the older paths.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from temporalio.workflow import NondeterminismError
 
 from workflows.node_watch import LIVENESS_PATCH
 from workflows.rl_step import SFT_MODE_PATCH
+from workflows.sampling import SAMPLES_PATCH
 from workflows.training_run import RUN_WORKFLOWS, SFT_STEP_PATCH
 
 HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
@@ -39,13 +40,17 @@ HISTORIES = sorted(HISTORY_DIR.glob("*.json"))
 # training_run_fully_async / rl_step_fully_async: a 5-step fully_async run (max_staleness 2) and its
 # step 3 (two buffered batches in, step 5's sampled beside the train step), on the harness;
 # training_run_sft / sft_step: an SFT-mode run with SFTStep children and its step 2 (with its checkpoint,
-# tests/e2e/test_sft_distill.py); rl_step_sft stays as recorded: a step of an SFT run started before SFTStep
+# tests/e2e/test_sft_distill.py); rl_step_sft stays as recorded: a step of an SFT run started before SFTStep;
+# rl_step_on_node / rl_step_dynamic_on_node: steps since the samples-on-node patch (rewards scored on the node,
+# a judge reward's retried attempt; dynamic sampling's two rounds trained as a selection, no assemble_batch),
+# recorded by tests/e2e/test_rewards_sampling.py; every other rl_step* scored on the control worker
 WORKFLOW_IDS = {
     "training_run": "e2e-run", "rl_step": "e2e-run/step-1", "rl_step_eval": "e2e-run/step-3",
     "rl_step_dynamic": "e2e-dyn/step-2", "rl_step_sft": "sft/step-2", "training_run_watch": "e2e-run",
     "training_run_one_step_off": "osf-run", "rl_step_one_step_off": "osf-run/step-2",
     "training_run_fully_async": "fa-run", "rl_step_fully_async": "fa-run/step-3",
     "training_run_sft": "sft", "sft_step": "sft/step-2",
+    "rl_step_on_node": "e2e-judge/step-1", "rl_step_dynamic_on_node": "e2e-dyn/step-2",
 }
 
 
@@ -60,7 +65,7 @@ def test_recordings_exist() -> None:
     assert {p.stem for p in HISTORIES} >= {
         "training_run", "rl_step", "rl_step_eval", "rl_step_dynamic", "rl_step_sft", "training_run_watch",
         "training_run_one_step_off", "rl_step_one_step_off", "training_run_fully_async", "rl_step_fully_async",
-        "training_run_sft", "sft_step",
+        "training_run_sft", "sft_step", "rl_step_on_node", "rl_step_dynamic_on_node",
     }
 
 
@@ -109,5 +114,21 @@ def test_sft_runs_replay_their_step_children_only_with_their_patch(monkeypatch: 
     replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
     real = workflow.patched
     monkeypatch.setattr(workflow, "patched", lambda pid: pid != patch_id and real(pid))
+    with pytest.raises(NondeterminismError):
+        asyncio.run(replayer.replay_workflow(history))
+
+
+@pytest.mark.parametrize(("stem", "forced"), [
+    ("rl_step_on_node", False), ("rl_step_dynamic_on_node", False), ("rl_step", True), ("rl_step_dynamic", True),
+])
+def test_the_samples_patch_keeps_both_kinds_of_step_replaying(monkeypatch: pytest.MonkeyPatch, stem: str,
+                                                               forced: bool) -> None:
+    """A step recorded since ``samples-on-node`` scores on its node (and, with dynamic sampling,
+    trains a selection); one recorded before scores on the control worker (and assembles a
+    batch/ copy). Forcing the patch off breaks the new recordings, forcing it on the old."""
+    history = WorkflowHistory.from_json(WORKFLOW_IDS[stem], (HISTORY_DIR / f"{stem}.json").read_text())
+    replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
+    real = workflow.patched
+    monkeypatch.setattr(workflow, "patched", lambda pid: forced if pid == SAMPLES_PATCH else real(pid))
     with pytest.raises(NondeterminismError):
         asyncio.run(replayer.replay_workflow(history))
