@@ -121,14 +121,18 @@ def cursor_after(store: ObjectStore, lineage: list[tuple[str, int]], step: int) 
                     base_step, cursor = c.step, int(c.meta["data_cursor"])
     for k in range(base_step + 1, step + 1):
         owner = lin.owner(lineage, "", k)
-        batch = _step_batch(store, owner, k)
-        cursor += _prompts_drawn(store, owner, k, batch["rewards_key"], int(batch["group_size"]))
+        cursor += _prompts_drawn(store, owner, k, _step_batch(store, owner, k))
     return cursor
 
 
-def _prompts_drawn(store: ObjectStore, run_id: str, step: int, rewards_key: str, group_size: int) -> int:
+def _prompts_drawn(store: ObjectStore, run_id: str, step: int, batch: dict) -> int:
     """The prompts step ``step`` drew: its trained rewards / group size, or with dynamic
-    sampling (it trained ``batch/``) every round's, kept or filtered (docs/rewards.md)."""
+    sampling every round's, kept or filtered (docs/rewards.md): the rounds of its selection,
+    or, stored before selections, the rounds next to the ``batch/`` copy it trained."""
+    group_size, rewards_key = int(batch["group_size"]), batch["rewards_key"]
+    if batch.get("selection"):
+        return sum(len(art.get_model(store, r["rewards_key"], art.StepRewards).rewards) // group_size
+                   for r in batch["selection"]["rounds"])
     if rewards_key != art.batch_rewards_key(run_id, step):
         return len(art.get_model(store, rewards_key, art.StepRewards).rewards) // group_size
     drawn, r = 0, 0

@@ -125,8 +125,9 @@ def test_apply_sets_reads_yaml_values() -> None:
 
 
 def test_cursor_after_a_dynamic_sampling_step_counts_every_round(tmp_path: Path) -> None:
-    """A step with dynamic sampling trains ``batch/`` (its kept groups) but drew every
-    round's prompts: the fork's cursor moves past all of them, as the run's did."""
+    """A step with dynamic sampling trains its kept groups (a selection of its rounds; stored
+    before selections, a ``batch/`` copy) but drew every round's prompts: the fork's cursor
+    moves past all of them, as the run's did."""
     store = LocalStore(tmp_path / "store")
 
     def rewards(key: str, n: int) -> None:
@@ -141,3 +142,13 @@ def test_cursor_after_a_dynamic_sampling_step_counts_every_round(tmp_path: Path)
         "group_size": GROUP, "hparams": TrainSpec().model_dump(mode="json"),
     })
     assert cursor_after(store, [("d", 1)], 1) == 12
+    # step 2, since selections: the rounds are named in its batch (3 prompts each), nothing is copied
+    rewards(art.rewards_key("d", 2, 0), 3)
+    rewards(art.rewards_key("d", 2, 1), 3)
+    art.put_json(store, art.step_batch_key("d", 2), {
+        "step": 2, "policy_version": 1, "chunk_keys": [], "rewards_key": "", "group_size": GROUP,
+        "hparams": TrainSpec().model_dump(mode="json"),
+        "selection": {"rounds": [{"chunk_keys": [], "rewards_key": art.rewards_key("d", 2, r)} for r in (0, 1)],
+                      "groups": [[0, 0], [1, 2]]},
+    })
+    assert cursor_after(store, [("d", 2)], 2) == 12 + 6
