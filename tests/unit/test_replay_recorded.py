@@ -91,15 +91,21 @@ def test_step_recorded_before_the_eval_replays_without_it(monkeypatch: pytest.Mo
         asyncio.run(replayer.replay_workflow(history))
 
 
-@pytest.mark.parametrize(("stem", "forced"), [("training_run", True), ("training_run_watch", False)])
-def test_the_liveness_patch_keeps_both_recordings_replaying(monkeypatch: pytest.MonkeyPatch, stem: str, forced: bool) -> None:
-    """A run recorded before the node liveness watch replays without it, one recorded
-    with it replays with it: ``workflow.patched("node-liveness")`` tells them apart.
-    Forcing the patch either way breaks the recording of the other kind."""
+@pytest.mark.parametrize(("stem", "patch_id", "forced"), [
+    ("training_run", LIVENESS_PATCH, True), ("training_run_watch", LIVENESS_PATCH, False),
+    ("rl_step_on_node", SAMPLES_PATCH, False), ("rl_step_dynamic_on_node", SAMPLES_PATCH, False),
+    ("rl_step", SAMPLES_PATCH, True), ("rl_step_dynamic", SAMPLES_PATCH, True),
+])
+def test_a_patch_keeps_both_kinds_of_recording_replaying(monkeypatch: pytest.MonkeyPatch, stem: str, patch_id: str,
+                                                          forced: bool) -> None:
+    """A recording from before a patch replays without it, one from since with it; forcing the
+    patch either way breaks the recording of the other kind. ``node-liveness``: a run without /
+    with the node liveness watch. ``samples-on-node``: a step scoring on the control worker (and,
+    with dynamic sampling, assembling a batch/ copy) / on its node (training a selection)."""
     history = WorkflowHistory.from_json(WORKFLOW_IDS[stem], (HISTORY_DIR / f"{stem}.json").read_text())
     replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
     real = workflow.patched
-    monkeypatch.setattr(workflow, "patched", lambda patch_id: forced if patch_id == LIVENESS_PATCH else real(patch_id))
+    monkeypatch.setattr(workflow, "patched", lambda pid: forced if pid == patch_id else real(pid))
     with pytest.raises(NondeterminismError):
         asyncio.run(replayer.replay_workflow(history))
 
@@ -114,21 +120,5 @@ def test_sft_runs_replay_their_step_children_only_with_their_patch(monkeypatch: 
     replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
     real = workflow.patched
     monkeypatch.setattr(workflow, "patched", lambda pid: pid != patch_id and real(pid))
-    with pytest.raises(NondeterminismError):
-        asyncio.run(replayer.replay_workflow(history))
-
-
-@pytest.mark.parametrize(("stem", "forced"), [
-    ("rl_step_on_node", False), ("rl_step_dynamic_on_node", False), ("rl_step", True), ("rl_step_dynamic", True),
-])
-def test_the_samples_patch_keeps_both_kinds_of_step_replaying(monkeypatch: pytest.MonkeyPatch, stem: str,
-                                                               forced: bool) -> None:
-    """A step recorded since ``samples-on-node`` scores on its node (and, with dynamic sampling,
-    trains a selection); one recorded before scores on the control worker (and assembles a
-    batch/ copy). Forcing the patch off breaks the new recordings, forcing it on the old."""
-    history = WorkflowHistory.from_json(WORKFLOW_IDS[stem], (HISTORY_DIR / f"{stem}.json").read_text())
-    replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
-    real = workflow.patched
-    monkeypatch.setattr(workflow, "patched", lambda pid: forced if pid == SAMPLES_PATCH else real(pid))
     with pytest.raises(NondeterminismError):
         asyncio.run(replayer.replay_workflow(history))
