@@ -2,7 +2,7 @@
 
 The config (file:line per bad key), a ``jsonl`` / ``parquet`` dataset and its
 ``eval_path`` (read whole: file:line / file:row N per bad row),
-a custom reward function (imported here, as the control worker will; also as a term of a
+a custom reward function (imported here, as the node agents will; also as a term of a
 weighted reward), the math-verify package for ``math_verify``, and that a
 new run id names no run whose artifacts are already in the store.
 """
@@ -60,7 +60,7 @@ def check_agent(cfg: RunConfig) -> None:
 
 
 def check_reward(cfg: RunConfig) -> None:
-    """What the control worker will need to score: each custom function imports, and the
+    """What the node agents will need to score: each custom function imports, and the
     math-verify package is installed when a term uses it."""
     reward = cfg.reward
     for where, spec in [("reward", reward), *((f"reward.terms.{i}", t) for i, t in enumerate(reward.terms or []))]:
@@ -101,7 +101,7 @@ def _check(source: DataSource, field: str, *, require_int_answer: bool) -> int:
 
 
 def check_reward_function(path: str, field: str = "reward.function") -> None:
-    """Import the function as the control worker will (it runs from its working
+    """Import the function as a node agent will (it runs from its working
     directory, which ``python -m`` puts on ``sys.path``: do the same here)."""
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:

@@ -76,7 +76,7 @@ class _RewardFields(Strict):
     @field_validator("function")
     @classmethod
     def _dotted(cls, v: str | None) -> str | None:
-        # shape only (importing it is the CLI's pre-flight and the control worker's job)
+        # shape only (importing it is the CLI's pre-flight and the scoring node agent's job)
         if v is not None:
             mod, _, attr = v.partition(":") if ":" in v else v.rpartition(".")
             if not (mod and all(p.isidentifier() for p in mod.split(".")) and attr.isidentifier()):

@@ -1,4 +1,5 @@
-"""Rewards: every ``reward.kind`` of the run config, scored on the control worker.
+"""Rewards: every ``reward.kind`` of the run config, scored where the samples are (the
+node agent, ``activities/rewards.py``).
 
 ``score_samples`` is the entry point. The kinds: the integer answer rule
 (``math_answer``), math-verify (``math_verify``), GSM8K answers (``gsm8k``), a

@@ -16,7 +16,7 @@ import importlib.util
 CALL = "gpu_runtime.data.rewards.mathverify_call:math_verify_reward"  # what the sandbox runs
 
 MISSING = (
-    "reward.kind: math_verify needs the math-verify package on the control worker "
+    "reward.kind: math_verify needs the math-verify package on the worker that scores (the node agent) "
     "(pip install 'math-verify==0.9.0', or install milestone with its dependencies)"
 )
 

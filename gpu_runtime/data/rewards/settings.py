@@ -1,4 +1,4 @@
-"""How samples are scored, as the control worker receives it, and the errors of scoring.
+"""How samples are scored, as the scoring worker (the node agent) receives it, and the errors of scoring.
 
 ``RewardSettings`` mirrors the run config's ``reward`` section field for field
 (``activities.translate.reward_settings`` fills in each kind's defaults, which are
