@@ -72,9 +72,11 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
     raise TimeoutError(f"{host}:{port} did not open within {timeout_s}s")
 
 
-def wait_until_serving(address: str, timeout_s: float = 60.0) -> None:
+def wait_until_serving(address: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     """The port opens before the frontend is healthy: wait until a client connects.
-    Runs its own event loop in a helper thread, so async callers may use it too."""
+    Runs its own event loop in a helper thread, so async callers may use it too.
+    With ``proc``, a server that exits meanwhile is reported at once: an open port is not
+    proof it is the server's (another process may hold the port the server then fails to bind)."""
     import asyncio
     import threading
 
@@ -91,6 +93,8 @@ def wait_until_serving(address: str, timeout_s: float = 60.0) -> None:
             errors[:] = [err]
 
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {address} served")
         t = threading.Thread(target=attempt, daemon=True)
         t.start()
         t.join(max(0.1, deadline - time.monotonic()))

@@ -63,9 +63,10 @@ class TemporalDevServer:
     def start(self, attempts: int = 4) -> None:
         """Start the server. ``free_port`` only proposes a port: until the server binds it,
         any process's outgoing connection may take it as its local port (CI once lost a
-        module's stack to ``bind: address already in use``). Such a start is retried with
-        fresh ports (the frontend port only before the first start: workers keep its
-        address across a restart); any other failure raises with the log's tail."""
+        module's stack to ``bind: address already in use``, and an open port may be another
+        process's). Such a start is retried with fresh ports (the frontend port only before
+        the first start: workers keep its address across a restart); any other failure
+        raises with the log's tail."""
         log_path = self.workdir / "temporal.log"
         for attempt in range(1, attempts + 1):
             cmd = server_command(
@@ -77,7 +78,11 @@ class TemporalDevServer:
                 wait_for_port("127.0.0.1", self.port, 60, self.proc)
                 if self.ui_port is not None:
                     wait_for_port("127.0.0.1", self.ui_port, 60, self.proc)
-            except RuntimeError as err:  # the server exited before it listened
+                # an open port may be another process's (the server then fails to bind it and
+                # exits: a loaded test run saw the TLS module wait 60 s on a dead server), so the start
+                # counts once a client is served by this process
+                wait_until_serving(self.address, proc=self.proc)
+            except RuntimeError as err:  # the server exited before it served
                 self.stop()
                 out = log_path.read_bytes()[log_start:].decode(errors="replace").strip()
                 if "address already in use" in out and attempt < attempts:
@@ -88,7 +93,6 @@ class TemporalDevServer:
                 raise RuntimeError(f"{err}; {log_path} says: {out[-2000:]}") from err
             break
         self._started = True
-        wait_until_serving(self.address)
 
     def restart(self) -> None:
         self.stop()

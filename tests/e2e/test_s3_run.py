@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib
 import os
+import pkgutil
 import shutil
 import signal
 import subprocess
@@ -43,16 +45,26 @@ from tests.stack import ROOT, Stack, tiny_config
 from workers.payload_codec import ENCODING, EncryptionCodec
 from workers.temporal_connection import connect_with, data_converter, settings_from_env
 from workflows.run_state import RunProgress, RunSummary
-from workflows.node_watch import LIVENESS_PATCH
-from workflows.rl_step import EVAL_PATCH, SFT_MODE_PATCH
 from workflows.stubs import TRAIN_STEP
-from workflows.training_run import EVAL_BEFORE_PATCH
 
 pytestmark = pytest.mark.e2e
 
 PAYLOAD_KEY = base64.b64encode(os.urandom(32)).decode()
 RUN = "s3-run"
-PATCH_IDS = (EVAL_BEFORE_PATCH, EVAL_PATCH, SFT_MODE_PATCH, LIVENESS_PATCH)  # workflow.patched(<id>)
+
+
+def workflow_patch_ids() -> tuple[str, ...]:
+    """Every `workflow.patched(<id>)` id: the `*_PATCH` constants of the workflows package."""
+    import workflows
+
+    ids = []
+    for info in pkgutil.walk_packages(workflows.__path__, "workflows."):
+        module = importlib.import_module(info.name)
+        ids += [v for k, v in vars(module).items() if k.endswith("_PATCH") and isinstance(v, str)]
+    return tuple(sorted(set(ids)))
+
+
+PATCH_IDS = workflow_patch_ids()
 
 
 @dataclass

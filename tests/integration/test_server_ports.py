@@ -35,6 +35,22 @@ def test_a_taken_frontend_port_is_replaced_before_the_first_start(tmp_path: Path
             server.stop()
 
 
+def test_a_frontend_port_another_process_listens_on_is_replaced(tmp_path: Path) -> None:
+    """An open port is not the server's: the start waits until this server serves a client,
+    sees it exit (bind failed), and moves on, instead of waiting out a dead server."""
+    server = TemporalDevServer(tmp_path)
+    with socket.socket() as squatter:  # listening: the port answers, but not as Temporal
+        squatter.bind(("127.0.0.1", server.port))
+        squatter.listen()
+        taken = server.port
+        try:
+            server.start()
+            assert server.port != taken and server.proc is not None and server.proc.poll() is None
+            assert "address already in use" in (tmp_path / "temporal.log").read_text()
+        finally:
+            server.stop()
+
+
 def test_a_taken_frontend_port_on_restart_is_an_error_with_the_servers_words(tmp_path: Path) -> None:
     """After the first start the workers know the address: the port is not changed."""
     server = TemporalDevServer(tmp_path)
