@@ -14,7 +14,6 @@ from pathlib import Path
 
 from temporalio import activity
 
-from activities import translate
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.proc import metrics
@@ -58,7 +57,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
             d.dataset, d.dataset_config, d.num_train, inp.seed))
     else:
         require_int = inp.mode == "rl" and "math_answer" in inp.reward.kinds()
-        _put_once(store, key, "data.path", lambda: iter_rows(translate.data_source(d), require_int_answer=require_int))
+        _put_once(store, key, "data.path", lambda: iter_rows(d, require_int_answer=require_int))
     data = store.get_bytes(key)
     info = DatasetInfo(key=key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())
     if not inp.eval.enabled or d.kind == "tool_arithmetic":  # agent runs have no single-turn eval
@@ -74,7 +73,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
             _put_once(store, eval_key, "data.dataset", lambda: reasoning_gym.generate_heldout(
                 d.dataset, d.dataset_config, inp.eval.n, inp.seed, exclude=train_prompts))
     else:
-        source = translate.data_source(d).eval_source()
+        source = d.eval_source()
         if source is None:
             return info
         # read whole (every row is checked), then cut: the eval scores with the math rule
@@ -137,13 +136,12 @@ def compute_rewards(inp: RewardInput) -> RewardResult:
     store = open_store(inp.store_uri)
     rows = _load_rows(inp.store_uri, inp.dataset)
     samples = _samples(store, inp.chunk_keys)
-    spec = translate.reward_settings(inp.reward)
     # every write (the judge's records as well) at the step's placement epoch
     fenced = FencedStore(store, inp.run_id, inp.epoch, "control")
     ctx = ScoreContext(store=fenced, judge_prefix=art.judge_prefix(inp.run_id, inp.step, inp.round))
     stats = ScoreStats()
     try:
-        rewards = with_heartbeat(lambda: score_samples(samples, dict(enumerate(rows)), spec, ctx, stats))
+        rewards = with_heartbeat(lambda: score_samples(samples, dict(enumerate(rows)), inp.reward, ctx, stats))
     except RewardFunctionNotFound as err:  # the same on every attempt: fail the run, naming the field
         raise failure(Failure.INVALID_INPUT, f"reward.function: {err}") from err
     except RewardFatal as err:  # a 4xx, junk from an endpoint, error_policy fail, an unreadable label

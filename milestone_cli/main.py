@@ -36,7 +36,8 @@ from gpu_runtime.store.uri import open_store
 from workers.common import connect, temporal_address
 from workers.payload_codec import PayloadKeyError
 from workers.temporal_connection import TemporalSettingsError
-from workflows.config import HParamUpdate, format_validation_error
+from spec.strict import format_validation_error
+from spec.train import HParamUpdate
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 

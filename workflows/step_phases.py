@@ -16,19 +16,19 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
-    from workflows.contracts.events import RunEvent
+    from spec.status import RunEvent
     from workflows.contracts.step import RLStepInput
     from workflows.contracts.training import (
         CheckpointInput,
         CheckpointResult,
         EvalInput,
         EvalResult,
-        SFTRowsInput,
         TrainStepInput,
         TrainStepResult,
         UpdateWeightsInput,
         UpdateWeightsResult,
     )
+    from spec.trainer_rpc import SFTRows
     from workflows.failures import Failure, failure_in
     from workflows.stubs import CHECKPOINT, EVALUATE, RESTART_CELLS, TRAIN_STEP, UPDATE_WEIGHTS
 
@@ -71,7 +71,7 @@ def start_cell_restarts(inp: RLStepInput) -> asyncio.Task[RestartCellsResult] | 
 
 
 async def train(inp: RLStepInput, chunk_keys: list[str], rewards_key: str,
-                sft_rows: SFTRowsInput | None = None) -> TrainStepResult:
+                sft_rows: SFTRows | None = None) -> TrainStepResult:
     """The trainer's step on the sampled chunks and their rewards (or, in mode sft, on ``sft_rows``)."""
     return await TRAIN_STEP.run(
         TrainStepInput(

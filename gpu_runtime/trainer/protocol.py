@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
+from spec.train import TrainSpec
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ class Trainer(Protocol):
     def health(self) -> Health: ...
 
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainerHParams) -> dict[str, float]:
+                   hparams: TrainSpec) -> dict[str, float]:
         """One RL update (version + 1); its metrics."""
         ...
 
-    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+    def sft_step(self, rows: list[dict], hparams: TrainSpec) -> dict[str, float]:
         """One SFT-mode update (version + 1); its metrics."""
         ...
 

@@ -16,7 +16,7 @@ import torch
 from gpu_runtime.proc.devices import parse_gpu_list
 from gpu_runtime.proc.processes import exit_when_parent_dies
 from gpu_runtime.proc.rpc import Method, RPCServer
-from gpu_runtime.trainer.api import (
+from spec.trainer_rpc import (
     BroadcastWeightsCall,
     CheckpointCall,
     EnsureVersionCall,

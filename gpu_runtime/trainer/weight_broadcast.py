@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from gpu_runtime.trainer.api import BroadcastWeightsCall, WeightsBroadcast
+from spec.trainer_rpc import BroadcastWeightsCall, WeightsBroadcast
 from gpu_runtime.weight_sync.distributed import GroupSpec, Manifest, WeightGroup
 
 log = logging.getLogger(__name__)

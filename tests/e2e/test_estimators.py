@@ -23,7 +23,7 @@ from gpu_runtime.models.tokenizer import Tokenizer
 from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_to_end, start_run, wait_activity_started
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
-from workflows.config import RunConfig
+from spec.run import RunConfig
 from workflows.run_state import RunProgress, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.stubs import TRAIN_STEP

@@ -29,7 +29,7 @@ from tests.browser import render
 from tests.e2e.faults import assert_bitwise_equal
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
-from workflows.config import RunConfig
+from spec.run import RunConfig
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, EVALUATE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS

@@ -9,9 +9,9 @@ from pydantic import ValidationError
 
 from tests.stack import tiny_config
 from workflows import cell_heal
-from workflows.config import RunConfig
-from workflows.contracts.cells import DPCells, DPCellStatus
-from workflows.trainer_config import TrainerSpec
+from spec.run import RunConfig
+from spec.status import DPCellStatus, DPCells
+from spec.trainer import TrainerSpec
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)
 SPEC = TrainerSpec(cells=2)  # 5 s * 2^k, capped at 300 s

@@ -23,7 +23,9 @@ from gpu_runtime.proc.processes import free_port
 from tests.engine_fixtures import _tokenizer
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
-from workflows.config import DataSpec, EvalSpec, RewardSpec
+from spec.data import DataSpec
+from spec.reward import RewardSpec
+from spec.run import EvalSpec
 from workflows.contracts.placement import DatasetInfo, PrepareDataInput
 from workflows.contracts.sampling import RewardInput, RewardResult
 from workflows.failures import Failure

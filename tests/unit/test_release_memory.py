@@ -16,7 +16,8 @@ from gpu_runtime.node.memory_phases import resolve_release_memory
 from gpu_runtime.trainer.common.offload import OptimizerOffload
 from gpu_runtime.trainer.common.state_io import OPTIM_FILE
 from tests.unit.test_policy_trainer import assert_same_state, new_trainer, rollout
-from workflows.config import EngineSpec, RunConfig
+from spec.engine import EngineSpec
+from spec.run import RunConfig
 
 
 @pytest.fixture(autouse=True)

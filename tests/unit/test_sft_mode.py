@@ -19,7 +19,8 @@ from gpu_runtime.trainer.policy.sft import sft_samples
 from tests.unit.test_lora import LORA
 from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
-from workflows.config import HParamUpdate, RunConfig
+from spec.run import RunConfig
+from spec.train import HParamUpdate
 from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, ROLLOUT, TRAIN_STEP
 from workflows.training_run import SFT_STEP_PATCH, TrainingRun
 

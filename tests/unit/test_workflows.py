@@ -29,7 +29,7 @@ from tests.unit.workflow_harness import (
     start_run,
     wait_progress,
 )
-from workflows.config import HParamUpdate
+from spec.train import HParamUpdate
 from workflows.contracts.step import StepSummary
 from workflows.failures import Failure, failure
 from workflows.stubs import CLAIM_NODE, INIT_POLICY, PREPARE_DATA, ROLLOUT, TRAIN_STEP

@@ -9,7 +9,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run, wait_progress
-from workflows.contracts.events import RunEvent
+from spec.status import RunEvent
 from workflows.stubs import TRAIN_STEP
 from workflows.training_run import TrainingRun
 

@@ -34,7 +34,7 @@ from temporalio.worker import Worker
 
 from gpu_runtime.proc.processes import packaged_binary
 from infra.temporal_server import SEARCH_ATTRIBUTES
-from workflows.config import RunConfig
+from spec.run import RunConfig
 from workflows.contracts.placement import (
     ClaimNodeInput,
     DatasetInfo,
@@ -56,7 +56,6 @@ from workflows.contracts.sampling import (
 from workflows.contracts.training import (
     CheckpointInput,
     CheckpointResult,
-    EngineSlotInfo,
     EvalInput,
     EvalResult,
     TrainStepInput,
@@ -64,6 +63,7 @@ from workflows.contracts.training import (
     UpdateWeightsInput,
     UpdateWeightsResult,
 )
+from spec.status import EngineSlotInfo
 from workflows.queues import CONTROL_QUEUE, POOL_QUEUE
 from workflows.failures import Failure, failure
 from workflows.stubs import (

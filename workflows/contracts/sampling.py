@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from workflows.config import RewardSpec, RolloutSpec
-from workflows.contracts.events import RunEvent
+from spec.reward import RewardSpec
+from spec.rollout import RolloutSpec
+from spec.status import RunEvent
 from workflows.contracts.placement import DatasetInfo
 
 
