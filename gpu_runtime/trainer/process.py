@@ -1,5 +1,5 @@
 """The node agent's handle on its trainer subprocess: start, restart, stop by pid,
-and a typed client for its RPC (arguments and results are ``trainer.api`` models)."""
+and a typed client for its RPC (arguments and results are ``spec.trainer_rpc`` models)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ object ``layouts.new`` returns; each backend answers them as written: the HF
 ``PolicyTrainer`` (``policy``), a fsdp2 ``TrainerCell`` (``fsdp2``), a ``DPGroup`` of cells
 (``dp``) and the ``MegatronTrainer`` (``megatron``). A call a backend does not implement is
 refused with a ValueError naming the setting (the run config refuses those settings before
-a run starts: ``workflows.trainer_config.layout_conflicts``).
+a run starts: ``spec.trainer.layout_conflicts``).
 
 Whether the trainer can take another call is an explicit state, ``health``: ``Alive``, or
 ``Dead`` (a fsdp2 cell that lost a rank or whose rank raised, every DP cell lost, DP cells

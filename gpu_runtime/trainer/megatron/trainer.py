@@ -5,7 +5,7 @@ AdamW + LR schedule (``trainer.common.optim``), published as HF model folders en
 It answers the calls ``TrainerService`` makes of a ``PolicyTrainer`` for what it supports
 (RL ``train_step``, ``export_model_folder``, ``checksum``, ``published_state``,
 ``save_state`` / ``from_state`` / ``load_state``, ``policy_version``); the run config
-refuses the rest before a run starts (``workflows.trainer_config.layout_conflicts``).
+refuses the rest before a run starts (``spec.trainer.layout_conflicts``).
 Weights go HF -> Megatron once at creation (``convert.hf_to_megatron``) and Megatron -> HF
 for every published version (``convert.megatron_to_hf``): pure reshapes, so a version's
 checksum is the checksum of the HF weights it stands for.
