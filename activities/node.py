@@ -33,10 +33,10 @@ from gpu_runtime.rollout.dispatch import RolloutStats, run_rollout
 from gpu_runtime.rollout.evaluate import run_eval
 from gpu_runtime.store.fence import FencedStore, StaleEpoch, next_epoch, raise_fence
 from gpu_runtime.store.uri import open_store
-from spec.trainer_rpc import RunSetup
 from gpu_runtime.trainer.process import TrainerDied
-from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
 from spec.status import DPCells, RunEvent
+from spec.trainer_rpc import RunSetup
+from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
 from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, NodeClaim, NodeLivenessInput, PolicyInfo
 from workflows.contracts.sampling import RolloutInput, RolloutResult
 from workflows.contracts.training import (

@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 
 from gpu_runtime.data.datasets import generate_arithmetic
-from spec.model import ModelInitSpec, ModelSpec
 from gpu_runtime.trainer.base_model import base_model_folder
+from spec.model import ModelInitSpec, ModelSpec
 
 
 def add_model_args(p: argparse.ArgumentParser, *, hidden: int = 256, layers: int = 4) -> None:

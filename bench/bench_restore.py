@@ -38,8 +38,8 @@ from bench._inproc import demo_config, dataset_rows, generate_step, rollout_requ
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
-from spec.trainer_rpc import Rebuild, RunSetup, VersionInfo  # noqa: E402
 from gpu_runtime.trainer.service import TrainerService  # noqa: E402
+from spec.trainer_rpc import Rebuild, RunSetup, VersionInfo  # noqa: E402
 
 log = logging.getLogger("bench_restore")
 RUN_ID = "bench-restore"

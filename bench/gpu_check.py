@@ -204,9 +204,9 @@ class Check:
         from gpu_runtime.data.rewards import math_answer_reward
         from gpu_runtime.models.model_folder import model_checksum
         from gpu_runtime.store.artifacts import Sample
-        from spec.train import TrainSpec
         from gpu_runtime.trainer.policy.trainer import PolicyTrainer
         from gpu_runtime.weight_sync import shared_memory as shm
+        from spec.train import TrainSpec
 
         hp = TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch)
         trainer = PolicyTrainer.create(self.base, hp, self.args.seed)
@@ -361,10 +361,10 @@ class Check:
 
         from gpu_runtime.models.causal_lm import load_causal_lm
         from gpu_runtime.store.artifacts import Sample
-        from spec.train import TrainSpec
         from gpu_runtime.trainer.megatron import model as mm
         from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
         from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+        from spec.train import TrainSpec
 
         mm.init_single_process()
         gpt, cfg = mm.from_folder(self.base)
@@ -427,8 +427,8 @@ class Check:
         import torch
 
         from gpu_runtime.store.artifacts import Sample
-        from spec.train import TrainSpec
         from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+        from spec.train import TrainSpec
 
         n = self.args.max_new_tokens
         samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6, 7],

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic  # noqa: E402
 from gpu_runtime.store.artifacts import Sample  # noqa: E402
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
-from spec.model import LoraSpec, ModelSpec  # noqa: E402
 from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
+from spec.model import LoraSpec, ModelSpec  # noqa: E402
 
 FILES = ("policy.safetensors", "optimizer.safetensors")
 

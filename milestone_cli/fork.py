@@ -29,9 +29,9 @@ from gpu_runtime.store.object_store import ObjectStore
 from milestone_cli.resume import ResumeError, stored_dataset
 from spec.rollout import OFF_POLICY_MODES
 from spec.run import RunConfig
+from spec.status import RunEvent
 from spec.strict import format_validation_error
 from spec.train import TrainSpec
-from spec.status import RunEvent
 from spec.trainer_rpc import ForkPoint
 from workflows.run_state import RunState, TrainingRunInput
 from workflows.contracts.sampling import Sampled

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.readers import DatasetError, check_source
-from spec.data import DataSpec
 from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function, mathverify
 from gpu_runtime.rollout.agent.tools import BUILTIN, ToolNotFound, load_environment_factory, load_tools
 from gpu_runtime.store import artifacts as art
@@ -23,6 +22,7 @@ from gpu_runtime.store.object_store import StoreError
 from gpu_runtime.store.s3 import S3Store
 from gpu_runtime.store.uri import open_store
 from milestone_cli.config_file import ConfigError, load_run_config
+from spec.data import DataSpec
 from spec.run import RunConfig
 
 

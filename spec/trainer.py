@@ -128,6 +128,13 @@ def layout_conflicts(layout: str, asks: RunAsks) -> list[str]:
     return out
 
 
+def train_conflicts(layout: str, train: TrainSpec) -> list[str]:
+    """The gaps of the trainer layout (``fsdp2``, ``megatron`` or ``cells``) that ``train``
+    alone decides. ``set_hparams`` may change ``train`` mid-run, so each backend refuses them
+    again at every step (the run config refused them before the run started)."""
+    return layout_conflicts(layout, RunAsks(mode="rl", lora=False, distill=False, agent=False, train=train))
+
+
 def megatron_train_conflicts(train: TrainSpec) -> list[str]:
     """The ``train`` knobs the megatron trainer's GRPO loss does not implement yet, set away
     from what it computes: refused by the run config, by ``set_hparams`` mid-run, and by the
@@ -149,4 +156,4 @@ def megatron_train_conflicts(train: TrainSpec) -> list[str]:
     return out
 
 
-__all__ = ["LAYOUT_GAPS", "RunAsks", "TrainerSpec", "layout_conflicts", "megatron_train_conflicts"]
+__all__ = ["LAYOUT_GAPS", "RunAsks", "TrainerSpec", "layout_conflicts", "megatron_train_conflicts", "train_conflicts"]

@@ -7,17 +7,17 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
-from workflows import cell_heal
 from spec.run import RunConfig
-from spec.train import TrainSpec
-from workflows.contracts.cells import CellHeal
 from spec.status import CellInfo, DPCells, EngineSlotInfo, RunEvent
-from workflows.contracts.placement import DatasetInfo, NodeClaim
+from spec.train import TrainSpec
+from spec.trainer import TrainerSpec
 from spec.trainer_rpc import ForkPoint
+from workflows import cell_heal
+from workflows.contracts.cells import CellHeal
+from workflows.contracts.placement import DatasetInfo, NodeClaim
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import StepSummary
 from workflows.contracts.training import EvalResult
-from spec.trainer import TrainerSpec
 
 HISTORY_KEEP = 200  # step summaries the state keeps (the progress query lists them)
 EVENTS_KEEP = 100  # run events the state keeps

@@ -14,8 +14,8 @@ from datetime import datetime
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.contracts.step import RLStepInput, StepSummary
     from spec.trainer_rpc import SFTRows
+    from workflows.contracts.step import RLStepInput, StepSummary
     from workflows.step_phases import (
         checkpoint_if_due,
         evaluate_if_due,

@@ -15,8 +15,9 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
     from spec.status import RunEvent
+    from spec.trainer_rpc import SFTRows
+    from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
     from workflows.contracts.step import RLStepInput
     from workflows.contracts.training import (
         CheckpointInput,
@@ -28,7 +29,6 @@ with workflow.unsafe.imports_passed_through():
         UpdateWeightsInput,
         UpdateWeightsResult,
     )
-    from spec.trainer_rpc import SFTRows
     from workflows.failures import Failure, failure_in
     from workflows.stubs import CHECKPOINT, EVALUATE, RESTART_CELLS, TRAIN_STEP, UPDATE_WEIGHTS
 

@@ -133,8 +133,7 @@ class EngineFleet:
             return [s.url for s in self.slots if s.state == "healthy"]
 
     def snapshot(self) -> list[EngineSlotInfo]:
-        """Every slot as the run's status shows it (a version the engine reports that is no
-        policy version number shows as None)."""
+        """Every slot as the run's status shows it (a version that is no number: None)."""
         with self._lock:
             return [
                 EngineSlotInfo(slot=s.index, pid=s.proc.pid if s.proc else None, url=s.url, state=s.state,

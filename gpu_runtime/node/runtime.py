@@ -29,9 +29,9 @@ from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.work_dir import weights_folder
+from gpu_runtime.trainer.process import TrainerProcess
 from spec.status import RunEvent
 from spec.trainer_rpc import RunSetup
-from gpu_runtime.trainer.process import TrainerProcess
 
 log = logging.getLogger(__name__)
 

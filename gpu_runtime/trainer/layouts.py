@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from spec.status import CellInfo, DPCells, RunEvent
-from spec.trainer_rpc import RunSetup
 from gpu_runtime.trainer.dp.group import DPGroup
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse
 from gpu_runtime.trainer.fsdp2.host import CellHost
 from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.protocol import Dead, Trainer
+from spec.status import CellInfo, DPCells, RunEvent
+from spec.trainer_rpc import RunSetup
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,14 @@ from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.store.fence import FencedStore, StaleEpoch, read_fence
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.work_dir import weights_folder
+from gpu_runtime.trainer import weight_broadcast
+from gpu_runtime.trainer.base_model import DONE, base_model_folder
+from gpu_runtime.trainer.common.offload import OptimizerOffload
+from gpu_runtime.trainer.fsdp2.errors import CellFailed
+from gpu_runtime.trainer.layouts import TrainerLayouts, layout
+from gpu_runtime.trainer.megatron.trainer import runtime_problem
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.protocol import Dead, Trainer
 from spec.status import CellInfo, DPCells, RunEvent
 from spec.trainer_rpc import (
     BroadcastWeightsCall,
@@ -38,14 +46,6 @@ from spec.trainer_rpc import (
     VersionInfo,
     WeightsBroadcast,
 )
-from gpu_runtime.trainer import weight_broadcast
-from gpu_runtime.trainer.base_model import DONE, base_model_folder
-from gpu_runtime.trainer.common.offload import OptimizerOffload
-from gpu_runtime.trainer.fsdp2.errors import CellFailed
-from gpu_runtime.trainer.layouts import TrainerLayouts, layout
-from gpu_runtime.trainer.megatron.trainer import runtime_problem
-from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from gpu_runtime.trainer.protocol import Dead, Trainer
 
 log = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"  # an adapter export's folder inside each published version

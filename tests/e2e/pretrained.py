@@ -11,8 +11,8 @@ import torch
 
 from gpu_runtime.data.datasets import generate_arithmetic
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from spec.model import ModelSpec
 from gpu_runtime.trainer.base_model import base_model_folder
+from spec.model import ModelSpec
 from spec.run import RunConfig
 
 

@@ -27,8 +27,8 @@ from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
 from gpu_runtime.trainer.service import TrainerService  # noqa: E402
-from tests.stack import tiny_config, wait_for  # noqa: E402
 from spec.run import RunConfig  # noqa: E402
+from tests.stack import tiny_config, wait_for  # noqa: E402
 
 RUN = "dp-replay"
 STEPS = 3

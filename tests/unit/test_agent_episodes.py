@@ -20,12 +20,12 @@ from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chu
 from gpu_runtime.rollout.agent.metrics import episode_metrics
 from gpu_runtime.rollout.chunks import plan_chunks
 from gpu_runtime.rollout.request import RolloutRequest
-from spec.rollout import RolloutSpec
-from spec.agent import AgentSpec
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.base_model import tokenizer_texts
 from gpu_runtime.trainer.common.batches import MicroBatch, response_aligned_mask
+from spec.agent import AgentSpec
+from spec.rollout import RolloutSpec
 from tests import agent_tools
 
 ROWS = generate_tool_arithmetic(40, 3, 99, "*", min_operand=10)

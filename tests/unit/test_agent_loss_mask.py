@@ -15,8 +15,8 @@ from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import EpisodeInfo, Sample
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from spec.model import ModelInitSpec, ModelSpec
 from gpu_runtime.trainer.base_model import base_model_folder
+from spec.model import ModelInitSpec, ModelSpec
 from spec.train import TrainSpec
 
 ROWS = generate_tool_arithmetic(16, 0, 99, "*", min_operand=10)

@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
 
-from spec.trainer import TrainerSpec  # noqa: E402
 from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime, visible_gpus  # noqa: E402
 from gpu_runtime.trainer.fsdp2.device import rank_placement  # noqa: E402
 from gpu_runtime.trainer.fsdp2.host import CellHost  # noqa: E402
+from spec.trainer import TrainerSpec  # noqa: E402
 
 
 def test_visible_gpus_indexes_an_outer_list_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:

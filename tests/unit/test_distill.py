@@ -18,12 +18,12 @@ from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from spec.model import DistillSpec
 from gpu_runtime.trainer.common.batches import micro_batches, pad_batch
 from gpu_runtime.trainer.policy.distill import distill_terms
+from spec.model import DistillSpec
+from spec.run import RunConfig
 from tests.engine_fixtures import tiny_model
 from tests.unit.test_policy_trainer import ROWS, TOK, assert_same_state, base, hparams
-from spec.run import RunConfig
 
 HP = dict(kl_coef=0.0, ppo_epochs=1, warmup_steps=0, lr=3e-3)
 

@@ -14,9 +14,9 @@ from activities.control import assemble_batch
 from gpu_runtime.data.dynamic_sampling import assemble_groups, group_stats
 from gpu_runtime.rollout.chunks import plan_chunks
 from gpu_runtime.rollout.request import RolloutRequest
-from spec.rollout import RolloutSpec
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
+from spec.rollout import RolloutSpec
 from workflows.contracts.sampling import AssembleBatchInput, SampledRound, SamplingStats
 from workflows.failures import Failure
 

@@ -15,10 +15,10 @@ from pydantic import ValidationError
 from gpu_runtime.models.causal_lm import export_state_dict, load_causal_lm
 from gpu_runtime.models.model_folder import load_model_folder, model_checksum
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from spec.model import LoraSpec, ModelSpec
 from gpu_runtime.trainer.common.lora import merged_state_dict
-from tests.unit.test_policy_trainer import ROWS, assert_same_state, base, hparams, rollout
+from spec.model import LoraSpec, ModelSpec
 from spec.run import RunConfig
+from tests.unit.test_policy_trainer import ROWS, assert_same_state, base, hparams, rollout
 
 LORA = LoraSpec(r=4, alpha=8.0)
 

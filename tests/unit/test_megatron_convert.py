@@ -137,10 +137,10 @@ def test_megatron_grpo_loss_is_the_single_trainers(tmp_path: Path) -> None:
     import copy
 
     from gpu_runtime.store.artifacts import Sample
-    from spec.train import TrainSpec
-    from spec.trainer import megatron_train_conflicts
     from gpu_runtime.trainer.megatron.train import grpo_step
     from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+    from spec.train import TrainSpec
+    from spec.trainer import megatron_train_conflicts
 
     model, tok = tiny_model(7)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)

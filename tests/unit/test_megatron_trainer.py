@@ -36,17 +36,17 @@ import torch
 from activities import translate
 from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.store.artifacts import Sample
-from spec.train import SFTSpec, TrainSpec
 from gpu_runtime.trainer.megatron import trainer as mtrainer
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.service import TrainerService
-from tests.engine_fixtures import REPO, tiny_model
-from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_service, check_steps, run_service, run_steps
 from spec.model import ModelSpec
 from spec.run import CheckpointSpec
+from spec.train import SFTSpec, TrainSpec
+from spec.trainer import TrainerSpec
+from tests.engine_fixtures import REPO, tiny_model
+from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_service, check_steps, run_service, run_steps
 from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 from workflows.stubs import TRAIN_STEP
-from spec.trainer import TrainerSpec
 
 def _batch(step: int) -> tuple[list[Sample], list[float]]:
     samples = [Sample(sample_id=f"s{step}-p{p}-g{g}", prompt_index=p, group_index=g, prompt_ids=[1, 5 + p, 6 + step],
@@ -245,8 +245,8 @@ def test_set_hparams_refuses_what_megatron_does_not_implement_mid_run() -> None:
     implemented one is accepted."""
     from temporalio.client import WorkflowUpdateFailedError
 
-    from tests.unit.workflow_harness import Cluster, finish, run_config, scenario, start_run
     from spec.train import HParamUpdate
+    from tests.unit.workflow_harness import Cluster, finish, run_config, scenario, start_run
     from workflows.training_run import TrainingRun
 
     cluster = Cluster()

@@ -15,11 +15,11 @@ from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic
 from gpu_runtime.models.model_folder import load_model_folder, model_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
-from spec.train import TrainSpec
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from spec.model import ModelInitSpec, ModelSpec
-from spec.trainer_rpc import VersionInfo
 from gpu_runtime.trainer.base_model import base_model_folder
+from spec.model import ModelInitSpec, ModelSpec
+from spec.train import TrainSpec
+from spec.trainer_rpc import VersionInfo
 
 ROWS = generate_arithmetic(32, seed=0, max_operand=20)
 INIT = ModelInitSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

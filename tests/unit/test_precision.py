@@ -25,8 +25,8 @@ from gpu_runtime.data.datasets import encode_prompt, sft_target
 from gpu_runtime.models.causal_lm import ATTENTION, export_state_dict
 from gpu_runtime.models.precision import autocast_dtype, forward_precision
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams, optimizer_tensors, rollout
 from spec.train import TrainSpec
+from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams, optimizer_tensors, rollout
 
 SEED = 7
 STEPS = 3

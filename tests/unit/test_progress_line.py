@@ -38,9 +38,9 @@ def test_status_lists_the_cell_and_its_ranks() -> None:
     """A fsdp2 run's cell as the trainer reported it (train_step result -> TrainingRun state ->
     progress): one line per cell, one per rank with pid, Ray node and state."""
     from activities import translate
+    from milestone_cli.progress_view import format_cells
     from spec.status import CellInfo, CellRankInfo
     from spec.trainer_rpc import TrainResult
-    from milestone_cli.progress_view import format_cells
     from workflows.run_state import RunProgress
 
     cell = CellInfo(generation=2, placement="strict_pack", ray_address="local", ranks=[
@@ -65,9 +65,9 @@ def test_status_lists_the_dp_cells_and_when_a_lost_one_restarts() -> None:
     from datetime import datetime, timezone
 
     from activities import translate
+    from milestone_cli.progress_view import format_cells, format_progress
     from spec.status import DPCellStatus, DPCells
     from spec.trainer_rpc import TrainResult
-    from milestone_cli.progress_view import format_cells, format_progress
     from workflows.contracts.cells import CellHeal
     from workflows.run_state import RunProgress
     from workflows.contracts.step import StepSummary

@@ -12,8 +12,8 @@ from gpu_runtime.data.rewards import RewardError, RewardFatal, ScoreContext, Sco
 from gpu_runtime.proc.processes import free_port
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.store.object_store import LocalStore
-from tests.reward_servers import Behaviour, length_score, reward_server
 from spec.reward import RewardSpec
+from tests.reward_servers import Behaviour, length_score, reward_server
 
 ROWS = [{"id": f"r{i}", "prompt": f"{i}+1=", "messages": None, "answer": str(i + 1), "metadata": {"i": i}}
         for i in range(3)]

@@ -20,10 +20,10 @@ from gpu_runtime.data.rewards import (
     score_samples,
     scoring,
 )
-from spec.reward import RewardSpec
 from gpu_runtime.data.rewards.rules import format_reward, gsm8k_extract, gsm8k_label, gsm8k_reward, normalize_number
 from gpu_runtime.proc.processes import pid_alive
 from gpu_runtime.store.artifacts import Sample
+from spec.reward import RewardSpec
 from tests.stack import wait_for
 
 ROW = {"id": "r0", "prompt": "23+45=", "messages": None, "answer": "23+45=68\n#### 68", "metadata": {}}

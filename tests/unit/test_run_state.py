@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from workflows import cell_heal
 from spec.status import CellInfo, DPCellStatus, DPCells, EngineSlotInfo, RunEvent
+from spec.trainer import TrainerSpec
+from workflows import cell_heal
 from workflows.run_state import EVENTS_KEEP, HISTORY_KEEP, SUMMARY_STEPS, RunState
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import StepSummary
 from workflows.contracts.training import EvalResult
-from spec.trainer import TrainerSpec
 
 NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)
 SPEC = TrainerSpec()

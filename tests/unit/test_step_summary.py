@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from spec.run import RunConfig
+from spec.status import DPCellStatus, DPCells, EngineSlotInfo, RunEvent
 from spec.train import TrainSpec
 from workflows.contracts.cells import RestartCellsResult
-from spec.status import DPCellStatus, DPCells, EngineSlotInfo, RunEvent
 from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import Sampled, SamplingStats
 from workflows.contracts.step import RLStepInput

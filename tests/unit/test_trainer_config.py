@@ -125,3 +125,16 @@ def test_the_config_and_the_megatron_loss_refuse_the_same_knobs(knob: str, value
     assert knob in reason
     with pytest.raises(ValueError, match=re.escape(reason)):
         grpo_backward(None, [], [], 4, train, 0)  # refused before the model is touched
+
+def test_the_backends_refuse_mid_run_the_train_knobs_their_layout_lacks() -> None:
+    """``train_conflicts``: what the fsdp2 ranks, the DP cells and the megatron trainer refuse at
+    every step (``set_hparams`` may change ``train``), from the same table the config reads."""
+    from spec.train import TrainSpec
+    from spec.trainer import LAYOUT_GAPS, megatron_train_conflicts, train_conflicts
+
+    ppo = TrainSpec(estimator="ppo")
+    assert train_conflicts("fsdp2", ppo) == [LAYOUT_GAPS["fsdp2"]["ppo"]]
+    assert train_conflicts("cells", ppo.model_copy(update={"ppo_epochs": 2})) == [
+        LAYOUT_GAPS["cells"]["ppo"], LAYOUT_GAPS["cells"]["ppo_epochs"].format(ppo_epochs=2)]
+    assert train_conflicts("megatron", ppo) == megatron_train_conflicts(ppo)
+    assert all(train_conflicts(layout, TrainSpec()) == [] for layout in LAYOUT_GAPS)

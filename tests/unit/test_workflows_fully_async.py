@@ -18,6 +18,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
+from spec.rollout import ONE_STEP_OFF_TIS_CAP
+from spec.run import RunConfig
 from tests.unit.workflow_harness import (
     PROMPTS_PER_STEP,
     WAIT_S,
@@ -28,8 +30,6 @@ from tests.unit.workflow_harness import (
     scenario,
     start_run,
 )
-from spec.rollout import ONE_STEP_OFF_TIS_CAP
-from spec.run import RunConfig
 from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import RLStepInput

@@ -35,6 +35,7 @@ from temporalio.worker import Worker
 from gpu_runtime.proc.processes import packaged_binary
 from infra.temporal_server import SEARCH_ATTRIBUTES
 from spec.run import RunConfig
+from spec.status import EngineSlotInfo
 from workflows.contracts.placement import (
     ClaimNodeInput,
     DatasetInfo,
@@ -63,7 +64,6 @@ from workflows.contracts.training import (
     UpdateWeightsInput,
     UpdateWeightsResult,
 )
-from spec.status import EngineSlotInfo
 from workflows.queues import CONTROL_QUEUE, POOL_QUEUE
 from workflows.failures import Failure, failure
 from workflows.stubs import (

@@ -11,8 +11,8 @@ from spec.data import DataSpec
 from spec.model import DistillSpec, ModelSpec
 from spec.reward import RewardSpec
 from spec.run import CheckpointSpec, EvalSpec
-from spec.train import SFTSpec, TrainSpec
 from spec.status import CellInfo, DPCells, RunEvent
+from spec.train import SFTSpec, TrainSpec
 from spec.trainer import TrainerSpec
 from spec.trainer_rpc import ForkPoint
 

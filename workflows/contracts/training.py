@@ -5,8 +5,8 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from spec.engine import EngineSpec
-from spec.train import TrainSpec
 from spec.status import CellInfo, DPCells, EngineSlotInfo, RunEvent
+from spec.train import TrainSpec
 from spec.trainer_rpc import SFTRows
 
 

@@ -23,9 +23,9 @@ from typing import Any
 import httpx
 
 from gpu_runtime.data.rewards.errors import RewardError, RewardFatal
-from spec.reward import RewardTerm
 from gpu_runtime.proc.http_client import http_client
 from gpu_runtime.store.object_store import ObjectStore
+from spec.reward import RewardTerm
 
 log = logging.getLogger(__name__)
 BACKOFF_S = 0.5  # first retry delay; doubles per retry, at most MAX_BACKOFF_S

@@ -17,10 +17,10 @@ from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.rewards import mathverify, remote, rules
 from gpu_runtime.data.rewards.sandbox import CallFailed, CallTimeout, RewardSandbox
 from gpu_runtime.data.rewards.errors import RewardFatal
-from spec.reward import RewardSpec, RewardTerm
 from gpu_runtime.data.rows import int_answer
 from gpu_runtime.store.artifacts import Sample, SampleReward
 from gpu_runtime.store.object_store import ObjectStore
+from spec.reward import RewardSpec, RewardTerm
 
 log = logging.getLogger(__name__)
 MATH_VERIFY_FN = mathverify.CALL

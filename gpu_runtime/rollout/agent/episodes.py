@@ -28,9 +28,9 @@ from gpu_runtime.rollout.agent.tool_api import Environment, ToolResult
 from gpu_runtime.rollout.agent.tools import ToolEnvironment, load_environment_factory, load_tools
 from gpu_runtime.rollout.chunks import ChunkGenerator, ChunkPlan, generate_checked, sample_id
 from gpu_runtime.rollout.request import RolloutRequest
-from spec.agent import AgentSpec
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import ObjectStore
+from spec.agent import AgentSpec
 
 log = logging.getLogger(__name__)
 

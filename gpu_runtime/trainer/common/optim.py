@@ -13,9 +13,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from gpu_runtime.trainer.common import lora as lora_lib
-from spec.train import TrainSpec
 from gpu_runtime.trainer.common.batches import lr_at
 from gpu_runtime.trainer.common.state_io import load_optimizer_tensors, optimizer_tensors
+from spec.train import TrainSpec
 
 
 class AdamWSteps:

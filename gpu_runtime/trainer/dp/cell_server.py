@@ -19,8 +19,8 @@ from pydantic import BaseModel
 from gpu_runtime.proc.processes import exit_when_parent_dies
 from gpu_runtime.proc.rpc import Method, RPCServer
 from gpu_runtime.store.artifacts import Sample
-from spec.train import TrainSpec
 from gpu_runtime.trainer.dp.cell_trainer import DPCellTrainer, new_manager
+from spec.train import TrainSpec
 
 
 class BuildCall(BaseModel):

@@ -35,10 +35,11 @@ from typing import Any
 import torch
 
 from gpu_runtime.store.artifacts import Sample
-from spec.train import TrainSpec
 from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.common.state_io import python_rng_state, set_python_rng_state
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from spec.train import TrainSpec
+from spec.trainer import train_conflicts
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20  # quorums one step may take before the cell gives up (each failed one is a peer lost)
@@ -84,17 +85,6 @@ def _fault_delay(index: int, version: int, where: str = "allreduce") -> None:
         time.sleep(float(seconds))
 
 
-def dp_unsupported(hp: TrainSpec) -> list[str]:
-    """The ``train`` knobs a DP cell does not implement: a second epoch could not be retried
-    after the first committed, and the PPO critic's grads are not reduced."""
-    out = []
-    if hp.ppo_epochs != 1:
-        out.append(f"train.ppo_epochs {hp.ppo_epochs} (DP cells retry a whole step: 1 epoch)")
-    if hp.estimator == "ppo":
-        out.append("train.estimator ppo (the critic's grads are not reduced across cells)")
-    return out
-
-
 class DPCellTrainer(PolicyTrainer):
     """``PolicyTrainer`` of one DP cell; ``attach`` gives it its torchft manager."""
 
@@ -119,9 +109,8 @@ class DPCellTrainer(PolicyTrainer):
     # ---------------------------------------------------------------- the step
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
                    hparams: TrainSpec) -> dict[str, float]:
-        bad = dp_unsupported(hparams)
-        if bad:
-            raise ValueError(f"{'; '.join(bad)}: not supported with trainer.cells > 1")
+        if bad := train_conflicts("cells", hparams):  # ``set_hparams`` may change ``train`` mid-run
+            raise ValueError(f"trainer.cells > 1 does not support {'; '.join(bad)}")
         self.healed_from_step = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             before = self.policy_version

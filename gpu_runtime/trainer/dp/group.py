@@ -39,12 +39,12 @@ from safetensors.torch import load_file
 from gpu_runtime.models.model_folder import WEIGHTS_FILE
 from gpu_runtime.proc.rpc import RemoteError, ServerDidNotStart, start_rpc_process
 from gpu_runtime.store.artifacts import Sample
-from spec.status import DPCellStatus, DPCells, RunEvent
-from spec.train import TrainSpec
 from gpu_runtime.trainer.dp.cell_process import CellProcess, Silent, watched
 from gpu_runtime.trainer.dp.cell_server import BuildCall, CellReport, Empty, PathCall, StepInput, Text, TrainCall
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse, LighthouseWatchdog
 from gpu_runtime.trainer.protocol import ALIVE, Dead, Health
+from spec.status import DPCellStatus, DPCells, RunEvent
+from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)

@@ -22,11 +22,11 @@ import torch
 
 from gpu_runtime.proc.processes import reachable
 from gpu_runtime.store.artifacts import Sample
-from spec.train import TrainSpec
 from gpu_runtime.trainer.fsdp2.device import cell_kind, prepare_rank, rank_bundle, this_rank
 from gpu_runtime.trainer.fsdp2.errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable
 from gpu_runtime.trainer.fsdp2.rank import CellRankTrainer
 from gpu_runtime.trainer.protocol import ALIVE, Alive, Dead, Health
+from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ import logging
 import os
 from pathlib import Path
 
-from spec.status import CellInfo, CellRankInfo, RunEvent
-from spec.train import TrainSpec
-from spec.trainer import TrainerSpec
 from gpu_runtime.trainer.fsdp2.cell import TrainerCell
 from gpu_runtime.trainer.fsdp2.errors import CellFailed
 from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime
 from gpu_runtime.trainer.protocol import Dead
+from spec.status import CellInfo, CellRankInfo, RunEvent
+from spec.train import TrainSpec
+from spec.trainer import TrainerSpec
 
 log = logging.getLogger(__name__)
 CELL_FILE = "cell.json"

@@ -17,9 +17,9 @@ import torch
 from gpu_runtime.algorithms.losses import Aggregation, entropy_from_logits, masked_mean, policy_loss_per_token
 from gpu_runtime.models.causal_lm import positions_from_mask
 from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.trainer.common.batches import logprob_gap_sums, micro_batch_advantages, micro_batches
 from spec.train import TrainSpec
 from spec.trainer import megatron_train_conflicts
-from gpu_runtime.trainer.common.batches import logprob_gap_sums, micro_batch_advantages, micro_batches
 
 
 def gpt_logprobs_and_logits(gpt: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

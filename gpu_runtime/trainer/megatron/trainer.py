@@ -31,8 +31,6 @@ from gpu_runtime.models.causal_lm import config_shape
 from gpu_runtime.models.model_folder import weights_checksum, write_model_folder
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
-from spec.train import TrainSpec
-from spec.trainer import megatron_train_conflicts
 from gpu_runtime.trainer.common import state_io
 from gpu_runtime.trainer.common.batches import check_groups, step_metrics
 from gpu_runtime.trainer.common.optim import AdamWSteps
@@ -41,6 +39,8 @@ from gpu_runtime.trainer.megatron.convert import Shape, megatron_to_hf
 from gpu_runtime.trainer.megatron.model import load_hf_weights
 from gpu_runtime.trainer.megatron.train import grpo_backward
 from gpu_runtime.trainer.protocol import ALIVE, Health
+from spec.train import TrainSpec
+from spec.trainer import megatron_train_conflicts
 
 INSTALL = "pip install 'milestone[gpu]'"
 

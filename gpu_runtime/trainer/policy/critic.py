@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from gpu_runtime.models.causal_lm import ATTENTION, load_exported_state_dict, positions_from_mask
 from gpu_runtime.models.model_folder import weights_checksum
 from gpu_runtime.store.artifacts import derive_seed
-from spec.train import TrainSpec
 from gpu_runtime.trainer.common.state_io import load_optimizer_tensors, optimizer_tensors
+from spec.train import TrainSpec
 
 CRITIC_WEIGHTS = "critic.safetensors"
 CRITIC_OPTIM = "critic_optimizer.safetensors"

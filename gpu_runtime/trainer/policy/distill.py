@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 from gpu_runtime.algorithms.logprobs import logprobs_and_logits
 from gpu_runtime.models.causal_lm import load_causal_lm
 from gpu_runtime.models.tokenizer import Tokenizer
-from spec.model import DistillSpec
 from gpu_runtime.trainer.common.batches import MicroBatch
+from spec.model import DistillSpec
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from gpu_runtime.algorithms.gae import (
     value_loss_per_token,
 )
 from gpu_runtime.algorithms.losses import Aggregation, masked_mean
-from spec.train import TrainSpec
 from gpu_runtime.trainer.common.batches import MicroBatch, response_aligned_mask
 from gpu_runtime.trainer.policy.critic import Critic, critic_lr
+from spec.train import TrainSpec
 
 
 @dataclass

@@ -22,10 +22,10 @@ from gpu_runtime.algorithms.losses import Aggregation, masked_mean
 from gpu_runtime.data.datasets import encode_prompt, sft_target
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
-from spec.train import TrainSpec
 from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.common.batches import micro_batches, pad_batch, response_mask
 from gpu_runtime.trainer.common.optim import AdamWSteps
+from spec.train import TrainSpec
 
 
 @dataclass(frozen=True)

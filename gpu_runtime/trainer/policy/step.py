@@ -27,11 +27,11 @@ from gpu_runtime.algorithms.losses import (
     tis_weights,
 )
 from gpu_runtime.store.artifacts import Sample
-from spec.train import TrainSpec
 from gpu_runtime.trainer.common.batches import MicroBatch, logprob_gap_sums, micro_batch_advantages, micro_batches
 from gpu_runtime.trainer.policy.critic import Critic
 from gpu_runtime.trainer.policy.distill import Teacher, distill_terms
 from gpu_runtime.trainer.policy.ppo import CriticPass
+from spec.train import TrainSpec
 
 
 @dataclass

@@ -38,14 +38,14 @@ from gpu_runtime.models.causal_lm import (
 from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
-from spec.model import DistillSpec, LoraSpec
-from spec.train import TrainSpec
 from gpu_runtime.trainer.common import lora as lora_lib, state_io
 from gpu_runtime.trainer.common.batches import check_groups, step_metrics
 from gpu_runtime.trainer.common.optim import AdamWSteps
 from gpu_runtime.trainer.policy import critic as critic_lib, distill as distill_lib, sft as sft_lib
 from gpu_runtime.trainer.policy.step import micro_batch_backward, plan_step
 from gpu_runtime.trainer.protocol import ALIVE, Health
+from spec.model import DistillSpec, LoraSpec
+from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
 REF_FILE = "reference.safetensors"  # the KL reference's weights (beside ``state_io``'s files)
