@@ -12,7 +12,7 @@ import time
 from datetime import datetime, timezone
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 SlotState = Literal["starting", "healthy", "dead", "empty"]
 
@@ -24,11 +24,19 @@ class RunEvent(BaseModel):
     kind: str  # engine_dead, engine_hung, engine_restarted, engine_recovered, checksum_ok, node_lost, ...
     detail: str = ""
 
+    @field_validator("at", mode="before")
+    @classmethod
+    def _iso(cls, v: object) -> object:
+        """Unix seconds become the ISO time: the one place a process's clock is converted (and
+        how a trainer result stored with a unix ``at`` by an older version reads)."""
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return datetime.fromtimestamp(v, timezone.utc).isoformat()
+        return v
+
     @classmethod
     def at_time(cls, unix_s: float, kind: str, detail: str = "") -> "RunEvent":
-        """The event at ``unix_s`` seconds since the epoch (the one place a process's clock
-        becomes the ISO time every event carries)."""
-        return cls(at=datetime.fromtimestamp(unix_s, timezone.utc).isoformat(), kind=kind, detail=detail)
+        """The event at ``unix_s`` seconds since the epoch."""
+        return cls.model_validate({"at": unix_s, "kind": kind, "detail": detail})
 
     @classmethod
     def now(cls, kind: str, detail: str = "") -> "RunEvent":

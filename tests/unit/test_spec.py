@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from spec.reward import RewardSpec, RewardTerm
 from spec.status import RunEvent
 from spec.train import HParamUpdate, TrainSpec
-from spec.trainer_rpc import SFTRows, StepBatch
+from spec.trainer_rpc import SFTRows, StepBatch, TrainResult
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,6 +86,19 @@ def test_an_event_carries_its_time_as_iso_utc() -> None:
     assert RunEvent.at_time(0.0, "engine_dead", "slot 1") == RunEvent(
         at="1970-01-01T00:00:00+00:00", kind="engine_dead", detail="slot 1")
     assert RunEvent.now("x").at.endswith("+00:00")
+
+
+def test_a_train_result_as_an_old_version_stored_it_reads() -> None:
+    """``train_result.json`` (read back on a retry and on replay) from before one status model per
+    thing: events with a unix ``at``, a cell without its node."""
+    old = {"policy_version": 3, "checksum": "c", "weights_key": "w", "metrics": {"dp_cells": 1.0}, "rebuild": None,
+           "seconds": 1.5, "events": [{"at": 86400.5, "kind": "cell_started", "detail": "generation 1"}],
+           "cell": {"generation": 1, "placement": "strict_pack", "ray_address": "local", "ranks": [
+               {"rank": 0, "pid": 7, "node_ip": "127.0.0.1", "node_id": "n0", "state": "alive"}]},
+           "dp": {"lighthouse_pid": 9, "lighthouse_restarts": 0, "cells": [{"index": 0, "pid": 8, "state": "alive"}]}}
+    res = TrainResult.model_validate_json(json.dumps(old))
+    assert res.events == [RunEvent(at="1970-01-02T00:00:00.500000+00:00", kind="cell_started", detail="generation 1")]
+    assert res.cell is not None and res.cell.node == "" and res.dp is not None and res.dp.cells[0].pid == 8
 
 
 def test_spec_loads_without_torch_or_the_other_packages() -> None:
