@@ -17,7 +17,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities import rewards, translate
+from activities import rewards
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.proc import metrics
 from gpu_runtime.data import reasoning_gym
@@ -57,7 +57,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
             d.dataset, d.dataset_config, d.num_train, inp.seed))
     else:
         require_int = inp.mode == "rl" and "math_answer" in inp.reward.kinds()
-        _put_once(store, key, "data.path", lambda: iter_rows(translate.data_source(d), require_int_answer=require_int))
+        _put_once(store, key, "data.path", lambda: iter_rows(d, require_int_answer=require_int))
     data = store.get_bytes(key)
     info = DatasetInfo(key=key, n_rows=data.count(b"\n"), sha256=hashlib.sha256(data).hexdigest())
     if not inp.eval.enabled or d.kind == "tool_arithmetic":  # agent runs have no single-turn eval
@@ -73,7 +73,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
             _put_once(store, eval_key, "data.dataset", lambda: reasoning_gym.generate_heldout(
                 d.dataset, d.dataset_config, inp.eval.n, inp.seed, exclude=train_prompts))
     else:
-        source = translate.data_source(d).eval_source()
+        source = d.eval_source()
         if source is None:
             return info
         # read whole (every row is checked), then cut: the eval scores with the math rule

@@ -12,7 +12,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import TypeVar
 
 from temporalio import activity
@@ -34,10 +33,10 @@ from gpu_runtime.rollout.dispatch import RolloutStats, run_rollout
 from gpu_runtime.rollout.evaluate import run_eval
 from gpu_runtime.store.fence import FencedStore, StaleEpoch, next_epoch, raise_fence
 from gpu_runtime.store.uri import open_store
-from gpu_runtime.trainer.api import RunSetup
 from gpu_runtime.trainer.process import TrainerDied
-from workflows.contracts.cells import DPCells, RestartCellsInput, RestartCellsResult
-from workflows.contracts.events import RunEvent
+from spec.status import DPCells, RunEvent
+from spec.trainer_rpc import RunSetup
+from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
 from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, NodeClaim, NodeLivenessInput, PolicyInfo
 from workflows.contracts.sampling import RewardInput, RewardResult, RolloutInput, RolloutResult
 from workflows.contracts.training import (
@@ -97,8 +96,7 @@ class NodeActivities:
     def _stale(self, run_id: str, epoch: int, message: str) -> ApplicationError:
         """A write of this node refused by the run's fence: the run has moved on (or moves now,
         when the refusal reaches a workflow that still waits). Reported to the run, then NodeLost."""
-        event = RunEvent(at=datetime.now(timezone.utc).isoformat(), kind="stale_write_refused",
-                         detail=f"node {self.rt.node_id} epoch {epoch}: {message}")
+        event = RunEvent.now("stale_write_refused", f"node {self.rt.node_id} epoch {epoch}: {message}")
         log.warning("run %s: %s", run_id, event.detail)
         if self.report is not None:
             self.report(run_id, event)
@@ -180,7 +178,7 @@ class NodeActivities:
         # an agent chunk runs many turns and tool calls: heartbeat while it runs, not only per chunk
         # (every model turn and tool call is bounded: the engines' timeout, agent.tool_timeout_s)
         stats = self._generating(inp.run_id, inp.epoch, f"rollout step {inp.step}", (
-            (lambda: with_heartbeat(generate, detail=lambda: dict(progress))) if req.agent is not None else generate
+            (lambda: with_heartbeat(generate, detail=lambda: dict(progress))) if req.rollout.agent is not None else generate
         ))
         metrics.ROLLOUT_TOKENS_PER_S.set(stats.tokens_per_s)
         metrics.RESPONSE_LENGTH.set(stats.response_len_mean)
@@ -195,7 +193,7 @@ class NodeActivities:
             agent=stats.agent,
             engine_retries=self.rt.engine_deaths - deaths_before,
             seconds=stats.seconds,
-            node_events=translate.run_events(self.rt.drain_events()),
+            node_events=self.rt.drain_events(),
         )
 
     @activity.defn(name=COMPUTE_REWARDS_ON_NODE.name)
@@ -334,9 +332,9 @@ class NodeActivities:
         return UpdateWeightsResult(
             policy_version=inp.policy_version,
             restarted_slots=restarted,
-            engines=[translate.engine_slot(s) for s in self.rt.fleet.snapshot()],
+            engines=self.rt.fleet.snapshot(),
             seconds=time.perf_counter() - t0,
-            node_events=translate.run_events(self.rt.drain_events()),
+            node_events=self.rt.drain_events(),
         )
 
     @activity.defn(name=CHECKPOINT.name)

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from temporalio.exceptions import ApplicationError
 
-from activities import translate
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.data.dynamic_sampling import group_stats
 from gpu_runtime.data.rewards import (
@@ -38,12 +37,11 @@ def score(inp: RewardInput, store: ObjectStore, samples: list[art.Sample], rows:
     or of the dynamic-sampling round). A ``judge`` reward records each sample's result in the
     store first, so a retry never asks the endpoint again for a sample it judged. Every write
     goes to ``store`` at the step's placement epoch, as ``writer``."""
-    spec = translate.reward_settings(inp.reward)
     fenced = FencedStore(store, inp.run_id, inp.epoch, writer)
     ctx = ScoreContext(store=fenced, judge_prefix=art.judge_prefix(inp.run_id, inp.step, inp.round))
     stats = ScoreStats()
     try:
-        rewards = with_heartbeat(lambda: score_samples(samples, dict(enumerate(rows)), spec, ctx, stats))
+        rewards = with_heartbeat(lambda: score_samples(samples, dict(enumerate(rows)), inp.reward, ctx, stats))
     except RewardFunctionNotFound as err:  # the same on every attempt: fail the run, naming the field
         raise failure(Failure.INVALID_INPUT, f"reward.function: {err}") from err
     except RewardFatal as err:  # a 4xx, junk from an endpoint, error_policy fail, an unreadable label

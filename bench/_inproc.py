@@ -30,11 +30,11 @@ from gpu_runtime.rollout.chunks import plan_chunks  # noqa: E402
 from gpu_runtime.rollout.request import RolloutRequest  # noqa: E402
 from gpu_runtime.rollout.single_turn import generate_chunk  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
-from gpu_runtime.trainer.api import RunSetup, StepBatch  # noqa: E402
 from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
-from workflows.config import RunConfig  # noqa: E402
+from spec.run import RunConfig  # noqa: E402
+from spec.trainer_rpc import RunSetup, StepBatch  # noqa: E402
 from workflows.contracts.placement import DatasetInfo, InitPolicyInput  # noqa: E402
 from workflows.contracts.sampling import RolloutInput  # noqa: E402
 from workflows.contracts.training import TrainStepInput  # noqa: E402
@@ -129,7 +129,7 @@ class PlainLoop:
         folder = base_model_folder(self.setup.model, self.rows, cfg.seed, work)
         self.trainer = PolicyTrainer.create(folder, self.setup.hparams, cfg.seed)
         self.tok = self.trainer.tokenizer
-        self.reward_spec = translate.reward_settings(cfg.reward)
+        self.reward_spec = cfg.reward
         self.gen_model: PreTrainedModel | None = None  # the "engine": a second copy of the weights
 
     def sft(self) -> None:

@@ -9,9 +9,8 @@ import tempfile
 from pathlib import Path
 
 from gpu_runtime.data.datasets import generate_arithmetic
-from gpu_runtime.trainer.api import ModelInit, ModelSource
 from gpu_runtime.trainer.base_model import base_model_folder
-from workflows.config import ModelInitSpec
+from spec.model import ModelInitSpec, ModelSpec
 
 
 def add_model_args(p: argparse.ArgumentParser, *, hidden: int = 256, layers: int = 4) -> None:
@@ -23,6 +22,6 @@ def tiny_base_folder(args: argparse.Namespace, prefix: str, seed: int = 7) -> Pa
     """The base model folder of ``add_model_args``' shape, in a fresh temp dir."""
     init = ModelInitSpec(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    source = ModelSource(path=None, init=ModelInit.model_validate(init.model_dump()), lora=None)
+    source = ModelSpec(init=init)
     return base_model_folder(source, generate_arithmetic(32, seed=0, max_operand=20), seed,
                              Path(tempfile.mkdtemp(prefix=prefix)))

@@ -36,7 +36,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from activities.translate import reward_settings  # noqa: E402
 from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, run_setup, step_batch  # noqa: E402
 from bench.bench_restore import build_run, fresh_ensure  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
@@ -53,7 +52,7 @@ def dp_run(cfg, setup, work: Path, kill_step: int, kill_after: float, restart_st
     store = LocalStore(work / "store")
     rows = dataset_rows(cfg, work / "train.jsonl")
     store.put_file(setup.dataset_key, work / "train.jsonl")
-    spec = reward_settings(cfg.reward)
+    spec = cfg.reward
     svc = TrainerService(work / "dp")
     by_index = dict(enumerate(rows))
     out: dict[str, object] = {"steps": {}}

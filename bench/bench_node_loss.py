@@ -31,10 +31,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gpu_runtime.proc.processes import stop_pid  # noqa: E402
+from spec.run import NodeSpec  # noqa: E402
 from tests.e2e.faults import progress, start_run, wait_activity_started  # noqa: E402
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
-from workflows.config import NodeSpec  # noqa: E402
 from workflows.stubs import TRAIN_STEP  # noqa: E402
 
 ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "3"}  # each train step waits first, so the kill lands inside it

@@ -36,11 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._inproc import demo_config, dataset_rows, generate_step, rollout_request, run_setup, step_batch  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
-from activities.translate import reward_settings  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
-from gpu_runtime.trainer.api import Rebuild, RunSetup, VersionInfo  # noqa: E402
 from gpu_runtime.trainer.service import TrainerService  # noqa: E402
+from spec.trainer_rpc import Rebuild, RunSetup, VersionInfo  # noqa: E402
 
 log = logging.getLogger("bench_restore")
 RUN_ID = "bench-restore"
@@ -67,7 +66,7 @@ def build_run(cfg, setup: RunSetup, work: Path) -> tuple[dict[int, str], Trainer
     store = LocalStore(work / "store")
     rows = dataset_rows(cfg, work / "train.jsonl")
     store.put_file(setup.dataset_key, work / "train.jsonl")
-    spec = reward_settings(cfg.reward)
+    spec = cfg.reward
     svc = TrainerService(work / "uninterrupted")
     info = svc.ensure_version(setup, 0)  # SFT warm-up -> v0, checkpoint step 0 (sync)
     checksums = {0: info.checksum}

@@ -46,10 +46,10 @@ from bench._inproc import PlainLoop, demo_config  # noqa: E402
 from gpu_runtime.store.checkpoint_store import CheckpointStore  # noqa: E402
 from gpu_runtime.models.model_folder import read_meta  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
+from spec.run import RunConfig  # noqa: E402
 from tests.e2e.faults import progress, run_to_end  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 from workers.common import connect  # noqa: E402
-from workflows.config import RunConfig  # noqa: E402
 
 log = logging.getLogger("bench_rl_step")
 PHASES = ["rollout", "reward", "train", "update_weights", "checkpoint"]

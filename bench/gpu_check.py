@@ -204,12 +204,11 @@ class Check:
         from gpu_runtime.data.rewards import math_answer_reward
         from gpu_runtime.models.model_folder import model_checksum
         from gpu_runtime.store.artifacts import Sample
-        from gpu_runtime.trainer.api import TrainerHParams
         from gpu_runtime.trainer.policy.trainer import PolicyTrainer
         from gpu_runtime.weight_sync import shared_memory as shm
-        from workflows.config import TrainSpec
+        from spec.train import TrainSpec
 
-        hp = TrainerHParams(**TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch).model_dump())
+        hp = TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch)
         trainer = PolicyTrainer.create(self.base, hp, self.args.seed)
         self.fleet.update_weights(self.base, 0)  # every run starts the engines from the same weights
         step_s: list[float] = []
@@ -362,11 +361,10 @@ class Check:
 
         from gpu_runtime.models.causal_lm import load_causal_lm
         from gpu_runtime.store.artifacts import Sample
-        from gpu_runtime.trainer.api import TrainerHParams
         from gpu_runtime.trainer.megatron import model as mm
         from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
         from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-        from workflows.config import TrainSpec
+        from spec.train import TrainSpec
 
         mm.init_single_process()
         gpt, cfg = mm.from_folder(self.base)
@@ -381,7 +379,7 @@ class Check:
         del gpt, hf, a, b
         torch.cuda.empty_cache()
 
-        hp = TrainerHParams(**TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch).model_dump())
+        hp = TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch)
         n = self.args.max_new_tokens
 
         def batch(step: int) -> tuple[list[Sample], list[float]]:
@@ -429,9 +427,8 @@ class Check:
         import torch
 
         from gpu_runtime.store.artifacts import Sample
-        from gpu_runtime.trainer.api import TrainerHParams
         from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-        from workflows.config import TrainSpec
+        from spec.train import TrainSpec
 
         n = self.args.max_new_tokens
         samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6, 7],
@@ -440,8 +437,7 @@ class Check:
         rewards = [float(g % 2) for g in range(self.args.group)]
 
         def steps(precision: str) -> tuple[list[float], str]:
-            hp = TrainerHParams(**TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch,
-                                            precision=precision).model_dump())
+            hp = TrainSpec(lr=1e-5, micro_batch_size=self.args.micro_batch, precision=precision)
             trainer = PolicyTrainer.create(self.base, hp, self.args.seed)
             secs = []
             for _ in range(3):

@@ -17,13 +17,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from activities.translate import trainer_hparams  # noqa: E402
 from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic  # noqa: E402
 from gpu_runtime.store.artifacts import Sample  # noqa: E402
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.api import LoraSettings, ModelInit, ModelSource  # noqa: E402
 from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
+from spec.model import LoraSpec, ModelSpec  # noqa: E402
 
 FILES = ("policy.safetensors", "optimizer.safetensors")
 
@@ -49,16 +48,16 @@ def main() -> None:
     assert init is not None
     rows = generate_arithmetic(d.num_train, cfg.seed, d.max_operand, d.ops, min_operand=d.min_operand)
     work = Path(tempfile.mkdtemp(prefix="lora-size-"))
-    base = base_model_folder(ModelSource(path=None, init=ModelInit.model_validate(init.model_dump()), lora=None),
+    base = base_model_folder(ModelSpec(init=init),
                              rows, cfg.seed, work)
-    hp = trainer_hparams(cfg.train)
+    hp = cfg.train
     full = sizes(PolicyTrainer.create(base, hp, cfg.seed), rows, work / "full")
     n = sum(t.numel() for t in PolicyTrainer.create(base, hp, cfg.seed).model.parameters())
     print(f"demo model: {n / 1e6:.2f}M weights")
     print(f"{'':28s} {'policy':>12s} {'optimizer':>12s} {'total':>12s}")
     print(f"{'full fine-tuning':28s} {full[FILES[0]]:>12,d} {full[FILES[1]]:>12,d} {sum(full.values()):>12,d}")
     for r in args.ranks:
-        lora = LoraSettings(r=r, alpha=2.0 * r, dropout=0.0, target_modules="all-linear", export="merged")
+        lora = LoraSpec(r=r, alpha=2.0 * r, dropout=0.0, target_modules="all-linear", export="merged")
         got = sizes(PolicyTrainer.create(base, hp, cfg.seed, lora), rows, work / f"lora-{r}")
         ratio = sum(full.values()) / sum(got.values())
         print(f"{f'LoRA r {r}, all-linear':28s} {got[FILES[0]]:>12,d} {got[FILES[1]]:>12,d} "

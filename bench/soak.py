@@ -45,10 +45,10 @@ from temporalio.worker import Replayer  # noqa: E402
 
 from bench.soak_checks import cells_whole, trained_exactly_once  # noqa: E402
 from gpu_runtime.proc.processes import pid_alive  # noqa: E402
+from spec.status import RunEvent  # noqa: E402
 from tests.e2e.faults import start_run  # noqa: E402
 from tests.stack import Stack, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
-from workflows.contracts.events import RunEvent  # noqa: E402
 from workflows.run_state import RunProgress  # noqa: E402
 from workflows.training_run import RUN_WORKFLOWS  # noqa: E402
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpu_runtime.data.datasets import prompts_for_step
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.trainer.api import stored_step_batch
+from spec.trainer_rpc import StepBatch
 from workflows.run_state import RunProgress
 
 
@@ -38,7 +38,7 @@ def trained_exactly_once(store: Path, run_id: str, cfg: dict, p: RunProgress) ->
         if s.data_cursor < cursor:
             out.append(f"step {s.step}: data cursor went back {cursor} -> {s.data_cursor}")
             continue
-        batch = stored_step_batch((store / art.step_batch_key(run_id, s.step)).read_text())
+        batch = StepBatch.model_validate_json((store / art.step_batch_key(run_id, s.step)).read_text())
         if batch.step != s.step:
             out.append(f"step {s.step}: its stored batch says step {batch.step}")
         samples: list[art.Sample] = []

@@ -37,10 +37,10 @@ from temporalio.api.enums.v1 import EventType  # noqa: E402
 from temporalio.client import Client  # noqa: E402
 
 from bench._inproc import demo_config  # noqa: E402
+from spec.run import RunConfig  # noqa: E402
 from tests.e2e.faults import progress, run_to_end  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 from workers.common import connect  # noqa: E402
-from workflows.config import RunConfig  # noqa: E402
 from workflows.stubs import (  # noqa: E402
     ASSEMBLE_BATCH, CHECKPOINT, COMPUTE_REWARDS, COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS,
 )

@@ -7,7 +7,8 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from workflows.config import RunConfig, format_validation_error
+from spec.run import RunConfig
+from spec.strict import format_validation_error
 
 
 class ConfigError(ValueError):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from datetime import datetime, timezone
 from typing import Any
 
 import yaml
@@ -24,14 +23,16 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributeKey
 from temporalio.service import RPCError
 
-from gpu_runtime.store import artifacts as art
-from gpu_runtime.store import lineage as lin
+from gpu_runtime.store import artifacts as art, lineage as lin
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.store.object_store import ObjectStore
 from milestone_cli.resume import ResumeError, stored_dataset
-from workflows.config import OFF_POLICY_MODES, RunConfig, TrainSpec, format_validation_error
-from workflows.contracts.events import RunEvent
-from workflows.contracts.placement import ForkPoint
+from spec.rollout import OFF_POLICY_MODES
+from spec.run import RunConfig
+from spec.status import RunEvent
+from spec.strict import format_validation_error
+from spec.train import TrainSpec
+from spec.trainer_rpc import ForkPoint
 from workflows.run_state import RunState, TrainingRunInput
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import StepSummary
@@ -167,7 +168,7 @@ def fork_input(
         dataset = stored_dataset(store, lineage[0][0], cfg)
     except ResumeError as err:
         raise ForkError(str(err)) from None
-    forked = RunEvent(at=datetime.now(timezone.utc).isoformat(), kind="forked", detail=f"from {parent_id} at step {step}")
+    forked = RunEvent.now("forked", f"from {parent_id} at step {step}")
     state = RunState(
         next_step=step + 1, policy_version=step, data_cursor=cursor_after(store, lineage, step),
         initialized=True, dataset=dataset, train=train, events=[forked],

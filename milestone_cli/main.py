@@ -33,10 +33,11 @@ from milestone_cli.preflight import PreflightError, check_config, check_new_run_
 from milestone_cli.progress_view import format_cells, format_eval, format_progress
 from milestone_cli.resume import NothingToResume, ResumeError, parse_target, resume_state
 from gpu_runtime.store.uri import open_store
+from spec.strict import format_validation_error
+from spec.train import HParamUpdate
 from workers.common import connect, temporal_address
 from workers.payload_codec import PayloadKeyError
 from workers.temporal_connection import TemporalSettingsError
-from workflows.config import HParamUpdate, format_validation_error
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 

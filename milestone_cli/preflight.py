@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from gpu_runtime.data import reasoning_gym
-from gpu_runtime.data.readers import DataSource, DatasetError, check_source
+from gpu_runtime.data.readers import DatasetError, check_source
 from gpu_runtime.data.rewards import RewardFunctionNotFound, load_reward_function, mathverify
 from gpu_runtime.rollout.agent.tools import BUILTIN, ToolNotFound, load_environment_factory, load_tools
 from gpu_runtime.store import artifacts as art
@@ -22,7 +22,8 @@ from gpu_runtime.store.object_store import StoreError
 from gpu_runtime.store.s3 import S3Store
 from gpu_runtime.store.uri import open_store
 from milestone_cli.config_file import ConfigError, load_run_config
-from workflows.config import RunConfig
+from spec.data import DataSpec
+from spec.run import RunConfig
 
 
 class PreflightError(ValueError):
@@ -82,8 +83,7 @@ def check_reasoning_gym(cfg: RunConfig) -> None:
 
 def check_dataset(cfg: RunConfig) -> int:
     """Read and validate the whole dataset as ``prepare_data`` will; its row count."""
-    # activities.translate.data_source, without importing that module (it imports torch)
-    source = DataSource.model_validate(cfg.data.model_dump())
+    source = cfg.data
     n = _check(source, "data.path", require_int_answer=cfg.mode == "rl" and "math_answer" in cfg.reward.kinds())
     held_out = source.eval_source()
     if held_out is not None and cfg.eval.enabled:  # the eval scores with the math rule whatever the reward
@@ -91,7 +91,7 @@ def check_dataset(cfg: RunConfig) -> int:
     return n
 
 
-def _check(source: DataSource, field: str, *, require_int_answer: bool) -> int:
+def _check(source: DataSpec, field: str, *, require_int_answer: bool) -> int:
     try:
         return check_source(source, require_int_answer=require_int_answer)
     except DatasetError as err:  # one line per bad row, each naming its file:line / file:row

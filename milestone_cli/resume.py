@@ -17,7 +17,7 @@ from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.store.lineage import Lineage
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
-from workflows.config import RunConfig
+from spec.run import RunConfig
 from workflows.contracts.placement import DatasetInfo
 from workflows.run_state import RunState
 

@@ -68,13 +68,12 @@ else:
 from transformers import AutoModelForCausalLM
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from workflows.config import TrainSpec
+from spec.train import TrainSpec
 
 src, work = Path(sys.argv[1]), Path(sys.argv[2])
-hp = TrainerHParams(**TrainSpec(lr=1e-4, warmup_steps=2, micro_batch_size=4).model_dump())
+hp = TrainSpec(lr=1e-4, warmup_steps=2, micro_batch_size=4)
 
 def batch(step):
     samples = [Sample(sample_id=f"s{step}-p{p}-g{g}", prompt_index=p, group_index=g, prompt_ids=[1, 5 + p, 6 + step],
@@ -128,7 +127,6 @@ else:
 
     shim_cpu_forward()
     mt.runtime_problem = lambda need_cuda=True: None  # the CPU rehearsal: the shim stands in for CUDA
-from activities.translate import reward_settings
 from bench._inproc import dataset_rows, generate_step, rollout_request, run_setup, step_batch
 from gpu_runtime.data.rewards import score_samples
 from gpu_runtime.models.causal_lm import load_causal_lm
@@ -138,7 +136,7 @@ from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.service import TrainerService
 from tests.stack import tiny_config
-from workflows.config import RunConfig
+from spec.run import RunConfig
 
 RUN = "mg"
 cfg = RunConfig.model_validate(tiny_config(
@@ -161,7 +159,7 @@ for step in (1, 2):
         art.put_model(store, k, c)
     samples = [s for c in chunks for s in c.samples]
     rkey = art.rewards_key(RUN, step)
-    scored = score_samples(samples, by_index, reward_settings(cfg.reward))
+    scored = score_samples(samples, by_index, cfg.reward)
     # plus a made-up term so every group has reward variance (a tiny model after 5 SFT steps is
     # rarely right: equal rewards would be a zero gradient, a step that proves nothing)
     scored = [r.model_copy(update={"reward": r.reward + (i % 3) / 2}) for i, r in enumerate(scored)]

@@ -25,8 +25,8 @@ from activities.node import NodeActivities
 from gpu_runtime.proc.devices import cuda_device_count, parse_gpu_list, plan_placement
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
+from spec.status import RunEvent
 from workers.common import connect, install_shutdown, settings_problem, setup_logging
-from workflows.contracts.events import RunEvent
 from workflows.queues import POOL_QUEUE
 
 log = logging.getLogger("workers.gpu")

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from workflows.contracts.cells import CellHeal, DPCells
-from workflows.trainer_config import TrainerSpec
+from spec.status import DPCells
+from spec.trainer import TrainerSpec
+from workflows.contracts.cells import CellHeal
 
 # restart outcomes that end a cell's backoff: the process is starting (or was not lost); if it
 # fails to start or is lost again, a later step reports it lost and the wait doubles

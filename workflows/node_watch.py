@@ -30,7 +30,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.config import NodeSpec
+    from spec.run import NodeSpec
     from workflows.contracts.placement import NodeLivenessInput
     from workflows.failures import Failure, failure
     from workflows.stubs import NODE_LIVENESS

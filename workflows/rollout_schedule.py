@@ -21,7 +21,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from temporalio.exceptions import ApplicationError
 
-    from workflows.config import RunConfig
+    from spec.run import RunConfig
     from workflows.contracts.sampling import Sampled
     from workflows.contracts.step import RLStepInput
     from workflows.failures import Failure, failure

@@ -7,15 +7,17 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+from spec.run import RunConfig
+from spec.status import CellInfo, DPCells, EngineSlotInfo, RunEvent
+from spec.train import TrainSpec
+from spec.trainer import TrainerSpec
+from spec.trainer_rpc import ForkPoint
 from workflows import cell_heal
-from workflows.config import RunConfig, TrainSpec
-from workflows.contracts.cells import CellHeal, CellInfo, DPCells
-from workflows.contracts.events import RunEvent
-from workflows.contracts.placement import DatasetInfo, ForkPoint, NodeClaim
+from workflows.contracts.cells import CellHeal
+from workflows.contracts.placement import DatasetInfo, NodeClaim
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import StepSummary
-from workflows.contracts.training import EngineSlotInfo, EvalResult
-from workflows.trainer_config import TrainerSpec
+from workflows.contracts.training import EvalResult
 
 HISTORY_KEEP = 200  # step summaries the state keeps (the progress query lists them)
 EVENTS_KEEP = 100  # run events the state keeps

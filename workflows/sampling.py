@@ -28,7 +28,7 @@ import math
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.contracts.events import RunEvent
+    from spec.status import RunEvent
     from workflows.contracts.sampling import (
         AssembleBatchInput,
         BatchResult,

@@ -14,8 +14,8 @@ from datetime import datetime
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    from spec.trainer_rpc import SFTRows
     from workflows.contracts.step import RLStepInput, StepSummary
-    from workflows.contracts.training import SFTRowsInput
     from workflows.step_phases import (
         checkpoint_if_due,
         evaluate_if_due,
@@ -36,7 +36,7 @@ class SFTStep:
 
 async def train_on_rows(inp: RLStepInput, started: datetime, *, eval_patch: str | None = None) -> StepSummary:
     """The SFT step's phases; ``eval_patch``: the eval's patch in ``RLStep``'s histories."""
-    rows = SFTRowsInput(data_cursor=inp.data_cursor, n_rows=inp.config.sft.batch_size)
+    rows = SFTRows(data_cursor=inp.data_cursor, n_rows=inp.config.sft.batch_size)
     restarted = await restart_cells(inp) if inp.restart_cells else None  # lost DP cells rejoin for the train step
     trained = await train(inp, None, sft_rows=rows)
     synced = await update_weights(inp, trained)

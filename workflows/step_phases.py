@@ -15,8 +15,9 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from spec.status import RunEvent
+    from spec.trainer_rpc import SFTRows
     from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
-    from workflows.contracts.events import RunEvent
     from workflows.contracts.sampling import Sampled
     from workflows.contracts.step import RLStepInput
     from workflows.contracts.training import (
@@ -24,7 +25,6 @@ with workflow.unsafe.imports_passed_through():
         CheckpointResult,
         EvalInput,
         EvalResult,
-        SFTRowsInput,
         TrainStepInput,
         TrainStepResult,
         UpdateWeightsInput,
@@ -71,7 +71,7 @@ def start_cell_restarts(inp: RLStepInput) -> asyncio.Task[RestartCellsResult] | 
     return asyncio.create_task(restart_cells(inp)) if inp.restart_cells else None
 
 
-async def train(inp: RLStepInput, sampled: Sampled | None, sft_rows: SFTRowsInput | None = None) -> TrainStepResult:
+async def train(inp: RLStepInput, sampled: Sampled | None, sft_rows: SFTRows | None = None) -> TrainStepResult:
     """The trainer's step on the sampled batch: its chunks and their rewards, or the kept
     groups of its rounds (dynamic sampling); or, in mode sft, on ``sft_rows``."""
     return await TRAIN_STEP.run(

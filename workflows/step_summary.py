@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from spec.status import RunEvent
 from workflows.contracts.cells import RestartCellsResult
-from workflows.contracts.events import RunEvent
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import RLStepInput, StepSummary
 from workflows.contracts.training import CheckpointResult, EvalResult, TrainStepResult, UpdateWeightsResult

@@ -20,10 +20,14 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
+    from spec.run import RunConfig
+    from spec.status import RunEvent
+    from spec.strict import format_validation_error
+    from spec.train import HParamUpdate, TrainSpec, mode_conflicts
+    from spec.trainer import megatron_train_conflicts
+    from spec.trainer_rpc import ForkPoint
     from workflows import cell_heal
-    from workflows.config import HParamUpdate, RunConfig, TrainSpec, format_validation_error, mode_conflicts
-    from workflows.contracts.events import RunEvent
-    from workflows.contracts.placement import ClaimNodeInput, ForkPoint, InitPolicyInput, PrepareDataInput
+    from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, PrepareDataInput
     from workflows.run_state import RunProgress, RunState, RunSummary, TrainingRunInput
     from workflows.contracts.step import RLStepInput, StepSummary
     from workflows.contracts.training import EvalResult, UpdateWeightsInput
@@ -34,7 +38,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.sft_step import SFTStep
     from workflows.step_phases import evaluate
     from workflows.stubs import CLAIM_NODE, INIT_POLICY, PREPARE_DATA, UPDATE_WEIGHTS
-    from workflows.trainer_config import megatron_train_conflicts
 
 SA_STEP = SearchAttributeKey.for_int("RlStep")
 SA_REWARD = SearchAttributeKey.for_float("RlReward")

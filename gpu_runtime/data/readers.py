@@ -1,7 +1,7 @@
 """Read a user's JSONL or Parquet dataset into normalized rows (``rows.DataRow``).
 
-Columns are mapped by the run config's ``data`` section (``DataSource`` mirrors
-it): the prompt comes from ``messages_key`` when set (a chat), else from
+Columns are mapped by the run config's ``data`` section (``spec.data.DataSpec``):
+the prompt comes from ``messages_key`` when set (a chat), else from
 ``prompt_key``; the label from ``label_key``; the id from ``id_key`` (a missing
 or null id, or ``id_key: null``, gives ``row-<index>``, the 0-based position in
 the dataset); ``metadata_keys`` are copied into ``metadata``. Integer ids and
@@ -20,40 +20,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from gpu_runtime.data.rows import DataRow, int_answer
+from spec.data import DataSpec
 
 MAX_ERRORS = 10
 _BATCH_ROWS = 1024
-
-
-class DataSource(BaseModel):
-    """Where and how to read the dataset: the run config's ``data`` section field
-    for field (``activities.translate.data_source``); no defaults of its own."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["arithmetic", "tool_arithmetic", "jsonl", "parquet", "reasoning_gym"]
-    path: str | None
-    num_train: int
-    dataset: str | None
-    dataset_config: dict[str, Any]
-    min_operand: int
-    max_operand: int
-    ops: str
-    prompt_key: str
-    messages_key: str | None
-    label_key: str
-    id_key: str | None
-    metadata_keys: list[str]
-    eval_path: str | None  # the held-out rows: read like path (``eval_source``)
-
-    def eval_source(self) -> "DataSource | None":
-        """The same mapping over ``eval_path``; None when there is none."""
-        return self.model_copy(update={"path": self.eval_path}) if self.eval_path else None
 
 
 class DatasetError(ValueError):
@@ -73,7 +48,7 @@ class _Bad:
         self.problem = problem
 
 
-def iter_rows(source: DataSource, *, require_int_answer: bool) -> Iterator[dict]:
+def iter_rows(source: DataSpec, *, require_int_answer: bool) -> Iterator[dict]:
     """Normalized rows of a ``jsonl`` / ``parquet`` source, in file order. Bad rows
     are skipped and reported together: ``DatasetError`` after the last row, or at
     the ``MAX_ERRORS``-th problem. ``require_int_answer`` (``reward.kind:
@@ -107,12 +82,12 @@ def iter_rows(source: DataSource, *, require_int_answer: bool) -> Iterator[dict]
         raise DatasetError([f"{source.path}: dataset is empty (no rows)"])
 
 
-def read_rows(source: DataSource, *, require_int_answer: bool) -> list[dict]:
+def read_rows(source: DataSpec, *, require_int_answer: bool) -> list[dict]:
     """All rows of the source, validated (``DatasetError`` on bad ones)."""
     return list(iter_rows(source, require_int_answer=require_int_answer))
 
 
-def check_source(source: DataSource, *, require_int_answer: bool) -> int:
+def check_source(source: DataSpec, *, require_int_answer: bool) -> int:
     """Validate the whole source without keeping its rows; the row count."""
     return sum(1 for _ in iter_rows(source, require_int_answer=require_int_answer))
 
@@ -140,7 +115,7 @@ def _jsonl_records(path: str) -> Iterator[tuple[str, int, Any]]:
             )
 
 
-def _parquet_records(source: DataSource) -> Iterator[tuple[str, int, Any]]:
+def _parquet_records(source: DataSpec) -> Iterator[tuple[str, int, Any]]:
     """(``path:row N``, N, dict) per row, read by record batches of the needed columns."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -173,7 +148,7 @@ def _parquet_records(source: DataSource) -> Iterator[tuple[str, int, Any]]:
 
 
 # ---- one record -> one row ------------------------------------------------------------
-def _id_name(source: DataSource) -> str:
+def _id_name(source: DataSpec) -> str:
     return source.id_key or "id"
 
 
@@ -183,7 +158,7 @@ def _as_text(value: Any) -> Any:
 
 
 def _normalize(
-    record: dict, index: int, source: DataSource, require_int_answer: bool, problems: list[str]
+    record: dict, index: int, source: DataSpec, require_int_answer: bool, problems: list[str]
 ) -> dict | None:
     """The row as a ``DataRow`` dict, or None with ``problems`` filled in."""
     candidate: dict[str, Any] = {"metadata": {}}
@@ -217,7 +192,7 @@ def _normalize(
     return row.model_dump()
 
 
-def _describe(e: Any, source: DataSource) -> str:
+def _describe(e: Any, source: DataSpec) -> str:
     """One pydantic error as ``field 'KEY[1].role': what is wrong``, in the user's key names."""
     loc = list(e["loc"])
     head = loc[0] if loc else ""

@@ -31,7 +31,6 @@ from gpu_runtime.engine.fleet_types import (
     FleetEvent,
     HealthConfig,
     NoHealthyEngine,
-    SlotInfo,
     WeightMismatch,
     _Slot,
 )
@@ -41,6 +40,7 @@ from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, misma
 from gpu_runtime.models.model_folder import read_meta
 from gpu_runtime.weight_sync.distributed import DEFAULT_BUCKET_BYTES
 from gpu_runtime.weight_sync.shared_memory import NodeSegments, Segment
+from spec.status import EngineSlotInfo
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +132,13 @@ class EngineFleet:
         with self._lock:
             return [s.url for s in self.slots if s.state == "healthy"]
 
-    def snapshot(self) -> list[SlotInfo]:
+    def snapshot(self) -> list[EngineSlotInfo]:
+        """Every slot as the run's status shows it (a version that is no number: None)."""
         with self._lock:
             return [
-                SlotInfo(slot=s.index, pid=s.proc.pid if s.proc else None, url=s.url, state=s.state,
-                         weight_version=s.weight_version, checksum=s.checksum, restart_count=s.restart_count)
+                EngineSlotInfo(slot=s.index, pid=s.proc.pid if s.proc else None, url=s.url, state=s.state,
+                               weight_version=int(s.weight_version) if (s.weight_version or "").isdigit() else None,
+                               checksum=s.checksum, restart_count=s.restart_count)
                 for s in self.slots
             ]
 

@@ -8,7 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-SlotState = Literal["starting", "healthy", "dead", "empty"]
+from spec.status import SlotState
+
 EventKind = Literal[
     "engine_dead", "engine_restarted", "engine_recovered", "checksum_ok", "checksum_mismatch", "engine_hung",
     "weight_sync_fallback",
@@ -20,16 +21,6 @@ class HealthConfig(BaseModel):
     timeout_s: float = 5.0  # one /health_generate probe
     first_wait_s: float = 120.0  # a starting engine must be healthy within this; probes begin after
     failure_threshold: int = 1  # failed probes in a row before the engine is declared dead
-
-
-class SlotInfo(BaseModel):
-    slot: int
-    pid: int | None
-    url: str
-    state: SlotState
-    weight_version: str | None
-    checksum: str | None
-    restart_count: int
 
 
 class FleetEvent(BaseModel):

@@ -4,7 +4,7 @@ Colocated on one GPU, the trainer and the engines take turns: the engines free t
 weights and KV cache while the trainer trains, and the trainer moves its optimizer state
 to the host (and drops its grads) while the engines generate (Miles / slime: ``--colocate``
 with ``--offload-rollout`` / ``--offload-train``). The config already turned ``auto`` into
-``off`` for the rollout modes whose phases overlap (``workflows.config``); what is left to
+``off`` for the rollout modes whose phases overlap (``spec.run``); what is left to
 decide here is the node's placement, known only to its agent. Pure logic, torch-free.
 """
 

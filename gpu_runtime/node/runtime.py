@@ -29,8 +29,10 @@ from gpu_runtime.rollout.held import HeldChunks
 from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
-from gpu_runtime.trainer.api import NodeEvent, RunSetup, weights_folder
+from gpu_runtime.trainer.work_dir import weights_folder
 from gpu_runtime.trainer.process import TrainerProcess
+from spec.status import RunEvent
+from spec.trainer_rpc import RunSetup
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class NodeRuntime:
         self.setups: dict[str, RunSetup] = {}  # run id -> what its trainer needs
         self.tokenizer: Tokenizer | None = None  # the served model's (rollout encodes prompts with it)
         self._tokenizer_files: tuple[bytes | None, ...] = ()  # what it was loaded from
-        self._undrained: list[NodeEvent] = []
+        self._undrained: list[RunEvent] = []
         self.engine_deaths = 0  # total, for per-activity deltas
         self._rows: dict[str, list[dict]] = {}
         self.held = HeldChunks()  # the rollouts' chunks until their rewards are scored here
@@ -100,18 +102,18 @@ class NodeRuntime:
         }
         (self.work_dir / "children.json").write_text(json.dumps(children))
 
-    def _add_event(self, ev: NodeEvent) -> None:
+    def _add_event(self, ev: RunEvent) -> None:
         with self._events_lock:
             self._undrained.append(ev)
 
     def _on_fleet_event(self, ev: FleetEvent) -> None:
         with self._events_lock:
             self.engine_deaths += ev.kind == "engine_dead"
-        self._add_event(NodeEvent(at=ev.at, kind=ev.kind, detail=f"slot {ev.slot}: {ev.detail}"))
+        self._add_event(RunEvent.at_time(ev.at, ev.kind, f"slot {ev.slot}: {ev.detail}"))
         metrics.ENGINE_EVENTS.labels(ev.kind).inc()
         log.info("fleet event %s slot %s %s", ev.kind, ev.slot, ev.detail)
 
-    def drain_events(self) -> list[NodeEvent]:
+    def drain_events(self) -> list[RunEvent]:
         """Events of the fleet and the trainer process since the last drain (reported in
         the next activity result)."""
         with self._events_lock:

@@ -50,12 +50,12 @@ class ChunkPlan:
 
 def plan_chunks(req: RolloutRequest) -> list[ChunkPlan]:
     """The step's samples, in a fixed order, cut into fixed chunks (DESIGN §5-6)."""
-    indices = prompts_for_step(req.n_rows, req.seed, req.data_cursor, req.prompts_per_step)
-    return cut_chunks([(idx, g) for idx in indices for g in range(req.group_size)], req)
+    indices = prompts_for_step(req.n_rows, req.seed, req.data_cursor, req.rollout.prompts_per_step)
+    return cut_chunks([(idx, g) for idx in indices for g in range(req.rollout.group_size)], req)
 
 
 def cut_chunks(members: list[tuple[int, int]], req: RolloutRequest) -> list[ChunkPlan]:
-    """``members`` in order, ``req.chunk_size`` per chunk; chunk ``c`` samples with seed
+    """``members`` in order, ``req.rollout.chunk_size`` per chunk; chunk ``c`` samples with seed
     ``derive_seed(req.seed, req.step, c)`` (round ``r`` > 0 of dynamic sampling:
     ``derive_seed(req.seed, req.step, "round", r, c)``)."""
     return [
@@ -63,9 +63,9 @@ def cut_chunks(members: list[tuple[int, int]], req: RolloutRequest) -> list[Chun
             chunk=c,
             seed=(art.derive_seed(req.seed, req.step, "round", req.round, c) if req.round
                   else art.derive_seed(req.seed, req.step, c)),
-            members=members[start : start + req.chunk_size],
+            members=members[start : start + req.rollout.chunk_size],
         )
-        for c, start in enumerate(range(0, len(members), req.chunk_size))
+        for c, start in enumerate(range(0, len(members), req.rollout.chunk_size))
     ]
 
 

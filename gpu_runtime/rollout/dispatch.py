@@ -36,7 +36,7 @@ def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
     t0 = time.perf_counter()
     plans = plan_chunks(req)
     keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk, req.round) for p in plans]
-    counters = AgentCounters() if req.agent is not None else None
+    counters = AgentCounters() if req.rollout.agent is not None else None
     chunks, reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters)
     n_tokens, n_samples = 0, 0
     samples: list[art.Sample] = []
@@ -77,7 +77,7 @@ def generate_chunks(
 
     def work(item: tuple[ChunkPlan, str]) -> tuple[str, art.RolloutChunk]:
         plan, key = item
-        if req.agent is not None:
+        if req.rollout.agent is not None:
             chunk = generate_agent_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate, ctx.store, agent_counters)
         else:
             chunk = generate_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate)

@@ -18,6 +18,7 @@ from gpu_runtime.rollout.chunks import RolloutContext, cut_chunks
 from gpu_runtime.rollout.dispatch import generate_chunks
 from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
+from spec.rollout import RolloutSpec
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,14 @@ def sampling_request(req: EvalRequest, sampling: str, n_rows: int) -> RolloutReq
     """The rollout request of one of the two passes (``greedy``: 1 sample at temperature
     0; ``sampled``: ``k`` samples at ``req.temperature``, the full distribution)."""
     greedy = sampling == "greedy"
+    rollout = RolloutSpec(
+        prompts_per_step=n_rows, group_size=1 if greedy else req.k, chunk_size=req.chunk_size,
+        max_new_tokens=req.max_new_tokens, temperature=0.0 if greedy else req.temperature, top_p=1.0, top_k=-1,
+        stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
+    )
     return RolloutRequest(
         run_id=req.run_id, step=req.step, seed=art.derive_seed(req.seed, "eval", sampling),
-        policy_version=req.policy_version, data_cursor=0, n_rows=n_rows, prompts_per_step=n_rows,
-        group_size=1 if greedy else req.k, chunk_size=req.chunk_size, max_new_tokens=req.max_new_tokens,
-        temperature=0.0 if greedy else req.temperature, top_p=1.0, top_k=-1,
-        stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
+        policy_version=req.policy_version, data_cursor=0, n_rows=n_rows, rollout=rollout,
     )
 
 
@@ -65,7 +68,7 @@ def run_eval(req: EvalRequest, ctx: RolloutContext) -> EvalStats:
     correct: dict[str, list[list[bool]]] = {}
     for sampling in ("greedy", "sampled"):
         rreq = sampling_request(req, sampling, len(rows))
-        plans = cut_chunks([(i, g) for i in range(len(rows)) for g in range(rreq.group_size)], rreq)
+        plans = cut_chunks([(i, g) for i in range(len(rows)) for g in range(rreq.rollout.group_size)], rreq)
         planned = [(p, art.eval_chunk_key(req.run_id, req.step, sampling, p.chunk)) for p in plans]
         chunks, _ = generate_chunks(rreq, planned, ctx)
         flags: list[list[bool]] = [[] for _ in rows]

@@ -15,16 +15,16 @@ def generate_chunk(
 ) -> art.RolloutChunk:
     prompts = [encode_prompt(tokenizer, rows[idx]) for idx, _ in plan.members]
     params = {
-        "max_new_tokens": req.max_new_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
+        "max_new_tokens": req.rollout.max_new_tokens,
+        "temperature": req.rollout.temperature,
+        "top_p": req.rollout.top_p,
+        "top_k": req.rollout.top_k,
         "sampling_seed": plan.seed,
     }
-    if req.stop:  # SGLang's names; left out when unset, so such requests stay as they were
-        params["stop"] = list(req.stop)
-    if req.stop_token_ids:
-        params["stop_token_ids"] = list(req.stop_token_ids)
+    if req.rollout.stop:  # SGLang's names; left out when unset, so such requests stay as they were
+        params["stop"] = list(req.rollout.stop)
+    if req.rollout.stop_token_ids:
+        params["stop_token_ids"] = list(req.rollout.stop_token_ids)
     results, url = generate_checked(req, plan, prompts, params, generate)
     samples = []
     for (idx, g), prompt_ids, (ids, lps, finish) in zip(plan.members, prompts, results, strict=True):

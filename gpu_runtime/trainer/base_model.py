@@ -12,7 +12,7 @@ from pathlib import Path
 from gpu_runtime.data.datasets import prompt_messages, prompt_text, sft_target
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
 from gpu_runtime.store.artifacts import derive_seed
-from gpu_runtime.trainer.api import ModelSource
+from spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
 DONE = ".complete"
@@ -29,7 +29,7 @@ def tokenizer_texts(rows: list[dict]) -> list[str]:
     return out
 
 
-def base_model_folder(source: ModelSource, rows: list[dict], seed: int, work_dir: Path) -> Path:
+def base_model_folder(source: ModelSpec, rows: list[dict], seed: int, work_dir: Path) -> Path:
     """The folder the trainer starts from (version 0 before SFT)."""
     if source.path is not None:
         folder = Path(source.path).expanduser()

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
-from gpu_runtime.trainer.api import CellState, DPState, NodeEvent, RunSetup
 from gpu_runtime.trainer.dp.group import DPGroup
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse
 from gpu_runtime.trainer.fsdp2.host import CellHost
 from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.protocol import Dead, Trainer
+from spec.status import CellInfo, DPCells, RunEvent
+from spec.trainer_rpc import RunSetup
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class TrainerLayouts:
         self.cell_host: CellHost | None = None  # backend fsdp2: Ray and the live cell (created on first use)
         self.dp_group: DPGroup | None = None  # trainer.cells > 1: the live DP cells
         self.lighthouse: Lighthouse | None = None  # trainer.cells > 1: torchft's lighthouse (outlives groups)
-        self._dp_events: list[NodeEvent] = []  # of closed groups, reported with the next result
+        self._dp_events: list[RunEvent] = []  # of closed groups, reported with the next result
 
     # ---- building ----------------------------------------------------------------
     def new(self, setup: RunSetup, folder: Path) -> Trainer:
@@ -136,15 +137,15 @@ class TrainerLayouts:
         return outcome
 
     # ---- reports -------------------------------------------------------------------
-    def dp_state(self, setup: RunSetup | None) -> DPState | None:
+    def dp_state(self, setup: RunSetup | None) -> DPCells | None:
         """The DP cells (None unless trainer.cells > 1)."""
         return self.dp_group.state() if layout(setup) == "dp" and self.dp_group is not None else None
 
-    def cell_state(self, setup: RunSetup | None) -> CellState | None:
+    def cell_state(self, setup: RunSetup | None) -> CellInfo | None:
         """The live fsdp2 cell's ranks (None for the other layouts)."""
         return self.cell_host.report() if layout(setup) == "fsdp2" and self.cell_host is not None else None
 
-    def take_events(self) -> list[NodeEvent]:
+    def take_events(self) -> list[RunEvent]:
         """The cells' events not yet reported (fsdp2: started, failed; DP: lost, healed, ...)."""
         events = self.cell_host.take_events() if self.cell_host is not None else []
         events += self._dp_events + (self.dp_group.take_events() if self.dp_group is not None else [])

@@ -1,5 +1,5 @@
 """The node agent's handle on its trainer subprocess: start, restart, stop by pid,
-and a typed client for its RPC (arguments and results are ``trainer.api`` models)."""
+and a typed client for its RPC (arguments and results are ``spec.trainer_rpc`` models)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -18,23 +17,23 @@ from gpu_runtime.proc.metrics import TRAINER_RESTARTS
 from gpu_runtime.proc.devices import child_env, gpu_list
 from gpu_runtime.proc.processes import stop_pid
 from gpu_runtime.proc.rpc import RPCClient, ServerDidNotStart, start_rpc_process
-from gpu_runtime.trainer.api import (
+from spec.status import RunEvent
+from spec.trainer_rpc import (
     BroadcastWeightsCall,
-    HeldWeights,
-    HeldWeightsCall,
-    WeightsBroadcast,
+    CellsRestarted,
     CheckpointCall,
     CheckpointRequest,
     CheckpointSaved,
-    CellsRestarted,
     EnsureVersionCall,
-    NodeEvent,
+    HeldWeights,
+    HeldWeightsCall,
     RestartCellsCall,
     RunSetup,
     StepBatch,
     TrainResult,
     TrainStepCall,
     VersionInfo,
+    WeightsBroadcast,
 )
 
 from gpu_runtime.engine.distributed_push import Broadcaster
@@ -51,7 +50,7 @@ class TrainerDied(RuntimeError):
 class TrainerProcess:
     def __init__(
         self, work_dir: Path, log_path: Path, threads: int = 1, start_timeout_s: float = 120.0,
-        on_event: Callable[[NodeEvent], None] | None = None, device: str = "cpu", cell_gpus: tuple[int, ...] = (),
+        on_event: Callable[[RunEvent], None] | None = None, device: str = "cpu", cell_gpus: tuple[int, ...] = (),
     ) -> None:
         self.work_dir = work_dir
         self.device = device  # "cpu" or "cuda:N" (gpu_runtime.proc.devices)
@@ -155,7 +154,7 @@ class TrainerProcess:
                 detail = f"pid {old.pid} exited with {old.returncode}; new pid {self.pid}"
                 log.warning("trainer restarted: %s", detail)
                 if self.on_event is not None:
-                    self.on_event(NodeEvent(at=time.time(), kind="trainer_restarted", detail=detail))
+                    self.on_event(RunEvent.now("trainer_restarted", detail))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

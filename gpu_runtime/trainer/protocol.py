@@ -5,7 +5,7 @@ object ``layouts.new`` returns; each backend answers them as written: the HF
 ``PolicyTrainer`` (``policy``), a fsdp2 ``TrainerCell`` (``fsdp2``), a ``DPGroup`` of cells
 (``dp``) and the ``MegatronTrainer`` (``megatron``). A call a backend does not implement is
 refused with a ValueError naming the setting (the run config refuses those settings before
-a run starts: ``workflows.trainer_config.layout_conflicts``).
+a run starts: ``spec.trainer.layout_conflicts``).
 
 Whether the trainer can take another call is an explicit state, ``health``: ``Alive``, or
 ``Dead`` (a fsdp2 cell that lost a rank or whose rank raised, every DP cell lost, DP cells
@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
+from spec.train import TrainSpec
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,11 @@ class Trainer(Protocol):
     def health(self) -> Health: ...
 
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainerHParams) -> dict[str, float]:
+                   hparams: TrainSpec) -> dict[str, float]:
         """One RL update (version + 1); its metrics."""
         ...
 
-    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+    def sft_step(self, rows: list[dict], hparams: TrainSpec) -> dict[str, float]:
         """One SFT-mode update (version + 1); its metrics."""
         ...
 

@@ -16,7 +16,9 @@ import torch
 from gpu_runtime.proc.devices import parse_gpu_list
 from gpu_runtime.proc.processes import exit_when_parent_dies
 from gpu_runtime.proc.rpc import Method, RPCServer
-from gpu_runtime.trainer.api import (
+from gpu_runtime.trainer.common.device import use_device
+from gpu_runtime.trainer.service import TrainerService
+from spec.trainer_rpc import (
     BroadcastWeightsCall,
     CheckpointCall,
     EnsureVersionCall,
@@ -24,8 +26,6 @@ from gpu_runtime.trainer.api import (
     RestartCellsCall,
     TrainStepCall,
 )
-from gpu_runtime.trainer.common.device import use_device
-from gpu_runtime.trainer.service import TrainerService
 
 
 def build_methods(svc: TrainerService) -> dict[str, Method]:

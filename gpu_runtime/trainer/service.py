@@ -15,8 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpu_runtime.store import artifacts as art
-from gpu_runtime.store import lineage
+from gpu_runtime.store import artifacts as art, lineage
 from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.data.datasets import load_jsonl, prompts_for_step
@@ -24,24 +23,7 @@ from gpu_runtime.models.model_folder import prune_version_folders
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.store.fence import FencedStore, StaleEpoch, read_fence
 from gpu_runtime.store.uri import open_store
-from gpu_runtime.trainer.api import (
-    BroadcastWeightsCall,
-    CheckpointRequest,
-    CellsRestarted,
-    HeldWeights,
-    WeightsBroadcast,
-    CellState,
-    DPState,
-    CheckpointSaved,
-    NodeEvent,
-    Rebuild,
-    RunSetup,
-    StepBatch,
-    TrainResult,
-    VersionInfo,
-    stored_step_batch,
-    weights_folder,
-)
+from gpu_runtime.trainer.work_dir import weights_folder
 from gpu_runtime.trainer import weight_broadcast
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.common.offload import OptimizerOffload
@@ -51,6 +33,20 @@ from gpu_runtime.trainer.layouts import TrainerLayouts, layout
 from gpu_runtime.trainer.megatron.trainer import runtime_problem
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.protocol import Dead, Trainer
+from spec.status import CellInfo, DPCells, RunEvent
+from spec.trainer_rpc import (
+    BroadcastWeightsCall,
+    CellsRestarted,
+    CheckpointRequest,
+    CheckpointSaved,
+    HeldWeights,
+    Rebuild,
+    RunSetup,
+    StepBatch,
+    TrainResult,
+    VersionInfo,
+    WeightsBroadcast,
+)
 
 log = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"  # an adapter export's folder inside each published version
@@ -163,13 +159,13 @@ class TrainerService:
             "events": self.new_events(), "cell": self.cell_state(), "dp": self.dp_state(),
         })
 
-    def dp_state(self) -> DPState | None:
+    def dp_state(self) -> DPCells | None:
         return self.layouts.dp_state(self.setup)
 
-    def cell_state(self) -> CellState | None:
+    def cell_state(self) -> CellInfo | None:
         return self.layouts.cell_state(self.setup)
 
-    def new_events(self) -> list[NodeEvent]:
+    def new_events(self) -> list[RunEvent]:
         """Events not yet reported: the fsdp2 cell's (started, failed) and the checkpoint
         store's (corrupt checkpoint, failed upload, refused write)."""
         if self.ckpts is None:
@@ -180,7 +176,7 @@ class TrainerService:
         events, self._refused = [*events, *self._refused], []
         now = time.time()
         return [*cells, *(
-            NodeEvent(at=now, kind=str(e["kind"]), detail=", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
+            RunEvent.at_time(now, str(e["kind"]), ", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
             for e in events
         )]
 
@@ -251,7 +247,7 @@ class TrainerService:
             key = art.step_batch_key(self._owner(step), step)
             if not self.store.exists(key):
                 raise RuntimeError(f"cannot replay step {step}: {key} missing from the store")
-            self._train(stored_step_batch(self.store.get_bytes(key)), self._recorded_cells(step))
+            self._train(StepBatch.model_validate_json(self.store.get_bytes(key)), self._recorded_cells(step))
             replayed.append(step)
         if self.trainer.policy_version != target:
             raise RuntimeError(f"trainer at v{self.trainer.policy_version} is ahead of target v{target}")

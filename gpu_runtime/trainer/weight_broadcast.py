@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from gpu_runtime.trainer.api import BroadcastWeightsCall, WeightsBroadcast
 from gpu_runtime.weight_sync.distributed import GroupSpec, Manifest, WeightGroup
+from spec.trainer_rpc import BroadcastWeightsCall, WeightsBroadcast
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
+from spec.run import RunConfig
 from tests.stack import Stack, async_wait_for, running_stack
 from workers.common import connect
-from workflows.config import RunConfig
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.training_run import TrainingRun

@@ -11,10 +11,9 @@ import torch
 
 from gpu_runtime.data.datasets import generate_arithmetic
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from gpu_runtime.trainer.api import ModelInit, ModelSource
 from gpu_runtime.trainer.base_model import base_model_folder
-from activities.translate import trainer_hparams
-from workflows.config import RunConfig
+from spec.model import ModelSpec
+from spec.run import RunConfig
 
 
 def pretrained_folder(out: Path, cfg: dict, sft_steps: int = 100, lr: float = 3e-3) -> Path:
@@ -24,12 +23,12 @@ def pretrained_folder(out: Path, cfg: dict, sft_steps: int = 100, lr: float = 3e
     d, init = run.data, run.model.init
     assert d.kind == "arithmetic" and init is not None
     rows = generate_arithmetic(d.num_train, run.seed, d.max_operand, d.ops, min_operand=d.min_operand)
-    source = ModelSource(path=None, init=ModelInit.model_validate(init.model_dump()), lora=None)
+    source = ModelSpec(init=init)
     base = base_model_folder(source, rows, run.seed, Path(tempfile.mkdtemp(prefix="pretrained-")))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = PolicyTrainer.create(base, trainer_hparams(run.train), run.seed)
+        trainer = PolicyTrainer.create(base, run.train, run.seed)
         trainer.sft_warmup(rows, sft_steps, run.sft.batch_size, lr, run.seed, betas=run.sft.betas)
         trainer.export_model_folder(out)
     finally:

@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 from gpu_runtime.models.tokenizer import Tokenizer
+from spec.run import RunConfig
 from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_to_end, start_run, wait_activity_started
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
-from workflows.config import RunConfig
 from workflows.run_state import RunProgress, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.stubs import TRAIN_STEP

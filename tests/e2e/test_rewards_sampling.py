@@ -18,10 +18,10 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from gpu_runtime.store import artifacts as art
+from spec.run import RunConfig
 from tests.reward_servers import Behaviour, length_score, reward_server
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
-from workflows.config import RunConfig
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.stubs import COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP

@@ -25,11 +25,11 @@ from temporalio.worker import Replayer
 from bench._inproc import PlainLoop
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
 from milestone_cli.report import render_report
+from spec.run import RunConfig
 from tests.browser import render
 from tests.e2e.faults import assert_bitwise_equal
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
-from workflows.config import RunConfig
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS_ON_NODE, EVALUATE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS

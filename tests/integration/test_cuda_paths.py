@@ -109,10 +109,9 @@ from gpu_runtime.trainer.common.device import use_device
 use_device(sys.argv[2])
 torch.use_deterministic_algorithms(True)
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from workflows.config import TrainSpec
-hp = TrainerHParams(**TrainSpec(lr=1e-3, micro_batch_size=2).model_dump())
+from spec.train import TrainSpec
+hp = TrainSpec(lr=1e-3, micro_batch_size=2)
 t = PolicyTrainer.create(sys.argv[1], hp, 0)
 assert next(t.model.parameters()).device.type == sys.argv[2].split(":")[0]
 samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6], response_ids=[7, 8, 9 + g],
@@ -164,12 +163,11 @@ from gpu_runtime.trainer.common.device import use_device
 use_device("cuda:0")
 from gpu_runtime.models.model_folder import weights_checksum
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.megatron import model as mm
 from gpu_runtime.trainer.megatron.train import grpo_step
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from workflows.config import TrainSpec
-hp = TrainerHParams(**TrainSpec(lr=1e-4, micro_batch_size=4).model_dump())
+from spec.train import TrainSpec
+hp = TrainSpec(lr=1e-4, micro_batch_size=4)
 samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6],
                   response_ids=[7, 8, 9 + g][: 1 + g % 3], logprobs=[-1.0] * (1 + g % 3), weight_version=0,
                   finish_reason="length") for g in range(4)]
@@ -229,11 +227,10 @@ dist.destroy_process_group()
 """
 
 
-def cell_hparams(precision: str) -> "TrainerHParams":
-    from gpu_runtime.trainer.api import TrainerHParams
-    from workflows.config import TrainSpec
+def cell_hparams(precision: str) -> "TrainSpec":
+    from spec.train import TrainSpec
 
-    return TrainerHParams(**TrainSpec(lr=1e-3, micro_batch_size=2, precision=precision).model_dump())  # 2 micro-batches
+    return TrainSpec(lr=1e-3, micro_batch_size=2, precision=precision)  # 2 micro-batches
 
 
 def cell_samples(step: int) -> tuple[list, list[float]]:

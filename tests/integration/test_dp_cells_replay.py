@@ -19,7 +19,6 @@ import pytest
 
 pytest.importorskip("torchft", reason="the cells extra (torchft-nightly) is not installed: pip install -e '.[cells]'")
 
-from activities.translate import reward_settings  # noqa: E402
 from bench._inproc import dataset_rows, generate_step, rollout_request, run_setup, step_batch  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.models.causal_lm import load_causal_lm  # noqa: E402
@@ -28,8 +27,8 @@ from gpu_runtime.proc.processes import pid_alive  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
 from gpu_runtime.trainer.service import TrainerService  # noqa: E402
+from spec.run import RunConfig  # noqa: E402
 from tests.stack import tiny_config, wait_for  # noqa: E402
-from workflows.config import RunConfig  # noqa: E402
 
 RUN = "dp-replay"
 STEPS = 3
@@ -71,7 +70,7 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
             samples = [s for c in chunks for s in c.samples]
             rkey = art.rewards_key(RUN, step)
             art.put_model(store, rkey, art.StepRewards(run_id=RUN, step=step, rewards=score_samples(
-                samples, by_index, reward_settings(cfg.reward))))
+                samples, by_index, cfg.reward)))
             killer = None
             if step == 2:
                 assert first.layouts.dp_group is not None

@@ -145,4 +145,4 @@ def test_fleet_declares_an_engine_that_cannot_resume_dead(quiet_fleet: EngineFle
     assert fleet.resume_memory() == [0]
     assert [s.state for s in fleet.snapshot()] == ["healthy", "empty"]
     assert fleet.restart_empty_slots() == [1]
-    assert [(s.state, s.weight_version, s.checksum) for s in fleet.snapshot()] == [("healthy", "1", model_dirs["c1"])] * 2
+    assert [(s.state, s.weight_version, s.checksum) for s in fleet.snapshot()] == [("healthy", 1, model_dirs["c1"])] * 2

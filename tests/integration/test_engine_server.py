@@ -186,6 +186,7 @@ def test_stop_strings_and_tokens_through_the_server_and_the_rollout(engine, mode
     from gpu_runtime.rollout.chunks import ChunkPlan
     from gpu_runtime.rollout.request import RolloutRequest
     from gpu_runtime.rollout.single_turn import generate_chunk
+    from spec.rollout import RolloutSpec
 
     _, tok, _ = load_model_folder(model_dirs["v1"])
     free = engine.generate(BATCH, SP)
@@ -211,8 +212,8 @@ def test_stop_strings_and_tokens_through_the_server_and_the_rollout(engine, mode
 
     # the rollout's request carries rollout.stop / stop_token_ids to the engine
     rows = generate_arithmetic(4, seed=0, max_operand=20)
-    req = RolloutRequest(run_id="r", step=1, seed=3, policy_version=1, data_cursor=0, n_rows=4, prompts_per_step=4,
-                         group_size=1, chunk_size=4, max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=-1)
+    req = RolloutRequest(run_id="r", step=1, seed=3, policy_version=1, data_cursor=0, n_rows=4, rollout=RolloutSpec(
+        prompts_per_step=4, group_size=1, chunk_size=4, max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=-1))
     plan = ChunkPlan(chunk=0, seed=1234, members=[(i, 0) for i in range(4)])
     sent: list[dict] = []
 
@@ -224,8 +225,8 @@ def test_stop_strings_and_tokens_through_the_server_and_the_rollout(engine, mode
     assert "stop" not in sent[-1] and "stop_token_ids" not in sent[-1]
     first = plain.samples[0]
     stop_tok = first.response_ids[1]
-    stopped = generate_chunk(dataclasses.replace(req, stop=["zzz-never"], stop_token_ids=[stop_tok]), plan, rows,
-                             tok, gen)
+    stops = req.rollout.model_copy(update={"stop": ["zzz-never"], "stop_token_ids": [stop_tok]})
+    stopped = generate_chunk(dataclasses.replace(req, rollout=stops), plan, rows, tok, gen)
     assert sent[-1]["stop"] == ["zzz-never"] and sent[-1]["stop_token_ids"] == [stop_tok]
     s = stopped.samples[0]
     assert s.response_ids == first.response_ids[: first.response_ids.index(stop_tok) + 1]

@@ -36,11 +36,13 @@ from gpu_runtime.engine import fleet as fleet_module
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import HealthConfig
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.trainer.api import VersionInfo
 from gpu_runtime.trainer.process import TrainerProcess
 from gpu_runtime.weight_sync.distributed import folder_manifest
+from spec.model import ModelSpec
+from spec.run import CheckpointSpec
+from spec.train import SFTSpec, TrainSpec
+from spec.trainer_rpc import VersionInfo
 from tests.engine_fixtures import free_port, free_port_block, model_dirs, procs, start_engine, wait_for  # noqa: F401
-from workflows.config import CheckpointSpec, ModelSpec, SFTSpec, TrainSpec
 from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=10.0, first_wait_s=120.0, failure_threshold=3)

@@ -12,7 +12,8 @@ from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
 from gpu_runtime.rollout.agent.metrics import episode_metrics
 from gpu_runtime.store.artifacts import EpisodeInfo, Sample
 from milestone_cli.preflight import PreflightError, check_agent
-from workflows.config import RunConfig, format_validation_error
+from spec.run import RunConfig
+from spec.strict import format_validation_error
 from workflows.sampling import pool_agent_metrics
 
 OK = {"data": {"kind": "tool_arithmetic"}, "rollout": {"agent": {}}, "eval": {"enabled": False}}

@@ -19,11 +19,13 @@ from gpu_runtime.rollout.agent.chat import IncrementalChat
 from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chunk
 from gpu_runtime.rollout.agent.metrics import episode_metrics
 from gpu_runtime.rollout.chunks import plan_chunks
-from gpu_runtime.rollout.request import AgentSettings, RolloutRequest
+from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.base_model import tokenizer_texts
 from gpu_runtime.trainer.common.batches import MicroBatch, response_aligned_mask
+from spec.agent import AgentSpec
+from spec.rollout import RolloutSpec
 from tests import agent_tools
 
 ROWS = generate_tool_arithmetic(40, 3, 99, "*", min_operand=10)
@@ -59,20 +61,20 @@ class Engine:
             "finish_reason": {"type": r.finish_reason}}} for r in res], "in-process"
 
 
-def settings(**kw: object) -> AgentSettings:
+def settings(**kw: object) -> AgentSpec:
     base = dict(tools=["calculator"], environment="tests.agent_tools:every_turn_calls", max_turns=3,
                 max_tokens_per_turn=6, max_episode_tokens=60, tool_timeout_s=5.0, episode_timeout_s=600.0,
                 on_tool_error="continue", tool_role="tool")
-    return AgentSettings(**(base | kw))
+    return AgentSpec(**(base | kw))
 
 
-def request(agent: AgentSettings) -> RolloutRequest:
-    return RolloutRequest(run_id="r", step=1, seed=11, policy_version=0, data_cursor=0, n_rows=len(ROWS),
-                          prompts_per_step=2, group_size=3, chunk_size=6, max_new_tokens=6, temperature=1.0,
+def request(agent: AgentSpec) -> RolloutRequest:
+    rollout = RolloutSpec(prompts_per_step=2, group_size=3, chunk_size=6, max_new_tokens=6, temperature=1.0,
                           top_p=1.0, top_k=-1, agent=agent)
+    return RolloutRequest(run_id="r", step=1, seed=11, policy_version=0, data_cursor=0, n_rows=len(ROWS), rollout=rollout)
 
 
-def rollout(store: LocalStore, engine: Engine, agent: AgentSettings | None = None) -> tuple[art.RolloutChunk, AgentCounters]:
+def rollout(store: LocalStore, engine: Engine, agent: AgentSpec | None = None) -> tuple[art.RolloutChunk, AgentCounters]:
     req = request(agent or settings())
     counters = AgentCounters()
     chunk = generate_agent_chunk(req, plan_chunks(req)[0], ROWS, tiny()[1], engine, store, counters)

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import torch
 
-from activities.translate import trainer_hparams
 from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import EpisodeInfo, Sample
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from gpu_runtime.trainer.api import ModelInit, ModelSource
 from gpu_runtime.trainer.base_model import base_model_folder
-from workflows.config import ModelInitSpec, TrainSpec
+from spec.model import ModelInitSpec, ModelSpec
+from spec.train import TrainSpec
 
 ROWS = generate_tool_arithmetic(16, 0, 99, "*", min_operand=10)
 INIT = ModelInitSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -27,7 +26,7 @@ INIT = ModelInitSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, 
 
 @cache
 def base() -> Path:
-    source = ModelSource(path=None, init=ModelInit.model_validate(INIT.model_dump()), lora=None)
+    source = ModelSpec(init=INIT)
     return base_model_folder(source, ROWS, 3, Path(tempfile.mkdtemp(prefix="agent-mask-")))
 
 
@@ -74,7 +73,7 @@ def reference_step(model: torch.nn.Module, samples: list[Sample], rewards: list[
 
 def test_a_trainer_step_on_episodes_matches_the_plain_reference() -> None:
     torch.set_num_threads(1)
-    hp = trainer_hparams(TrainSpec(lr=1e-3, kl_coef=0.0, ppo_epochs=1, micro_batch_size=64, grad_clip=1.0))
+    hp = TrainSpec(lr=1e-3, kl_coef=0.0, ppo_epochs=1, micro_batch_size=64, grad_clip=1.0)
     tr = PolicyTrainer.create(base(), hp, 3)
     ref = copy.deepcopy(tr.model)
     samples, rewards = episodes()
@@ -91,7 +90,7 @@ def test_a_trainer_step_on_episodes_matches_the_plain_reference() -> None:
 def test_training_on_the_tool_tokens_would_differ() -> None:
     """The comparison above can fail: the same step without the mask is far from the reference."""
     torch.set_num_threads(1)
-    hp = trainer_hparams(TrainSpec(lr=1e-3, kl_coef=0.0, ppo_epochs=1, micro_batch_size=64, grad_clip=1.0))
+    hp = TrainSpec(lr=1e-3, kl_coef=0.0, ppo_epochs=1, micro_batch_size=64, grad_clip=1.0)
     tr = PolicyTrainer.create(base(), hp, 3)
     ref = copy.deepcopy(tr.model)
     samples, rewards = episodes()

@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
 
-from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
 from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime, visible_gpus  # noqa: E402
 from gpu_runtime.trainer.fsdp2.device import rank_placement  # noqa: E402
 from gpu_runtime.trainer.fsdp2.host import CellHost  # noqa: E402
+from spec.trainer import TrainerSpec  # noqa: E402
 
 
 def test_visible_gpus_indexes_an_outer_list_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,7 +66,7 @@ def test_ray_started_for_a_cell_hands_out_only_the_cell_gpus(monkeypatch: pytest
 
 def test_a_cuda_cell_larger_than_the_cell_gpus_is_refused_before_ray_starts(tmp_path: Path) -> None:
     host = CellHost(tmp_path, device="cuda", gpus=(0, 2))
-    settings = TrainerBackendSettings(backend="fsdp2", ranks_per_cell=4, placement="strict_pack", ray_address=None,
+    settings = TrainerSpec(backend="fsdp2", ranks_per_cell=4, placement="strict_pack", ray_address=None,
                                       collective_timeout_s=60.0, cells=1, cell_restart_backoff_s=5.0,
                                       cell_restart_backoff_max_s=300.0)
     with pytest.raises(ValueError, match=r"ranks_per_cell 4: .* this node gives cells 2 \(GPUs \[0, 2\]"):

@@ -7,11 +7,11 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from pydantic import ValidationError
 
+from spec.run import RunConfig
+from spec.status import DPCellStatus, DPCells
+from spec.trainer import TrainerSpec
 from tests.stack import tiny_config
 from workflows import cell_heal
-from workflows.config import RunConfig
-from workflows.contracts.cells import DPCells, DPCellStatus
-from workflows.trainer_config import TrainerSpec
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)
 SPEC = TrainerSpec(cells=2)  # 5 s * 2^k, capped at 300 s

@@ -17,13 +17,13 @@ import pytest
 
 pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
 
-from gpu_runtime.trainer.api import TrainerBackendSettings  # noqa: E402
 from gpu_runtime.trainer.fsdp2.errors import RayUnavailable  # noqa: E402
 from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime  # noqa: E402
 from gpu_runtime.trainer.fsdp2.host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
 from gpu_runtime.trainer.protocol import Dead  # noqa: E402
 from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready  # noqa: E402
 from gpu_runtime.proc.processes import pid_alive  # noqa: E402
+from spec.trainer import TrainerSpec  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
 from tests.unit.test_policy_trainer import hparams, rollout  # noqa: E402
 from tests.unit.test_trainer_cell import post_sft_folder  # noqa: E402
@@ -85,7 +85,7 @@ def folder() -> Path:
     return post_sft_folder(HP, 2, "cell-head-")
 
 
-SETTINGS = TrainerBackendSettings(backend="fsdp2", ranks_per_cell=2, placement="strict_pack", ray_address=None,
+SETTINGS = TrainerSpec(backend="fsdp2", ranks_per_cell=2, placement="strict_pack", ray_address=None,
                                   collective_timeout_s=60, cells=1, cell_restart_backoff_s=5,
                                   cell_restart_backoff_max_s=300)
 

@@ -11,7 +11,10 @@ import pytest
 from pydantic import ValidationError
 
 from milestone_cli.config_file import ConfigError, load_run_config
-from workflows.config import DataSpec, EvalSpec, HParamUpdate, RunConfig, TrainSpec, format_validation_error
+from spec.data import DataSpec
+from spec.run import EvalSpec, RunConfig
+from spec.strict import format_validation_error
+from spec.train import HParamUpdate, TrainSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -259,7 +262,7 @@ def test_operand_range_rules() -> None:
 
 
 def test_engines_host_defaults_to_loopback_and_takes_a_bare_address() -> None:
-    from workflows.config import EngineSpec
+    from spec.engine import EngineSpec
 
     assert EngineSpec().host == "127.0.0.1"
     assert EngineSpec(host="0.0.0.0").host == "0.0.0.0" and EngineSpec(host="node-3.lan").host == "node-3.lan"

@@ -20,10 +20,12 @@ from temporalio.testing import ActivityEnvironment
 from activities.control import compute_rewards, prepare_data
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.proc.processes import free_port
+from spec.data import DataSpec
+from spec.reward import RewardSpec
+from spec.run import EvalSpec
 from tests.engine_fixtures import _tokenizer
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
-from workflows.config import DataSpec, EvalSpec, RewardSpec
 from workflows.contracts.placement import DatasetInfo, PrepareDataInput
 from workflows.contracts.sampling import RewardInput, RewardResult
 from workflows.failures import Failure

@@ -18,12 +18,12 @@ from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from gpu_runtime.trainer.api import DistillSettings
 from gpu_runtime.trainer.common.batches import micro_batches, pad_batch
 from gpu_runtime.trainer.policy.distill import distill_terms
+from spec.model import DistillSpec
+from spec.run import RunConfig
 from tests.engine_fixtures import tiny_model
 from tests.unit.test_policy_trainer import ROWS, TOK, assert_same_state, base, hparams
-from workflows.config import RunConfig
 
 HP = dict(kl_coef=0.0, ppo_epochs=1, warmup_steps=0, lr=3e-3)
 
@@ -44,7 +44,7 @@ def teacher_folder() -> Path:
 
 
 def student(coef: float = 1.0, warmup: int = 3) -> PolicyTrainer:
-    tr = PolicyTrainer.create(base(7), hparams(**HP), 7, distill=DistillSettings(teacher_path=str(teacher_folder()), coef=coef))
+    tr = PolicyTrainer.create(base(7), hparams(**HP), 7, distill=DistillSpec(teacher_path=str(teacher_folder()), coef=coef))
     tr.sft_warmup(ROWS, steps=warmup, batch_size=16, lr=3e-3, seed=7, betas=(0.9, 0.999))
     return tr
 
@@ -68,7 +68,7 @@ def test_teacher_must_be_a_model_with_the_students_tokenizer(tmp_path: Path) -> 
     save_model_folder(model, other_tok, tmp_path / "other", weight_version=0)
     for folder, needle in ((tmp_path / "other", "another tokenizer"), (tmp_path, "not a readable model folder")):
         with pytest.raises(ValueError, match=f"distill.teacher_path: .*{needle}"):
-            PolicyTrainer.create(base(7), hparams(**HP), 7, distill=DistillSettings(teacher_path=str(folder), coef=1.0))
+            PolicyTrainer.create(base(7), hparams(**HP), 7, distill=DistillSpec(teacher_path=str(folder), coef=1.0))
 
 
 def test_advantage_term_is_coef_times_teacher_minus_old_on_response_tokens() -> None:

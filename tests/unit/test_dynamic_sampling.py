@@ -16,7 +16,9 @@ from gpu_runtime.rollout.chunks import plan_chunks
 from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
-from workflows.contracts.sampling import AssembleBatchInput, SampledRound, SamplingStats
+from spec.rollout import RolloutSpec
+from spec.trainer_rpc import SampledRound
+from workflows.contracts.sampling import AssembleBatchInput, SamplingStats
 from workflows.failures import Failure
 
 
@@ -93,9 +95,10 @@ def test_assemble_batch_writes_the_kept_groups(tmp_path: Path) -> None:
 
 
 def request(round_: int) -> RolloutRequest:
-    return RolloutRequest(run_id="run", step=4, seed=9, policy_version=3, data_cursor=10, n_rows=50,
-                          prompts_per_step=3, group_size=2, chunk_size=4, max_new_tokens=4, temperature=1.0,
-                          top_p=1.0, top_k=-1, round=round_)
+    rollout = RolloutSpec(prompts_per_step=3, group_size=2, chunk_size=4, max_new_tokens=4, temperature=1.0,
+                          top_p=1.0, top_k=-1)
+    return RolloutRequest(run_id="run", step=4, seed=9, policy_version=3, data_cursor=10, n_rows=50, rollout=rollout,
+                          round=round_)
 
 
 def test_a_round_has_its_own_seeds_and_keys() -> None:

@@ -12,8 +12,9 @@ from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.store.lineage import fork_lineage, owner
 from gpu_runtime.store.object_store import LocalStore
 from milestone_cli.fork import ForkError, apply_sets, cursor_after, fork_input
-from workflows.config import RunConfig, TrainSpec
-from workflows.contracts.placement import ForkPoint
+from spec.run import RunConfig
+from spec.train import TrainSpec
+from spec.trainer_rpc import ForkPoint
 from workflows.run_state import TrainingRunInput
 
 GROUP = 2

@@ -15,12 +15,12 @@ from pydantic import ValidationError
 from gpu_runtime.models.causal_lm import export_state_dict, load_causal_lm
 from gpu_runtime.models.model_folder import load_model_folder, model_checksum
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from gpu_runtime.trainer.api import LoraSettings
 from gpu_runtime.trainer.common.lora import merged_state_dict
+from spec.model import LoraSpec, ModelSpec
+from spec.run import RunConfig
 from tests.unit.test_policy_trainer import ROWS, assert_same_state, base, hparams, rollout
-from workflows.config import LoraSpec, ModelSpec, RunConfig
 
-LORA = LoraSettings.model_validate(LoraSpec(r=4, alpha=8.0).model_dump())
+LORA = LoraSpec(r=4, alpha=8.0)
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +28,7 @@ def _threads() -> None:
     torch.set_num_threads(1)
 
 
-def lora_trainer(seed: int = 7, lora: LoraSettings = LORA, **kw: object) -> PolicyTrainer:
+def lora_trainer(seed: int = 7, lora: LoraSpec = LORA, **kw: object) -> PolicyTrainer:
     tr = PolicyTrainer.create(base(seed), hparams(**kw), seed, lora)
     tr.sft_warmup(ROWS, steps=3, batch_size=8, lr=1e-2, seed=seed, betas=(0.9, 0.999))
     return tr

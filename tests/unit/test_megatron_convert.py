@@ -137,15 +137,15 @@ def test_megatron_grpo_loss_is_the_single_trainers(tmp_path: Path) -> None:
     import copy
 
     from gpu_runtime.store.artifacts import Sample
-    from gpu_runtime.trainer.api import TrainerHParams
-    from gpu_runtime.trainer.megatron.train import grpo_step, unsupported
+    from gpu_runtime.trainer.megatron.train import grpo_step
     from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-    from workflows.config import TrainSpec
+    from spec.train import TrainSpec
+    from spec.trainer import megatron_train_conflicts
 
     model, tok = tiny_model(7)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
-    hp = TrainerHParams(**TrainSpec(lr=1e-3, micro_batch_size=3, loss_agg="seq_mean_token_mean").model_dump())
-    assert unsupported(hp) == []
+    hp = TrainSpec(lr=1e-3, micro_batch_size=3, loss_agg="seq_mean_token_mean")
+    assert megatron_train_conflicts(hp) == []
     samples = [Sample(sample_id=f"s1-p{p}-g{g}", prompt_index=p, group_index=g, prompt_ids=[1, 5 + p, 6],
                       response_ids=[7, 8, 9 + g][: 1 + (g + p) % 3], logprobs=[-1.0] * (1 + (g + p) % 3),
                       weight_version=0, finish_reason="length") for p in range(2) for g in range(4)]

@@ -36,16 +36,17 @@ import torch
 from activities import translate
 from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.megatron import trainer as mtrainer
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.service import TrainerService
+from spec.model import ModelSpec
+from spec.run import CheckpointSpec
+from spec.train import SFTSpec, TrainSpec
+from spec.trainer import TrainerSpec
 from tests.engine_fixtures import REPO, tiny_model
 from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_service, check_steps, run_service, run_steps
-from workflows.config import CheckpointSpec, ModelSpec, SFTSpec, TrainSpec
 from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 from workflows.stubs import TRAIN_STEP
-from workflows.trainer_config import TrainerSpec
 
 def _batch(step: int) -> tuple[list[Sample], list[float]]:
     samples = [Sample(sample_id=f"s{step}-p{p}-g{g}", prompt_index=p, group_index=g, prompt_ids=[1, 5 + p, 6 + step],
@@ -62,8 +63,8 @@ def test_train_step_is_the_single_trainers_step(tmp_path: Path) -> None:
     the same weights after each step as ``PolicyTrainer.train_step``."""
     model, tok = tiny_model(7)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
-    hp = TrainerHParams(**TrainSpec(lr=1e-3, warmup_steps=2, micro_batch_size=3, grad_clip=0.5,
-                                    loss_agg="seq_mean_token_mean").model_dump())
+    hp = TrainSpec(lr=1e-3, warmup_steps=2, micro_batch_size=3, grad_clip=0.5,
+                                    loss_agg="seq_mean_token_mean")
     ref = PolicyTrainer.create(tmp_path / "m", hp, 0)
     hf = copy.deepcopy(ref.model)
     mine = mtrainer.MegatronTrainer(HFAsGPT(hf), hf.config, None, ref.tokenizer, hp, 0)
@@ -85,10 +86,11 @@ def test_train_step_refuses_what_the_loss_does_not_implement(tmp_path: Path) -> 
     """A knob ``set_hparams`` could change mid-run is refused by name (the workflow's validator
     refuses it first; this is the trainer's own guard)."""
     model, tok = tiny_model(7)
-    hp = TrainerHParams(**TrainSpec().model_dump())
+    hp = TrainSpec()
     mine = mtrainer.MegatronTrainer(HFAsGPT(model), model.config, None, tok, hp, 0)
     samples, rewards = _batch(1)
-    with pytest.raises(ValueError, match="trainer.backend megatron does not support train.kl_coef > 0, train.tis_cap"):
+    refused = r"trainer.backend megatron does not support train.kl_coef > 0 \(no frozen reference model is kept\); train.tis_cap"
+    with pytest.raises(ValueError, match=refused):
         mine.train_step(samples, rewards, 4, hp.model_copy(update={"kl_coef": 0.1, "tis_cap": 2.0}))
     assert mine.policy_version == 0
     with pytest.raises(ValueError, match="mode sft"):
@@ -130,14 +132,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.models.model_folder import weights_checksum
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from workflows.config import TrainSpec
+from spec.train import TrainSpec
 
 src, work = Path(sys.argv[1]), Path(sys.argv[2])
 out = {}
-hp = TrainerHParams(**TrainSpec(lr=1e-3, warmup_steps=2).model_dump())
+hp = TrainSpec(lr=1e-3, warmup_steps=2)
 try:
     MegatronTrainer.create(src, hp, 0)
 except ValueError as e:
@@ -244,8 +245,8 @@ def test_set_hparams_refuses_what_megatron_does_not_implement_mid_run() -> None:
     implemented one is accepted."""
     from temporalio.client import WorkflowUpdateFailedError
 
+    from spec.train import HParamUpdate
     from tests.unit.workflow_harness import Cluster, finish, run_config, scenario, start_run
-    from workflows.config import HParamUpdate
     from workflows.training_run import TrainingRun
 
     cluster = Cluster()

@@ -15,12 +15,11 @@ from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.data.datasets import encode_prompt, generate_arithmetic
 from gpu_runtime.models.model_folder import load_model_folder, model_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
-from activities.translate import trainer_hparams
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from gpu_runtime.trainer.api import ModelInit, ModelSource, VersionInfo
 from gpu_runtime.trainer.base_model import base_model_folder
-from workflows.config import ModelInitSpec, TrainSpec
+from spec.model import ModelInitSpec, ModelSpec
+from spec.train import TrainSpec
+from spec.trainer_rpc import VersionInfo
 
 ROWS = generate_arithmetic(32, seed=0, max_operand=20)
 INIT = ModelInitSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -30,7 +29,7 @@ INIT = ModelInitSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, 
 @cache
 def base(seed: int) -> Path:
     """A real HF folder (BPE tokenizer trained on ROWS, seeded transformers init), as a run builds it."""
-    source = ModelSource(path=None, init=ModelInit.model_validate(INIT.model_dump()), lora=None)
+    source = ModelSpec(init=INIT)
     return base_model_folder(source, ROWS, seed, Path(tempfile.mkdtemp(prefix="trainer-base-")))
 
 
@@ -44,11 +43,11 @@ def _threads() -> None:
     torch.set_num_threads(1)
 
 
-def hparams(**kw: object) -> TrainerHParams:
+def hparams(**kw: object) -> TrainSpec:
     """The run config's ``train`` defaults with these overrides, as the node agent sends them."""
     base: dict[str, object] = dict(lr=1e-3, micro_batch_size=3, ppo_epochs=2, kl_coef=0.1, warmup_steps=3, clip_eps=0.2)
     base.update(kw)
-    return trainer_hparams(TrainSpec(**base))
+    return TrainSpec(**base)
 
 
 def rollout(step: int, n_prompts: int = 2, group: int = 4) -> tuple[list[Sample], list[float]]:

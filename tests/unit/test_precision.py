@@ -25,9 +25,8 @@ from gpu_runtime.data.datasets import encode_prompt, sft_target
 from gpu_runtime.models.causal_lm import ATTENTION, export_state_dict
 from gpu_runtime.models.precision import autocast_dtype, forward_precision
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from gpu_runtime.trainer.api import stored_hparams
+from spec.train import TrainSpec
 from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams, optimizer_tensors, rollout
-from workflows.config import TrainSpec
 
 SEED = 7
 STEPS = 3
@@ -206,7 +205,7 @@ def test_precision_is_validated_and_old_records_read_as_fp32() -> None:
         autocast_dtype("fp16")
     raw = hparams().model_dump(mode="json")
     del raw["precision"]
-    assert stored_hparams(raw).precision == "fp32"  # a step stored before the knob replays as float32
+    assert TrainSpec.model_validate(raw).precision == "fp32"  # a step stored before the knob replays as float32
 
 
 def test_fp32_runs_no_autocast_and_bf16_only_around_the_forward() -> None:

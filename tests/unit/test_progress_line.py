@@ -38,12 +38,13 @@ def test_status_lists_the_cell_and_its_ranks() -> None:
     """A fsdp2 run's cell as the trainer reported it (train_step result -> TrainingRun state ->
     progress): one line per cell, one per rank with pid, Ray node and state."""
     from activities import translate
-    from gpu_runtime.trainer.api import CellRankState, CellState, TrainResult
     from milestone_cli.progress_view import format_cells
+    from spec.status import CellInfo, CellRankInfo
+    from spec.trainer_rpc import TrainResult
     from workflows.run_state import RunProgress
 
-    cell = CellState(generation=2, placement="strict_pack", ray_address="local", ranks=[
-        CellRankState(rank=r, pid=100 + r, node_ip="127.0.0.1", node_id=f"n{r}", state="alive") for r in range(2)])
+    cell = CellInfo(generation=2, placement="strict_pack", ray_address="local", ranks=[
+        CellRankInfo(rank=r, pid=100 + r, node_ip="127.0.0.1", node_id=f"n{r}", state="alive") for r in range(2)])
     res = TrainResult(policy_version=3, checksum="c", weights_key="w", metrics={}, seconds=1.0, cell=cell)
     out = translate.train_step_result(res, [], "node0")
     assert out.cell is not None and out.cell.node == "node0" and [r.pid for r in out.cell.ranks] == [100, 101]
@@ -64,15 +65,16 @@ def test_status_lists_the_dp_cells_and_when_a_lost_one_restarts() -> None:
     from datetime import datetime, timezone
 
     from activities import translate
-    from gpu_runtime.trainer.api import DPCellInfo, DPState, TrainResult
     from milestone_cli.progress_view import format_cells, format_progress
+    from spec.status import DPCellStatus, DPCells
+    from spec.trainer_rpc import TrainResult
     from workflows.contracts.cells import CellHeal
     from workflows.run_state import RunProgress
     from workflows.contracts.step import StepSummary
 
-    dp = DPState(lighthouse_pid=7, cells=[
-        DPCellInfo(index=0, pid=100, state="alive", policy_version=3, state_checksum="abc"),
-        DPCellInfo(index=1, pid=101, state="lost", why="died during train_step", policy_version=2)])
+    dp = DPCells(lighthouse_pid=7, cells=[
+        DPCellStatus(index=0, pid=100, state="alive", policy_version=3, state_checksum="abc"),
+        DPCellStatus(index=1, pid=101, state="lost", why="died during train_step", policy_version=2)])
     out = translate.train_step_result(TrainResult(policy_version=3, checksum="c", weights_key="w",
                                                   metrics={"dp_cells": 1.0}, seconds=1.0, dp=dp), [], "node0")
     assert out.dp is not None and out.dp.node == "node0" and [c.state for c in out.dp.cells] == ["alive", "lost"]

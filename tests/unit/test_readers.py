@@ -11,10 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from activities.translate import data_source
 from gpu_runtime.data.readers import MAX_ERRORS, DatasetError, check_source, iter_rows, read_rows
 from gpu_runtime.data.rows import DataRow
-from workflows.config import DataSpec
+from spec.data import DataSpec
 
 GSM = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in all?"
 CHAT = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2+3?"}]
@@ -32,7 +31,7 @@ def write_parquet(path: Path, columns: dict[str, list], schema: pa.Schema | None
 
 def read(path: Path, math: bool = True, **data: Any) -> list[dict]:
     kind = "parquet" if path.suffix == ".parquet" else "jsonl"
-    return read_rows(data_source(DataSpec(kind=kind, path=str(path), **data)), require_int_answer=math)
+    return read_rows(DataSpec(kind=kind, path=str(path), **data), require_int_answer=math)
 
 
 def errors(path: Path, math: bool = True, **data: Any) -> list[str]:
@@ -112,7 +111,7 @@ def test_custom_reward_allows_text_labels(tmp_path: Path) -> None:
 
 def test_check_source_counts_and_iter_rows_streams(tmp_path: Path) -> None:
     p = write_jsonl(tmp_path / "s.jsonl", [{"question": f"q{i}", "answer": str(i)} for i in range(25)])
-    source = data_source(DataSpec(kind="jsonl", path=str(p)))
+    source = DataSpec(kind="jsonl", path=str(p))
     assert check_source(source, require_int_answer=True) == 25
     it = iter_rows(source, require_int_answer=True)
     assert next(it)["id"] == "row-0"  # rows come before the file is finished

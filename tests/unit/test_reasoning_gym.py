@@ -13,13 +13,14 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.control import prepare_data
-from activities.translate import reward_settings
 from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.data.evaluation import is_correct
 from gpu_runtime.data.rewards import score_samples
 from gpu_runtime.store import artifacts as art
-from workflows.config import DataSpec, EvalSpec, RewardSpec, RunConfig
+from spec.data import DataSpec
+from spec.reward import RewardSpec
+from spec.run import EvalSpec, RunConfig
 from workflows.contracts.placement import PrepareDataInput
 from workflows.failures import Failure
 
@@ -51,7 +52,7 @@ def test_reward_kind_uses_the_generators_scorer() -> None:
     samples = [Sample(sample_id=f"s1-p{i}-g0", prompt_index=i, group_index=0, prompt_ids=[1], response_ids=[2],
                       logprobs=[0.0], weight_version=0, finish_reason="stop", prompt_text=rows[i % 2]["prompt"],
                       response_text=text) for i, text in enumerate(responses)]
-    spec = reward_settings(RewardSpec(kind="reasoning_gym"))
+    spec = RewardSpec(kind="reasoning_gym")
     got = score_samples(samples, {0: rows[0], 1: rows[1], 2: rows[0]}, spec)
     assert [(r.reward, r.correct) for r in got[:2]] == [(1.0, True), (1.0, True)]
     assert got[2].correct is False and got[2].reward < 1.0
@@ -76,7 +77,7 @@ def test_a_hung_generator_scorer_is_killed_and_scores_zero(monkeypatch: pytest.M
                       logprobs=[0.0], weight_version=0, finish_reason="stop", prompt_text=rows[0]["prompt"],
                       response_text=text) for i, text in enumerate(["67", rows[0]["answer"]])]
     stats = ScoreStats()
-    got = score_samples(samples, {0: rows[0]}, reward_settings(RewardSpec(kind="reasoning_gym", timeout_s=1.0)),
+    got = score_samples(samples, {0: rows[0]}, RewardSpec(kind="reasoning_gym", timeout_s=1.0),
                         stats=stats)
     assert (got[0].reward, got[0].correct) == (0.0, False)
     assert "timed out after 1 s (its process was killed)" in got[0].error

@@ -15,8 +15,9 @@ from gpu_runtime.proc.devices import Placement, plan_placement
 from gpu_runtime.node.memory_phases import resolve_release_memory
 from gpu_runtime.trainer.common.offload import OptimizerOffload
 from gpu_runtime.trainer.common.state_io import OPTIM_FILE
+from spec.engine import EngineSpec
+from spec.run import RunConfig
 from tests.unit.test_policy_trainer import assert_same_state, new_trainer, rollout
-from workflows.config import EngineSpec, RunConfig
 
 
 @pytest.fixture(autouse=True)

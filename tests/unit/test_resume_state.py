@@ -10,7 +10,7 @@ from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.store.object_store import LocalStore
 from milestone_cli.resume import ResumeError, resume_state
-from workflows.config import RunConfig
+from spec.run import RunConfig
 
 
 def test_missing_dataset_is_a_resume_error(tmp_path: Path) -> None:

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from activities.translate import reward_settings
 from gpu_runtime.data.rewards import RewardError, RewardFatal, ScoreContext, ScoreStats, score_samples
 from gpu_runtime.proc.processes import free_port
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.store.object_store import LocalStore
+from spec.reward import RewardSpec
 from tests.reward_servers import Behaviour, length_score, reward_server
-from workflows.config import RewardSpec
 
 ROWS = [{"id": f"r{i}", "prompt": f"{i}+1=", "messages": None, "answer": str(i + 1), "metadata": {"i": i}}
         for i in range(3)]
@@ -34,7 +33,7 @@ def expected(items: list[Sample]) -> list[float]:
 
 
 def http(url: str, **kw: object) -> object:
-    return reward_settings(RewardSpec(kind="http", url=url, **kw))
+    return RewardSpec(kind="http", url=url, **kw)
 
 
 # ---- http ------------------------------------------------------------------------------
@@ -92,7 +91,7 @@ def test_http_4xx_and_bad_answers_are_final_and_not_retried(behaviour: Behaviour
 
 # ---- judge -----------------------------------------------------------------------------
 def judge(url: str, **kw: object) -> object:
-    return reward_settings(RewardSpec(kind="judge", url=url, **kw))
+    return RewardSpec(kind="judge", url=url, **kw)
 
 
 def ctx(store_dir: Path, prefix: str = "runs/r/steps/000001/judge") -> ScoreContext:
@@ -156,8 +155,8 @@ def test_judge_needs_a_store() -> None:
 
 def test_judge_in_a_weighted_reward_records_under_its_term_name(tmp_path: Path) -> None:
     with reward_server() as server:
-        spec = reward_settings(RewardSpec(kind="weighted", terms=[
-            {"kind": "math_answer", "weight": 1.0}, {"kind": "judge", "url": server.url, "weight": 0.5, "name": "llm"}]))
+        spec = RewardSpec(kind="weighted", terms=[
+            {"kind": "math_answer", "weight": 1.0}, {"kind": "judge", "url": server.url, "weight": 0.5, "name": "llm"}])
         res = score_samples(samples(2), ROWS, spec, ctx(tmp_path))
     assert [r.terms["llm"] for r in res] == pytest.approx(expected(samples(2)))
     assert [r.reward for r in res] == pytest.approx([1.0 + 0.5 * v for v in expected(samples(2))])

@@ -9,17 +9,22 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from activities.translate import reward_settings
 from gpu_runtime.data.rewards import (
-    RewardFatal, RewardFunctionNotFound, RewardSettings, ScoreStats, extract_answer, load_reward_function,
-    math_answer_reward, score_samples,
+    RewardFatal,
+    RewardFunctionNotFound,
+    ScoreStats,
+    extract_answer,
+    load_reward_function,
+    math_answer_reward,
+    mathverify,
+    score_samples,
+    scoring,
 )
-from gpu_runtime.data.rewards import mathverify, scoring
 from gpu_runtime.data.rewards.rules import format_reward, gsm8k_extract, gsm8k_label, gsm8k_reward, normalize_number
 from gpu_runtime.proc.processes import pid_alive
 from gpu_runtime.store.artifacts import Sample
+from spec.reward import RewardSpec
 from tests.stack import wait_for
-from workflows.config import RewardSpec
 
 ROW = {"id": "r0", "prompt": "23+45=", "messages": None, "answer": "23+45=68\n#### 68", "metadata": {}}
 
@@ -27,9 +32,9 @@ ROW = {"id": "r0", "prompt": "23+45=", "messages": None, "answer": "23+45=68\n##
 FNS = "tests.reward_fns"  # the functions the tests load by dotted path (in the reward child process)
 
 
-def settings(**kw: object) -> RewardSettings:
+def settings(**kw: object) -> RewardSpec:
     """The run config's ``reward`` section as the control worker hands it to the scorer."""
-    return reward_settings(RewardSpec(**kw))
+    return RewardSpec(**kw)
 
 
 def samples(texts: list[str], prompt: str = "23+45=") -> list[Sample]:
@@ -254,8 +259,7 @@ def test_function_not_found_is_its_own_type(path: str, needle: str) -> None:
     with pytest.raises(RewardFunctionNotFound, match=needle):
         load_reward_function(path)
     with pytest.raises(RewardFunctionNotFound, match=needle):
-        score_samples(samples(["68"]), [ROW], RewardSettings.model_validate(
-            {**settings(kind="custom", function="m:f").model_dump(), "function": path}))
+        score_samples(samples(["68"]), [ROW], settings(kind="custom", function="m:f").model_copy(update={"function": path}))
 
 
 @pytest.fixture

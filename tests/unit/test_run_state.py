@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from spec.status import CellInfo, DPCellStatus, DPCells, EngineSlotInfo, RunEvent
+from spec.trainer import TrainerSpec
 from workflows import cell_heal
-from workflows.contracts.cells import CellInfo, DPCells, DPCellStatus
-from workflows.contracts.events import RunEvent
 from workflows.run_state import EVENTS_KEEP, HISTORY_KEEP, SUMMARY_STEPS, RunState
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import StepSummary
-from workflows.contracts.training import EngineSlotInfo, EvalResult
-from workflows.trainer_config import TrainerSpec
+from workflows.contracts.training import EvalResult
 
 NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)
 SPEC = TrainerSpec()

@@ -26,12 +26,13 @@ from gpu_runtime.rollout.held import HeldChunks
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import ForwardingStore, ObjectStore
 from gpu_runtime.store.uri import open_store
-from gpu_runtime.trainer.api import stored_step_batch
 from gpu_runtime.trainer.common.step_samples import step_samples
 from tests.reward_servers import Behaviour, reward_server
-from workflows.config import RewardSpec, TrainSpec
+from spec.reward import RewardSpec
+from spec.train import TrainSpec
+from spec.trainer_rpc import BatchSelection, SampledRound, StepBatch
 from workflows.contracts.placement import DatasetInfo
-from workflows.contracts.sampling import AssembleBatchInput, BatchSelection, RewardInput, SampledRound, SamplingStats
+from workflows.contracts.sampling import AssembleBatchInput, RewardInput, SamplingStats
 from workflows.contracts.training import TrainStepInput
 from workflows.failures import Failure
 
@@ -220,7 +221,7 @@ def test_the_trainer_reads_each_chunk_of_a_selection_once_and_trains_what_assemb
     store = open_store(store_uri)
     rounds = two_rounds(store)
     counting = CountingStore(store)
-    batch = stored_step_batch(step_batch(train_input(BatchSelection(rounds=rounds, groups=GROUPS))).model_dump_json())
+    batch = StepBatch.model_validate_json(step_batch(train_input(BatchSelection(rounds=rounds, groups=GROUPS))).model_dump_json())
     samples, rewards = step_samples(counting, batch)
     assert counting.reads == Counter({k: 1 for r in rounds for k in [*r.chunk_keys, r.rewards_key]})
 
@@ -252,7 +253,7 @@ def test_a_step_batch_stored_before_selections_still_replays(store_uri: str) -> 
     raw = json.loads(step_batch(train_input(chunk_keys=copied.chunk_keys, rewards_key=copied.rewards_key))
                      .model_dump_json())
     del raw["selection"]  # as the previous version stored it
-    old = stored_step_batch(json.dumps(raw))
+    old = StepBatch.model_validate_json(json.dumps(raw))
     assert old.selection is None and old.chunk_keys == copied.chunk_keys
     counting = CountingStore(store)
     samples, rewards = step_samples(counting, old)

@@ -16,10 +16,11 @@ from temporalio.worker import Worker
 from gpu_runtime.data.datasets import sft_target
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.policy.sft import sft_samples
+from spec.run import RunConfig
+from spec.train import HParamUpdate
 from tests.unit.test_lora import LORA
 from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
-from workflows.config import HParamUpdate, RunConfig
 from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, ROLLOUT, TRAIN_STEP
 from workflows.training_run import SFT_STEP_PATCH, TrainingRun
 

@@ -7,15 +7,13 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from activities.translate import trainer_hparams
 from bench.soak import CELL_FAULTS, KINDS, Fault, fault_checks, plan
 from bench.soak_checks import cells_whole, trained_exactly_once
 from gpu_runtime.data.datasets import prompts_for_step
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.trainer.api import StepBatch
-from workflows.config import TrainSpec
-from workflows.contracts.cells import DPCells, DPCellStatus
-from workflows.contracts.events import RunEvent
+from spec.status import DPCellStatus, DPCells, RunEvent
+from spec.train import TrainSpec
+from spec.trainer_rpc import StepBatch
 from workflows.run_state import RunProgress
 from workflows.contracts.step import StepSummary
 
@@ -47,7 +45,7 @@ def write_run(store: Path, samples_of=None) -> RunProgress:  # type: ignore[no-u
         _put(store, art.rewards_key(RUN, s), rewards)
         _put(store, art.step_batch_key(RUN, s), StepBatch(
             step=s, policy_version=s - 1, chunk_keys=[chunk], rewards_key=art.rewards_key(RUN, s), group_size=G,
-            hparams=trainer_hparams(TrainSpec()), sft=None))
+            hparams=TrainSpec(), sft=None))
         steps.append(StepSummary(step=s, policy_version=s, data_cursor=s * P, reward_mean=1, reward_std=0,
                                  accuracy=1, loss=0, step_seconds=1))
     return RunProgress(run_id=RUN, state="completed", step=STEPS, total_steps=STEPS, policy_version=STEPS,

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from workflows.config import RunConfig, TrainSpec
-from workflows.contracts.cells import DPCells, DPCellStatus, RestartCellsResult
-from workflows.contracts.events import RunEvent
+from spec.run import RunConfig
+from spec.status import DPCellStatus, DPCells, EngineSlotInfo, RunEvent
+from spec.train import TrainSpec
+from workflows.contracts.cells import RestartCellsResult
 from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import Sampled, SamplingStats
 from workflows.contracts.step import RLStepInput
-from workflows.contracts.training import (
-    CheckpointResult,
-    EngineSlotInfo,
-    EvalResult,
-    TrainStepResult,
-    UpdateWeightsResult,
-)
+from workflows.contracts.training import CheckpointResult, EvalResult, TrainStepResult, UpdateWeightsResult
 from workflows.step_summary import StepResults, summarize
 
 INP = RLStepInput(run_id="r", step=3, config=RunConfig(), train=TrainSpec(), policy_version=2, data_cursor=8,

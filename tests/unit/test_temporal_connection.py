@@ -118,7 +118,8 @@ def test_data_converter_has_the_codec_only_with_a_key() -> None:
 def test_credentials_in_the_store_uri_are_refused_without_echoing_them() -> None:
     from pydantic import ValidationError
 
-    from workflows.config import RunConfig, format_validation_error
+    from spec.run import RunConfig
+    from spec.strict import format_validation_error
 
     with pytest.raises(ValidationError) as err:
         RunConfig.model_validate({"store": "s3://AKIAEXAMPLE:s3cr3tv4lue@bucket/exp"})

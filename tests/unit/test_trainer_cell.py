@@ -23,11 +23,11 @@ pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip i
 from gpu_runtime.models.causal_lm import export_state_dict  # noqa: E402
 from gpu_runtime.models.model_folder import load_model_folder, weights_checksum  # noqa: E402
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.api import TrainerHParams  # noqa: E402
 from gpu_runtime.trainer.fsdp2.cell import CellPlacementFailed, CellRankDied, CellRankHung, TrainerCell  # noqa: E402
 from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime  # noqa: E402
 from gpu_runtime.trainer.protocol import Dead  # noqa: E402
 from gpu_runtime.proc.processes import pid_alive  # noqa: E402
+from spec.train import TrainSpec  # noqa: E402
 from tests.stack import wait_for  # noqa: E402
 from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
 
@@ -48,7 +48,7 @@ WEIGHT_ATOL = 1e-5
 METRIC_RTOL = 1e-5
 
 
-def post_sft_folder(hp: TrainerHParams, sft_steps: int, prefix: str) -> Path:
+def post_sft_folder(hp: TrainSpec, sft_steps: int, prefix: str) -> Path:
     """A policy after ``sft_steps`` of SFT on ROWS, exported as the HF folder a cell's ranks load."""
     torch.set_num_threads(1)
     tr = PolicyTrainer.create(base(SEED), hp, SEED)
@@ -83,7 +83,7 @@ def reference(folder: Path) -> tuple[list[dict[str, float]], dict[str, torch.Ten
 
 
 def run_cell(folder: Path, save_after: int | None = None, ckpt: Path | None = None,
-             restore: Path | None = None, first: int = 1, ranks: int = 2, hp: TrainerHParams = HP,
+             restore: Path | None = None, first: int = 1, ranks: int = 2, hp: TrainSpec = HP,
              samples: Callable[[int], tuple[list, list[float]]] = rollout,
              ) -> tuple[list[dict[str, float]], dict[str, torch.Tensor], str]:
     cell = TrainerCell(ranks, folder, hp, SEED)

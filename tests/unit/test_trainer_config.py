@@ -3,10 +3,13 @@ refuse up front."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
-from workflows.config import RunConfig, format_validation_error
+from spec.run import RunConfig
+from spec.strict import format_validation_error
 
 # 4 prompts x 4 samples in micro-batches of 4: 4 micro-batches
 BASE = {"rollout": {"prompts_per_step": 4, "group_size": 4}, "train": {"micro_batch_size": 4}}
@@ -110,15 +113,28 @@ def test_off_policy_megatron_runs_with_tis_off() -> None:
 @pytest.mark.parametrize("knob,value", [("kl_coef", 0.1), ("entropy_coef", 0.01), ("tis_cap", 2.0),
                                         ("ppo_epochs", 2), ("estimator", "ppo"), ("precision", "bf16")])
 def test_the_config_and_the_megatron_loss_refuse_the_same_knobs(knob: str, value: object) -> None:
-    """``megatron_train_conflicts`` (the config, torch-free) and ``megatron.train.unsupported``
-    (the runtime twin the trainer checks every step) agree knob by knob."""
-    from gpu_runtime.trainer.api import TrainerHParams
-    from gpu_runtime.trainer.megatron.train import unsupported
-    from workflows.config import TrainSpec
-    from workflows.trainer_config import megatron_train_conflicts
+    """One check (``megatron_train_conflicts``, torch-free) refuses the knobs in the run config,
+    and in the megatron loss the trainer runs every step (``set_hparams`` may change them)."""
+    from gpu_runtime.trainer.megatron.train import grpo_backward
+    from spec.train import TrainSpec
+    from spec.trainer import megatron_train_conflicts
 
     train = TrainSpec.model_validate({knob: value})
-    assert megatron_train_conflicts(TrainSpec()) == [] and unsupported(TrainerHParams(**TrainSpec().model_dump())) == []
-    assert len(megatron_train_conflicts(train)) == 1 and knob in megatron_train_conflicts(train)[0]
-    got = unsupported(TrainerHParams(**train.model_dump()))
-    assert len(got) == 1 and knob in got[0]
+    assert megatron_train_conflicts(TrainSpec()) == []
+    (reason,) = megatron_train_conflicts(train)
+    assert knob in reason
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        grpo_backward(None, [], [], 4, train, 0)  # refused before the model is touched
+
+def test_the_backends_refuse_mid_run_the_train_knobs_their_layout_lacks() -> None:
+    """``train_conflicts``: what the fsdp2 ranks, the DP cells and the megatron trainer refuse at
+    every step (``set_hparams`` may change ``train``), from the same table the config reads."""
+    from spec.train import TrainSpec
+    from spec.trainer import LAYOUT_GAPS, megatron_train_conflicts, train_conflicts
+
+    ppo = TrainSpec(estimator="ppo")
+    assert train_conflicts("fsdp2", ppo) == [LAYOUT_GAPS["fsdp2"]["ppo"]]
+    assert train_conflicts("cells", ppo.model_copy(update={"ppo_epochs": 2})) == [
+        LAYOUT_GAPS["cells"]["ppo"], LAYOUT_GAPS["cells"]["ppo_epochs"].format(ppo_epochs=2)]
+    assert train_conflicts("megatron", ppo) == megatron_train_conflicts(ppo)
+    assert all(train_conflicts(layout, TrainSpec()) == [] for layout in LAYOUT_GAPS)

@@ -24,8 +24,8 @@ from gpu_runtime.weight_sync.distributed import (
     manifest_from_request,
     manifest_of,
 )
+from spec.engine import EngineSpec
 from tests.engine_fixtures import make_model_folder, tiny_model
-from workflows.config import EngineSpec
 
 
 def test_config_allows_distributed_on_both_backends_and_names_bad_fields() -> None:

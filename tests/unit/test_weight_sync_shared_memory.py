@@ -105,7 +105,7 @@ def test_checksum_matches_the_store_path(models) -> None:  # type: ignore[no-unt
 def test_config_refuses_shared_memory_for_sglang_engines() -> None:
     from pydantic import ValidationError
 
-    from workflows.config import EngineSpec
+    from spec.engine import EngineSpec
 
     assert EngineSpec().weight_sync == "store"
     assert EngineSpec(weight_sync="shared_memory").weight_sync == "shared_memory"

@@ -17,6 +17,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from spec.train import HParamUpdate
 from tests.unit.workflow_harness import (
     PROMPTS_PER_STEP,
     WAIT_S,
@@ -29,7 +30,6 @@ from tests.unit.workflow_harness import (
     start_run,
     wait_progress,
 )
-from workflows.config import HParamUpdate
 from workflows.contracts.step import StepSummary
 from workflows.failures import Failure, failure
 from workflows.stubs import CLAIM_NODE, INIT_POLICY, PREPARE_DATA, ROLLOUT, TRAIN_STEP

@@ -18,6 +18,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
+from spec.rollout import ONE_STEP_OFF_TIS_CAP
+from spec.run import RunConfig
 from tests.unit.workflow_harness import (
     PROMPTS_PER_STEP,
     WAIT_S,
@@ -28,7 +30,6 @@ from tests.unit.workflow_harness import (
     scenario,
     start_run,
 )
-from workflows.config import ONE_STEP_OFF_TIS_CAP, RunConfig
 from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import RLStepInput
@@ -246,8 +247,7 @@ def test_dynamic_sampling_composes_each_batch_drawing_where_the_last_stopped() -
 def test_a_buffer_that_does_not_start_at_the_committed_cursor_fails_the_run() -> None:
     """A state whose buffer would skip prompts (here: a hand-built one) is refused by the
     step, naming the cursors, instead of training the wrong batch."""
-    from workflows.run_state import RunState, TrainingRunInput
-    from workflows.run_state import RunSummary
+    from workflows.run_state import RunState, RunSummary, TrainingRunInput
     from workflows.queues import CONTROL_QUEUE
 
     cluster = Cluster()
@@ -276,7 +276,7 @@ def test_a_fork_mid_buffer_takes_the_parents_batches_and_keeps_its_schedule() ->
     fork trains steps 3 and 4 on the parent's batches and samples only step 5's, on the
     version the parent did. A fork that changes the rollout samples afresh."""
     from milestone_cli.fork import parent_buffer, with_parent_buffer
-    from workflows.contracts.placement import ForkPoint
+    from spec.trainer_rpc import ForkPoint
     from workflows.run_state import RunState, RunSummary, TrainingRunInput
     from workflows.queues import CONTROL_QUEUE
 

@@ -115,7 +115,8 @@ def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest
 
 
 def test_one_step_off_turns_truncated_is_on_unless_the_config_sets_tis_cap() -> None:
-    from workflows.config import ONE_STEP_OFF_TIS_CAP, RunConfig
+    from spec.rollout import ONE_STEP_OFF_TIS_CAP
+    from spec.run import RunConfig
 
     on = RunConfig.model_validate({"rollout": {"mode": "one_step_off"}})
     assert on.train.tis_cap == ONE_STEP_OFF_TIS_CAP

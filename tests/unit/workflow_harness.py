@@ -34,7 +34,8 @@ from temporalio.worker import Worker
 
 from gpu_runtime.proc.processes import packaged_binary
 from infra.temporal_server import SEARCH_ATTRIBUTES
-from workflows.config import RunConfig
+from spec.run import RunConfig
+from spec.status import EngineSlotInfo
 from workflows.contracts.placement import (
     ClaimNodeInput,
     DatasetInfo,
@@ -56,7 +57,6 @@ from workflows.contracts.sampling import (
 from workflows.contracts.training import (
     CheckpointInput,
     CheckpointResult,
-    EngineSlotInfo,
     EvalInput,
     EvalResult,
     TrainStepInput,

@@ -7,18 +7,14 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from workflows.config import CheckpointSpec, DataSpec, DistillSpec, EvalSpec, ModelSpec, RewardSpec, SFTSpec, TrainSpec
-from workflows.contracts.cells import CellInfo, DPCells
-from workflows.contracts.events import RunEvent
-from workflows.trainer_config import TrainerSpec
-
-
-class ForkPoint(BaseModel):
-    """A forked run's ancestor: the steps up to ``step`` (after the previous ancestor's)
-    are that run's, and their artifacts live, read-only, under ``runs/<run_id>/``."""
-
-    run_id: str
-    step: int
+from spec.data import DataSpec
+from spec.model import DistillSpec, ModelSpec
+from spec.reward import RewardSpec
+from spec.run import CheckpointSpec, EvalSpec
+from spec.status import CellInfo, DPCells, RunEvent
+from spec.train import SFTSpec, TrainSpec
+from spec.trainer import TrainerSpec
+from spec.trainer_rpc import ForkPoint
 
 
 class NodeClaim(BaseModel):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from workflows.config import RewardSpec, RolloutSpec
-from workflows.contracts.events import RunEvent
+from spec.reward import RewardSpec
+from spec.rollout import RolloutSpec
+from spec.status import RunEvent
+from spec.trainer_rpc import BatchSelection, SampledRound
 from workflows.contracts.placement import DatasetInfo
 
 
@@ -79,23 +81,6 @@ class SamplingStats(BaseModel):
     groups_trained: int  # kept groups trained on (at most prompts_per_step; see on_shortfall)
     trained_reward_mean: float  # mean reward of the trained batch (the step's reward_mean covers every round)
     fallback: bool = False  # no group was kept: the first round's groups were trained as they were
-
-
-class SampledRound(BaseModel):
-    """One dynamic-sampling round of a step, as stored: its chunks and their rewards."""
-
-    chunk_keys: list[str]
-    rewards_key: str
-
-
-class BatchSelection(BaseModel):
-    """The trained batch of a step with dynamic sampling, as a selection: the rounds' chunks
-    and rewards, and the (round, group index) of each trained group, in training order. The
-    trainer reads each round's chunks once and takes these groups in memory; nothing is
-    copied (before the ``samples-on-node`` patch ``assemble_batch`` wrote them as ``batch/``)."""
-
-    rounds: list[SampledRound]
-    groups: list[tuple[int, int]]
 
 
 class Sampled(BaseModel):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from workflows.config import RunConfig, TrainSpec
-from workflows.contracts.cells import CellInfo, DPCells
-from workflows.contracts.events import RunEvent
+from spec.run import RunConfig
+from spec.status import CellInfo, DPCells, EngineSlotInfo, RunEvent
+from spec.train import TrainSpec
 from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import Sampled, SamplingStats
-from workflows.contracts.training import EngineSlotInfo
 
 
 class RLStepInput(BaseModel):

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from workflows.config import EngineSpec, TrainSpec
-from workflows.contracts.cells import CellInfo, DPCells
-from workflows.contracts.events import RunEvent
-from workflows.contracts.sampling import BatchSelection, SamplingStats
-
-
-class SFTRowsInput(BaseModel):
-    """An SFT-mode step's rows: positions ``data_cursor .. data_cursor + n_rows - 1`` of the prompt order."""
-
-    data_cursor: int
-    n_rows: int
+from spec.engine import EngineSpec
+from spec.status import CellInfo, DPCells, EngineSlotInfo, RunEvent
+from spec.train import TrainSpec
+from spec.trainer_rpc import BatchSelection, SFTRows
+from workflows.contracts.sampling import SamplingStats
 
 
 class TrainStepInput(BaseModel):
@@ -26,7 +20,7 @@ class TrainStepInput(BaseModel):
     rewards_key: str
     group_size: int
     train: TrainSpec
-    sft_rows: SFTRowsInput | None = None  # mode sft: train on these rows' labels (no chunks, no rewards)
+    sft_rows: SFTRows | None = None  # mode sft: train on these rows' labels (no chunks, no rewards)
     epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
     selection: BatchSelection | None = None  # dynamic sampling: train these groups of the rounds' chunks
     sampling: SamplingStats | None = None  # dynamic sampling's counts, exported as metrics by the node
@@ -52,16 +46,6 @@ class UpdateWeightsInput(BaseModel):
     weights_key: str
     checksum: str
     engines: EngineSpec
-
-
-class EngineSlotInfo(BaseModel):
-    slot: int
-    pid: int | None = None
-    url: str = ""
-    state: str
-    weight_version: int | None = None
-    checksum: str | None = None
-    restart_count: int = 0
 
 
 class UpdateWeightsResult(BaseModel):

@@ -15,17 +15,10 @@ when a call outlives ``timeout_s``.
 
 from gpu_runtime.data.rewards.loader import RewardFn, load_reward_function
 from gpu_runtime.data.rewards.rules import extract_answer, gsm8k_extract, gsm8k_reward, math_answer_reward
+from gpu_runtime.data.rewards.errors import RewardError, RewardFatal, RewardFunctionNotFound
 from gpu_runtime.data.rewards.scoring import ScoreContext, ScoreStats, score_samples
-from gpu_runtime.data.rewards.settings import (
-    RewardError,
-    RewardFatal,
-    RewardFunctionNotFound,
-    RewardSettings,
-    RewardTermSettings,
-)
 
 __all__ = [
-    "RewardError", "RewardFatal", "RewardFn", "RewardFunctionNotFound", "RewardSettings", "RewardTermSettings",
-    "ScoreContext", "ScoreStats", "extract_answer", "gsm8k_extract", "gsm8k_reward", "load_reward_function",
-    "math_answer_reward", "score_samples",
+    "RewardError", "RewardFatal", "RewardFn", "RewardFunctionNotFound", "ScoreContext", "ScoreStats",
+    "extract_answer", "gsm8k_extract", "gsm8k_reward", "load_reward_function", "math_answer_reward", "score_samples",
 ]

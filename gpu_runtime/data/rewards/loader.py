@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from gpu_runtime.data.rewards.settings import RewardFunctionNotFound
+from gpu_runtime.data.rewards.errors import RewardFunctionNotFound
 
 RewardFn = Callable[[str, str, dict], float]
 

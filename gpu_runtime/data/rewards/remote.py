@@ -22,9 +22,10 @@ from typing import Any
 
 import httpx
 
-from gpu_runtime.data.rewards.settings import RewardError, RewardFatal, RewardTermSettings
+from gpu_runtime.data.rewards.errors import RewardError, RewardFatal
 from gpu_runtime.proc.http_client import http_client
 from gpu_runtime.store.object_store import ObjectStore
+from spec.reward import RewardTerm
 
 log = logging.getLogger(__name__)
 BACKOFF_S = 0.5  # first retry delay; doubles per retry, at most MAX_BACKOFF_S
@@ -77,7 +78,7 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def score_http(items: Sequence[RemoteItem], term: RewardTermSettings, *, backoff_s: float = BACKOFF_S) -> list[float]:
+def score_http(items: Sequence[RemoteItem], term: RewardTerm, *, backoff_s: float = BACKOFF_S) -> list[float]:
     """POST ``[{prompt, response, label, metadata}, ...]`` in batches of ``term.batch_size``;
     each answer must be a JSON list of as many finite numbers."""
     assert term.url and term.batch_size and term.max_retries is not None
@@ -134,7 +135,7 @@ class JudgeRecords:
 
 
 def score_judge(
-    items: Sequence[RemoteItem], term: RewardTermSettings, records: JudgeRecords, *,
+    items: Sequence[RemoteItem], term: RewardTerm, records: JudgeRecords, *,
     backoff_s: float = BACKOFF_S,
 ) -> list[float]:
     """Each sample's judge score: recorded by an earlier attempt, else asked now. A sample's

@@ -22,7 +22,7 @@ import sys
 import time
 from types import TracebackType
 
-from gpu_runtime.data.rewards.settings import RewardFunctionNotFound
+from gpu_runtime.data.rewards.errors import RewardFunctionNotFound
 from gpu_runtime.proc.processes import exit_when_parent_dies, stop_pid
 
 log = logging.getLogger(__name__)

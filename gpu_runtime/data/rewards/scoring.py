@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.rewards import mathverify, remote, rules
 from gpu_runtime.data.rewards.sandbox import CallFailed, CallTimeout, RewardSandbox
-from gpu_runtime.data.rewards.settings import ANSWER_KINDS, RewardFatal, RewardSettings, RewardTermSettings
+from gpu_runtime.data.rewards.errors import RewardFatal
 from gpu_runtime.data.rows import int_answer
 from gpu_runtime.store.artifacts import Sample, SampleReward
 from gpu_runtime.store.object_store import ObjectStore
+from spec.reward import RewardSpec, RewardTerm
 
 log = logging.getLogger(__name__)
 MATH_VERIFY_FN = mathverify.CALL
@@ -63,7 +64,7 @@ class ScoreStats:
 def score_samples(
     samples: Sequence[Sample],
     rows_by_index: Mapping[int, dict] | Sequence[dict],
-    spec: RewardSettings,
+    spec: RewardSpec,
     ctx: ScoreContext | None = None,
     stats: ScoreStats | None = None,
 ) -> list[SampleReward]:
@@ -89,15 +90,15 @@ def score_samples(
     for k, item in enumerate(items):
         scores = [col[k] for col in per_term]
         reward = sum(t.weight * sc.value for t, sc in zip(terms, scores))
-        errors = [f"{t.name}: {sc.error}" for t, sc in zip(terms, scores) if sc.error]
+        errors = [f"{t.label}: {sc.error}" for t, sc in zip(terms, scores) if sc.error]
         stats.errors += bool(errors)
         out.append(SampleReward(
             sample_id=item.sample_id,
             reward=reward,
             correct=_correct(scores, item, reward),
-            detail="; ".join(sc.detail if len(terms) == 1 else f"{t.name}: {sc.detail}"
+            detail="; ".join(sc.detail if len(terms) == 1 else f"{t.label}: {sc.detail}"
                              for t, sc in zip(terms, scores)),
-            terms={t.name: sc.value for t, sc in zip(terms, scores)} if spec.kind == "weighted" else {},
+            terms={t.label: sc.value for t, sc in zip(terms, scores)} if spec.kind == "weighted" else {},
             error="; ".join(errors),
         ))
     return out
@@ -114,7 +115,7 @@ def _correct(scores: list[TermScore], item: ScoreItem, reward: float) -> bool:
 
 
 def _score_term(
-    term: RewardTermSettings, items: list[ScoreItem], ctx: ScoreContext, sandbox: RewardSandbox | None,
+    term: RewardTerm, items: list[ScoreItem], ctx: ScoreContext, sandbox: RewardSandbox | None,
     stats: ScoreStats,
 ) -> list[TermScore]:
     kind = term.kind
@@ -145,7 +146,7 @@ def _score_term(
     if kind == "judge":
         if ctx.store is None or ctx.judge_prefix is None:
             raise RewardFatal("reward.kind judge needs a store to record its results in (ScoreContext)")
-        records = remote.JudgeRecords(ctx.store, f"{ctx.judge_prefix}/{term.name}")
+        records = remote.JudgeRecords(ctx.store, f"{ctx.judge_prefix}/{term.label}")
         try:
             values = remote.score_judge(remote_items, term, records, backoff_s=ctx.backoff_s)
         finally:  # judged now, also by a pass that failed: the next one will not ask for them
@@ -160,7 +161,7 @@ def _math_answer(item: ScoreItem) -> TermScore:
     return TermScore(reward, correct, detail)
 
 
-def _reasoning_gym(term: RewardTermSettings, item: ScoreItem, sandbox: RewardSandbox) -> TermScore:
+def _reasoning_gym(term: RewardTerm, item: ScoreItem, sandbox: RewardSandbox) -> TermScore:
     """The generator's scorer on one sample in the killable child: a call that outlives
     ``reward.timeout_s`` scores 0 (an answer the scorer cannot judge in time is not right),
     one that raises (a row not made by the generator) fails the run."""
@@ -186,7 +187,7 @@ def _format(item: ScoreItem, pattern: str, format_score: float) -> TermScore:
     return TermScore(reward, None, "format match" if reward else "format no match")
 
 
-def _in_sandbox(term: RewardTermSettings, item: ScoreItem, sandbox: RewardSandbox) -> TermScore:
+def _in_sandbox(term: RewardTerm, item: ScoreItem, sandbox: RewardSandbox) -> TermScore:
     """A custom function (or math-verify) on one sample in the killable child process."""
     if term.kind == "math_verify":
         if not mathverify.available():

@@ -27,9 +27,10 @@ from gpu_runtime.rollout.agent.chat import IncrementalChat
 from gpu_runtime.rollout.agent.tool_api import Environment, ToolResult
 from gpu_runtime.rollout.agent.tools import ToolEnvironment, load_environment_factory, load_tools
 from gpu_runtime.rollout.chunks import ChunkGenerator, ChunkPlan, generate_checked, sample_id
-from gpu_runtime.rollout.request import AgentSettings, RolloutRequest
+from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import ObjectStore
+from spec.agent import AgentSpec
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def generate_agent_chunk(
     req: RolloutRequest, plan: ChunkPlan, rows: list[dict], tokenizer: Tokenizer, generate: ChunkGenerator,
     store: ObjectStore, counters: AgentCounters | None = None,
 ) -> art.RolloutChunk:
-    settings = req.agent
+    settings = req.rollout.agent
     assert settings is not None
     counters = counters or AgentCounters()
     chat = IncrementalChat(tokenizer, settings.tool_role)
@@ -118,7 +119,7 @@ def generate_agent_chunk(
                             weight_version=req.policy_version, engine_url=url, samples=samples)
 
 
-def _environments(settings: AgentSettings) -> Callable[[dict], Environment]:
+def _environments(settings: AgentSpec) -> Callable[[dict], Environment]:
     """Each episode's environment, from its row: the tool environment (shared: tools are stateless) or
     ``agent.environment``'s factory."""
     if settings.environment is not None:
@@ -128,7 +129,7 @@ def _environments(settings: AgentSettings) -> Callable[[dict], Environment]:
 
 
 def _model_turn(
-    req: RolloutRequest, plan: ChunkPlan, settings: AgentSettings, chat: IncrementalChat, store: ObjectStore,
+    req: RolloutRequest, plan: ChunkPlan, settings: AgentSpec, chat: IncrementalChat, store: ObjectStore,
     prefix: str, t: int, active: list[Episode], generate: ChunkGenerator, counters: AgentCounters,
 ) -> rec.ModelTurnBatch:
     """Turn ``t`` of the active episodes: the stored batch, else generated and stored."""
@@ -143,14 +144,14 @@ def _model_turn(
     budgets = [min(settings.max_tokens_per_turn, settings.max_episode_tokens - e.response_len) for e in active]
     params = {
         "max_new_tokens": max(budgets),
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
+        "temperature": req.rollout.temperature,
+        "top_p": req.rollout.top_p,
+        "top_k": req.rollout.top_k,
         "sampling_seed": art.derive_seed(plan.seed, "turn", t),
-        "stop_token_ids": [*chat.stop_ids, *(i for i in req.stop_token_ids if i not in chat.stop_ids)],
+        "stop_token_ids": [*chat.stop_ids, *(i for i in req.rollout.stop_token_ids if i not in chat.stop_ids)],
     }
-    if req.stop:  # rollout.stop ends a model turn as it ends a single-turn response
-        params["stop"] = list(req.stop)
+    if req.rollout.stop:  # rollout.stop ends a model turn as it ends a single-turn response
+        params["stop"] = list(req.rollout.stop)
     t0 = time.perf_counter()
     results, url = generate_checked(req, plan, [e.context() for e in active], params, generate)
     seconds = time.perf_counter() - t0
@@ -165,7 +166,7 @@ def _model_turn(
 
 
 def _finish_turn(
-    e: Episode, t: int, out: rec.ModelOutput, model_s: float, settings: AgentSettings, chat: IncrementalChat,
+    e: Episode, t: int, out: rec.ModelOutput, model_s: float, settings: AgentSpec, chat: IncrementalChat,
     tokenizer: Tokenizer, store: ObjectStore, prefix: str, counters: AgentCounters,
 ) -> rec.TurnRecord:
     """The turn's record: the model's tokens, then the tool turn (run at most once here)."""

@@ -16,7 +16,7 @@ import torch
 
 from gpu_runtime.algorithms.advantages import compute_advantages
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
+from spec.train import TrainSpec
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +149,7 @@ def step_metrics(sums: dict[str, float], samples: list[Sample], rewards: list[fl
     return metrics
 
 
-def lr_at(step: int, hp: TrainerHParams) -> float:
+def lr_at(step: int, hp: TrainSpec) -> float:
     """The RL LR schedule: constant with optional linear warm-up over ``warmup_steps`` optimizer steps."""
     if hp.warmup_steps > 0 and step < hp.warmup_steps:
         return hp.lr * (step + 1) / hp.warmup_steps
@@ -161,7 +161,7 @@ def micro_batches(samples: list[Sample], size: int, pad_id: int) -> list[MicroBa
 
 
 def micro_batch_advantages(
-    batches: list[MicroBatch], rewards: torch.Tensor, group_size: int, hp: TrainerHParams,
+    batches: list[MicroBatch], rewards: torch.Tensor, group_size: int, hp: TrainSpec,
     reward_kl: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """``hp.estimator``'s advantages for the whole batch, per micro-batch in its

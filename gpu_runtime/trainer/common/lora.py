@@ -19,14 +19,14 @@ from transformers import PreTrainedModel
 
 from gpu_runtime.models.causal_lm import tied_embeddings
 from gpu_runtime.store.artifacts import derive_seed
-from gpu_runtime.trainer.api import LoraSettings
+from spec.model import LoraSpec
 
 ADAPTER_NAME = "default"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def apply_lora(model: PreTrainedModel, lora: LoraSettings, seed: int) -> PreTrainedModel:
+def apply_lora(model: PreTrainedModel, lora: LoraSpec, seed: int) -> PreTrainedModel:
     """``model`` wrapped by peft with fresh adapters (A seeded from ``seed``, B zero, so the
     wrapped model computes exactly what ``model`` did); every base weight frozen. The
     caller's torch RNG is left as it was. A target that names no module is a ValueError

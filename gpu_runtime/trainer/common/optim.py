@@ -13,9 +13,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from gpu_runtime.trainer.common import lora as lora_lib
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.common.batches import lr_at
 from gpu_runtime.trainer.common.state_io import load_optimizer_tensors, optimizer_tensors
+from spec.train import TrainSpec
 
 
 class AdamWSteps:
@@ -23,7 +23,7 @@ class AdamWSteps:
     optimizer: torch.optim.AdamW
     opt_steps: int  # LR-schedule position (optimizer steps taken in RL)
 
-    def new_optimizer(self, hp: TrainerHParams, lr: float | None = None) -> torch.optim.AdamW:
+    def new_optimizer(self, hp: TrainSpec, lr: float | None = None) -> torch.optim.AdamW:
         """A fresh AdamW over the model's trainable parameters (``lr``: other than ``hp.lr``)."""
         return torch.optim.AdamW(
             lora_lib.trainable_parameters(self.model), lr=hp.lr if lr is None else lr, betas=hp.betas, eps=hp.eps,
@@ -34,15 +34,15 @@ class AdamWSteps:
         """AdamW's state as flat tensors and its param groups (``state_io.optimizer_tensors``)."""
         return optimizer_tensors(self.optimizer)
 
-    def load_optimizer_state(self, hp: TrainerHParams, flat: dict[str, torch.Tensor], groups: list[dict]) -> None:
+    def load_optimizer_state(self, hp: TrainSpec, flat: dict[str, torch.Tensor], groups: list[dict]) -> None:
         """A fresh AdamW for ``hp`` holding the state ``optimizer_state`` returned."""
         self.optimizer = self.new_optimizer(hp)
         load_optimizer_tensors(self.optimizer, flat, groups)
 
-    def lr_at(self, step: int, hp: TrainerHParams) -> float:
+    def lr_at(self, step: int, hp: TrainSpec) -> float:
         return lr_at(step, hp)
 
-    def start_optimizer_step(self, hp: TrainerHParams) -> float:
+    def start_optimizer_step(self, hp: TrainSpec) -> float:
         """Set the step's LR (schedule position ``opt_steps``) and AdamW knobs, clear the grads."""
         lr = self.lr_at(self.opt_steps, hp)
         for group in self.optimizer.param_groups:
@@ -50,7 +50,7 @@ class AdamWSteps:
         self.optimizer.zero_grad(set_to_none=True)
         return lr
 
-    def take_optimizer_step(self, hp: TrainerHParams, what: str) -> float:
+    def take_optimizer_step(self, hp: TrainSpec, what: str) -> float:
         """Clip the accumulated grads to ``hp.grad_clip`` and step; the grad norm before clipping.
         A non-finite norm is a FloatingPointError and the weights stay the last good ones."""
         total = torch.nn.utils.clip_grad_norm_(lora_lib.trainable_parameters(self.model), hp.grad_clip)

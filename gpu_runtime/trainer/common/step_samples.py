@@ -12,7 +12,7 @@ from __future__ import annotations
 from gpu_runtime.data.dynamic_sampling import assemble_groups
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import ObjectStore
-from gpu_runtime.trainer.api import StepBatch
+from spec.trainer_rpc import StepBatch
 
 
 def chunk_samples(store: ObjectStore, chunk_keys: list[str]) -> list[art.Sample]:

@@ -19,13 +19,13 @@ from pydantic import BaseModel
 from gpu_runtime.proc.processes import exit_when_parent_dies
 from gpu_runtime.proc.rpc import Method, RPCServer
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.dp.cell_trainer import DPCellTrainer, new_manager
+from spec.train import TrainSpec
 
 
 class BuildCall(BaseModel):
     folder: str  # the HF model folder every cell starts from (a restarted one heals from a peer)
-    hparams: TrainerHParams
+    hparams: TrainSpec
     seed: int
     join: bool = True  # create the torchft manager now (it heartbeats the lighthouse from then on)
 
@@ -44,7 +44,7 @@ class StepInput(BaseModel):
     samples: list[Sample]
     rewards: list[float]
     group_size: int
-    hparams: TrainerHParams
+    hparams: TrainSpec
 
 
 class TrainCall(BaseModel):

@@ -35,10 +35,11 @@ from typing import Any
 import torch
 
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
 from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.common.state_io import python_rng_state, set_python_rng_state
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from spec.train import TrainSpec
+from spec.trainer import train_conflicts
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20  # quorums one step may take before the cell gives up (each failed one is a peer lost)
@@ -84,17 +85,6 @@ def _fault_delay(index: int, version: int, where: str = "allreduce") -> None:
         time.sleep(float(seconds))
 
 
-def dp_unsupported(hp: TrainerHParams) -> list[str]:
-    """The ``train`` knobs a DP cell does not implement: a second epoch could not be retried
-    after the first committed, and the PPO critic's grads are not reduced."""
-    out = []
-    if hp.ppo_epochs != 1:
-        out.append(f"train.ppo_epochs {hp.ppo_epochs} (DP cells retry a whole step: 1 epoch)")
-    if hp.estimator == "ppo":
-        out.append("train.estimator ppo (the critic's grads are not reduced across cells)")
-    return out
-
-
 class DPCellTrainer(PolicyTrainer):
     """``PolicyTrainer`` of one DP cell; ``attach`` gives it its torchft manager."""
 
@@ -118,10 +108,9 @@ class DPCellTrainer(PolicyTrainer):
 
     # ---------------------------------------------------------------- the step
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainerHParams) -> dict[str, float]:
-        bad = dp_unsupported(hparams)
-        if bad:
-            raise ValueError(f"{'; '.join(bad)}: not supported with trainer.cells > 1")
+                   hparams: TrainSpec) -> dict[str, float]:
+        if bad := train_conflicts("cells", hparams):  # ``set_hparams`` may change ``train`` mid-run
+            raise ValueError(f"trainer.cells > 1 does not support {'; '.join(bad)}")
         self.healed_from_step = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             before = self.policy_version
@@ -174,7 +163,7 @@ class DPCellTrainer(PolicyTrainer):
         self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
         return {k: float(v) for k, v in zip(names, t.tolist())}
 
-    def take_optimizer_step(self, hp: TrainerHParams, what: str) -> float:
+    def take_optimizer_step(self, hp: TrainSpec, what: str) -> float:
         from torch.distributed import ReduceOp
 
         _fault_delay(self.index, self.policy_version + 1)
@@ -208,7 +197,7 @@ class DPCellTrainer(PolicyTrainer):
     def load_heal_state(self, st: dict[str, Any]) -> None:
         self.load_trained_state(st["weights"])
         self.load_reference_state(st["ref"])
-        self.hparams = stored_hparams(st["hparams"])
+        self.hparams = TrainSpec.model_validate(st["hparams"])
         self.load_optimizer_state(self.hparams, st["optimizer"], st["param_groups"])
         torch.set_rng_state(st["rng"])
         set_python_rng_state(st["py_random"])

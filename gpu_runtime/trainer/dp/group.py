@@ -39,11 +39,12 @@ from safetensors.torch import load_file
 from gpu_runtime.models.model_folder import WEIGHTS_FILE
 from gpu_runtime.proc.rpc import RemoteError, ServerDidNotStart, start_rpc_process
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import DPCellInfo, DPState, NodeEvent, TrainerHParams
 from gpu_runtime.trainer.dp.cell_process import CellProcess, Silent, watched
 from gpu_runtime.trainer.dp.cell_server import BuildCall, CellReport, Empty, PathCall, StepInput, Text, TrainCall
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse, LighthouseWatchdog
 from gpu_runtime.trainer.protocol import ALIVE, Dead, Health
+from spec.status import DPCellStatus, DPCells, RunEvent
+from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -65,14 +66,14 @@ class CellsDiverged(RuntimeError):
 class DPGroup:
     cells: int
     folder: Path  # the HF folder every cell (and every restarted one) is built from
-    hparams: TrainerHParams
+    hparams: TrainSpec
     seed: int
     work_dir: Path
     lighthouse: Lighthouse
     timeout_s: float = 120.0
     threads: int = 1
     members: list[CellProcess] = field(default_factory=list)
-    events: list[NodeEvent] = field(default_factory=list)
+    events: list[RunEvent] = field(default_factory=list)
     version: int = 0
     health: Health = ALIVE  # Dead: every cell lost, or the cells diverged
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -166,7 +167,7 @@ class DPGroup:
 
     # ---- the calls a trainer answers ---------------------------------------------
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainerHParams, forced_participants: int | None = None) -> dict[str, float]:
+                   hparams: TrainSpec, forced_participants: int | None = None) -> dict[str, float]:
         self._ensure_lighthouse()
         path = self.work_dir / "step-input.json"
         tmp = path.with_suffix(".tmp")
@@ -204,7 +205,7 @@ class DPGroup:
     def policy_version(self) -> int:
         return self.version
 
-    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+    def sft_step(self, rows: list[dict], hparams: TrainSpec) -> dict[str, float]:
         raise ValueError("trainer.cells > 1 does not support mode sft (the cells train the RL step only)")
 
     def export_adapter_folder(self, folder: str | Path, base_model: str) -> None:
@@ -385,17 +386,17 @@ class DPGroup:
     # ---- reporting ---------------------------------------------------------------
     def _note(self, kind: str, detail: str) -> None:
         with self._lock:  # a restart thread notes too
-            self.events.append(NodeEvent(at=time.time(), kind=kind, detail=detail))
+            self.events.append(RunEvent.now(kind, detail))
 
-    def take_events(self) -> list[NodeEvent]:
+    def take_events(self) -> list[RunEvent]:
         with self._lock:
             out, self.events = self.events, []
         return out
 
-    def state(self) -> DPState:
-        return DPState(
+    def state(self) -> DPCells:
+        return DPCells(
             lighthouse_pid=self.lighthouse.pid or 0, lighthouse_restarts=self.lighthouse.restarts,
-            cells=[DPCellInfo(index=c.index, pid=c.pid or 0, state=c.state, why=c.why, restarts=c.restarts,
+            cells=[DPCellStatus(index=c.index, pid=c.pid or 0, state=c.state, why=c.why, restarts=c.restarts,
                               policy_version=c.report.policy_version if c.report else 0,
                               state_checksum=c.report.state_checksum if c.report else "",
                               healed_from_step=c.healed_from_step) for c in self.members],

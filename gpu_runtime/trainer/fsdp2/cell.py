@@ -22,11 +22,11 @@ import torch
 
 from gpu_runtime.proc.processes import reachable
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.fsdp2.device import cell_kind, prepare_rank, rank_bundle, this_rank
 from gpu_runtime.trainer.fsdp2.errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable
 from gpu_runtime.trainer.fsdp2.rank import CellRankTrainer
 from gpu_runtime.trainer.protocol import ALIVE, Alive, Dead, Health
+from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class _Rank:
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    def build(self, base_folder: str, hparams: TrainerHParams, seed: int) -> None:
+    def build(self, base_folder: str, hparams: TrainSpec, seed: int) -> None:
         self.trainer = CellRankTrainer.create_rank(base_folder, hparams, seed)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -107,7 +107,7 @@ class TrainerCell:
     a stopped one makes its peers' collectives time out after ``collective_timeout_s``, and
     once one rank has answered the others get that long again (``CellRankHung``)."""
 
-    def __init__(self, ranks: int, base_folder: str | Path, hparams: TrainerHParams, seed: int, *,
+    def __init__(self, ranks: int, base_folder: str | Path, hparams: TrainSpec, seed: int, *,
                  placement: str = "strict_pack", cpus_per_rank: float = 1.0, threads: int = 1,
                  placement_timeout_s: float = PLACEMENT_TIMEOUT_S, collective_timeout_s: float = 120.0,
                  device: str = "cpu") -> None:
@@ -215,7 +215,7 @@ class TrainerCell:
 
     # ---- what the trainer service calls
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainerHParams) -> dict[str, float]:
+                   hparams: TrainSpec) -> dict[str, float]:
         return self._call("train_step", samples, rewards, group_size, hparams)
 
     def save_state(self, folder: str | Path) -> None:
@@ -227,7 +227,7 @@ class TrainerCell:
     def checksum(self) -> str:
         return str(self._call("checksum"))
 
-    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+    def sft_step(self, rows: list[dict], hparams: TrainSpec) -> dict[str, float]:
         raise ValueError("trainer.backend fsdp2 does not support mode sft (the cell trains the RL step only)")
 
     def export_adapter_folder(self, folder: str | Path, base_model: str) -> None:

@@ -7,24 +7,24 @@ trainer reports with its next result, and ``report`` describes the live cell for
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 from pathlib import Path
 
-from gpu_runtime.trainer.api import CellRankState, CellState, NodeEvent, TrainerBackendSettings, TrainerHParams
 from gpu_runtime.trainer.fsdp2.cell import TrainerCell
 from gpu_runtime.trainer.fsdp2.errors import CellFailed
 from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime
 from gpu_runtime.trainer.protocol import Dead
+from spec.status import CellInfo, CellRankInfo, RunEvent
+from spec.train import TrainSpec
+from spec.trainer import TrainerSpec
 
 log = logging.getLogger(__name__)
 CELL_FILE = "cell.json"
 RAY_ADDRESS_ENV = "MILESTONE_RAY_ADDRESS"  # the node's existing Ray cluster (trainer.ray_address wins)
 
 
-def ray_address(settings: TrainerBackendSettings) -> str | None:
+def ray_address(settings: TrainerSpec) -> str | None:
     """The existing Ray cluster to use: the run's ``trainer.ray_address``, else the node's
     $MILESTONE_RAY_ADDRESS, else None (the trainer starts its own Ray instance)."""
     return settings.ray_address or os.environ.get(RAY_ADDRESS_ENV) or None
@@ -39,10 +39,10 @@ class CellHost:
         self.ray: RayRuntime | None = None
         self.cell: TrainerCell | None = None
         self.generation = 0  # cells built by this process (a rebuilt cell is the next one)
-        self.events: list[NodeEvent] = []  # cell_started / cell_rank_died / ...: reported with the next result
+        self.events: list[RunEvent] = []  # cell_started / cell_rank_died / ...: reported with the next result
         self.cell_file = work_dir / CELL_FILE  # the live cell's ranks and pids, for tools on this node
 
-    def build(self, settings: TrainerBackendSettings, folder: str | Path, hparams: TrainerHParams,
+    def build(self, settings: TrainerSpec, folder: str | Path, hparams: TrainSpec,
               seed: int) -> TrainerCell:
         """A fresh cell of ``settings.ranks_per_cell`` ranks over the model folder."""
         self.end_cell()
@@ -73,20 +73,20 @@ class CellHost:
         tmp.replace(self.cell_file)
         return self.cell
 
-    def report(self) -> CellState | None:
+    def report(self) -> CellInfo | None:
         """The live cell (None: none): its ranks' pids and Ray nodes, as built."""
         cell = self.cell
         if cell is None or self.ray is None:
             return None
         state = "failed" if isinstance(cell.health, Dead) else "alive"
-        return CellState(
+        return CellInfo(
             generation=self.generation, placement=cell.placement, ray_address=self.ray.address or "local",
-            ranks=[CellRankState(rank=r, pid=int(w["pid"]), node_ip=str(w["node_ip"]), node_id=str(w["node_id"]),
+            ranks=[CellRankInfo(rank=r, pid=int(w["pid"]), node_ip=str(w["node_ip"]), node_id=str(w["node_id"]),
                                  state=state) for r, w in enumerate(cell.where)],
         )
 
     def note(self, kind: str, detail: str) -> None:
-        self.events.append(NodeEvent(at=time.time(), kind=kind, detail=detail))
+        self.events.append(RunEvent.now(kind, detail))
 
     def failed(self, err: BaseException) -> None:
         """A call on the cell failed: remember why (an event), and on a lost Ray cluster drop
@@ -104,7 +104,7 @@ class CellHost:
             self.cell_file.unlink(missing_ok=True)
             self._disconnect()
 
-    def take_events(self) -> list[NodeEvent]:
+    def take_events(self) -> list[RunEvent]:
         out, self.events = self.events, []
         return out
 

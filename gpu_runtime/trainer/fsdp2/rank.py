@@ -46,18 +46,13 @@ from gpu_runtime.models.causal_lm import load_causal_lm, shape_summary, tied_emb
 from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
-from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
 from gpu_runtime.trainer.common.state_io import read_meta, restore_progress, write_meta
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer, frozen_copy
+from spec.train import TrainSpec
+from spec.trainer import train_conflicts
 
 CELL_META_FILE = "cell_meta.json"  # written by rank 0 after every rank's shards
 CELL_FORMAT_VERSION = 1
-
-
-def unsupported(hp: TrainerHParams) -> list[str]:
-    """The ``train`` knobs a cell does not implement yet (each would need a reduction of its own):
-    the PPO critic is not sharded."""
-    return ["train.estimator ppo"] if hp.estimator == "ppo" else []
 
 
 def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
@@ -89,14 +84,13 @@ class CellRankTrainer(PolicyTrainer):
     world: int = 1
 
     @classmethod
-    def create_rank(cls, base_folder: str | Path, hparams: TrainerHParams, seed: int) -> "CellRankTrainer":
+    def create_rank(cls, base_folder: str | Path, hparams: TrainSpec, seed: int) -> "CellRankTrainer":
         """The rank's trainer over the model folder (every rank loads the same weights, then
         keeps its shard). The KL reference, when there is one, is a full frozen copy per rank."""
         if not dist.is_initialized():
             raise RuntimeError("CellRankTrainer.create_rank: torch.distributed is not initialised")
-        bad = unsupported(hparams)
-        if bad:
-            raise ValueError(f"{', '.join(bad)}: not supported by trainer.backend fsdp2 yet")
+        if bad := train_conflicts("fsdp2", hparams):
+            raise ValueError(f"trainer.backend fsdp2 does not support {'; '.join(bad)}")
         tokenizer = Tokenizer.load(base_folder)
         model = load_causal_lm(base_folder)
         torch.manual_seed(derive_seed("trainer", seed) % (1 << 63))
@@ -109,10 +103,9 @@ class CellRankTrainer(PolicyTrainer):
 
     # ------------------------------------------------------------ the step
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainerHParams) -> dict[str, float]:
-        bad = unsupported(hparams)  # ``set_hparams`` may change ``train`` mid-run
-        if bad:
-            raise ValueError(f"{', '.join(bad)}: not supported by trainer.backend fsdp2 yet")
+                   hparams: TrainSpec) -> dict[str, float]:
+        if bad := train_conflicts("fsdp2", hparams):  # ``set_hparams`` may change ``train`` mid-run
+            raise ValueError(f"trainer.backend fsdp2 does not support {'; '.join(bad)}")
         return super().train_step(samples, rewards, group_size, hparams)
 
     def micro_batch_share(self, n: int) -> list[int]:
@@ -235,7 +228,7 @@ class CellRankTrainer(PolicyTrainer):
         # a different rank count reshards: DCP reads each rank's slice of every saved tensor
         if meta["model_config"] != shape_summary(self.model):
             raise ValueError(f"{path}: field 'model_config' does not match this cell's model")
-        self.hparams = stored_hparams(meta["hparams"])
+        self.hparams = TrainSpec.model_validate(meta["hparams"])
         self.optimizer = self.new_optimizer(self.hparams)
         state = self._state(bool(meta["optimizer_state"]))
         dcp.load(state, checkpoint_id=str(folder / "shards"))
@@ -252,4 +245,4 @@ class CellRankTrainer(PolicyTrainer):
         self.model.train()
 
 
-__all__ = ["CellRankTrainer", "shard", "unsupported"]
+__all__ = ["CellRankTrainer", "shard"]

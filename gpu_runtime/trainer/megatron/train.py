@@ -17,8 +17,9 @@ import torch
 from gpu_runtime.algorithms.losses import Aggregation, entropy_from_logits, masked_mean, policy_loss_per_token
 from gpu_runtime.models.causal_lm import positions_from_mask
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.common.batches import logprob_gap_sums, micro_batch_advantages, micro_batches
+from spec.train import TrainSpec
+from spec.trainer import megatron_train_conflicts
 
 
 def gpt_logprobs_and_logits(gpt: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,33 +36,14 @@ def gpt_logprobs(gpt: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return gpt_logprobs_and_logits(gpt, ids, mask)[0]
 
 
-def unsupported(hp: TrainerHParams) -> list[str]:
-    """The knobs this loss does not implement yet, set away from what it computes (the
-    run config refuses the same ones: ``workflows.trainer_config.megatron_train_conflicts``)."""
-    bad = []
-    if hp.kl_coef > 0:
-        bad.append("kl_coef > 0")
-    if hp.entropy_coef > 0:
-        bad.append("entropy_coef > 0")
-    if hp.tis_cap is not None:
-        bad.append("tis_cap")
-    if hp.ppo_epochs != 1:
-        bad.append("ppo_epochs != 1")
-    if hp.estimator == "ppo":
-        bad.append("estimator ppo")
-    if hp.precision != "fp32":
-        bad.append(f"precision {hp.precision}")
-    return bad
-
-
-def grpo_backward(gpt: Any, samples: list[Sample], rewards: list[float], group_size: int, hp: TrainerHParams,
+def grpo_backward(gpt: Any, samples: list[Sample], rewards: list[float], group_size: int, hp: TrainSpec,
                   pad_id: int) -> dict[str, float]:
     """Accumulate the step's policy gradient into ``gpt``'s ``.grad``s. Returns the step's
     metric sums as ``PolicyTrainer.train_step`` reports them (``loss``, ``pg_loss``, ``kl``,
     ``entropy``, ``clip_fraction``, ``tokens``) plus the rollout-logprob gap's
     ``gap_total`` / ``gap_count``."""
-    if bad := unsupported(hp):
-        raise ValueError(f"the megatron GRPO loss does not implement {', '.join(bad)}")
+    if bad := megatron_train_conflicts(hp):
+        raise ValueError(f"the megatron GRPO loss does not implement {'; '.join(bad)}")
     device = next(gpt.parameters()).device
     batches = micro_batches(samples, hp.micro_batch_size, pad_id)
     agg = Aggregation.over([b.tmask for b in batches], hp.loss_agg, hp.loss_agg_norm_len)
@@ -93,7 +75,7 @@ def grpo_backward(gpt: Any, samples: list[Sample], rewards: list[float], group_s
 
 
 def grpo_step(gpt: Any, optimizer: torch.optim.Optimizer, samples: list[Sample], rewards: list[float],
-              group_size: int, hp: TrainerHParams, pad_id: int) -> dict[str, float]:
+              group_size: int, hp: TrainSpec, pad_id: int) -> dict[str, float]:
     """One optimizer step (grad norm clipped to ``hp.grad_clip``, as the single trainer)."""
     optimizer.zero_grad(set_to_none=True)
     sums = grpo_backward(gpt, samples, rewards, group_size, hp, pad_id)

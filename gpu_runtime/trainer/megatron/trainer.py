@@ -5,7 +5,7 @@ AdamW + LR schedule (``trainer.common.optim``), published as HF model folders en
 It answers the calls ``TrainerService`` makes of a ``PolicyTrainer`` for what it supports
 (RL ``train_step``, ``export_model_folder``, ``checksum``, ``published_state``,
 ``save_state`` / ``from_state`` / ``load_state``, ``policy_version``); the run config
-refuses the rest before a run starts (``workflows.trainer_config.layout_conflicts``).
+refuses the rest before a run starts (``spec.trainer.layout_conflicts``).
 Weights go HF -> Megatron once at creation (``convert.hf_to_megatron``) and Megatron -> HF
 for every published version (``convert.megatron_to_hf``): pure reshapes, so a version's
 checksum is the checksum of the HF weights it stands for.
@@ -31,16 +31,16 @@ from gpu_runtime.models.causal_lm import config_shape
 from gpu_runtime.models.model_folder import weights_checksum, write_model_folder
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
-from gpu_runtime.trainer.api import TrainerHParams, stored_hparams
 from gpu_runtime.trainer.common import state_io
 from gpu_runtime.trainer.common.batches import check_groups, step_metrics
 from gpu_runtime.trainer.common.optim import AdamWSteps
-from gpu_runtime.trainer.megatron import checkpoint
-from gpu_runtime.trainer.megatron import model as mm
+from gpu_runtime.trainer.megatron import checkpoint, model as mm
 from gpu_runtime.trainer.megatron.convert import Shape, megatron_to_hf
 from gpu_runtime.trainer.megatron.model import load_hf_weights
-from gpu_runtime.trainer.megatron.train import grpo_backward, unsupported
+from gpu_runtime.trainer.megatron.train import grpo_backward
 from gpu_runtime.trainer.protocol import ALIVE, Health
+from spec.train import TrainSpec
+from spec.trainer import megatron_train_conflicts
 
 INSTALL = "pip install 'milestone[gpu]'"
 
@@ -58,9 +58,9 @@ def runtime_problem(*, need_cuda: bool = True) -> str | None:
     return None
 
 
-def _refuse_hparams(hp: TrainerHParams) -> None:
-    if bad := unsupported(hp):
-        raise ValueError(f"trainer.backend megatron does not support train.{', train.'.join(bad)}")
+def _refuse_hparams(hp: TrainSpec) -> None:
+    if bad := megatron_train_conflicts(hp):
+        raise ValueError(f"trainer.backend megatron does not support {'; '.join(bad)}")
 
 
 class MegatronTrainer(AdamWSteps):
@@ -68,7 +68,7 @@ class MegatronTrainer(AdamWSteps):
     health: Health = ALIVE  # in the trainer process itself: a failure ends the process (``protocol``)
 
     def __init__(self, gpt: Any, hf_config: PretrainedConfig, generation_config: GenerationConfig | None,
-                 tokenizer: Tokenizer, hparams: TrainerHParams, seed: int) -> None:
+                 tokenizer: Tokenizer, hparams: TrainSpec, seed: int) -> None:
         self.model = gpt
         self.hf_config = hf_config  # what the published folders' config.json says
         self.generation_config = generation_config
@@ -81,7 +81,7 @@ class MegatronTrainer(AdamWSteps):
 
     # ---------------------------------------------------------------- setup
     @classmethod
-    def create(cls, base_folder: str | Path, hparams: TrainerHParams, seed: int, *,
+    def create(cls, base_folder: str | Path, hparams: TrainSpec, seed: int, *,
                require_cuda: bool = True) -> "MegatronTrainer":
         """A trainer over the weights and tokenizer of an HF folder (Qwen2 / Llama), converted to
         a GPTModel on torch's default device. ``require_cuda`` False builds one on CPU anyway
@@ -93,7 +93,7 @@ class MegatronTrainer(AdamWSteps):
         return trainer
 
     @classmethod
-    def _empty(cls, folder: str | Path, hparams: TrainerHParams, seed: int, require_cuda: bool) -> "MegatronTrainer":
+    def _empty(cls, folder: str | Path, hparams: TrainSpec, seed: int, require_cuda: bool) -> "MegatronTrainer":
         """A trainer with the folder's architecture and tokenizer, its weights megatron-core's init."""
         if problem := runtime_problem(need_cuda=require_cuda):
             raise ValueError(problem)
@@ -110,7 +110,7 @@ class MegatronTrainer(AdamWSteps):
 
     # ------------------------------------------------------------------ RL
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainerHParams) -> dict[str, float]:
+                   hparams: TrainSpec) -> dict[str, float]:
         """One GRPO update from one rollout (one optimizer step); increments ``policy_version``.
         The same metrics as ``PolicyTrainer.train_step`` (``kl`` is 0: no reference)."""
         check_groups(samples, rewards, group_size)
@@ -126,7 +126,7 @@ class MegatronTrainer(AdamWSteps):
         return step_metrics(sums, samples, rewards, n_tokens=n_tokens, grad_norm=grad_norm, lr=lr,
                             seconds=time.perf_counter() - t0, policy_version=self.policy_version)
 
-    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+    def sft_step(self, rows: list[dict], hparams: TrainSpec) -> dict[str, float]:
         raise ValueError("trainer.backend megatron does not support mode sft (the RL step only)")
 
     # --------------------------------------------------------------- state
@@ -176,7 +176,7 @@ class MegatronTrainer(AdamWSteps):
     def from_state(cls, folder: str | Path, *, require_cuda: bool = True) -> "MegatronTrainer":
         """Build a trainer from a folder written by ``save_state``."""
         meta = state_io.read_meta(Path(folder))
-        trainer = cls._empty(folder, stored_hparams(meta["hparams"]), int(meta["seed"]), require_cuda)
+        trainer = cls._empty(folder, TrainSpec.model_validate(meta["hparams"]), int(meta["seed"]), require_cuda)
         trainer.load_state(folder)
         return trainer
 
@@ -191,7 +191,7 @@ class MegatronTrainer(AdamWSteps):
         with torch.no_grad():
             load_hf_weights(self.model, load_file(str(folder / state_io.WEIGHTS_FILE), device=str(_device(self.model))),
                             self.hf_config)
-        self.hparams = stored_hparams(meta["hparams"])
+        self.hparams = TrainSpec.model_validate(meta["hparams"])
         self.load_optimizer_state(self.hparams, load_file(str(folder / state_io.OPTIM_FILE)),
                                   meta["optimizer_param_groups"])
         checkpoint.set_rng(load_file(str(folder / state_io.RNG_FILE)))

@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from gpu_runtime.models.causal_lm import ATTENTION, load_exported_state_dict, positions_from_mask
 from gpu_runtime.models.model_folder import weights_checksum
 from gpu_runtime.store.artifacts import derive_seed
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.common.state_io import load_optimizer_tensors, optimizer_tensors
+from spec.train import TrainSpec
 
 CRITIC_WEIGHTS = "critic.safetensors"
 CRITIC_OPTIM = "critic_optimizer.safetensors"
@@ -74,7 +74,7 @@ def new_value_model(config: PretrainedConfig, policy_state: dict[str, torch.Tens
     return critic
 
 
-def critic_lr(hp: TrainerHParams) -> float:
+def critic_lr(hp: TrainSpec) -> float:
     """``critic_lr``, or the policy's ``lr`` when unset (constant: no warm-up schedule)."""
     return hp.lr if hp.critic_lr is None else hp.critic_lr
 
@@ -82,7 +82,7 @@ def critic_lr(hp: TrainerHParams) -> float:
 class Critic:
     """The value model, its AdamW and how many PPO steps it has trained (``critic_warmup_steps``)."""
 
-    def __init__(self, model: ValueModel, hp: TrainerHParams) -> None:
+    def __init__(self, model: ValueModel, hp: TrainSpec) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW(list(model.parameters()), lr=critic_lr(hp), betas=hp.betas, eps=hp.eps,
                                            weight_decay=hp.weight_decay, foreach=False)
@@ -102,7 +102,7 @@ class Critic:
         return {"steps": self.steps, "optimizer_param_groups": groups, "checksum": weights_checksum(sd)}
 
     @classmethod
-    def restore(cls, folder: Path, meta: dict, config: PretrainedConfig, hp: TrainerHParams) -> "Critic":
+    def restore(cls, folder: Path, meta: dict, config: PretrainedConfig, hp: TrainSpec) -> "Critic":
         """The critic ``save`` wrote into ``folder`` (``meta``: what it returned), for a policy
         of architecture ``config``; its weights must have the recorded checksum."""
         critic = cls(ValueModel(config), hp)
@@ -116,12 +116,12 @@ class Critic:
         critic.model.train()
         return critic
 
-    def start_step(self, hp: TrainerHParams) -> None:
+    def start_step(self, hp: TrainSpec) -> None:
         for group in self.optimizer.param_groups:
             group.update(lr=critic_lr(hp), betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
         self.optimizer.zero_grad(set_to_none=True)
 
-    def take_step(self, hp: TrainerHParams) -> float:
+    def take_step(self, hp: TrainSpec) -> float:
         """Clip the critic's grads to ``hp.grad_clip`` and step; the norm before clipping.
         A non-finite norm is a FloatingPointError and the critic stays as it was."""
         norm = float(torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), hp.grad_clip))

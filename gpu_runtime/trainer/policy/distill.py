@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 from gpu_runtime.algorithms.logprobs import logprobs_and_logits
 from gpu_runtime.models.causal_lm import load_causal_lm
 from gpu_runtime.models.tokenizer import Tokenizer
-from gpu_runtime.trainer.api import DistillSettings
 from gpu_runtime.trainer.common.batches import MicroBatch
+from spec.model import DistillSpec
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Teacher:
     coef: float
 
 
-def load_teacher(settings: DistillSettings, student_tokenizer: Tokenizer) -> PreTrainedModel:
+def load_teacher(settings: DistillSpec, student_tokenizer: Tokenizer) -> PreTrainedModel:
     """The frozen teacher; a ValueError naming ``distill.teacher_path`` when the folder is not
     a model or its tokenizer is not the student's (its logprobs would score other tokens)."""
     folder = Path(settings.teacher_path).expanduser()

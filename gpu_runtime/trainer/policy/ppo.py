@@ -22,9 +22,9 @@ from gpu_runtime.algorithms.gae import (
     value_loss_per_token,
 )
 from gpu_runtime.algorithms.losses import Aggregation, masked_mean
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.common.batches import MicroBatch, response_aligned_mask
 from gpu_runtime.trainer.policy.critic import Critic, critic_lr
+from spec.train import TrainSpec
 
 
 @dataclass
@@ -40,7 +40,7 @@ class CriticPass:
 
     @classmethod
     def start(
-        cls, critic: Critic, batches: list[MicroBatch], rewards: torch.Tensor, hp: TrainerHParams,
+        cls, critic: Critic, batches: list[MicroBatch], rewards: torch.Tensor, hp: TrainSpec,
         reward_kl: list[torch.Tensor] | None,
     ) -> "CriticPass":
         """Old values, token rewards, GAE advantages and returns of the whole batch."""
@@ -62,7 +62,7 @@ class CriticPass:
         return cls(critic, old, advs, rets, explained_variance(values, ret, rmask),
                    trains_policy=critic.steps >= hp.critic_warmup_steps)
 
-    def backward(self, k: int, batch: MicroBatch, agg: Aggregation, hp: TrainerHParams, record: bool) -> None:
+    def backward(self, k: int, batch: MicroBatch, agg: Aggregation, hp: TrainSpec, record: bool) -> None:
         """Micro-batch ``k``'s share of ``vf_coef`` * the value loss into the critic's grads."""
         values = self.critic.model(batch.ids, batch.mask)
         terms = value_loss_per_token(values, self.old_values[k], self.returns[k], hp.value_clip)
@@ -73,7 +73,7 @@ class CriticPass:
             self.sums["value_loss"] += float(loss.detach()) * agg.weight(batch.tmask)
             self.sums["value_clip_fraction"] += float(masked_mean(terms.clipped.float(), batch.tmask)) * share
 
-    def metrics(self, hp: TrainerHParams, n_tokens: int) -> dict[str, float]:
+    def metrics(self, hp: TrainSpec, n_tokens: int) -> dict[str, float]:
         """The step's critic metrics: value loss and clip fraction of the last epoch, the
         explained variance and token means of the old values and returns."""
         values = sum(float(v.sum()) for v in self.old_values) / max(n_tokens, 1)

@@ -22,10 +22,10 @@ from gpu_runtime.algorithms.losses import Aggregation, masked_mean
 from gpu_runtime.data.datasets import encode_prompt, sft_target
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.common.batches import micro_batches, pad_batch, response_mask
 from gpu_runtime.trainer.common.optim import AdamWSteps
+from spec.train import TrainSpec
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Warmup:
 
 
 def warmup(policy: AdamWSteps, tokenizer: Tokenizer, rows: list[dict], w: Warmup,
-           hp: TrainerHParams) -> tuple[float, float, float]:
+           hp: TrainSpec) -> tuple[float, float, float]:
     """``w.steps`` supervised steps of ``policy.model`` on ``rows`` with an AdamW of its own
     (``w.betas``, constant ``w.lr``): the first and last losses and the seconds they took."""
     if not rows:
@@ -107,7 +107,7 @@ class SFTUpdate:
         return metrics
 
 
-def sft_update(policy: AdamWSteps, samples: list[Sample], hp: TrainerHParams, pad_id: int) -> SFTUpdate:
+def sft_update(policy: AdamWSteps, samples: list[Sample], hp: TrainSpec, pad_id: int) -> SFTUpdate:
     """``hp.ppo_epochs`` optimizer steps of ``policy`` on the samples' negative log-likelihood."""
     batches = micro_batches(samples, hp.micro_batch_size, pad_id)
     agg = Aggregation.over([b.tmask for b in batches], hp.loss_agg, hp.loss_agg_norm_len)

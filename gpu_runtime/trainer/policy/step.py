@@ -27,11 +27,11 @@ from gpu_runtime.algorithms.losses import (
     tis_weights,
 )
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.api import TrainerHParams
 from gpu_runtime.trainer.common.batches import MicroBatch, logprob_gap_sums, micro_batch_advantages, micro_batches
 from gpu_runtime.trainer.policy.critic import Critic
 from gpu_runtime.trainer.policy.distill import Teacher, distill_terms
 from gpu_runtime.trainer.policy.ppo import CriticPass
+from spec.train import TrainSpec
 
 
 @dataclass
@@ -51,7 +51,7 @@ class StepPlan:
         """False while the PPO critic warms up (``critic_warmup_steps``: only the critic steps)."""
         return self.critic is None or self.critic.trains_policy
 
-    def first_sums(self, hp: TrainerHParams, own: list[int]) -> dict[str, float]:
+    def first_sums(self, hp: TrainSpec, own: list[int]) -> dict[str, float]:
         """The step's metric sums before the last epoch adds to them; the reward's KL is known
         already (over the micro-batches ``own``: a cell adds its ranks' shares)."""
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0}
@@ -74,7 +74,7 @@ class StepPlan:
                                             for k, (_, c) in self.tis.items())
         return {**sums, "gap_total": gap_total, "gap_count": gap_count}
 
-    def extra_metrics(self, hp: TrainerHParams) -> dict[str, float]:
+    def extra_metrics(self, hp: TrainSpec) -> dict[str, float]:
         """The critic's and the distillation's metrics of the step."""
         extra = self.critic.metrics(hp, self.agg.n_tokens) if self.critic is not None else {}
         if self.distill_kl is not None:
@@ -89,7 +89,7 @@ def _logprobs(model: PreTrainedModel, batches: list[MicroBatch], precision: str)
 
 def plan_step(
     model: PreTrainedModel, ref_model: PreTrainedModel | None, critic: Critic | None, teacher: Teacher | None,
-    samples: list[Sample], rewards: list[float], group_size: int, hp: TrainerHParams, pad_id: int,
+    samples: list[Sample], rewards: list[float], group_size: int, hp: TrainSpec, pad_id: int,
 ) -> StepPlan:
     """Everything the step computes before its first update (see the module doc)."""
     r = torch.tensor(rewards, dtype=torch.float32)
@@ -135,7 +135,7 @@ class MicroBatchLoss:
     logits: torch.Tensor
 
 
-def micro_batch_loss(model: PreTrainedModel, plan: StepPlan, k: int, hp: TrainerHParams) -> MicroBatchLoss:
+def micro_batch_loss(model: PreTrainedModel, plan: StepPlan, k: int, hp: TrainSpec) -> MicroBatchLoss:
     """Micro-batch ``k``'s forward and loss: the estimator's policy loss (TIS-weighted with
     ``tis_cap``), the KL to the reference unless it is part of the reward, the entropy bonus."""
     b, agg = plan.batches[k], plan.agg
@@ -183,7 +183,7 @@ def record(sums: dict[str, float], mb: MicroBatchLoss, tmask: torch.Tensor, agg:
         sums[name] += float(v.detach()) * weight
 
 
-def micro_batch_backward(model: PreTrainedModel, plan: StepPlan, k: int, hp: TrainerHParams,
+def micro_batch_backward(model: PreTrainedModel, plan: StepPlan, k: int, hp: TrainSpec,
                          sums: dict[str, float] | None) -> None:
     """Micro-batch ``k``'s share of the loss into the policy's grads (unless the critic warms
     up) and of the value loss into the critic's; ``sums`` (the last epoch): its metrics too."""

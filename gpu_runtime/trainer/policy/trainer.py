@@ -38,16 +38,14 @@ from gpu_runtime.models.causal_lm import (
 from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
-from gpu_runtime.trainer.api import DistillSettings, LoraSettings, TrainerHParams, stored_hparams
-from gpu_runtime.trainer.common import lora as lora_lib
-from gpu_runtime.trainer.common import state_io
+from gpu_runtime.trainer.common import lora as lora_lib, state_io
 from gpu_runtime.trainer.common.batches import check_groups, step_metrics
 from gpu_runtime.trainer.common.optim import AdamWSteps
-from gpu_runtime.trainer.policy import critic as critic_lib
-from gpu_runtime.trainer.policy import distill as distill_lib
-from gpu_runtime.trainer.policy import sft as sft_lib
+from gpu_runtime.trainer.policy import critic as critic_lib, distill as distill_lib, sft as sft_lib
 from gpu_runtime.trainer.policy.step import micro_batch_backward, plan_step
 from gpu_runtime.trainer.protocol import ALIVE, Health
+from spec.model import DistillSpec, LoraSpec
+from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
 REF_FILE = "reference.safetensors"  # the KL reference's weights (beside ``state_io``'s files)
@@ -70,14 +68,14 @@ class PolicyTrainer(AdamWSteps):
         self,
         model: PreTrainedModel,
         tokenizer: Tokenizer,
-        hparams: TrainerHParams,
+        hparams: TrainSpec,
         seed: int,
         ref_model: PreTrainedModel | None,
-        lora: LoraSettings | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         self.model = model
         self.lora = lora  # set: ``model`` is peft-wrapped and only its adapters train
-        self.distill: DistillSettings | None = None  # on-policy distillation from ``teacher``
+        self.distill: DistillSpec | None = None  # on-policy distillation from ``teacher``
         self.teacher: PreTrainedModel | None = None
         self.tokenizer = tokenizer
         self.hparams = hparams
@@ -91,8 +89,8 @@ class PolicyTrainer(AdamWSteps):
     # ---------------------------------------------------------------- setup
     @classmethod
     def create(
-        cls, base_folder: str | Path, hparams: TrainerHParams, seed: int, lora: LoraSettings | None = None,
-        distill: DistillSettings | None = None,
+        cls, base_folder: str | Path, hparams: TrainSpec, seed: int, lora: LoraSpec | None = None,
+        distill: DistillSpec | None = None,
     ) -> "PolicyTrainer":
         """A trainer over the model and tokenizer of a Hugging Face folder (the run's base model),
         with fresh LoRA adapters (seeded) when ``lora`` is given, and the frozen teacher of
@@ -135,7 +133,7 @@ class PolicyTrainer(AdamWSteps):
             out.update(sft_loss_first=first, sft_loss_last=last)
         return out
 
-    def sft_step(self, rows: list[dict], hparams: TrainerHParams) -> dict[str, float]:
+    def sft_step(self, rows: list[dict], hparams: TrainSpec) -> dict[str, float]:
         """One supervised update (SFT mode); increments ``policy_version`` by 1 (``policy.sft``)."""
         t0 = time.perf_counter()
         self.hparams = hparams
@@ -145,7 +143,7 @@ class PolicyTrainer(AdamWSteps):
         return update.metrics(len(rows), time.perf_counter() - t0, hparams.ppo_epochs, self.policy_version)
 
     # ------------------------------------------------------------------ RL
-    def ensure_critic(self, hp: TrainerHParams) -> critic_lib.Critic:
+    def ensure_critic(self, hp: TrainSpec) -> critic_lib.Critic:
         """The PPO critic, created from the current policy weights at its first step."""
         if self.critic is None:
             self.critic = critic_lib.Critic(critic_lib.new_value_model(self._config(), self.published_state(),
@@ -159,7 +157,7 @@ class PolicyTrainer(AdamWSteps):
         return distill_lib.Teacher(self.teacher, self.distill.coef)
 
     def train_step(
-        self, samples: list[Sample], rewards: list[float], group_size: int, hparams: TrainerHParams
+        self, samples: list[Sample], rewards: list[float], group_size: int, hparams: TrainSpec
     ) -> dict[str, float]:
         """One RL update from one rollout; increments ``policy_version`` by 1.
 
@@ -310,7 +308,7 @@ class PolicyTrainer(AdamWSteps):
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
         ref = frozen_copy(model) if meta["has_reference"] else None
-        trainer = cls(model, Tokenizer.load(folder), stored_hparams(meta["hparams"]), int(meta["seed"]), ref)
+        trainer = cls(model, Tokenizer.load(folder), TrainSpec.model_validate(meta["hparams"]), int(meta["seed"]), ref)
         trainer.load_state(folder)
         return trainer
 
@@ -321,7 +319,7 @@ class PolicyTrainer(AdamWSteps):
         self._check_compatible(folder / state_io.META_FILE, meta)
         self.load_trained_state(load_file(str(folder / state_io.WEIGHTS_FILE)))
         self.load_reference_state(load_file(str(folder / REF_FILE)) if meta["has_reference"] else None)
-        self.hparams = stored_hparams(meta["hparams"])
+        self.hparams = TrainSpec.model_validate(meta["hparams"])
         self.load_optimizer_state(self.hparams, load_file(str(folder / state_io.OPTIM_FILE)),
                                   meta["optimizer_param_groups"])
         # None when the checkpoint has no critic: a PPO run's first step creates it

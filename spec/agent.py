@@ -11,7 +11,7 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
-from workflows.strict import Strict
+from spec.strict import Strict
 
 BUILTIN_TOOLS = ("calculator", "python")
 _DOTTED = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*([:.][A-Za-z_][\w]*)")

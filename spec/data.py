@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from workflows.strict import Strict
+from spec.strict import Strict
 
 _DATA_SUFFIXES = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet", ".pq")}
 
@@ -82,6 +82,10 @@ class DataSpec(Strict):
             if value is not None and not value.lower().endswith(suffixes):
                 raise ValueError(f"{name} {value!r} must end with {' or '.join(suffixes)} for kind {self.kind!r}")
         return self
+
+    def eval_source(self) -> "DataSpec | None":
+        """The same mapping over ``eval_path`` (the held-out rows); None when there is none."""
+        return self.model_copy(update={"path": self.eval_path}) if self.eval_path else None
 
 
 __all__ = ["DataSpec"]

@@ -11,11 +11,12 @@ for every published version); it needs a ``--device cuda`` node and megatron-cor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from workflows.strict import Strict
+from spec.strict import Strict
+from spec.train import TrainSpec
 
 
 class TrainerSpec(Strict):
@@ -81,13 +82,13 @@ class RunAsks:
     lora: bool
     distill: bool
     agent: bool
-    train: Any = None  # the run's TrainSpec (None: the defaults)
+    train: TrainSpec | None = None  # the run's ``train`` (None: the defaults)
 
     def features(self) -> set[str]:
-        train = self.train
+        train = self.train or TrainSpec()
         return {name for name, on in (
             ("sft", self.mode != "rl"), ("lora", self.lora), ("distill", self.distill), ("agent", self.agent),
-            ("ppo", getattr(train, "estimator", "grpo") == "ppo"), ("ppo_epochs", getattr(train, "ppo_epochs", 1) != 1),
+            ("ppo", train.estimator == "ppo"), ("ppo_epochs", train.ppo_epochs != 1),
         ) if on}
 
 
@@ -120,34 +121,39 @@ def layout_conflicts(layout: str, asks: RunAsks) -> list[str]:
     """The settings of ``asks`` the trainer layout (``fsdp2``, ``megatron`` or ``cells``) does
     not implement yet, each with its reason."""
     have = asks.features()
-    out = [reason.format(ppo_epochs=getattr(asks.train, "ppo_epochs", 1))
+    out = [reason.format(ppo_epochs=(asks.train or TrainSpec()).ppo_epochs)
            for feature, reason in LAYOUT_GAPS[layout].items() if feature in have]
     if layout == "megatron" and asks.train is not None:
         out += megatron_train_conflicts(asks.train)
     return out
 
 
-def megatron_train_conflicts(train: object) -> list[str]:
+def train_conflicts(layout: str, train: TrainSpec) -> list[str]:
+    """The gaps of the trainer layout (``fsdp2``, ``megatron`` or ``cells``) that ``train``
+    alone decides. ``set_hparams`` may change ``train`` mid-run, so each backend refuses them
+    again at every step (the run config refused them before the run started)."""
+    return layout_conflicts(layout, RunAsks(mode="rl", lora=False, distill=False, agent=False, train=train))
+
+
+def megatron_train_conflicts(train: TrainSpec) -> list[str]:
     """The ``train`` knobs the megatron trainer's GRPO loss does not implement yet, set away
-    from what it computes (its runtime twin, on ``TrainerHParams``:
-    ``gpu_runtime.trainer.megatron.train.unsupported``; ``gpu_runtime`` imports nothing from
-    ``workflows``, and a test keeps the two in step). Also checked when ``set_hparams``
-    changes them mid-run."""
+    from what it computes: refused by the run config, by ``set_hparams`` mid-run, and by the
+    megatron trainer itself (``gpu_runtime.trainer.megatron.train``)."""
     out = []
-    if getattr(train, "kl_coef", 0.0) > 0:
+    if train.kl_coef > 0:
         out.append("train.kl_coef > 0 (no frozen reference model is kept)")
-    if getattr(train, "entropy_coef", 0.0) > 0:
+    if train.entropy_coef > 0:
         out.append("train.entropy_coef > 0 (no entropy bonus in the loss)")
-    if getattr(train, "tis_cap", None) is not None:
+    if train.tis_cap is not None:
         out.append("train.tis_cap (no truncated importance sampling; off-policy rollout modes set it unless "
                    "tis_cap: null)")
-    if getattr(train, "ppo_epochs", 1) != 1:
-        out.append(f"train.ppo_epochs {getattr(train, 'ppo_epochs')} (one optimizer step per rollout)")
-    if getattr(train, "estimator", "grpo") == "ppo":
+    if train.ppo_epochs != 1:
+        out.append(f"train.ppo_epochs {train.ppo_epochs} (one optimizer step per rollout)")
+    if train.estimator == "ppo":
         out.append("train.estimator ppo (no critic)")
-    if getattr(train, "precision", "fp32") != "fp32":
-        out.append(f"train.precision {getattr(train, 'precision')} (the GPTModel trains in float32)")
+    if train.precision != "fp32":
+        out.append(f"train.precision {train.precision} (the GPTModel trains in float32)")
     return out
 
 
-__all__ = ["LAYOUT_GAPS", "RunAsks", "TrainerSpec", "layout_conflicts", "megatron_train_conflicts"]
+__all__ = ["LAYOUT_GAPS", "RunAsks", "TrainerSpec", "layout_conflicts", "megatron_train_conflicts", "train_conflicts"]

@@ -1,5 +1,6 @@
 """The ``reward`` section of the run config: every reward kind's fields, validated per
-field (docs/rewards.md). Torch-free; part of the workflow input (``workflows.config``)."""
+field (docs/rewards.md). Torch-free; part of the workflow input (``spec.run``), and what the
+scoring code reads (``RewardSpec.term_list``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from workflows.strict import Strict
+from spec.strict import Strict
 
 # the kinds each kind-specific field applies to (unset elsewhere), and its default where it applies
 _REWARD_FIELD_KINDS: dict[str, tuple[str, ...]] = {
@@ -177,5 +178,11 @@ class RewardSpec(_RewardFields):
         """Every kind this reward uses (a weighted reward's terms included)."""
         return {self.kind, *(t.kind for t in self.terms or [])}
 
-    def resolved(self) -> dict[str, Any]:
-        return {**super().resolved(), "terms": [t.resolved() for t in self.terms] if self.terms is not None else None}
+    def term_list(self) -> list[RewardTerm]:
+        """The terms to score, each with its name and each kind-specific field at its kind's
+        default where unset: a weighted reward's terms, or this reward as its one term of weight 1."""
+        # the values are this validated section's own, or each kind's declared default: not validated again
+        if self.kind == "weighted":
+            assert self.terms
+            return [RewardTerm.model_construct(**t.resolved()) for t in self.terms]
+        return [RewardTerm.model_construct(**self.resolved(), weight=1.0, name=self.kind)]

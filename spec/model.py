@@ -1,6 +1,7 @@
 """The model sections of the run config: the model to train (``model``: a folder or a
 new one, optionally with LoRA adapters) and the teacher of on-policy distillation
-(``distill``). Torch-free; part of the workflow input (``workflows.config``)."""
+(``distill``). Torch-free; part of the workflow input (``spec.run``) and of the trainer's
+``RunSetup`` (``spec.trainer_rpc``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from workflows.strict import Strict
+from spec.strict import Strict
 
 # the linear layers of the architectures model.init builds (Qwen2 and Llama name them alike)
 INIT_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

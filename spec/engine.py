@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from workflows.strict import Strict
+from spec.strict import Strict
 
 
 class EngineSpec(Strict):

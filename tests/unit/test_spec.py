@@ -1,0 +1,111 @@
+"""The shared vocabulary (``spec``): stored records of older versions still read, each
+knob can change mid-run, a reward's terms carry their kind's defaults, events carry one
+time form, and the package loads without the project's other packages or torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from spec.reward import RewardSpec, RewardTerm
+from spec.status import RunEvent
+from spec.train import HParamUpdate, TrainSpec
+from spec.trainer_rpc import SFTRows, StepBatch, TrainResult
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The knobs added after runs were first stored, with the value that reproduces the trainer
+# from before each existed. A step batch or checkpoint an older version stored lacks them and
+# reads them as TrainSpec's defaults: changing one of these defaults would change how such a
+# record replays, so the test pins them.
+KNOBS_ADDED_LATER: dict[str, object] = {
+    "estimator": "grpo", "dual_clip_c": None, "loss_agg": "token_mean", "loss_agg_norm_len": None,
+    "kl_estimator": "k3", "kl_in_reward": False, "entropy_coef": 0.0, "tis_cap": None,
+    "gamma": 1.0, "lam": 0.95, "vf_coef": 1.0, "value_clip": 0.5, "critic_lr": None, "critic_warmup_steps": 0,
+    "precision": "fp32",
+}
+
+
+def test_knobs_added_later_default_to_the_old_trainer() -> None:
+    assert set(KNOBS_ADDED_LATER) < set(TrainSpec.model_fields)
+    assert {k: getattr(TrainSpec(), k) for k in KNOBS_ADDED_LATER} == KNOBS_ADDED_LATER
+
+
+def test_a_step_batch_as_an_old_version_stored_it_reads() -> None:
+    """Before the later knobs (and before SFT mode: no ``sft``), as ``service`` reads it back for replay."""
+    old = {"step": 3, "policy_version": 2, "chunk_keys": ["runs/r/steps/000003/chunks/0000.json"],
+           "rewards_key": "runs/r/steps/000003/rewards.json", "group_size": 4,
+           "hparams": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "warmup_steps": 0,
+                       "grad_clip": 1.0, "clip_eps": 0.2, "clip_eps_high": None, "kl_coef": 0.0,
+                       "scale_adv_by_std": True, "ppo_epochs": 1, "micro_batch_size": 128}}
+    batch = StepBatch.model_validate_json(json.dumps(old))
+    assert batch.sft is None and batch.hparams == TrainSpec(lr=2e-5)
+    assert StepBatch.model_validate_json(batch.model_dump_json()) == batch
+    sft = batch.model_copy(update={"sft": SFTRows(data_cursor=64, n_rows=32)})
+    assert StepBatch.model_validate_json(sft.model_dump_json()).sft == SFTRows(data_cursor=64, n_rows=32)
+
+
+def test_a_step_batch_refuses_an_unknown_knob() -> None:
+    raw = json.loads(StepBatch(step=1, policy_version=0, chunk_keys=[], rewards_key="", group_size=1,
+                               hparams=TrainSpec()).model_dump_json())
+    raw["hparams"]["lr_typo"] = 1.0
+    with pytest.raises(ValidationError, match="lr_typo"):
+        StepBatch.model_validate(raw)
+
+
+def test_every_train_knob_can_be_set_mid_run() -> None:
+    assert set(HParamUpdate.model_fields) - {"unset"} == set(TrainSpec.model_fields)
+
+
+def test_reward_terms_carry_their_kind_defaults() -> None:
+    spec = RewardSpec(kind="weighted", terms=[
+        RewardTerm(kind="gsm8k", weight=0.8, mode="flexible"),
+        RewardTerm(kind="format", pattern="a.*", weight=0.2, name="fmt"),
+        RewardTerm(kind="judge", url="http://127.0.0.1:1/j", concurrency=2, timeout_s=3.0),
+        RewardTerm(kind="custom", function="m:f", error_policy="zero"),
+    ])
+    terms = spec.term_list()
+    assert [(t.label, t.weight) for t in terms] == [("gsm8k", 0.8), ("fmt", 0.2), ("judge", 1.0), ("custom", 1.0)]
+    gsm8k, fmt, judge, custom = terms
+    assert (gsm8k.mode, gsm8k.format_score, gsm8k.url) == ("flexible", 0.0, None)
+    assert (fmt.pattern, fmt.format_score) == ("a.*", 1.0)
+    assert (judge.url, judge.concurrency, judge.max_retries, judge.timeout_s, judge.batch_size) == (
+        "http://127.0.0.1:1/j", 2, 5, 3.0, None)
+    assert (custom.function, custom.error_policy) == ("m:f", "zero")
+    (plain,) = RewardSpec(kind="http", url="https://rm/score").term_list()
+    assert (plain.name, plain.weight, plain.batch_size, plain.max_retries) == ("http", 1.0, 32, 5)
+    assert spec.terms is not None and spec.terms[0].format_score is None  # the config itself keeps what it was given
+
+
+def test_an_event_carries_its_time_as_iso_utc() -> None:
+    assert RunEvent.at_time(0.0, "engine_dead", "slot 1") == RunEvent(
+        at="1970-01-01T00:00:00+00:00", kind="engine_dead", detail="slot 1")
+    assert RunEvent.now("x").at.endswith("+00:00")
+
+
+def test_a_train_result_as_an_old_version_stored_it_reads() -> None:
+    """``train_result.json`` (read back on a retry and on replay) from before one status model per
+    thing: events with a unix ``at``, a cell without its node."""
+    old = {"policy_version": 3, "checksum": "c", "weights_key": "w", "metrics": {"dp_cells": 1.0}, "rebuild": None,
+           "seconds": 1.5, "events": [{"at": 86400.5, "kind": "cell_started", "detail": "generation 1"}],
+           "cell": {"generation": 1, "placement": "strict_pack", "ray_address": "local", "ranks": [
+               {"rank": 0, "pid": 7, "node_ip": "127.0.0.1", "node_id": "n0", "state": "alive"}]},
+           "dp": {"lighthouse_pid": 9, "lighthouse_restarts": 0, "cells": [{"index": 0, "pid": 8, "state": "alive"}]}}
+    res = TrainResult.model_validate_json(json.dumps(old))
+    assert res.events == [RunEvent(at="1970-01-02T00:00:00.500000+00:00", kind="cell_started", detail="generation 1")]
+    assert res.cell is not None and res.cell.node == "" and res.dp is not None and res.dp.cells[0].pid == 8
+
+
+def test_spec_loads_without_torch_or_the_other_packages() -> None:
+    """Workflow code imports ``spec`` in the sandbox: no torch, no other package of the project,
+    no side effect at import."""
+    code = ("import sys, spec.run, spec.trainer_rpc, spec.status\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'gpu_runtime', 'workflows', 'activities', 'workers', 'milestone_cli'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
