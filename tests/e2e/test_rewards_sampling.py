@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import reasoning_gym  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -148,7 +149,6 @@ def test_judge_reward_is_asked_once_per_sample_across_a_failed_attempt(shared_st
 def test_reasoning_gym_dataset_and_reward(shared_stack: Stack) -> None:
     """``data.kind: reasoning_gym`` (generated at data preparation into the run's store) and
     ``reward.kind: reasoning_gym`` (the generator's own scorer), also in the held-out eval."""
-    pytest.importorskip("reasoning_gym")
     store = shared_stack.workdir / "store"
     gym = {"kind": "reasoning_gym", "dataset": "chain_sum", "num_train": 200,
            "dataset_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
