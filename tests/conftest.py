@@ -97,19 +97,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         if lines:
             report.sections.append((f"stack log {log.name} (last warnings/errors)",
                                     "\n".join(ln[:400] for ln in lines[-_LOG_LINES_PER_FILE:])))
-
-
-@pytest.fixture
-def stack_dir(tmp_path: Path) -> Path:
-    return tmp_path
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    """Temporal dev server + control worker + one CPU node agent, all real processes."""
-    s = Stack(tmp_path)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()

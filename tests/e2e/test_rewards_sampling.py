@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from temporalio.worker import Replayer
 
 from gpu_runtime.store import artifacts as art
 from tests.reward_servers import Behaviour, length_score, reward_server
-from tests.stack import Stack, running_stack, tiny_config
+from tests.stack import Stack, tiny_config
 from workers.common import connect
 from workflows.config import RunConfig
 from workflows.contracts import CONTROL_QUEUE, RunProgress, RunSummary, TrainingRunInput
@@ -32,9 +31,8 @@ PPS, GROUP, PER_ROUND = 4, 4, 5
 
 
 @pytest.fixture(scope="module")
-def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("rewards")) as s:
-        yield s
+def shared_stack(plain_stack: Stack) -> Stack:
+    return plain_stack
 
 
 async def run(client: Client, run_id: str, cfg: dict) -> tuple[RunSummary, RunProgress]:
