@@ -13,7 +13,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTHONPATH", str(ROOT))
 
+from tests.scheduling import E2EOnOneWorker  # noqa: E402
 from tests.stack import Stack  # noqa: E402
+from xdist.remote import Producer  # noqa: E402
 
 
 def _has_cuda() -> bool:
@@ -38,6 +40,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own default
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> E2EOnOneWorker | None:
+    """``-n N`` (xdist's default ``--dist load``): the e2e modules one after another on one
+    worker, the other modules spread over the rest (tests/scheduling.py)."""
+    return E2EOnOneWorker(config, log) if config.getvalue("dist") == "load" else None
 
 
 def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
