@@ -1,6 +1,7 @@
 # Milestone: two commands on a fresh machine.
 #   make demo   install the CPU profile, start the stack, run the demo RL run to the end
 #   make test   install the same environment (and Debian's chromium) and run the whole test suite
+#               (less the long tests: `make test-long`, `make soak`; docs/testing.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +15,7 @@ TORCH := torch==2.13.0
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: install demo test up down status bench clean
+.PHONY: install demo test test-long soak up down status bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,8 +35,20 @@ $(CHROMIUM):
 demo: install
 	$(PY) -m infra.demo examples/demo.yaml
 
+# xdist workers: the e2e modules run one after another on one of them, the unit and
+# integration modules share the others (tests/scheduling.py, docs/testing.md)
+TEST_WORKERS ?= 3
+
 test: install $(CHROMIUM)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
+
+# the tests that are long by nature (marker long): the 30-step random-fault soak, the GPU check's CPU tiny mode
+test-long: install
+	$(PY) -m pytest -m long
+
+# the 200-step random-fault soak (marker soak, ~11 min; docs/soak.md)
+soak: install
+	$(PY) -m pytest -m soak tests/e2e/test_soak.py
 
 # make up S3=1 also starts SeaweedFS (S3 on :8333) for configs whose store is s3://
 # make up starts a local Ray head for fsdp2 cells (127.0.0.1:6379, stopped by pid by make down); RAY=0: none

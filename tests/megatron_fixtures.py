@@ -1,11 +1,10 @@
-"""Shared by the megatron backend's tests: the GPTModel call on an HF model, whether
-megatron-core is importable (the ``[gpu]`` extra; CI installs none), the CPU shim for
-megatron-core's CUDA-only bits, and the few-steps script the CUDA test and its CPU
-rehearsal both run (``run_steps`` / ``check_steps``)."""
+"""Shared by the megatron backend's tests: the GPTModel call on an HF model, the CPU shim
+for megatron-core's CUDA-only bits (megatron-core is a dev dependency: the CPU tests always
+run), and the few-steps script the CUDA test and its CPU rehearsal both run
+(``run_steps`` / ``check_steps``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,8 +14,6 @@ from typing import Any
 
 import torch
 
-HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-NO_MCORE = "megatron-core is not installed (the [gpu] extra; CI installs none)"
 
 
 class HFAsGPT(torch.nn.Module):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -81,11 +83,36 @@ def baseline_weights(stack: Stack, store: Path, cfg: dict, run_id: str = "baseli
     return final_weights(store, run_id, summary.policy_version)
 
 
-def module_stack_fixtures(name: str, env: dict[str, str], config: Callable[[Path], dict]) -> tuple:
-    """The module-scoped ``stack``, ``store`` and ``baseline`` fixtures of a fault-injection
-    module: one stack per module (its agents get ``env``) and the fault-free run of
-    ``config(store)`` whose final weights every faulted run must equal bitwise. Use as
-    ``stack, store, baseline = module_stack_fixtures("name", ENV, cfg)``."""
+def config_key(cfg: dict) -> str:
+    """A run config as JSON, defaults filled in, less its store: two configs with one key train
+    the same weights bitwise, whatever the store, run id, stack or fault-injection delays."""
+    return json.dumps(RunConfig.model_validate(cfg).model_dump(mode="json", exclude={"store"}), sort_keys=True)
+
+
+class Baselines:
+    """The fault-free runs every faulted run is compared with, one per distinct config
+    (``config_key``) per session, on the session's plain stack (no fault-injection delays:
+    they change only how long a run takes). Modules whose faulted runs share a config share
+    its baseline; a module that reads the baseline run's own history or artifacts runs it
+    on its own stack instead (``module_baseline_fixture``)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.store = stack.workdir / "store"
+        self._weights: dict[str, dict[str, torch.Tensor]] = {}
+
+    def weights(self, cfg: dict) -> dict[str, torch.Tensor]:
+        """The final weights of the fault-free run of ``cfg`` (run on first use)."""
+        key = config_key(cfg)
+        if key not in self._weights:
+            run_id = f"baseline-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+            self._weights[key] = baseline_weights(self.stack, self.store, {**cfg, "store": f"file://{self.store}"}, run_id)
+        return self._weights[key]
+
+
+def module_stack_fixtures(name: str, env: dict[str, str]) -> tuple:
+    """The module-scoped ``stack`` and ``store`` fixtures of a fault-injection module whose
+    agents need ``env`` (its own stack). Use as ``stack, store = module_stack_fixtures("name", ENV)``."""
 
     @pytest.fixture(scope="module")
     def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
@@ -96,8 +123,16 @@ def module_stack_fixtures(name: str, env: dict[str, str], config: Callable[[Path
     def store(stack: Stack) -> Path:
         return stack.workdir / "store"
 
+    return stack, store
+
+
+def module_baseline_fixture(config: Callable[[Path], dict]) -> Callable:
+    """The module-scoped ``baseline`` fixture of a module that reads the fault-free run's own
+    progress and artifacts: ``config(store)`` run as ``baseline`` on the module's stack; its
+    final weights. (A module that needs only the weights takes ``baselines.weights(cfg)``.)"""
+
     @pytest.fixture(scope="module")
     def baseline(stack: Stack, store: Path) -> dict[str, torch.Tensor]:
         return baseline_weights(stack, store, config(store))
 
-    return stack, store, baseline
+    return baseline

@@ -23,19 +23,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torchft  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-pytest.importorskip("torchft", reason="the cells extra (torchft-nightly) is not installed: pip install -e '.[cells]'")
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
 
-from temporalio.contrib.pydantic import pydantic_data_converter  # noqa: E402
-from temporalio.worker import Replayer  # noqa: E402
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
 
-from gpu_runtime.proc.processes import pid_alive  # noqa: E402
-from tests.e2e.faults import final_weights, progress, run_to_end, start_run, wait_activity_started  # noqa: E402
-from tests.stack import Stack, async_wait_for, running_stack, tiny_config  # noqa: E402
-from workers.common import connect  # noqa: E402
-from workflows.run_state import RunProgress  # noqa: E402
-from workflows.stubs import TRAIN_STEP  # noqa: E402
-from workflows.training_run import RUN_WORKFLOWS  # noqa: E402
+from gpu_runtime.proc.processes import pid_alive
+from tests.e2e.faults import final_weights, progress, run_to_end, start_run, wait_activity_started
+from tests.stack import Stack, async_wait_for, running_stack, tiny_config
+from workers.common import connect
+from workflows.run_state import RunProgress
+from workflows.stubs import TRAIN_STEP
+from workflows.training_run import RUN_WORKFLOWS
 
 pytestmark = pytest.mark.e2e
 STEPS = 30  # a restarted cell is built in the background (~4.5 s here) while steps of ~0.4 s go on

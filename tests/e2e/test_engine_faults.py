@@ -13,8 +13,8 @@ import pytest
 from temporalio.client import Client
 
 from tests.e2e.faults import (
+    Baselines,
     assert_bitwise_equal,
-    baseline_weights,
     final_weights,
     progress,
     start_run,
@@ -45,8 +45,8 @@ def store(engine_stack: Stack) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(engine_stack: Stack, store: Path) -> dict:
-    return baseline_weights(engine_stack, store, tiny_config(store, steps=STEPS))
+def baseline(baselines: Baselines, store: Path) -> dict:
+    return baselines.weights(tiny_config(store, steps=STEPS))
 
 
 async def _activity_attempts(client: Client, workflow_id: str, activity: str) -> int:

@@ -18,8 +18,8 @@ import pytest
 from gpu_runtime.store.fence import read_fence
 from gpu_runtime.store.object_store import LocalStore
 from tests.e2e.faults import (
+    Baselines,
     assert_bitwise_equal,
-    baseline_weights,
     final_weights,
     progress,
     start_run,
@@ -51,8 +51,8 @@ def tree(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_partitioned_node_writes_nothing_the_run_uses(stack: Stack, store: Path) -> None:
-    baseline = baseline_weights(stack, store, tiny_config(store, **CFG))
+def test_partitioned_node_writes_nothing_the_run_uses(stack: Stack, store: Path, baselines: Baselines) -> None:
+    baseline = baselines.weights(tiny_config(store, **CFG))
     run_id = "partition"
 
     async def main() -> None:

@@ -12,7 +12,6 @@ import asyncio
 import hashlib
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,19 +21,13 @@ from temporalio.api.enums.v1 import EventType
 
 from infra.temporal_server import temporal_binary
 from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_to_end
-from tests.stack import ROOT, Stack, running_stack, tiny_config
+from tests.stack import ROOT, Stack, tiny_config
 from workers.common import connect
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
 # checkpoints after SFT (step 0) and at the end only: a fork at step 2 restores step 0 and replays 1-2
 CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}}
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("fork")) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

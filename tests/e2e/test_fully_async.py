@@ -20,6 +20,7 @@ from gpu_runtime.data.datasets import prompts_for_step
 from tests.e2e.test_fork import cli
 from tests.e2e.faults import (
     assert_bitwise_equal,
+    module_baseline_fixture,
     module_stack_fixtures,
     final_weights,
     progress,
@@ -48,7 +49,8 @@ def cfg(store: Path) -> dict:
     return tiny_config(store, **CFG)
 
 
-stack, store, baseline = module_stack_fixtures("fully-async", ENV, cfg)
+stack, store = module_stack_fixtures("fully-async", ENV)
+baseline = module_baseline_fixture(cfg)
 
 
 def trained_samples(store: Path, run_id: str, step: int) -> list[dict]:

@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.faults import (
     assert_bitwise_equal,
+    module_baseline_fixture,
     module_stack_fixtures,
     final_weights,
     progress,
@@ -40,7 +41,8 @@ def cfg(store: Path) -> dict:
     return c
 
 
-stack, store, baseline = module_stack_fixtures("one-step-off", ENV, cfg)
+stack, store = module_stack_fixtures("one-step-off", ENV)
+baseline = module_baseline_fixture(cfg)
 
 
 def sample_versions(store: Path, run_id: str, step: int) -> set[int]:

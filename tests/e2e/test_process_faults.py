@@ -16,8 +16,8 @@ import torch
 
 from gpu_runtime.data.datasets import prompts_for_step
 from tests.e2e.faults import (
+    Baselines,
     assert_bitwise_equal,
-    baseline_weights,
     final_weights,
     progress,
     start_run,
@@ -48,8 +48,8 @@ def store(proc_stack: Stack) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(proc_stack: Stack, store: Path) -> dict:
-    return baseline_weights(proc_stack, store, tiny_config(store, **CFG))
+def baseline(baselines: Baselines, store: Path) -> dict:
+    return baselines.weights(tiny_config(store, **CFG))
 
 
 def assert_trained_exactly_once(store: Path, run_id: str) -> None:
@@ -94,12 +94,12 @@ def test_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline:
 CFG_BF16 = {**CFG, "train": {"lr": 1e-4, "precision": "bf16"}}
 
 
-def test_bf16_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline: dict) -> None:
+def test_bf16_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline: dict, baselines: Baselines) -> None:
     """The trainer-crash row with ``train.precision: bf16``: the restarted trainer restores
     step 0 and replays step 1 in bf16 (each step stores its precision), and the run ends
     bitwise equal to the fault-free bf16 run, which differs from the float32 one (the knob
     reached the trainer process)."""
-    bf16_baseline = baseline_weights(proc_stack, store, tiny_config(store, **CFG_BF16), run_id="baseline-bf16")
+    bf16_baseline = baselines.weights(tiny_config(store, **CFG_BF16))
     assert any(not torch.equal(bf16_baseline[k], baseline[k]) for k in baseline), "bf16 trained like float32"
     run_id = "trainer-crash-bf16"
 

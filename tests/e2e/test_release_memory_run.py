@@ -16,6 +16,7 @@ import pytest
 
 from gpu_runtime.engine.client import EngineClient, EngineError
 from tests.e2e.faults import (
+    Baselines,
     assert_bitwise_equal,
     final_weights,
     module_stack_fixtures,
@@ -37,7 +38,12 @@ def _config(store: Path, release: str) -> dict:
     return tiny_config(store, steps=STEPS, engines={**tiny_config(store)["engines"], "release_memory": release})
 
 
-stack, store, baseline = module_stack_fixtures("release-memory", ENV, lambda s: _config(s, "off"))
+stack, store = module_stack_fixtures("release-memory", ENV)
+
+
+@pytest.fixture(scope="module")
+def baseline(baselines: Baselines, store: Path) -> dict:
+    return baselines.weights(_config(store, "off"))
 
 
 def _released(url: str) -> bool:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import reasoning_gym  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -20,7 +20,7 @@ from temporalio.worker import Replayer
 from gpu_runtime.store import artifacts as art
 from spec.run import RunConfig
 from tests.reward_servers import Behaviour, length_score, reward_server
-from tests.stack import Stack, running_stack, tiny_config
+from tests.stack import Stack, tiny_config
 from workers.common import connect
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
@@ -33,9 +33,8 @@ PPS, GROUP, PER_ROUND = 4, 4, 5
 
 
 @pytest.fixture(scope="module")
-def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("rewards")) as s:
-        yield s
+def shared_stack(plain_stack: Stack) -> Stack:
+    return plain_stack
 
 
 async def run(client: Client, run_id: str, cfg: dict) -> tuple[RunSummary, RunProgress]:
@@ -173,7 +172,6 @@ def test_judge_reward_is_asked_once_per_sample_across_a_failed_attempt(shared_st
 def test_reasoning_gym_dataset_and_reward(shared_stack: Stack) -> None:
     """``data.kind: reasoning_gym`` (generated at data preparation into the run's store) and
     ``reward.kind: reasoning_gym`` (the generator's own scorer), also in the held-out eval."""
-    pytest.importorskip("reasoning_gym")
     store = shared_stack.workdir / "store"
     gym = {"kind": "reasoning_gym", "dataset": "chain_sum", "num_train": 200,
            "dataset_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}

@@ -9,7 +9,6 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -28,7 +27,7 @@ from milestone_cli.report import render_report
 from spec.run import RunConfig
 from tests.browser import render
 from tests.e2e.faults import assert_bitwise_equal
-from tests.stack import Stack, running_stack, tiny_config, wait_for
+from tests.stack import Stack, tiny_config, wait_for
 from workers.common import connect
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
@@ -71,13 +70,6 @@ class FinishedRun:
     cfg: dict
     store: Path
     summary: RunSummary
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One stack for the module's runs, with the Temporal web UI on (the browser check reads it)."""
-    with running_stack(tmp_path_factory.mktemp("stack"), ui=True) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import asyncio
 import json
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from tests.e2e.faults import progress, run_to_end
-from tests.stack import Stack, running_stack, tiny_config
+from tests.stack import Stack, tiny_config
 from workers.common import connect
 from workflows.run_state import RunProgress, RunSummary
 from workflows.training_run import RUN_WORKFLOWS
@@ -30,9 +29,8 @@ SFT_STEPS, ROWS_PER_STEP = 4, 32
 
 
 @pytest.fixture(scope="module")
-def sd_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("sft-distill")) as s:
-        yield s
+def sd_stack(plain_stack: Stack) -> Stack:
+    return plain_stack
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import ray  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
-
-from tests.e2e.faults import (  # noqa: E402
+from tests.e2e.faults import (
     assert_bitwise_equal,
     final_weights,
     progress,
@@ -28,9 +27,9 @@ from tests.e2e.faults import (  # noqa: E402
     start_run,
     wait_activity_started,
 )
-from tests.stack import ROOT, Stack, async_wait_for, running_stack, tiny_config, wait_for  # noqa: E402
-from workers.common import connect  # noqa: E402
-from workflows.stubs import TRAIN_STEP  # noqa: E402
+from tests.stack import ROOT, Stack, async_wait_for, running_stack, tiny_config, wait_for
+from workers.common import connect
+from workflows.stubs import TRAIN_STEP
 
 pytestmark = pytest.mark.e2e
 STEPS = 2

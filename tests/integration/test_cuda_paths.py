@@ -134,7 +134,6 @@ def test_cuda_trainer_is_bitwise_repeatable_and_close_to_cpu(model_dirs, tmp_pat
 
 
 def test_megatron_forward_matches_hf_on_cuda(tmp_path: Path) -> None:
-    pytest.importorskip("megatron.core")
     model, tok = tiny_model(6)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
     script = f"""
@@ -190,7 +189,6 @@ def test_megatron_grpo_step_matches_the_single_trainer_on_cuda(tmp_path: Path) -
     """One GRPO step on a GPTModel (megatron.train) against ``PolicyTrainer.train_step`` on
     the HF model from the same folder: grad norm and loss agree to float32 noise, and the
     updated weights (converted back to HF names) are within an AdamW step's size."""
-    pytest.importorskip("megatron.core")
     model, tok = tiny_model(8)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
     r = subprocess.run([sys.executable, "-c", _MEGATRON_STEP, str(tmp_path / "m")], capture_output=True, text=True,
@@ -288,8 +286,7 @@ def test_fsdp2_cell_on_cuda_matches_the_single_trainer(  # type: ignore[no-untyp
 
 def test_fsdp2_cell_on_cuda_through_ray(model_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The driver's path: ``TrainerCell(device="cuda")`` reserves one GPU per rank in its Ray
-    placement group and each actor trains on the GPU Ray assigned it (skipped without Ray)."""
-    pytest.importorskip("ray")
+    placement group and each actor trains on the GPU Ray assigned it."""
     from gpu_runtime.trainer.fsdp2.cell import TrainerCell
     from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime
 

@@ -21,17 +21,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchft  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-pytest.importorskip("torchft", reason="the cells extra (torchft-nightly) is not installed: pip install -e '.[cells]'")
-
-from gpu_runtime.models.causal_lm import export_state_dict  # noqa: E402
-from gpu_runtime.models.model_folder import load_model_folder, weights_checksum  # noqa: E402
-from gpu_runtime.proc.processes import pid_alive  # noqa: E402
-from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.dp.group import DPGroup  # noqa: E402
-from gpu_runtime.trainer.dp.lighthouse import Lighthouse  # noqa: E402
-from tests.stack import wait_for  # noqa: E402
-from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
+from gpu_runtime.models.causal_lm import export_state_dict
+from gpu_runtime.models.model_folder import load_model_folder, weights_checksum
+from gpu_runtime.proc.processes import pid_alive
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.dp.group import DPGroup
+from gpu_runtime.trainer.dp.lighthouse import Lighthouse
+from tests.stack import wait_for
+from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout
 
 SEED = 7
 HP = hparams(micro_batch_size=2, ppo_epochs=1, kl_coef=0.1, warmup_steps=0, lr=1e-3, entropy_coef=0.01)

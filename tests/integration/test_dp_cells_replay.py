@@ -16,19 +16,18 @@ import threading
 from pathlib import Path
 
 import pytest
+import torchft  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-pytest.importorskip("torchft", reason="the cells extra (torchft-nightly) is not installed: pip install -e '.[cells]'")
-
-from bench._inproc import dataset_rows, generate_step, rollout_request, run_setup, step_batch  # noqa: E402
-from gpu_runtime.data.rewards import score_samples  # noqa: E402
-from gpu_runtime.models.causal_lm import load_causal_lm  # noqa: E402
-from gpu_runtime.models.tokenizer import Tokenizer  # noqa: E402
-from gpu_runtime.proc.processes import pid_alive  # noqa: E402
-from gpu_runtime.store import artifacts as art  # noqa: E402
-from gpu_runtime.store.object_store import LocalStore  # noqa: E402
-from gpu_runtime.trainer.service import TrainerService  # noqa: E402
-from spec.run import RunConfig  # noqa: E402
-from tests.stack import tiny_config, wait_for  # noqa: E402
+from bench._inproc import dataset_rows, generate_step, rollout_request, run_setup, step_batch
+from gpu_runtime.data.rewards import score_samples
+from gpu_runtime.models.causal_lm import load_causal_lm
+from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.proc.processes import pid_alive
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.object_store import LocalStore
+from gpu_runtime.trainer.service import TrainerService
+from spec.run import RunConfig
+from tests.stack import tiny_config, wait_for
 
 RUN = "dp-replay"
 STEPS = 3

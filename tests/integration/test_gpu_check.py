@@ -16,6 +16,7 @@ import pytest
 from tests.engine_fixtures import REPO
 
 
+@pytest.mark.long  # ~30 s; its sections are tested each on its own in `make test` (docs/testing.md)
 def test_cpu_tiny_run_passes_every_section(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     env = {**os.environ, "PYTHON": sys.executable}

@@ -1,5 +1,5 @@
-"""``trainer.backend: megatron`` on CUDA (``gpu`` marker: skipped without a GPU; also skipped
-without megatron-core, the ``[gpu]`` extra). The plain reference is the HF trainer,
+"""``trainer.backend: megatron`` on CUDA (``gpu`` marker: skipped without a GPU; megatron-core
+is a dev dependency, and the device run carries its wheel). The plain reference is the HF trainer,
 ``PolicyTrainer.train_step``, on the same folder and batch: the megatron trainer's first
 step has its loss and grad norm to float32 noise (rel 1e-3: the GPTModel fuses q/k/v and
 gate/up into one matmul each, so sums run in another order). Then what a run relies on:
@@ -20,9 +20,9 @@ import pytest
 
 from gpu_runtime.models.model_folder import save_model_folder
 from tests.engine_fixtures import REPO, tiny_model
-from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, check_service, check_steps, run_service, run_steps
+from tests.megatron_fixtures import check_service, check_steps, run_service, run_steps
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("arch,tie", [("qwen2", True), ("llama", False)])

@@ -14,13 +14,12 @@ import os
 from pathlib import Path
 
 import pytest
+import ray  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
-
-from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime, visible_gpus  # noqa: E402
-from gpu_runtime.trainer.fsdp2.device import rank_placement  # noqa: E402
-from gpu_runtime.trainer.fsdp2.host import CellHost  # noqa: E402
-from spec.trainer import TrainerSpec  # noqa: E402
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime, visible_gpus
+from gpu_runtime.trainer.fsdp2.device import rank_placement
+from gpu_runtime.trainer.fsdp2.host import CellHost
+from spec.trainer import TrainerSpec
 
 
 def test_visible_gpus_indexes_an_outer_list_and_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,19 +14,18 @@ from pathlib import Path
 
 import psutil
 import pytest
+import ray  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
-
-from gpu_runtime.trainer.fsdp2.errors import RayUnavailable  # noqa: E402
-from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime  # noqa: E402
-from gpu_runtime.trainer.fsdp2.host import RAY_ADDRESS_ENV, CellHost  # noqa: E402
-from gpu_runtime.trainer.protocol import Dead  # noqa: E402
-from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready  # noqa: E402
-from gpu_runtime.proc.processes import pid_alive  # noqa: E402
-from spec.trainer import TrainerSpec  # noqa: E402
-from tests.stack import wait_for  # noqa: E402
-from tests.unit.test_policy_trainer import hparams, rollout  # noqa: E402
-from tests.unit.test_trainer_cell import post_sft_folder  # noqa: E402
+from gpu_runtime.trainer.fsdp2.errors import RayUnavailable
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime
+from gpu_runtime.trainer.fsdp2.host import RAY_ADDRESS_ENV, CellHost
+from gpu_runtime.trainer.protocol import Dead
+from infra.ray_head import head_command, head_env, head_processes, stop_head, wait_ready
+from gpu_runtime.proc.processes import pid_alive
+from spec.trainer import TrainerSpec
+from tests.stack import wait_for
+from tests.unit.test_policy_trainer import hparams, rollout
+from tests.unit.test_trainer_cell import post_sft_folder
 
 SEED = 7
 HP = hparams(micro_batch_size=2, ppo_epochs=1, kl_coef=0.0, warmup_steps=0, lr=1e-3)

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from gpu_runtime.data.datasets import generate_arithmetic  # noqa: E402
-from gpu_runtime.models.hf_factory import (  # noqa: E402
+from gpu_runtime.data.datasets import generate_arithmetic
+from gpu_runtime.models.hf_factory import (
     CHATML_TEMPLATE, build_hf_model, init_model_folder, save_tokenizer, train_bpe_tokenizer,
 )
 

@@ -121,7 +121,6 @@ print("OK", len(ref))
 def test_a_real_gpt_model_takes_the_weights_and_gives_them_back(arch: str, tie: bool, tmp_path: Path) -> None:
     """A megatron-core GPTModel (local spec, built on CPU in its own process: a world of
     one) accepts the converted weights strictly and exports them back bitwise."""
-    pytest.importorskip("megatron.core")
     model, tok = tiny_model(6, arch=arch, tie=tie)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
     out = subprocess.run([sys.executable, "-c", _BUILD, str(tmp_path / "m")], capture_output=True, text=True,

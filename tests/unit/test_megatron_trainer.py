@@ -8,12 +8,11 @@ megatron-core runs no forward on CPU, so the CPU tests split the trainer at that
 - a real GPTModel built on CPU from a tiny random Qwen2 / Llama folder (export to an HF
   folder ``transformers`` loads, bitwise; ``save_state`` / ``from_state`` with the optimizer
   and RNG, then the same optimizer step on both: bitwise) runs in its own process (a
-  world of one) and is skipped where megatron-core is not installed (CI: it is in the
-  ``[gpu]`` extra only);
+  world of one) (megatron-core is a dev dependency: ``make test`` runs these);
 - a real GPTModel *trained* on CPU, with megatron-core's three CUDA-only bits (its causal
   mask's and rotary frequencies' device, its dropout's CUDA RNG fork) shimmed
   (``tests.megatron_fixtures.shim_cpu_forward``): the CUDA test's script, rehearsed here,
-  with the tolerance float32 on one CPU gives (also skipped without megatron-core);
+  with the tolerance float32 on one CPU gives;
 - the refusals: a CPU trainer process or a missing megatron-core is a ValueError naming
   what to do, raised when the run binds the trainer, before the run's store is touched.
 
@@ -44,7 +43,7 @@ from spec.run import CheckpointSpec
 from spec.train import SFTSpec, TrainSpec
 from spec.trainer import TrainerSpec
 from tests.engine_fixtures import REPO, tiny_model
-from tests.megatron_fixtures import HAVE_MCORE, NO_MCORE, HFAsGPT, check_service, check_steps, run_service, run_steps
+from tests.megatron_fixtures import HFAsGPT, check_service, check_steps, run_service, run_steps
 from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 from workflows.stubs import TRAIN_STEP
 
@@ -98,10 +97,9 @@ def test_train_step_refuses_what_the_loss_does_not_implement(tmp_path: Path) -> 
 
 
 def test_a_cpu_trainer_or_a_missing_megatron_core_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    if HAVE_MCORE:
-        assert "needs the node's trainer on CUDA" in (mtrainer.runtime_problem() or "")
-        assert "workers.gpu --device cuda" in (mtrainer.runtime_problem() or "")
-        assert mtrainer.runtime_problem(need_cuda=False) is None
+    assert "needs the node's trainer on CUDA" in (mtrainer.runtime_problem() or "")
+    assert "workers.gpu --device cuda" in (mtrainer.runtime_problem() or "")
+    assert mtrainer.runtime_problem(need_cuda=False) is None
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n.startswith("megatron") else real(n, *a))
     problem = mtrainer.runtime_problem(need_cuda=False)
@@ -196,7 +194,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)
 @pytest.mark.parametrize("arch,tie", [("qwen2", True), ("llama", False)])
 def test_a_real_gpt_model_exports_and_checkpoints_bitwise(arch: str, tie: bool, tmp_path: Path) -> None:
     model, tok = tiny_model(6, arch=arch, tie=tie)
@@ -217,7 +214,6 @@ def test_a_real_gpt_model_exports_and_checkpoints_bitwise(arch: str, tie: bool, 
     assert "field 'backend' is 'single'" in out["megatron_refuses"]
 
 
-@pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)
 @pytest.mark.parametrize("arch,tie", [("qwen2", True), ("llama", False)])
 def test_a_real_gpt_model_trains_like_the_hf_trainer_on_cpu(arch: str, tie: bool, tmp_path: Path) -> None:
     """The CUDA test's three steps on CPU: step 1's loss / grad norm / entropy against
@@ -229,7 +225,6 @@ def test_a_real_gpt_model_trains_like_the_hf_trainer_on_cpu(arch: str, tie: bool
     check_steps(run_steps(tmp_path / "m", tmp_path / "w", "cpu", REPO), rel=1e-5)
 
 
-@pytest.mark.skipif(not HAVE_MCORE, reason=NO_MCORE)
 def test_a_megatron_run_through_the_trainer_service_restores_bitwise(tmp_path: Path) -> None:
     """What the node's trainer process runs, with CUDA shimmed as above (and its CUDA check
     off): SFT on the HF trainer, the post-SFT weights into a GPTModel (checkpoint v0), two

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-pytest.importorskip("transformers")
-
-from bench import plain_grpo as pg  # noqa: E402
-from gpu_runtime.data.datasets import prompt_text  # noqa: E402
+from bench import plain_grpo as pg
+from gpu_runtime.data.datasets import prompt_text
 
 TINY = ["--hidden", "32", "--intermediate", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2"]
 

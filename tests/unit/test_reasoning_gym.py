@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import reasoning_gym as reasoning_gym_package  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 from pydantic import ValidationError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
@@ -24,7 +25,6 @@ from spec.run import EvalSpec, RunConfig
 from workflows.contracts.placement import PrepareDataInput
 from workflows.failures import Failure
 
-pytest.importorskip("reasoning_gym")
 CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 
 

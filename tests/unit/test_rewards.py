@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import math_verify  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 import pytest
 from pydantic import ValidationError
 
@@ -292,7 +293,6 @@ def test_a_hung_function_fails_the_pass_under_error_policy_fail(pid_file: Path) 
 
 # ---- math_verify ---------------------------------------------------------------------------
 def test_math_verify() -> None:
-    pytest.importorskip("math_verify")
     rows = [{**ROW, "answer": "#### 72"}, {**ROW, "answer": "\\frac{1}{2}"}]
     items = samples(["The answer is $72$.", "\\boxed{71}", "so \\boxed{0.5}", "it is 1/3"])
     items[2] = items[2].model_copy(update={"prompt_index": 1})

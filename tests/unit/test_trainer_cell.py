@@ -17,19 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import ray  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-pytest.importorskip("ray", reason="the cells extra (ray) is not installed: pip install -e '.[cells]'")
-
-from gpu_runtime.models.causal_lm import export_state_dict  # noqa: E402
-from gpu_runtime.models.model_folder import load_model_folder, weights_checksum  # noqa: E402
-from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.fsdp2.cell import CellPlacementFailed, CellRankDied, CellRankHung, TrainerCell  # noqa: E402
-from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime  # noqa: E402
-from gpu_runtime.trainer.protocol import Dead  # noqa: E402
-from gpu_runtime.proc.processes import pid_alive  # noqa: E402
-from spec.train import TrainSpec  # noqa: E402
-from tests.stack import wait_for  # noqa: E402
-from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout  # noqa: E402
+from gpu_runtime.models.causal_lm import export_state_dict
+from gpu_runtime.models.model_folder import load_model_folder, weights_checksum
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.fsdp2.cell import CellPlacementFailed, CellRankDied, CellRankHung, TrainerCell
+from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime
+from gpu_runtime.trainer.protocol import Dead
+from gpu_runtime.proc.processes import pid_alive
+from spec.train import TrainSpec
+from tests.stack import wait_for
+from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout
 
 SEED = 7
 STEPS = 3
