@@ -22,6 +22,7 @@ from spec.run import RunConfig
 from tests.reward_servers import Behaviour, length_score, reward_server
 from tests.stack import Stack, tiny_config
 from workers.common import connect
+from workflows.contracts.sampling import SamplingStats
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.stubs import COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP
@@ -53,6 +54,27 @@ def stored(store: Path, key: str, cls: type) -> object:
 def scheduled(history: WorkflowHistory) -> list[str]:
     return [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
             if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+
+
+def check_trained_selection(store: Path, step: int, d: SamplingStats) -> None:
+    """The trainer trained exactly the selected groups of the step's rounds, read where they
+    were generated (nothing copied): every group's rewards vary, unless the step fell back."""
+    batch = json.loads((store / art.step_batch_key("e2e-dyn", step)).read_text())
+    assert (batch["chunk_keys"], batch["rewards_key"]) == ([], "")
+    rounds, chosen = batch["selection"]["rounds"], batch["selection"]["groups"]
+    assert len(rounds) == d.rounds and len(chosen) == d.groups_trained
+    assert not (store / art.step_prefix("e2e-dyn", step) / "batch").exists()  # nothing copied
+    samples, rewards = [], []
+    for r, g in chosen:
+        round_samples = [x for k in rounds[r]["chunk_keys"] for x in stored(store, k, art.RolloutChunk).samples]
+        round_rewards = stored(store, rounds[r]["rewards_key"], art.StepRewards).rewards
+        samples += round_samples[g * GROUP : (g + 1) * GROUP]
+        rewards += round_rewards[g * GROUP : (g + 1) * GROUP]
+    assert [r.sample_id for r in rewards] == [x.sample_id for x in samples]
+    groups = [rewards[i : i + GROUP] for i in range(0, len(rewards), GROUP)]
+    assert all(len({r.reward for r in g}) > 1 for g in groups) or d.fallback
+    assert all(len({x.prompt_index for x in samples[i : i + GROUP]}) == 1 for i in range(0, len(samples), GROUP))
+    assert d.trained_reward_mean == pytest.approx(sum(r.reward for r in rewards) / len(rewards))
 
 
 def test_dynamic_filter_trains_only_groups_whose_rewards_vary(shared_stack: Stack) -> None:
@@ -96,23 +118,7 @@ def test_dynamic_filter_trains_only_groups_whose_rewards_vary(shared_stack: Stac
         assert s.data_cursor == cursor  # every drawn prompt counts as used, filtered or not
         assert set(s.phase_seconds) >= {"rollout", "reward", "train"} and "assemble" not in s.phase_seconds
 
-        # the trainer trained exactly the selected groups of the rounds: every group's rewards vary
-        batch = json.loads((store / art.step_batch_key("e2e-dyn", s.step)).read_text())
-        assert (batch["chunk_keys"], batch["rewards_key"]) == ([], "")
-        rounds, chosen = batch["selection"]["rounds"], batch["selection"]["groups"]
-        assert len(rounds) == d.rounds and len(chosen) == d.groups_trained
-        assert not (store / art.step_prefix("e2e-dyn", s.step) / "batch").exists()  # nothing copied
-        samples, rewards = [], []
-        for r, g in chosen:
-            round_samples = [x for k in rounds[r]["chunk_keys"] for x in stored(store, k, art.RolloutChunk).samples]
-            round_rewards = stored(store, rounds[r]["rewards_key"], art.StepRewards).rewards
-            samples += round_samples[g * GROUP : (g + 1) * GROUP]
-            rewards += round_rewards[g * GROUP : (g + 1) * GROUP]
-        assert [r.sample_id for r in rewards] == [x.sample_id for x in samples]
-        groups = [rewards[i : i + GROUP] for i in range(0, len(rewards), GROUP)]
-        assert all(len({r.reward for r in g}) > 1 for g in groups) or d.fallback
-        assert all(len({x.prompt_index for x in samples[i : i + GROUP]}) == 1 for i in range(0, len(samples), GROUP))
-        assert d.trained_reward_mean == pytest.approx(sum(r.reward for r in rewards) / len(rewards))
+        check_trained_selection(store, s.step, d)
     totals = [sum(getattr(s.sampling, f) for s in progress.steps if s.sampling)
               for f in ("groups_kept", "groups_filtered_all_correct", "groups_filtered_all_wrong")]
     assert totals[0] > 0 and totals[1] + totals[2] > 0, totals  # this seed both keeps and filters groups ...

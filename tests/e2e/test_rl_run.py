@@ -84,6 +84,21 @@ def e2e_run(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> FinishedR
     return FinishedRun("e2e-run", cfg, store, asyncio.run(main()))
 
 
+def check_final_eval(stack: Stack, summary: RunSummary, progress: RunProgress) -> None:
+    """The held-out eval of the final policy (greedy pass@1, pass@4), on the last step only:
+    in the progress query, the run summary and the node's gauges alike."""
+    last = progress.steps[-1]
+    assert all(s.eval_greedy is None for s in progress.steps[:-1])
+    assert (last.eval_k, last.eval_n) == (4, 8) and last.phase_seconds["eval"] > 0
+    for value in (last.eval_greedy, last.eval_pass_at_k):
+        assert value is not None and math.isfinite(value) and 0.0 <= value <= 1.0
+    assert (summary.eval_step, summary.eval_greedy, summary.eval_pass_at_k) == (3, last.eval_greedy, last.eval_pass_at_k)
+    gauges = stack.scrape("node0")
+    assert gauges["milestone_eval_greedy_accuracy"] == last.eval_greedy
+    assert gauges["milestone_eval_pass_at_k"] == last.eval_pass_at_k
+    print(f"held-out eval after step 3: greedy {last.eval_greedy:.3f}, pass@4 {last.eval_pass_at_k:.3f}")
+
+
 def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -> None:
     store, cfg, summary = e2e_run.store, e2e_run.cfg, e2e_run.summary
 
@@ -100,17 +115,7 @@ def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -
                 assert math.isfinite(value)
             assert s.grad_norm > 0  # a real optimizer step happened
 
-        # the held-out eval of the final policy (greedy pass@1, pass@4), on the last step only
-        last = progress.steps[-1]
-        assert all(s.eval_greedy is None for s in progress.steps[:-1])
-        assert (last.eval_k, last.eval_n) == (4, 8) and last.phase_seconds["eval"] > 0
-        for value in (last.eval_greedy, last.eval_pass_at_k):
-            assert value is not None and math.isfinite(value) and 0.0 <= value <= 1.0
-        assert (summary.eval_step, summary.eval_greedy, summary.eval_pass_at_k) == (3, last.eval_greedy, last.eval_pass_at_k)
-        gauges = stack.scrape("node0")
-        assert gauges["milestone_eval_greedy_accuracy"] == last.eval_greedy
-        assert gauges["milestone_eval_pass_at_k"] == last.eval_pass_at_k
-        print(f"held-out eval after step 3: greedy {last.eval_greedy:.3f}, pass@4 {last.eval_pass_at_k:.3f}")
+        check_final_eval(stack, summary, progress)
 
         # the report CLI renders the curves from the same query
         png = render_report(progress, tmp_path / "report.png")

@@ -27,6 +27,7 @@ from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.service import TrainerService
 from spec.run import RunConfig
+from spec.trainer_rpc import RunSetup, VersionInfo
 from tests.stack import tiny_config, wait_for
 
 RUN = "dp-replay"
@@ -47,7 +48,6 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
     store = LocalStore(tmp_path / "store")
     rows = dataset_rows(cfg, tmp_path / "train.jsonl")
     store.put_file(setup.dataset_key, tmp_path / "train.jsonl")
-    by_index = dict(enumerate(rows))
     first = TrainerService(tmp_path / "first")
     try:
         v0 = first.ensure_version(setup, 0)  # SFT -> v0, the only checkpoint
@@ -61,27 +61,8 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
                 group = first.layouts.dp_group
                 assert group is not None
                 wait_for(lambda: group.members[1].state == "alive", 120, what="cell 1 restarted")
-            chunks = generate_step(load_causal_lm(folder).eval(), rollout_request(cfg, RUN, step, len(rows)), rows,
-                                   Tokenizer.load(folder))
-            keys = [art.rollout_chunk_key(RUN, step, c.chunk) for c in chunks]
-            for k, c in zip(keys, chunks):
-                art.put_model(store, k, c)
-            samples = [s for c in chunks for s in c.samples]
-            rkey = art.rewards_key(RUN, step)
-            art.put_model(store, rkey, art.StepRewards(run_id=RUN, step=step, rewards=score_samples(
-                samples, by_index, cfg.reward)))
-            killer = None
-            if step == 2:
-                assert first.layouts.dp_group is not None
-                victim = first.layouts.dp_group.members[1].pid
-                assert victim is not None
-
-                def kill() -> None:
-                    wait_for(lambda: _log_has(first, "fault delay before the allreduce of v2"), 60, what="cell 1 in v2")
-                    os.kill(victim, signal.SIGKILL)
-
-                killer = threading.Thread(target=kill)
-                killer.start()
+            keys, rkey = _store_step_samples(store, cfg, folder, rows, step)
+            killer = _kill_cell_1_in_v2(first) if step == 2 else None
             res = first.train_step(setup, step_batch(cfg, RUN, step, keys, rkey))
             if killer is not None:
                 killer.join()
@@ -97,19 +78,51 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
         first.close()  # the crash: every cell and the lighthouse gone
     assert not any(pid_alive(p) for p in pids if p)
 
-    second = TrainerService(tmp_path / "second")
-    try:
-        info = second.ensure_version(setup, STEPS)
-        assert info.rebuild is not None and info.rebuild.restored_from_step == 0
-        assert info.rebuild.replayed_steps == [1, 2, 3]
-        assert info.checksum == checksum  # bitwise, the shrink step included
-    finally:
-        second.close()
+    info = _rebuilt(tmp_path / "second", setup)
+    assert info.rebuild is not None and info.rebuild.restored_from_step == 0
+    assert info.rebuild.replayed_steps == [1, 2, 3]
+    assert info.checksum == checksum  # bitwise, the shrink step included
 
     # the split is what makes it exact: step 2 replayed over both cells is a different float sum
     monkeypatch.setattr(TrainerService, "_recorded_cells", lambda self, step: None)
-    third = TrainerService(tmp_path / "third")
+    assert _rebuilt(tmp_path / "third", setup).checksum != checksum
+
+
+def _store_step_samples(store: LocalStore, cfg: RunConfig, folder: Path, rows: list[dict],
+                        step: int) -> tuple[list[str], str]:
+    """Generate the step's rollout with the weights in ``folder``, score it, store both:
+    the chunk keys and the rewards key, as the node agent would leave them."""
+    chunks = generate_step(load_causal_lm(folder).eval(), rollout_request(cfg, RUN, step, len(rows)), rows,
+                           Tokenizer.load(folder))
+    keys = [art.rollout_chunk_key(RUN, step, c.chunk) for c in chunks]
+    for k, c in zip(keys, chunks):
+        art.put_model(store, k, c)
+    samples = [s for c in chunks for s in c.samples]
+    rkey = art.rewards_key(RUN, step)
+    rewards = score_samples(samples, dict(enumerate(rows)), cfg.reward)
+    art.put_model(store, rkey, art.StepRewards(run_id=RUN, step=step, rewards=rewards))
+    return keys, rkey
+
+
+def _kill_cell_1_in_v2(service: TrainerService) -> threading.Thread:
+    """A thread that SIGKILLs cell 1 while it waits before the allreduce of v2 (started)."""
+    assert service.layouts.dp_group is not None
+    victim = service.layouts.dp_group.members[1].pid
+    assert victim is not None
+
+    def kill() -> None:
+        wait_for(lambda: _log_has(service, "fault delay before the allreduce of v2"), 60, what="cell 1 in v2")
+        os.kill(victim, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    return killer
+
+
+def _rebuilt(work_dir: Path, setup: RunSetup) -> VersionInfo:
+    """A fresh trainer's ``ensure_version`` of the last step (restore and replay), closed after."""
+    service = TrainerService(work_dir)
     try:
-        assert third.ensure_version(setup, STEPS).checksum != checksum
+        return service.ensure_version(setup, STEPS)
     finally:
-        third.close()
+        service.close()

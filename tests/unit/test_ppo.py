@@ -5,6 +5,7 @@ critic's life cycle (created from the policy, checkpointed bitwise, never publis
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 from pathlib import Path
@@ -150,27 +151,31 @@ def test_ppo_needs_values_for_its_advantages() -> None:
 
 
 # ---- the trainer's step against a plain-torch reference -------------------------------
+def _sample_logprobs(model: torch.nn.Module, s) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The logprob of each response token of one sample, unpadded."""
+    ids = s.prompt_ids + s.response_ids
+    x = torch.tensor([ids])
+    logits = model(input_ids=x, attention_mask=torch.ones_like(x), position_ids=torch.arange(len(ids))[None]).logits
+    lp = torch.log_softmax(logits[0, :-1].float(), -1)
+    return lp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)[len(s.prompt_ids) - 1:]
+
+
+def _sample_values(critic: torch.nn.Module, s) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The critic's value before each response token of one sample, unpadded."""
+    ids = s.prompt_ids + s.response_ids
+    h = critic.trunk(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                     position_ids=torch.arange(len(ids))[None]).last_hidden_state
+    return critic.head(h[0, :-1]).squeeze(-1)[len(s.prompt_ids) - 1:]
+
+
 def reference_ppo_step(policy: torch.nn.Module, ref_model: torch.nn.Module, critic: torch.nn.Module,
                        samples: list, rewards: list[float], hp) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """One PPO step in one process, one sample at a time (no padding): old logprobs and
     values, KL-in-reward token rewards, GAE (plain Python), whitening, then per epoch the
     PPO-clip token mean and the clipped value loss, an AdamW step for each model between
     epochs; leaves the last epoch's gradients on ``policy`` and ``critic``."""
-    def forward(model, ids):  # type: ignore[no-untyped-def]
-        x = torch.tensor([ids])
-        return model(input_ids=x, attention_mask=torch.ones_like(x), position_ids=torch.arange(len(ids))[None])
-
-    def logprobs(model, s):  # type: ignore[no-untyped-def]
-        ids = s.prompt_ids + s.response_ids
-        lp = torch.log_softmax(forward(model, ids).logits[0, :-1].float(), -1)
-        return lp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)[len(s.prompt_ids) - 1:]
-
-    def values(s):  # type: ignore[no-untyped-def]
-        ids = s.prompt_ids + s.response_ids
-        h = critic.trunk(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         position_ids=torch.arange(len(ids))[None]).last_hidden_state
-        return critic.head(h[0, :-1]).squeeze(-1)[len(s.prompt_ids) - 1:]
-
+    logprobs = _sample_logprobs
+    values = functools.partial(_sample_values, critic)
     width = max(len(s.response_ids) for s in samples)
     with torch.no_grad():
         old_lp = [logprobs(policy, s) for s in samples]
