@@ -40,13 +40,7 @@ from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
 from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, NodeClaim, NodeLivenessInput, PolicyInfo
 from workflows.contracts.sampling import RewardInput, RewardResult, RolloutInput, RolloutResult
 from workflows.contracts.training import (
-    CheckpointInput,
-    CheckpointResult,
-    EvalInput,
-    EvalResult,
-    TrainStepInput,
-    TrainStepResult,
-    UpdateWeightsInput,
+    CheckpointInput, CheckpointResult, EvalInput, EvalResult, TrainStepInput, TrainStepResult, UpdateWeightsInput,
     UpdateWeightsResult,
 )
 from workflows.failures import Failure, failure

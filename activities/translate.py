@@ -16,25 +16,13 @@ from gpu_runtime.rollout.evaluate import EvalRequest, EvalStats
 from gpu_runtime.rollout.request import RolloutRequest
 from spec.status import CellInfo, DPCells, RunEvent
 from spec.trainer_rpc import (
-    CellsRestarted,
-    CheckpointRequest,
-    CheckpointSaved,
-    Rebuild,
-    RunSetup,
-    StepBatch,
-    TrainResult,
-    VersionInfo,
+    CellsRestarted, CheckpointRequest, CheckpointSaved, Rebuild, RunSetup, StepBatch, TrainResult, VersionInfo,
 )
 from workflows.contracts.cells import RestartCellsResult
 from workflows.contracts.placement import InitPolicyInput, PolicyInfo
 from workflows.contracts.sampling import RolloutInput
 from workflows.contracts.training import (
-    CheckpointInput,
-    CheckpointResult,
-    EvalInput,
-    EvalResult,
-    TrainStepInput,
-    TrainStepResult,
+    CheckpointInput, CheckpointResult, EvalInput, EvalResult, TrainStepInput, TrainStepResult,
 )
 
 

@@ -19,8 +19,6 @@ real device memory and also reports the bytes ``torch.cuda.memory_allocated`` dr
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -29,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench._shape_cli import run_shape_bench
 from gpu_runtime.engine.memory_occupation import release_route, resume_route
 from gpu_runtime.engine.server import EngineState
 from gpu_runtime.models.hf_factory import build_hf_model, train_bpe_tokenizer
@@ -100,23 +99,7 @@ def measure(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default=None, help="also write the JSON here")
-    a = p.parse_args()
-    torch.set_num_threads(1)
-    res = measure(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, intermediate=a.intermediate,
-                  repeats=a.repeats, device=a.device)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    run_shape_bench(__doc__, measure, hidden=256, intermediate=1024, layers=4, heads=4, kv_heads=4, repeats=5)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ separately. ``--device cuda`` puts the engine-side model on the GPU.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import threading
@@ -35,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from bench._shape_cli import run_shape_bench
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.models.hf_factory import build_hf_model, train_bpe_tokenizer
 from gpu_runtime.models.model_folder import load_weights_into, model_checksum, save_model_folder
@@ -159,23 +158,7 @@ def _distributed_push(sd: dict[str, torch.Tensor], engine: torch.nn.Module, expe
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default=None, help="also write the JSON here")
-    a = p.parse_args()
-    torch.set_num_threads(1)
-    res = measure(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-                  intermediate=a.intermediate, repeats=a.repeats, device=a.device)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    run_shape_bench(__doc__, measure, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=2, repeats=3)
 
 
 if __name__ == "__main__":

@@ -131,16 +131,24 @@ class VersionInfo(Message):
     dp: DPCells | None = None  # trainer.cells > 1: the DP cells
 
 
-class TrainResult(Message):
+class TrainedStep(BaseModel):
+    """What a trained step reports: the trainer's reply (``TrainResult``) and, named with the
+    node and the rebuild as events, the ``train_step`` activity's result (``TrainStepResult``)."""
+
     policy_version: int
     checksum: str
     weights_key: str
     metrics: dict[str, float]
-    rebuild: Rebuild | None = None
     seconds: float
-    events: list[RunEvent] = []
     cell: CellInfo | None = None  # backend fsdp2: the cell that trained the step
     dp: DPCells | None = None  # trainer.cells > 1: the DP cells after the step
+
+
+class TrainResult(TrainedStep):
+    model_config = ConfigDict(extra="forbid")
+
+    rebuild: Rebuild | None = None
+    events: list[RunEvent] = []
 
 
 class CheckpointRequest(Message):

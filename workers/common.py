@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -38,6 +39,20 @@ def settings_problem(address: str | None = None, namespace: str | None = None) -
     except ValueError as err:  # TemporalSettingsError, PayloadKeyError: they name the variable
         return str(err)
     return None
+
+
+def parse_worker_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``p``'s arguments plus every worker's own (``--address``, ``--namespace``, the metrics
+    endpoint), parsed; unusable connection settings end it here, as a usage error."""
+    p.add_argument("--address", default=None, help="Temporal frontend (default $MILESTONE_TEMPORAL_ADDRESS or localhost:7233)")
+    p.add_argument("--namespace", default=None)
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on HOST:PORT (0 = off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the /metrics endpoint binds (default loopback; 0.0.0.0 in a container)")
+    args = p.parse_args(argv)
+    if problem := settings_problem(args.address, args.namespace):
+        p.error(problem)
+    return args
 
 
 def install_shutdown(stop: asyncio.Event) -> None:

@@ -17,7 +17,7 @@ from temporalio.worker import Worker
 
 from activities.control import assemble_batch, compute_rewards, prepare_data
 from gpu_runtime.proc import metrics
-from workers.common import connect, install_shutdown, settings_problem, setup_logging
+from workers.common import connect, install_shutdown, parse_worker_args, setup_logging
 from workflows.queues import CONTROL_QUEUE
 from workflows.training_run import RUN_WORKFLOWS
 
@@ -46,14 +46,7 @@ async def run(address: str | None, namespace: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--address", default=None, help="Temporal frontend (default $MILESTONE_TEMPORAL_ADDRESS or localhost:7233)")
-    p.add_argument("--namespace", default=None)
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on HOST:PORT (0 = off)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address the /metrics endpoint binds (default loopback; 0.0.0.0 in a container)")
-    args = p.parse_args(argv)
-    if problem := settings_problem(args.address, args.namespace):
-        p.error(problem)
+    args = parse_worker_args(p, argv)
     metrics.serve(args.metrics_port, args.metrics_host)
     setup_logging("control")
     asyncio.run(run(args.address, args.namespace))

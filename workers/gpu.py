@@ -26,7 +26,7 @@ from gpu_runtime.proc.devices import cuda_device_count, parse_gpu_list, plan_pla
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
 from spec.status import RunEvent
-from workers.common import connect, install_shutdown, settings_problem, setup_logging
+from workers.common import connect, install_shutdown, parse_worker_args, setup_logging
 from workflows.queues import POOL_QUEUE
 
 log = logging.getLogger("workers.gpu")
@@ -92,14 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--engine-threads", type=int, default=1)
     p.add_argument("--trainer-threads", type=int, default=1)
-    p.add_argument("--address", default=None)
-    p.add_argument("--namespace", default=None)
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on HOST:PORT (0 = off)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address the /metrics endpoint binds (default loopback; 0.0.0.0 in a container)")
-    args = p.parse_args(argv)
-    if problem := settings_problem(args.address, args.namespace):
-        p.error(problem)
+    args = parse_worker_args(p, argv)
     try:
         gpus = cuda_device_count() if args.device == "cuda" else 0
         args.placement = plan_placement(args.device, gpus, trainer_gpu=args.trainer_gpu,

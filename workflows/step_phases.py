@@ -21,14 +21,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.contracts.sampling import Sampled
     from workflows.contracts.step import RLStepInput
     from workflows.contracts.training import (
-        CheckpointInput,
-        CheckpointResult,
-        EvalInput,
-        EvalResult,
-        TrainStepInput,
-        TrainStepResult,
-        UpdateWeightsInput,
-        UpdateWeightsResult,
+        CheckpointInput, CheckpointResult, EvalInput, EvalResult, TrainStepInput, TrainStepResult,
+        UpdateWeightsInput, UpdateWeightsResult,
     )
     from workflows.failures import Failure, failure_in
     from workflows.stubs import CHECKPOINT, EVALUATE, RESTART_CELLS, TRAIN_STEP, UPDATE_WEIGHTS

@@ -41,26 +41,25 @@ class TokenLoss:
     dual_clipped: torch.Tensor | None = None  # [B, T] bool: dual-clip bound active (None: dual clip off)
 
 
-def ppo_clip_per_token(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps: float,
-    clip_eps_high: float | None = None,
-    dual_clip_c: float | None = None,
-) -> TokenLoss:
+def _clipped_surrogate(adv: torch.Tensor, ratio: torch.Tensor, clip_eps: float,
+                       clip_eps_high: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate max(-A * r, -A * clamp(r, 1 - clip_eps, 1 + clip_eps_high))
+    per token, and where the clipped term was the active one (``clip_eps_high``: ``clip_eps`` when unset)."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    return torch.maximum(pg1, pg2), pg2 > pg1
+
+
+def ppo_clip_per_token(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
+                       clip_eps_high: float | None = None, dual_clip_c: float | None = None) -> TokenLoss:
     """PPO clipped surrogate. ratio = exp(logprobs - old_logprobs);
     loss = max(-A * ratio, -A * clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)),
     ``clip_eps_high`` defaulting to ``clip_eps`` (DAPO clip-higher sets it higher).
     Dual clip (``dual_clip_c`` = c > 1, Ye et al. 2019): for A < 0 the loss is also
     capped at -A * c, so a huge ratio on a bad token cannot blow the loss up."""
-    high = clip_eps if clip_eps_high is None else clip_eps_high
     adv = _per_token(advantages)
-    ratio = torch.exp(logprobs - old_logprobs)
-    pg1 = -adv * ratio
-    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
-    loss = torch.maximum(pg1, pg2)
-    clipped = pg2 > pg1
+    loss, clipped = _clipped_surrogate(adv, torch.exp(logprobs - old_logprobs), clip_eps, clip_eps_high)
     if dual_clip_c is None:
         return TokenLoss(loss, clipped)
     if dual_clip_c <= 1.0:
@@ -71,14 +70,8 @@ def ppo_clip_per_token(
     return TokenLoss(torch.where(negative, torch.minimum(loss, pg3), loss), clipped, dual)
 
 
-def gspo_per_token(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float,
-    clip_eps_high: float | None = None,
-) -> TokenLoss:
+def gspo_per_token(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                   clip_eps: float, clip_eps_high: float | None = None) -> TokenLoss:
     """GSPO (Zheng et al. 2025), token form. The sequence ratio
     s_i = exp(mean over the sample's response tokens of (logprobs - old_logprobs));
     per token s_it = sg[s_i] * p_t / sg[p_t] (value s_i, gradient s_i * grad log p_t)
@@ -86,14 +79,10 @@ def gspo_per_token(
     1 + clip_eps_high)). With the ``seq_mean_token_mean`` aggregation and one
     advantage per sequence this is the paper's sequence-level objective; its clip
     ranges are small (the paper: 3e-4 low, 4e-4 high)."""
-    high = clip_eps if clip_eps_high is None else clip_eps_high
     m = mask.to(logprobs.dtype)
     log_s = ((logprobs - old_logprobs) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
     s = torch.exp(logprobs - logprobs.detach() + log_s.detach().unsqueeze(-1))
-    adv = _per_token(advantages)
-    pg1 = -adv * s
-    pg2 = -adv * torch.clamp(s, 1.0 - clip_eps, 1.0 + high)
-    return TokenLoss(torch.maximum(pg1, pg2), pg2 > pg1)
+    return TokenLoss(*_clipped_surrogate(_per_token(advantages), s, clip_eps, clip_eps_high))
 
 
 def cispo_per_token(
@@ -108,17 +97,9 @@ def cispo_per_token(
     return TokenLoss(-weight * _per_token(advantages) * logprobs, ratio > upper)
 
 
-def policy_loss_per_token(
-    estimator: str,
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_eps: float,
-    clip_eps_high: float | None = None,
-    dual_clip_c: float | None = None,
-) -> TokenLoss:
+def policy_loss_per_token(estimator: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                          mask: torch.Tensor, *, clip_eps: float, clip_eps_high: float | None = None,
+                          dual_clip_c: float | None = None) -> TokenLoss:
     """The policy loss of ``train.estimator``: GSPO's and CISPO's own, PPO-clip for the
     rest. CISPO's IS weight is capped at ``1 + clip_eps_high`` (``clip_eps`` when unset)."""
     if estimator == "gspo":

@@ -37,31 +37,14 @@ from infra.temporal_server import SEARCH_ATTRIBUTES
 from spec.run import RunConfig
 from spec.status import EngineSlotInfo
 from workflows.contracts.placement import (
-    ClaimNodeInput,
-    DatasetInfo,
-    InitPolicyInput,
-    NodeClaim,
-    NodeLivenessInput,
-    PolicyInfo,
-    PrepareDataInput,
+    ClaimNodeInput, DatasetInfo, InitPolicyInput, NodeClaim, NodeLivenessInput, PolicyInfo, PrepareDataInput,
 )
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.contracts.sampling import (
-    AssembleBatchInput,
-    BatchResult,
-    RewardInput,
-    RewardResult,
-    RolloutInput,
-    RolloutResult,
+    AssembleBatchInput, BatchResult, RewardInput, RewardResult, RolloutInput, RolloutResult,
 )
 from workflows.contracts.training import (
-    CheckpointInput,
-    CheckpointResult,
-    EvalInput,
-    EvalResult,
-    TrainStepInput,
-    TrainStepResult,
-    UpdateWeightsInput,
+    CheckpointInput, CheckpointResult, EvalInput, EvalResult, TrainStepInput, TrainStepResult, UpdateWeightsInput,
     UpdateWeightsResult,
 )
 from workflows.queues import CONTROL_QUEUE, POOL_QUEUE

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from spec.engine import EngineSpec
-from spec.status import CellInfo, DPCells, EngineSlotInfo, RunEvent
+from spec.status import EngineSlotInfo, RunEvent
 from spec.train import TrainSpec
-from spec.trainer_rpc import BatchSelection, SFTRows
+from spec.trainer_rpc import BatchSelection, SFTRows, TrainedStep
 from workflows.contracts.sampling import SamplingStats
 
 
@@ -26,17 +26,10 @@ class TrainStepInput(BaseModel):
     sampling: SamplingStats | None = None  # dynamic sampling's counts, exported as metrics by the node
 
 
-class TrainStepResult(BaseModel):
-    policy_version: int
-    checksum: str
-    weights_key: str
-    metrics: dict[str, float]
+class TrainStepResult(TrainedStep):
     replayed_steps: list[int] = []
     restored_from_step: int | None = None
-    seconds: float
     node_events: list[RunEvent] = []
-    cell: CellInfo | None = None  # backend fsdp2: the cell that trained the step
-    dp: DPCells | None = None  # trainer.cells > 1: the DP cells after the step
 
 
 class UpdateWeightsInput(BaseModel):
