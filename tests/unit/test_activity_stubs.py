@@ -5,7 +5,9 @@ held to the same stubs, so the workflow tests exercise the real contract."""
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -67,3 +69,36 @@ def test_a_stub_names_its_queue() -> None:
 
 def test_stub_names_are_unique() -> None:
     assert len(BY_NAME) == len(STUBS) and all(isinstance(s, ActivityStub) for s in STUBS)
+
+
+PACKAGES = ("workflows", "activities", "workers", "milestone_cli", "infra", "bench")
+
+
+def bare_string_activities(path: Path) -> list[str]:
+    """Where ``path`` calls an activity (``execute_activity``, ``start_activity``) or
+    registers one (``activity.defn(name=...)``) by a string literal instead of a stub."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        literal_name = [k.value for k in node.keywords if k.arg == "name" and isinstance(k.value, ast.Constant)]
+        if fn in ("execute_activity", "start_activity") and node.args and isinstance(node.args[0], ast.Constant):
+            found.append(f"{path}:{node.lineno}: {fn}({node.args[0].value!r})")
+        elif fn == "defn" and literal_name and getattr(getattr(node.func, "value", None), "id", "") == "activity":
+            found.append(f"{path}:{node.lineno}: activity.defn(name={literal_name[0].value!r})")
+    return found
+
+
+def test_no_activity_is_called_or_registered_by_a_bare_string() -> None:
+    root = Path(__file__).resolve().parents[2]
+    found = [f for pkg in PACKAGES for path in sorted((root / pkg).rglob("*.py")) for f in bare_string_activities(path)]
+    assert not found, "use the activity's stub (workflows/stubs.py):\n" + "\n".join(found)
+
+
+def test_the_bare_string_check_sees_both_kinds(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text('@activity.defn(name="train_step")\ndef f(): ...\n@workflow.defn(name="RLStep")\nclass W: ...\n'
+                   'async def g():\n    await workflow.execute_activity("rollout", x)\n')
+    assert [f.split(": ", 1)[1] for f in bare_string_activities(bad)] == [
+        "activity.defn(name='train_step')", "execute_activity('rollout')"]
