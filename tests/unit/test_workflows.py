@@ -18,16 +18,7 @@ from temporalio.worker import Worker
 
 from spec.train import HParamUpdate
 from tests.unit.workflow_harness import (
-    PROMPTS_PER_STEP,
-    Cluster,
-    finish,
-    lose_node_a,
-    progress,
-    reward_of,
-    run_config,
-    scenario,
-    start_run,
-    wait_progress,
+    PROMPTS_PER_STEP, Cluster, finish, lose_node_a, progress, reward_of, run_config, scenario, start_run, wait_progress,
 )
 from workflows.contracts.step import StepSummary
 from workflows.failures import Failure, failure

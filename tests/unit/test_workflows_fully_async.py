@@ -20,16 +20,7 @@ from temporalio.worker import Replayer, Worker
 from spec.rollout import ONE_STEP_OFF_TIS_CAP
 from spec.run import RunConfig
 from tests.unit.workflow_harness import (
-    PROMPTS_PER_STEP,
-    WAIT_S,
-    Cluster,
-    finish,
-    lose_node_a,
-    progress,
-    rollout_section,
-    run_config,
-    scenario,
-    start_run,
+    PROMPTS_PER_STEP, WAIT_S, Cluster, finish, lose_node_a, progress, rollout_section, run_config, scenario, start_run,
     step_of,
 )
 from workflows.contracts.placement import DatasetInfo

@@ -14,16 +14,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.unit.workflow_harness import (
-    PROMPTS_PER_STEP,
-    WAIT_S,
-    Cluster,
-    finish,
-    lose_node_a,
-    progress,
-    rollout_section,
-    run_config,
-    scenario,
-    start_run,
+    PROMPTS_PER_STEP, WAIT_S, Cluster, finish, lose_node_a, progress, rollout_section, run_config, scenario, start_run,
     step_of,
 )
 from spec.run import RunConfig

@@ -15,14 +15,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
 from tests.unit.workflow_harness import (
-    Cluster,
-    finish,
-    group_mean,
-    progress,
-    rollout_section,
-    run_config,
-    scenario,
-    start_run,
+    Cluster, finish, group_mean, progress, rollout_section, run_config, scenario, start_run,
 )
 from workflows.contracts.sampling import RewardResult
 from workflows.failures import Failure, failure_in
