@@ -65,6 +65,15 @@ async def progress(client: Client, run_id: str) -> RunProgress:
     return await client.get_workflow_handle(run_id).query("progress", result_type=RunProgress)
 
 
+def run_progress(stack: Stack, run_id: str) -> RunProgress:
+    """``progress`` of ``run_id`` on ``stack``, from outside an event loop."""
+
+    async def main() -> RunProgress:
+        return await progress(await connect(stack.server.address), run_id)
+
+    return asyncio.run(main())
+
+
 def run_with_fault(
     stack: Stack, run_id: str, cfg: dict, at: tuple[int, ActivityStub], fault: Callable[[Stack], T]
 ) -> tuple[RunSummary, RunProgress, T]:

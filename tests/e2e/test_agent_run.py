@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.e2e.faults import (
-    assert_bitwise_equal, baseline_weights, final_weights, module_stack_fixtures, progress, start_run,
+    assert_bitwise_equal, baseline_weights, final_weights, module_stack_fixtures, progress, run_progress, start_run,
 )
 from tests.stack import Stack, tiny_config, wait_for
 from workers.common import connect
@@ -91,10 +91,7 @@ def samples(store: Path, run_id: str, step: int) -> list[dict]:
 
 
 def test_multi_turn_run_calls_the_tool(stack: Stack, store: Path, baseline: dict) -> None:
-    async def main() -> RunProgress:
-        return await progress(await connect(stack.server.address), "agent-base")
-
-    p = asyncio.run(main())
+    p = run_progress(stack, "agent-base")
     assert [s.step for s in p.steps] == [1, 2, 3]
     metrics = [s.agent for s in p.steps]
     assert all(m is not None for m in metrics), metrics

@@ -10,7 +10,6 @@ run's step-2 checkpoint."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,10 @@ import yaml
 
 from tests.e2e.faults import (
     assert_bitwise_equal, assert_trained_exactly_once, final_weights, module_baseline_fixture, module_stack_fixtures,
-    progress, restart_control, restart_server, run_with_fault, trained_samples,
+    restart_control, restart_server, run_progress, run_with_fault, trained_samples,
 )
 from tests.e2e.test_fork import cli
 from tests.stack import Stack, tiny_config
-from workers.common import connect
 from workflows.run_state import RunProgress
 from workflows.stubs import ROLLOUT
 
@@ -58,15 +56,18 @@ def assert_progress(p: RunProgress) -> None:
     assert [s.buffer_depth for s in p.steps] == [2, 2, 1, 0]
 
 
-def test_fault_free_run_keeps_two_batches_ahead(stack: Stack, store: Path, baseline: dict) -> None:
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        p = await progress(client, "baseline")
-        assert_progress(p)
-        # steps 1 and 2 sample later batches beside their train step; 3 and 4 find them buffered
-        assert [s.overlap_seconds > 0 for s in p.steps] == [True, True, False, False]
+def assert_continued_after_step_2(p: RunProgress) -> None:
+    """A run that took over the schedule after step 2 (a fork, a resume): steps 3 and 4 only,
+    at the staleness the uninterrupted run had."""
+    assert [s.step for s in p.steps] == [3, 4] and p.policy_version == STEPS
+    assert [s.staleness for s in p.steps] == STALENESS[2:]
 
-    asyncio.run(main())
+
+def test_fault_free_run_keeps_two_batches_ahead(stack: Stack, store: Path, baseline: dict) -> None:
+    p = run_progress(stack, "baseline")
+    assert_progress(p)
+    # steps 1 and 2 sample later batches beside their train step; 3 and 4 find them buffered
+    assert [s.overlap_seconds > 0 for s in p.steps] == [True, True, False, False]
     assert_schedule_and_exactly_once(store, "baseline")
 
 
@@ -94,13 +95,7 @@ def test_fork_mid_buffer_without_change_equals_the_parent(stack: Stack, store: P
     assert out.returncode == 0, out.stderr
     assert "fully_async: carries 2 batch(es) baseline sampled ahead after step 2" in out.stdout, out.stdout
 
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        p = await progress(client, "fa-fork")
-        assert [s.step for s in p.steps] == [3, 4] and p.policy_version == STEPS
-        assert [s.staleness for s in p.steps] == STALENESS[2:]
-
-    asyncio.run(main())
+    assert_continued_after_step_2(run_progress(stack, "fa-fork"))
     for step in (3, 4):  # the parent's batches, trained once each, by the fork
         assert trained_samples(store, "fa-fork", step) == trained_samples(store, "baseline", step)
     assert_bitwise_equal(final_weights(store, "fa-fork", STEPS), baseline)
@@ -122,13 +117,7 @@ def test_resume_mid_buffer_carries_the_buffer_and_equals_the_baseline(stack: Sta
     assert "resuming fa-resume at step 3" in out.stdout
     assert "fully_async: carries 2 batch(es) fa-resume sampled ahead after step 2" in out.stdout, out.stdout
 
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        p = await progress(client, "fa-resume")
-        assert [s.step for s in p.steps] == [3, 4] and p.policy_version == STEPS
-        assert [s.staleness for s in p.steps] == STALENESS[2:]
-
-    asyncio.run(main())
+    assert_continued_after_step_2(run_progress(stack, "fa-resume"))
     for step in (3, 4):  # the batches sampled before the checkpoint, on v0, as the baseline trained them
         assert trained_samples(store, "fa-resume", step) == first[step] == trained_samples(store, "baseline", step)
     assert_schedule_and_exactly_once(store, "fa-resume")

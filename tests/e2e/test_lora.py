@@ -17,7 +17,7 @@ import transformers
 from safetensors.torch import load_file
 
 from tests.e2e.faults import (
-    assert_bitwise_equal, final_weights, kill_trainer, module_stack_fixtures, progress, run_to_end, run_with_fault,
+    assert_bitwise_equal, final_weights, kill_trainer, module_stack_fixtures, run_progress, run_to_end, run_with_fault,
 )
 from tests.e2e.pretrained import pretrained_folder
 from tests.stack import Stack, tiny_config
@@ -59,10 +59,7 @@ def manifest_sizes(store: Path, run_id: str, step: int) -> dict[str, int]:
 
 def test_lora_run_trains_adapters_and_publishes_merged_weights(stack: Stack, store: Path, cfg: dict,
                                                                baseline: str) -> None:
-    async def steps() -> list:
-        return (await progress(await connect(stack.server.address), baseline)).steps
-
-    history = asyncio.run(steps())
+    history = run_progress(stack, baseline).steps
     assert [s.step for s in history] == list(range(1, STEPS + 1))
     for s in history:
         assert all(math.isfinite(v) for v in (s.loss, s.grad_norm, s.reward_mean)) and s.grad_norm > 0, s

@@ -4,17 +4,15 @@ the bitwise result of the fault-free one_step_off run, every prompt trained once
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.faults import (
     assert_bitwise_equal, assert_trained_exactly_once, final_weights, kill_engines, kill_trainer,
-    module_baseline_fixture, module_stack_fixtures, progress, run_with_fault,
+    module_baseline_fixture, module_stack_fixtures, run_progress, run_with_fault,
 )
 from tests.stack import Stack, tiny_config
-from workers.common import connect
 from workflows.stubs import ROLLOUT, TRAIN_STEP
 
 pytestmark = pytest.mark.e2e
@@ -38,14 +36,10 @@ baseline = module_baseline_fixture(cfg)
 
 
 def test_fault_free_run_samples_one_version_behind(stack: Stack, store: Path, baseline: dict) -> None:
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        p = await progress(client, "baseline")
-        assert [s.rollout_version for s in p.steps] == [0, 0, 1]
-        assert all(s.overlap_seconds > 0 for s in p.steps[:-1]) and p.steps[-1].overlap_seconds == 0
-        assert p.state == "completed" and p.policy_version == STEPS
-
-    asyncio.run(main())
+    p = run_progress(stack, "baseline")
+    assert [s.rollout_version for s in p.steps] == [0, 0, 1]
+    assert all(s.overlap_seconds > 0 for s in p.steps[:-1]) and p.steps[-1].overlap_seconds == 0
+    assert p.state == "completed" and p.policy_version == STEPS
     # what the engines stamped on each sample, not only what the workflow says
     assert_trained_exactly_once(store, "baseline", cfg(store), VERSIONS)
 
