@@ -25,11 +25,13 @@ from activities import translate  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.data.datasets import generate_arithmetic, load_jsonl, write_jsonl  # noqa: E402
 from gpu_runtime.engine.generate import generate_batch  # noqa: E402
+from gpu_runtime.models.causal_lm import load_causal_lm  # noqa: E402
 from gpu_runtime.models.tokenizer import Tokenizer  # noqa: E402
 from gpu_runtime.rollout.chunks import plan_chunks  # noqa: E402
 from gpu_runtime.rollout.request import RolloutRequest  # noqa: E402
 from gpu_runtime.rollout.single_turn import generate_chunk  # noqa: E402
 from gpu_runtime.store import artifacts as art  # noqa: E402
+from gpu_runtime.store.object_store import ObjectStore  # noqa: E402
 from gpu_runtime.trainer.base_model import base_model_folder  # noqa: E402
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
@@ -113,6 +115,19 @@ def generate_step(
 
     with torch.no_grad():
         return [generate_chunk(req, plan, rows, tok, generate) for plan in plan_chunks(req)]
+
+
+def store_rollout(
+    store: ObjectStore, cfg: RunConfig, run_id: str, step: int, folder: Path, rows: list[dict]
+) -> tuple[list[str], list[art.Sample]]:
+    """Step ``step``'s rollout generated (``generate_step``) with the weights in ``folder``,
+    its chunks stored where the node agent leaves them: the chunk keys and the samples."""
+    chunks = generate_step(load_causal_lm(folder).eval(), rollout_request(cfg, run_id, step, len(rows)), rows,
+                           Tokenizer.load(folder))
+    keys = [art.rollout_chunk_key(run_id, step, c.chunk) for c in chunks]
+    for key, chunk in zip(keys, chunks):
+        art.put_model(store, key, chunk)
+    return keys, [s for c in chunks for s in c.samples]
 
 
 class PlainLoop:

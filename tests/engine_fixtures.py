@@ -22,6 +22,7 @@ from functools import cache
 from transformers import PreTrainedModel
 
 from gpu_runtime.data.datasets import generate_arithmetic, prompt_text, sft_target
+from gpu_runtime.engine.client import EngineClient
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
 from gpu_runtime.models.model_folder import load_model_folder, save_model_folder
 from gpu_runtime.models.tokenizer import Tokenizer
@@ -86,6 +87,17 @@ def start_engine(model_path: Path, port: int, log_path: Path, *extra: str) -> su
         return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=logf, start_new_session=True)
     finally:
         logf.close()
+
+
+def started_engine(procs: list[subprocess.Popen], model_path: Path, log_path: Path, *extra: str, timeout_s: float,
+                   up_within_s: float, what: str = "engine up") -> EngineClient:
+    """An engine server on a free port (stopped with ``procs``), up (``/health``) within
+    ``up_within_s``; its client, with request timeout ``timeout_s``."""
+    port = free_port()
+    procs.append(start_engine(model_path, port, log_path, *extra))
+    client = EngineClient(f"http://127.0.0.1:{port}", timeout_s=timeout_s)
+    wait_for(client.health, up_within_s, what)
+    return client
 
 
 @pytest.fixture

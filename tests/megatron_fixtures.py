@@ -124,11 +124,10 @@ else:
 
     shim_cpu_forward()
     mt.runtime_problem = lambda need_cuda=True: None  # the CPU rehearsal: the shim stands in for CUDA
-from bench._inproc import dataset_rows, generate_step, rollout_request, run_setup, step_batch
+from bench._inproc import dataset_rows, run_setup, step_batch, store_rollout
 from gpu_runtime.data.rewards import score_samples
 from gpu_runtime.models.causal_lm import load_causal_lm
 from gpu_runtime.models.model_folder import model_checksum
-from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.service import TrainerService
@@ -149,12 +148,7 @@ v0 = first.ensure_version(setup, 0)  # SFT on the HF trainer -> post-SFT folder 
 out = {"trainer": type(first.trainer).__name__, "v0_sft_steps": v0.sft_metrics.get("sft_steps")}
 folder, checksums = Path(v0.model_path), [v0.checksum]
 for step in (1, 2):
-    chunks = generate_step(load_causal_lm(folder).eval(), rollout_request(cfg, RUN, step, len(rows)), rows,
-                           Tokenizer.load(folder))
-    keys = [art.rollout_chunk_key(RUN, step, c.chunk) for c in chunks]
-    for k, c in zip(keys, chunks):
-        art.put_model(store, k, c)
-    samples = [s for c in chunks for s in c.samples]
+    keys, samples = store_rollout(store, cfg, RUN, step, folder, rows)
     rkey = art.rewards_key(RUN, step)
     scored = score_samples(samples, by_index, cfg.reward)
     # plus a made-up term so every group has reward variance (a tiny model after 5 SFT steps is

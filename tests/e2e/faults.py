@@ -1,12 +1,16 @@
-"""Helpers for fault-injection tests: start runs, wait for a phase, compare weights."""
+"""Helpers for fault-injection tests: start runs, inject a fault at a phase, check what
+each step trained, compare weights."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -15,14 +19,17 @@ from safetensors.torch import load_file
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
+from gpu_runtime.data.datasets import prompts_for_step
 from spec.run import RunConfig
 from tests.stack import Stack, async_wait_for, running_stack
 from workers.common import connect
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
+from workflows.stubs import ActivityStub
 from workflows.training_run import TrainingRun
 
 STARTED = 2  # PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+T = TypeVar("T")
 
 
 async def start_run(client: Client, run_id: str, cfg: dict) -> WorkflowHandle:
@@ -56,6 +63,83 @@ async def wait_activity_started(client: Client, workflow_id: str, activity: str,
 
 async def progress(client: Client, run_id: str) -> RunProgress:
     return await client.get_workflow_handle(run_id).query("progress", result_type=RunProgress)
+
+
+def run_progress(stack: Stack, run_id: str) -> RunProgress:
+    """``progress`` of ``run_id`` on ``stack``, from outside an event loop."""
+
+    async def main() -> RunProgress:
+        return await progress(await connect(stack.server.address), run_id)
+
+    return asyncio.run(main())
+
+
+def run_with_fault(
+    stack: Stack, run_id: str, cfg: dict, at: tuple[int, ActivityStub], fault: Callable[[Stack], T]
+) -> tuple[RunSummary, RunProgress, T]:
+    """Start ``cfg`` as ``run_id``; once the ``at`` = (step, activity) is picked up by a
+    worker, ``fault(stack)``; wait (300 s) for the run to end. Its summary, its progress
+    and what ``fault`` returned."""
+    step, stub = at
+
+    async def main() -> tuple[RunSummary, RunProgress, T]:
+        client = await connect(stack.server.address)
+        await start_run(client, run_id, cfg)
+        await wait_activity_started(client, f"{run_id}/step-{step}", stub.name)
+        done = fault(stack)
+        client = await connect(stack.server.address)  # a new client: the fault may have restarted the server
+        summary = await asyncio.wait_for(client.get_workflow_handle(run_id, result_type=RunSummary).result(), 300)
+        return summary, await progress(client, run_id), done
+
+    return asyncio.run(main())
+
+
+def kill_trainer(stack: Stack) -> int:
+    """SIGKILL node0's trainer process; its pid."""
+    pid = stack.node_pids("node0")["trainer"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def kill_engines(stack: Stack, slots: list[int]) -> list[int]:
+    """SIGKILL node0's engines in ``slots``; the pids of all its engines (before the kill)."""
+    engines = stack.node_pids("node0")["engines"]
+    for slot in slots:
+        os.kill(engines[slot], signal.SIGKILL)
+    return engines
+
+
+def restart_control(stack: Stack) -> None:
+    """SIGKILL the control worker and start a new one."""
+    stack.kill("control")
+    stack.start_control()
+
+
+def restart_server(stack: Stack) -> None:
+    stack.server.restart()  # same port, same SQLite file
+
+
+def trained_samples(store: Path, run_id: str, step: int) -> list[dict]:
+    """The samples step ``step`` of ``run_id`` trained on (its stored batch's chunks), in order."""
+    batch = json.loads((store / "runs" / run_id / "steps" / f"{step:06d}" / "step_batch.json").read_text())
+    return [s for key in batch["chunk_keys"] for s in json.loads((store / key).read_text())["samples"]]
+
+
+def assert_trained_exactly_once(store: Path, run_id: str, cfg: dict, versions: list[set[int]] | None = None) -> None:
+    """Each of the run's ``cfg["steps"]`` steps trained exactly its prompts (seed, cursor),
+    each once, in order; with ``versions``, on samples the engines stamped with the weight
+    versions ``versions[step - 1]``."""
+    steps, p, g = cfg["steps"], cfg["rollout"]["prompts_per_step"], cfg["rollout"]["group_size"]
+    run_dir = store / "runs" / run_id
+    # the steps that trained (steps/000000 holds only the eval of the post-SFT policy)
+    trained_steps = sorted(d.name for d in (run_dir / "steps").iterdir() if (d / "step_batch.json").exists())
+    assert trained_steps == [f"{s:06d}" for s in range(1, steps + 1)]
+    for step in range(1, steps + 1):
+        samples = trained_samples(store, run_id, step)
+        expected = prompts_for_step(cfg["data"]["num_train"], cfg["seed"], (step - 1) * p, p)
+        assert [s["prompt_index"] for s in samples] == [i for i in expected for _ in range(g)], f"step {step}"
+        if versions is not None:
+            assert {s["weight_version"] for s in samples} == versions[step - 1], f"step {step}"
 
 
 def final_weights(store: Path, run_id: str, version: int) -> dict[str, torch.Tensor]:
@@ -110,13 +194,14 @@ class Baselines:
         return self._weights[key]
 
 
-def module_stack_fixtures(name: str, env: dict[str, str]) -> tuple:
+def module_stack_fixtures(name: str, env: dict[str, str], gpu_nodes: tuple[str, ...] = ("node0",)) -> tuple:
     """The module-scoped ``stack`` and ``store`` fixtures of a fault-injection module whose
-    agents need ``env`` (its own stack). Use as ``stack, store = module_stack_fixtures("name", ENV)``."""
+    agents need ``env`` (or more nodes than node0): its own stack. Use as
+    ``stack, store = module_stack_fixtures("name", ENV)``."""
 
     @pytest.fixture(scope="module")
     def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-        with running_stack(tmp_path_factory.mktemp(name), env=env) as s:
+        with running_stack(tmp_path_factory.mktemp(name), env=env, gpu_nodes=gpu_nodes) as s:
             yield s
 
     @pytest.fixture(scope="module")

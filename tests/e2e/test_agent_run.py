@@ -13,20 +13,23 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.faults import assert_bitwise_equal, baseline_weights, final_weights, progress, start_run
-from tests.stack import Stack, running_stack, tiny_config, wait_for
+from tests.e2e.faults import (
+    assert_bitwise_equal, baseline_weights, final_weights, module_stack_fixtures, progress, run_progress, start_run,
+)
+from tests.stack import Stack, tiny_config, wait_for
 from workers.common import connect
 from workflows.run_state import RunProgress
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
 AGENT = {"tools": ["calculator"], "max_turns": 3, "max_tokens_per_turn": 12, "max_episode_tokens": 40}
+# slowed decoding (fault-injection aid): a turn of ~10 tokens takes ~2 s, so a kill lands mid-episode
+ENV = {"MILESTONE_ENGINE_STEP_DELAY_MS": "200"}
 
 
 def agent_config(store: Path) -> dict:
@@ -40,21 +43,12 @@ def agent_config(store: Path) -> dict:
     )
 
 
-@pytest.fixture(scope="module")
-def agent_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    # slowed decoding (fault-injection aid): a turn of ~10 tokens takes ~2 s, so a kill lands mid-episode
-    with running_stack(tmp_path_factory.mktemp("agent"), env={"MILESTONE_ENGINE_STEP_DELAY_MS": "200"}) as s:
-        yield s
+stack, store = module_stack_fixtures("agent", ENV)
 
 
 @pytest.fixture(scope="module")
-def store(agent_stack: Stack) -> Path:
-    return agent_stack.workdir / "store"
-
-
-@pytest.fixture(scope="module")
-def baseline(agent_stack: Stack, store: Path) -> dict:
-    return baseline_weights(agent_stack, store, agent_config(store), run_id="agent-base")
+def baseline(stack: Stack, store: Path) -> dict:
+    return baseline_weights(stack, store, agent_config(store), run_id="agent-base")
 
 
 def episode_dirs(store: Path, run_id: str, step: int) -> list[Path]:
@@ -96,11 +90,8 @@ def samples(store: Path, run_id: str, step: int) -> list[dict]:
     return out
 
 
-def test_multi_turn_run_calls_the_tool(agent_stack: Stack, store: Path, baseline: dict) -> None:
-    async def main() -> RunProgress:
-        return await progress(await connect(agent_stack.server.address), "agent-base")
-
-    p = asyncio.run(main())
+def test_multi_turn_run_calls_the_tool(stack: Stack, store: Path, baseline: dict) -> None:
+    p = run_progress(stack, "agent-base")
     assert [s.step for s in p.steps] == [1, 2, 3]
     metrics = [s.agent for s in p.steps]
     assert all(m is not None for m in metrics), metrics
@@ -145,9 +136,9 @@ def _kill_mid_episode(stack: Stack, store: Path, run_id: str, fault: str) -> tup
 
 
 @pytest.mark.parametrize("fault", ["engine", "worker"])
-def test_fault_mid_episode_ends_bitwise_equal(agent_stack: Stack, store: Path, baseline: dict, fault: str) -> None:
+def test_fault_mid_episode_ends_bitwise_equal(stack: Stack, store: Path, baseline: dict, fault: str) -> None:
     run_id = f"agent-{fault}"
-    p, killed = _kill_mid_episode(agent_stack, store, run_id, fault)
+    p, killed = _kill_mid_episode(stack, store, run_id, fault)
     assert [s.step for s in p.steps] == [1, 2, 3]
     if fault == "engine":
         assert "engine_dead" in [e.kind for e in p.events]

@@ -4,44 +4,28 @@ weights bitwise equal to the same run without the fault."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from temporalio.client import Client
 
 from tests.e2e.faults import (
-    Baselines,
-    assert_bitwise_equal,
-    final_weights,
-    progress,
-    start_run,
-    wait_activity_started,
+    Baselines, assert_bitwise_equal, final_weights, kill_engines, module_stack_fixtures, run_with_fault,
 )
-from tests.stack import Stack, running_stack, tiny_config
+from tests.stack import Stack, tiny_config
 from workers.common import connect
 from workflows.run_state import RunProgress
 from workflows.stubs import ROLLOUT
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
+# decoding is slowed (fault-injection aid) so a kill lands while a chunk is generating.
+# The router resends a dead engine's chunk by itself, so the node learns of the death
+# from its health sweep (every 1 s): the resent chunk must outlast a sweep for the death
+# to count in the step's engine_retries. Responses here are ~2 tokens: 2 x 600 ms > 1 s.
+ENV = {"MILESTONE_ENGINE_STEP_DELAY_MS": "600"}
 
-
-@pytest.fixture(scope="module")
-def engine_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    # decoding is slowed (fault-injection aid) so a kill lands while a chunk is generating.
-    # The router resends a dead engine's chunk by itself, so the node learns of the death
-    # from its health sweep (every 1 s): the resent chunk must outlast a sweep for the death
-    # to count in the step's engine_retries. Responses here are ~2 tokens: 2 x 600 ms > 1 s.
-    with running_stack(tmp_path_factory.mktemp("engine-faults"), env={"MILESTONE_ENGINE_STEP_DELAY_MS": "600"}) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def store(engine_stack: Stack) -> Path:
-    return engine_stack.workdir / "store"
+stack, store = module_stack_fixtures("engine-faults", ENV)
 
 
 @pytest.fixture(scope="module")
@@ -68,24 +52,30 @@ def _kill_engines_during_step2_rollout(
 ) -> tuple[RunProgress, list[int], int]:
     """Kill engine ``slots`` while step 2 generates; returns the run's progress, the
     killed engines' pids and the attempt on which step 2's rollout succeeded."""
+    cfg = cfg or tiny_config(store, steps=STEPS)
+    summary, p, engines = run_with_fault(stack, run_id, cfg, (2, ROLLOUT), lambda s: kill_engines(s, slots))
+    assert summary.steps == STEPS and summary.policy_version == STEPS
 
-    async def main() -> tuple[RunProgress, list[int], int]:
-        client = await connect(stack.server.address)
-        handle = await start_run(client, run_id, cfg or tiny_config(store, steps=STEPS))
-        await wait_activity_started(client, f"{run_id}/step-2", ROLLOUT.name)
-        engines = stack.node_pids("node0")["engines"]
-        for slot in slots:
-            os.kill(engines[slot], signal.SIGKILL)
-        summary = await asyncio.wait_for(handle.result(), 300)
-        assert summary.steps == STEPS and summary.policy_version == STEPS
-        p = await progress(client, run_id)
-        return p, engines, await _activity_attempts(client, f"{run_id}/step-2", ROLLOUT.name)
+    async def attempts() -> int:
+        return await _activity_attempts(await connect(stack.server.address), f"{run_id}/step-2", ROLLOUT.name)
 
-    return asyncio.run(main())
+    return p, engines, asyncio.run(attempts())
 
 
-def test_one_engine_killed_mid_rollout(engine_stack: Stack, store: Path, baseline: dict) -> None:
-    p, old_pids, _ = _kill_engines_during_step2_rollout(engine_stack, store, "kill-one", [0])
+def _one_engine_killed_with_weight_sync(stack: Stack, store: Path, baseline: dict, run_id: str, sync: str) -> str:
+    """Run with ``engines.weight_sync: sync``, engine 0 killed mid-rollout: healed, every
+    engine on the last version, bitwise equal to the store-synced baseline. The survivor's log."""
+    cfg = tiny_config(store, steps=STEPS, engines={"weight_sync": sync})
+    p, old_pids, _ = _kill_engines_during_step2_rollout(stack, store, run_id, [0], cfg)
+    assert "engine_dead" in [e.kind for e in p.events]
+    assert all(e.state == "healthy" for e in p.engines) and p.engines[0].pid != old_pids[0]
+    assert {e.weight_version for e in p.engines} == {STEPS} and len({e.checksum for e in p.engines}) == 1
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
+    return (stack.workdir / "nodes" / "node0" / "logs" / "engine-1.log").read_text()
+
+
+def test_one_engine_killed_mid_rollout(stack: Stack, store: Path, baseline: dict) -> None:
+    p, old_pids, _ = _kill_engines_during_step2_rollout(stack, store, "kill-one", [0])
     kinds = [e.kind for e in p.events]
     assert "engine_dead" in kinds and "engine_recovered" in kinds, kinds
     # the kill landed mid-chunk: step 2's rollout resent the dead engine's chunk to the survivor
@@ -97,14 +87,14 @@ def test_one_engine_killed_mid_rollout(engine_stack: Stack, store: Path, baselin
     assert {e.weight_version for e in p.engines} == {STEPS}
     assert len({e.checksum for e in p.engines}) == 1
     assert_bitwise_equal(final_weights(store, "kill-one", STEPS), baseline)
-    scraped = engine_stack.scrape("node0")
+    scraped = stack.scrape("node0")
     assert scraped['milestone_engine_events_total{kind="engine_dead"}'] >= 1
     assert scraped['milestone_engine_events_total{kind="engine_recovered"}'] >= 1
     assert scraped["milestone_engines_healthy"] == 2
 
 
-def test_all_engines_killed_run_waits_and_continues(engine_stack: Stack, store: Path, baseline: dict) -> None:
-    p, old_pids, rollout_attempts = _kill_engines_during_step2_rollout(engine_stack, store, "kill-all", [0, 1])
+def test_all_engines_killed_run_waits_and_continues(stack: Stack, store: Path, baseline: dict) -> None:
+    p, old_pids, rollout_attempts = _kill_engines_during_step2_rollout(stack, store, "kill-all", [0, 1])
     # no survivor to resend to: the attempt failed (NoHealthyEngine), the slots were
     # restarted and Temporal retried the rollout (engine_retries only counts deaths
     # within the attempt that succeeded, so it cannot show this case)
@@ -117,31 +107,19 @@ def test_all_engines_killed_run_waits_and_continues(engine_stack: Stack, store: 
     assert_bitwise_equal(final_weights(store, "kill-all", STEPS), baseline)
 
 
-def test_shared_memory_weight_sync_with_an_engine_killed(engine_stack: Stack, store: Path, baseline: dict) -> None:
+def test_shared_memory_weight_sync_with_an_engine_killed(stack: Stack, store: Path, baseline: dict) -> None:
     """``engines.weight_sync: shared_memory``: every push goes through a /dev/shm segment, an
     engine killed mid-rollout is healed (from the folder), and the run ends bitwise equal to
     the store-synced baseline: the sync path changes nothing the run computes."""
-    cfg = tiny_config(store, steps=STEPS, engines={"weight_sync": "shared_memory"})
-    p, old_pids, _ = _kill_engines_during_step2_rollout(engine_stack, store, "kill-one-shm", [0], cfg)
-    assert "engine_dead" in [e.kind for e in p.events]
-    assert all(e.state == "healthy" for e in p.engines) and p.engines[0].pid != old_pids[0]
-    assert {e.weight_version for e in p.engines} == {STEPS} and len({e.checksum for e in p.engines}) == 1
-    assert_bitwise_equal(final_weights(store, "kill-one-shm", STEPS), baseline)
-    survivor_log = engine_stack.workdir / "nodes" / "node0" / "logs" / "engine-1.log"
-    assert "updated weights from shared memory" in survivor_log.read_text()
+    survivor_log = _one_engine_killed_with_weight_sync(stack, store, baseline, "kill-one-shm", "shared_memory")
+    assert "updated weights from shared memory" in survivor_log
 
 
-def test_distributed_weight_sync_with_an_engine_killed(engine_stack: Stack, store: Path, baseline: dict) -> None:
+def test_distributed_weight_sync_with_an_engine_killed(stack: Stack, store: Path, baseline: dict) -> None:
     """``engines.weight_sync: distributed``: the trainer broadcasts every version over a
     gloo group formed per push (the restarted engine joins the next one), an engine
     killed mid-rollout is healed, and the run ends bitwise equal to the store-synced
     baseline."""
-    cfg = tiny_config(store, steps=STEPS, engines={"weight_sync": "distributed"})
-    p, old_pids, _ = _kill_engines_during_step2_rollout(engine_stack, store, "kill-one-dist", [0], cfg)
-    assert "engine_dead" in [e.kind for e in p.events]
-    assert all(e.state == "healthy" for e in p.engines) and p.engines[0].pid != old_pids[0]
-    assert {e.weight_version for e in p.engines} == {STEPS} and len({e.checksum for e in p.engines}) == 1
-    assert_bitwise_equal(final_weights(store, "kill-one-dist", STEPS), baseline)
-    survivor_log = engine_stack.workdir / "nodes" / "node0" / "logs" / "engine-1.log"
+    survivor_log = _one_engine_killed_with_weight_sync(stack, store, baseline, "kill-one-dist", "distributed")
     # versions 1..STEPS (and 0) reached the survivor by broadcast, not from disk
-    assert survivor_log.read_text().count("updated weights from distributed group") >= STEPS
+    assert survivor_log.count("updated weights from distributed group") >= STEPS

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import signal
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -21,7 +19,7 @@ from safetensors.torch import load_file
 
 from gpu_runtime.models.tokenizer import Tokenizer
 from spec.run import RunConfig
-from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_to_end, start_run, wait_activity_started
+from tests.e2e.faults import assert_bitwise_equal, final_weights, kill_trainer, run_to_end, run_with_fault
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
 from workflows.run_state import RunProgress, TrainingRunInput
@@ -165,19 +163,10 @@ def decode(store: Path, run_id: str, ids: list[int]) -> str:
 def test_ppo_trainer_killed_mid_step_ends_bitwise_equal(estimator_stack: Stack, ppo_baseline: str) -> None:
     store = estimator_stack.workdir / "store"
     run_id = "ppo-trainer-crash"
-
-    async def main() -> None:
-        client = await connect(estimator_stack.server.address)
-        handle = await start_run(client, run_id, ppo_config(store))
-        await wait_activity_started(client, f"{run_id}/step-{PPO_STEPS}", TRAIN_STEP.name)
-        old = estimator_stack.node_pids("node0")["trainer"]
-        os.kill(old, signal.SIGKILL)
-        await asyncio.wait_for(handle.result(), 300)
-        step = (await progress(client, run_id)).steps[PPO_STEPS - 1]
-        assert step.restored_from_step == 2 and step.replayed_steps == []  # the critic came from checkpoint 2
-        assert estimator_stack.node_pids("node0")["trainer"] != old
-
-    asyncio.run(main())
+    _, p, old = run_with_fault(estimator_stack, run_id, ppo_config(store), (PPO_STEPS, TRAIN_STEP), kill_trainer)
+    step = p.steps[PPO_STEPS - 1]
+    assert step.restored_from_step == 2 and step.replayed_steps == []  # the critic came from checkpoint 2
+    assert estimator_stack.node_pids("node0")["trainer"] != old
     assert_bitwise_equal(final_weights(store, run_id, PPO_STEPS), final_weights(store, ppo_baseline, PPO_STEPS))
     for name in ("critic.safetensors", "critic_optimizer.safetensors", "optimizer.safetensors"):
         a, b = (checkpoint_file(store, r, PPO_STEPS, name) for r in (run_id, ppo_baseline))

@@ -10,7 +10,6 @@ import asyncio
 import hashlib
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,15 +17,10 @@ import pytest
 from gpu_runtime.store.fence import read_fence
 from gpu_runtime.store.object_store import LocalStore
 from tests.e2e.faults import (
-    Baselines,
-    assert_bitwise_equal,
-    final_weights,
-    progress,
-    start_run,
-    wait_activity_started,
+    Baselines, assert_bitwise_equal, assert_trained_exactly_once, final_weights, module_stack_fixtures, progress,
+    start_run, wait_activity_started,
 )
-from tests.e2e.test_process_faults import assert_trained_exactly_once
-from tests.stack import Stack, async_wait_for, running_stack, tiny_config
+from tests.stack import Stack, async_wait_for, tiny_config
 from workers.common import connect
 from workflows.stubs import TRAIN_STEP
 
@@ -35,16 +29,7 @@ STEPS = 3
 CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}}  # the same as test_process_faults' CFG
 ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2"}  # each train step waits first: the stop lands inside it
 
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("fencing"), env=ENV, gpu_nodes=("node0", "node1")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def store(stack: Stack) -> Path:
-    return stack.workdir / "store"
+stack, store = module_stack_fixtures("fencing", ENV, gpu_nodes=("node0", "node1"))
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -99,7 +84,7 @@ def test_partitioned_node_writes_nothing_the_run_uses(stack: Stack, store: Path,
         assert fence.epoch == 2 and fence.node != node_id and [h.from_step for h in fence.history] == [1, 2]
 
     asyncio.run(main())
-    assert_trained_exactly_once(store, run_id)
+    assert_trained_exactly_once(store, run_id, tiny_config(store, **CFG))
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
 
 

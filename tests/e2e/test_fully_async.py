@@ -10,27 +10,18 @@ run's step-2 checkpoint."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 from pathlib import Path
 
 import pytest
-
-from gpu_runtime.data.datasets import prompts_for_step
-from tests.e2e.test_fork import cli
-from tests.e2e.faults import (
-    assert_bitwise_equal,
-    module_baseline_fixture,
-    module_stack_fixtures,
-    final_weights,
-    progress,
-    start_run,
-    wait_activity_started,
-)
 import yaml
 
+from tests.e2e.faults import (
+    assert_bitwise_equal, assert_trained_exactly_once, final_weights, module_baseline_fixture, module_stack_fixtures,
+    restart_control, restart_server, run_progress, run_with_fault, trained_samples,
+)
+from tests.e2e.test_fork import cli
 from tests.stack import Stack, tiny_config
-from workers.common import connect
+from workflows.run_state import RunProgress
 from workflows.stubs import ROLLOUT
 
 pytestmark = pytest.mark.e2e
@@ -53,78 +44,48 @@ stack, store = module_stack_fixtures("fully-async", ENV)
 baseline = module_baseline_fixture(cfg)
 
 
-def trained_samples(store: Path, run_id: str, step: int) -> list[dict]:
-    batch = json.loads((store / "runs" / run_id / "steps" / f"{step:06d}" / "step_batch.json").read_text())
-    return [s for key in batch["chunk_keys"] for s in json.loads((store / key).read_text())["samples"]]
-
-
 def assert_schedule_and_exactly_once(store: Path, run_id: str) -> None:
     """Each step trained exactly its prompts (seed, cursor), each once, in order, on
     samples the engines stamped with the version the schedule says."""
-    c = cfg(store)
-    p, g = c["rollout"]["prompts_per_step"], c["rollout"]["group_size"]
-    run_dir = store / "runs" / run_id
-    trained_steps = sorted(d.name for d in (run_dir / "steps").iterdir() if (d / "step_batch.json").exists())
-    assert trained_steps == [f"{s:06d}" for s in range(1, STEPS + 1)]
-    for step in range(1, STEPS + 1):
-        samples = trained_samples(store, run_id, step)
-        expected = prompts_for_step(c["data"]["num_train"], c["seed"], (step - 1) * p, p)
-        assert [s["prompt_index"] for s in samples] == [i for i in expected for _ in range(g)], f"step {step}"
-        assert {s["weight_version"] for s in samples} == VERSIONS[step - 1], f"step {step}"
+    assert_trained_exactly_once(store, run_id, cfg(store), VERSIONS)
 
 
-async def assert_progress(client, run_id: str) -> None:
-    p = await progress(client, run_id)
+def assert_progress(p: RunProgress) -> None:
     assert p.state == "completed" and p.policy_version == STEPS
     assert [s.staleness for s in p.steps] == STALENESS
     assert [s.buffer_depth for s in p.steps] == [2, 2, 1, 0]
 
 
-def test_fault_free_run_keeps_two_batches_ahead(stack: Stack, store: Path, baseline: dict) -> None:
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        await assert_progress(client, "baseline")
-        p = await progress(client, "baseline")
-        # steps 1 and 2 sample later batches beside their train step; 3 and 4 find them buffered
-        assert [s.overlap_seconds > 0 for s in p.steps] == [True, True, False, False]
+def assert_continued_after_step_2(p: RunProgress) -> None:
+    """A run that took over the schedule after step 2 (a fork, a resume): steps 3 and 4 only,
+    at the staleness the uninterrupted run had."""
+    assert [s.step for s in p.steps] == [3, 4] and p.policy_version == STEPS
+    assert [s.staleness for s in p.steps] == STALENESS[2:]
 
-    asyncio.run(main())
+
+def test_fault_free_run_keeps_two_batches_ahead(stack: Stack, store: Path, baseline: dict) -> None:
+    p = run_progress(stack, "baseline")
+    assert_progress(p)
+    # steps 1 and 2 sample later batches beside their train step; 3 and 4 find them buffered
+    assert [s.overlap_seconds > 0 for s in p.steps] == [True, True, False, False]
     assert_schedule_and_exactly_once(store, "baseline")
 
 
 def test_control_worker_killed_while_a_later_batch_generates(stack: Stack, store: Path, baseline: dict) -> None:
     run_id = "fa-control-crash"
-
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        handle = await start_run(client, run_id, cfg(store))
-        # step 4's batch is generated inside step 2's workflow, beside step 2's train_step
-        await wait_activity_started(client, f"{run_id}/step-2", ROLLOUT.name)
-        stack.kill("control")
-        stack.start_control()
-        summary = await asyncio.wait_for(handle.result(), 300)
-        assert summary.steps == STEPS and summary.data_cursor == STEPS * 4
-        await assert_progress(client, run_id)
-
-    asyncio.run(main())
+    # step 4's batch is generated inside step 2's workflow, beside step 2's train_step
+    summary, p, _ = run_with_fault(stack, run_id, cfg(store), (2, ROLLOUT), restart_control)
+    assert summary.steps == STEPS and summary.data_cursor == STEPS * 4
+    assert_progress(p)
     assert_schedule_and_exactly_once(store, run_id)
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
 
 
 def test_temporal_server_restarted_while_a_later_batch_generates(stack: Stack, store: Path, baseline: dict) -> None:
     run_id = "fa-server-restart"
-
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        await start_run(client, run_id, cfg(store))
-        await wait_activity_started(client, f"{run_id}/step-2", ROLLOUT.name)
-        stack.server.restart()  # same port, same SQLite file
-        client = await connect(stack.server.address)
-        summary = await asyncio.wait_for(client.get_workflow_handle(run_id).result(), 300)
-        assert summary["steps"] == STEPS  # a handle without result_type gives the raw JSON
-        await assert_progress(client, run_id)
-
-    asyncio.run(main())
+    summary, p, _ = run_with_fault(stack, run_id, cfg(store), (2, ROLLOUT), restart_server)
+    assert summary.steps == STEPS
+    assert_progress(p)
     assert_schedule_and_exactly_once(store, run_id)
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
 
@@ -134,13 +95,7 @@ def test_fork_mid_buffer_without_change_equals_the_parent(stack: Stack, store: P
     assert out.returncode == 0, out.stderr
     assert "fully_async: carries 2 batch(es) baseline sampled ahead after step 2" in out.stdout, out.stdout
 
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        p = await progress(client, "fa-fork")
-        assert [s.step for s in p.steps] == [3, 4] and p.policy_version == STEPS
-        assert [s.staleness for s in p.steps] == STALENESS[2:]
-
-    asyncio.run(main())
+    assert_continued_after_step_2(run_progress(stack, "fa-fork"))
     for step in (3, 4):  # the parent's batches, trained once each, by the fork
         assert trained_samples(store, "fa-fork", step) == trained_samples(store, "baseline", step)
     assert_bitwise_equal(final_weights(store, "fa-fork", STEPS), baseline)
@@ -162,13 +117,7 @@ def test_resume_mid_buffer_carries_the_buffer_and_equals_the_baseline(stack: Sta
     assert "resuming fa-resume at step 3" in out.stdout
     assert "fully_async: carries 2 batch(es) fa-resume sampled ahead after step 2" in out.stdout, out.stdout
 
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        p = await progress(client, "fa-resume")
-        assert [s.step for s in p.steps] == [3, 4] and p.policy_version == STEPS
-        assert [s.staleness for s in p.steps] == STALENESS[2:]
-
-    asyncio.run(main())
+    assert_continued_after_step_2(run_progress(stack, "fa-resume"))
     for step in (3, 4):  # the batches sampled before the checkpoint, on v0, as the baseline trained them
         assert trained_samples(store, "fa-resume", step) == first[step] == trained_samples(store, "baseline", step)
     assert_schedule_and_exactly_once(store, "fa-resume")

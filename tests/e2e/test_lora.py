@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,9 +16,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_to_end, start_run, wait_activity_started
+from tests.e2e.faults import (
+    assert_bitwise_equal, final_weights, kill_trainer, module_stack_fixtures, run_progress, run_to_end, run_with_fault,
+)
 from tests.e2e.pretrained import pretrained_folder
-from tests.stack import Stack, running_stack, tiny_config
+from tests.stack import Stack, tiny_config
 from workers.common import connect
 from workflows.stubs import TRAIN_STEP
 
@@ -30,32 +29,23 @@ STEPS = 3
 ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2"}  # a kill lands inside train_step
 LORA = {"r": 8, "alpha": 16, "export": "adapter"}
 
-
-@pytest.fixture(scope="module")
-def lora_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("lora"), env=ENV) as s:
-        yield s
+stack, store = module_stack_fixtures("lora", ENV)
 
 
 @pytest.fixture(scope="module")
-def store(lora_stack: Stack) -> Path:
-    return lora_stack.workdir / "store"
-
-
-@pytest.fixture(scope="module")
-def cfg(lora_stack: Stack, store: Path) -> dict:
+def cfg(stack: Stack, store: Path) -> dict:
     """LoRA on a base that already adds (a random-init model gives LoRA nothing to adapt in
     3 steps): no warm-up, checkpoints only at the end (a rebuilt trainer restores step 0)."""
     cfg = tiny_config(store, steps=STEPS, sft={"steps": 0}, train={"lr": 1e-3},
                       checkpoint={"every": STEPS, "keep_last": 2}, eval={"enabled": False}, engines={"num_engines": 1})
-    base = pretrained_folder(lora_stack.workdir / "pretrained", cfg)
+    base = pretrained_folder(stack.workdir / "pretrained", cfg)
     return {**cfg, "model": {"path": str(base), "lora": LORA}}
 
 
 @pytest.fixture(scope="module")
-def baseline(lora_stack: Stack, cfg: dict) -> str:
+def baseline(stack: Stack, cfg: dict) -> str:
     async def main() -> None:
-        summary = await run_to_end(await connect(lora_stack.server.address), "lora", cfg)
+        summary = await run_to_end(await connect(stack.server.address), "lora", cfg)
         assert summary.steps == STEPS and summary.policy_version == STEPS
 
     asyncio.run(main())
@@ -67,12 +57,9 @@ def manifest_sizes(store: Path, run_id: str, step: int) -> dict[str, int]:
     return {name: entry["size"] for name, entry in manifest["files"].items()}
 
 
-def test_lora_run_trains_adapters_and_publishes_merged_weights(lora_stack: Stack, store: Path, cfg: dict,
+def test_lora_run_trains_adapters_and_publishes_merged_weights(stack: Stack, store: Path, cfg: dict,
                                                                baseline: str) -> None:
-    async def steps() -> list:
-        return (await progress(await connect(lora_stack.server.address), baseline)).steps
-
-    history = asyncio.run(steps())
+    history = run_progress(stack, baseline).steps
     assert [s.step for s in history] == list(range(1, STEPS + 1))
     for s in history:
         assert all(math.isfinite(v) for v in (s.loss, s.grad_norm, s.reward_mean)) and s.grad_norm > 0, s
@@ -105,21 +92,11 @@ def test_lora_run_trains_adapters_and_publishes_merged_weights(lora_stack: Stack
     assert sizes["policy.safetensors"] < full / 4 and lora_bytes < full
 
 
-def test_trainer_killed_mid_step_ends_bitwise_equal(lora_stack: Stack, store: Path, cfg: dict, baseline: str) -> None:
+def test_trainer_killed_mid_step_ends_bitwise_equal(stack: Stack, store: Path, cfg: dict, baseline: str) -> None:
     run_id = "lora-trainer-crash"
-
-    async def main() -> None:
-        client = await connect(lora_stack.server.address)
-        handle = await start_run(client, run_id, cfg)
-        await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
-        old = lora_stack.node_pids("node0")["trainer"]
-        os.kill(old, signal.SIGKILL)
-        await asyncio.wait_for(handle.result(), 300)
-        step2 = (await progress(client, run_id)).steps[1]
-        assert step2.restored_from_step == 0 and step2.replayed_steps == [1]
-        assert lora_stack.node_pids("node0")["trainer"] != old
-
-    asyncio.run(main())
+    _, prog, old = run_with_fault(stack, run_id, cfg, (2, TRAIN_STEP), kill_trainer)
+    assert prog.steps[1].restored_from_step == 0 and prog.steps[1].replayed_steps == [1]
+    assert stack.node_pids("node0")["trainer"] != old
     assert_bitwise_equal(final_weights(store, run_id, STEPS), final_weights(store, baseline, STEPS))
     for name in ("adapter/adapter_model.safetensors",):
         a, b = (store / "runs" / r / "weights" / f"v{STEPS:06d}" / name for r in (run_id, baseline))

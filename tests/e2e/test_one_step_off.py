@@ -4,26 +4,15 @@ the bitwise result of the fault-free one_step_off run, every prompt trained once
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.faults import (
-    assert_bitwise_equal,
-    module_baseline_fixture,
-    module_stack_fixtures,
-    final_weights,
-    progress,
-    start_run,
-    wait_activity_started,
+    assert_bitwise_equal, assert_trained_exactly_once, final_weights, kill_engines, kill_trainer,
+    module_baseline_fixture, module_stack_fixtures, run_progress, run_with_fault,
 )
-from tests.e2e.test_process_faults import assert_trained_exactly_once
 from tests.stack import Stack, tiny_config
-from workers.common import connect
 from workflows.stubs import ROLLOUT, TRAIN_STEP
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +22,7 @@ CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}, "rollout": {"
 # fault-injection aids: each train step waits 2 s first and each decoded token 300 ms, so a
 # kill lands inside the half it aims at while the other half runs beside it
 ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2", "MILESTONE_ENGINE_STEP_DELAY_MS": "300"}
+VERSIONS = [{0}, {0}, {1}]  # the weights each step's samples were generated on, one version behind
 
 
 def cfg(store: Path) -> dict:
@@ -45,64 +35,32 @@ stack, store = module_stack_fixtures("one-step-off", ENV)
 baseline = module_baseline_fixture(cfg)
 
 
-def sample_versions(store: Path, run_id: str, step: int) -> set[int]:
-    """The weight versions the engines generated the step's trained samples with."""
-    batch = json.loads((store / "runs" / run_id / "steps" / f"{step:06d}" / "step_batch.json").read_text())
-    return {s["weight_version"] for key in batch["chunk_keys"] for s in json.loads((store / key).read_text())["samples"]}
-
-
 def test_fault_free_run_samples_one_version_behind(stack: Stack, store: Path, baseline: dict) -> None:
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        p = await progress(client, "baseline")
-        assert [s.rollout_version for s in p.steps] == [0, 0, 1]
-        assert all(s.overlap_seconds > 0 for s in p.steps[:-1]) and p.steps[-1].overlap_seconds == 0
-        assert p.state == "completed" and p.policy_version == STEPS
-
-    asyncio.run(main())
+    p = run_progress(stack, "baseline")
+    assert [s.rollout_version for s in p.steps] == [0, 0, 1]
+    assert all(s.overlap_seconds > 0 for s in p.steps[:-1]) and p.steps[-1].overlap_seconds == 0
+    assert p.state == "completed" and p.policy_version == STEPS
     # what the engines stamped on each sample, not only what the workflow says
-    assert [sample_versions(store, "baseline", s) for s in range(1, STEPS + 1)] == [{0}, {0}, {1}]
-    assert_trained_exactly_once(store, "baseline")
+    assert_trained_exactly_once(store, "baseline", cfg(store), VERSIONS)
 
 
 def test_engine_killed_during_the_overlapped_rollout(stack: Stack, store: Path, baseline: dict) -> None:
     run_id = "osf-engine-kill"
-
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        handle = await start_run(client, run_id, cfg(store))
-        # step 3's batch is generated inside step 2's workflow, beside step 2's train_step
-        await wait_activity_started(client, f"{run_id}/step-2", ROLLOUT.name)
-        engines = stack.node_pids("node0")["engines"]
-        os.kill(engines[0], signal.SIGKILL)
-        summary = await asyncio.wait_for(handle.result(), 300)
-        assert summary.steps == STEPS and summary.policy_version == STEPS
-        p = await progress(client, run_id)
-        kinds = [e.kind for e in p.events]
-        assert "engine_dead" in kinds and "engine_recovered" in kinds, kinds
-        assert [s.rollout_version for s in p.steps] == [0, 0, 1]
-
-    asyncio.run(main())
-    assert [sample_versions(store, run_id, s) for s in range(1, STEPS + 1)] == [{0}, {0}, {1}]
-    assert_trained_exactly_once(store, run_id)
+    # step 3's batch is generated inside step 2's workflow, beside step 2's train_step
+    summary, p, _ = run_with_fault(stack, run_id, cfg(store), (2, ROLLOUT), lambda s: kill_engines(s, [0]))
+    assert summary.steps == STEPS and summary.policy_version == STEPS
+    kinds = [e.kind for e in p.events]
+    assert "engine_dead" in kinds and "engine_recovered" in kinds, kinds
+    assert [s.rollout_version for s in p.steps] == [0, 0, 1]
+    assert_trained_exactly_once(store, run_id, cfg(store), VERSIONS)
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
 
 
 def test_trainer_killed_while_the_next_batch_generates(stack: Stack, store: Path, baseline: dict) -> None:
     run_id = "osf-trainer-kill"
-
-    async def main() -> None:
-        client = await connect(stack.server.address)
-        handle = await start_run(client, run_id, cfg(store))
-        await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
-        old = stack.node_pids("node0")["trainer"]
-        os.kill(old, signal.SIGKILL)
-        await asyncio.wait_for(handle.result(), 300)
-        p = await progress(client, run_id)
-        assert p.steps[1].restored_from_step == 0 and p.steps[1].replayed_steps == [1]
-        assert stack.node_pids("node0")["trainer"] != old
-        assert [s.rollout_version for s in p.steps] == [0, 0, 1]
-
-    asyncio.run(main())
-    assert_trained_exactly_once(store, run_id)
+    _, p, old = run_with_fault(stack, run_id, cfg(store), (2, TRAIN_STEP), kill_trainer)
+    assert p.steps[1].restored_from_step == 0 and p.steps[1].replayed_steps == [1]
+    assert stack.node_pids("node0")["trainer"] != old
+    assert [s.rollout_version for s in p.steps] == [0, 0, 1]
+    assert_trained_exactly_once(store, run_id, cfg(store))
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)

@@ -6,24 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from gpu_runtime.data.datasets import prompts_for_step
-from tests.e2e.faults import (
-    Baselines,
-    assert_bitwise_equal,
-    final_weights,
-    progress,
-    start_run,
-    wait_activity_started,
-)
 from gpu_runtime.proc.processes import pid_alive
+from tests.e2e.faults import (
+    Baselines, assert_bitwise_equal, assert_trained_exactly_once, final_weights, kill_trainer, module_stack_fixtures,
+    progress, restart_control, restart_server, run_with_fault, start_run, wait_activity_started,
+)
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
 from workflows.stubs import CHECKPOINT, TRAIN_STEP
@@ -35,16 +27,7 @@ CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}}
 # fault-injection aid: each train step and checkpoint waits first, so a kill lands inside it
 ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2", "MILESTONE_FAULT_CHECKPOINT_DELAY_S": "1.5"}
 
-
-@pytest.fixture(scope="module")
-def proc_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("process-faults"), env=ENV) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def store(proc_stack: Stack) -> Path:
-    return proc_stack.workdir / "store"
+stack, store = module_stack_fixtures("process-faults", ENV)
 
 
 @pytest.fixture(scope="module")
@@ -52,41 +35,15 @@ def baseline(baselines: Baselines, store: Path) -> dict:
     return baselines.weights(tiny_config(store, **CFG))
 
 
-def assert_trained_exactly_once(store: Path, run_id: str) -> None:
-    """Each step trained exactly its prompts (seed, cursor), each once, in order."""
+def test_trainer_killed_mid_train_step(stack: Stack, store: Path, baseline: dict) -> None:
     cfg = tiny_config(store, **CFG)
-    p, g = cfg["rollout"]["prompts_per_step"], cfg["rollout"]["group_size"]
-    n_rows = cfg["data"]["num_train"]
-    run_dir = store / "runs" / run_id
-    # the steps that trained (steps/000000 holds only the eval of the post-SFT policy)
-    trained_steps = sorted(d.name for d in (run_dir / "steps").iterdir() if (d / "step_batch.json").exists())
-    assert trained_steps == [f"{s:06d}" for s in range(1, STEPS + 1)]
-    for step in range(1, STEPS + 1):
-        spec = json.loads((run_dir / "steps" / f"{step:06d}" / "step_batch.json").read_text())
-        trained = []
-        for key in spec["chunk_keys"]:
-            trained += [s["prompt_index"] for s in json.loads((store / key).read_text())["samples"]]
-        expected = prompts_for_step(n_rows, cfg["seed"], (step - 1) * p, p)
-        assert trained == [i for i in expected for _ in range(g)], f"step {step}"
-
-
-def test_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline: dict) -> None:
-    async def main() -> None:
-        client = await connect(proc_stack.server.address)
-        handle = await start_run(client, "trainer-crash", tiny_config(store, **CFG))
-        await wait_activity_started(client, "trainer-crash/step-2", TRAIN_STEP.name)
-        old = proc_stack.node_pids("node0")["trainer"]
-        os.kill(old, signal.SIGKILL)
-        await asyncio.wait_for(handle.result(), 300)
-        p = await progress(client, "trainer-crash")
-        step2 = p.steps[1]
-        assert step2.restored_from_step == 0 and step2.replayed_steps == [1]
-        assert proc_stack.node_pids("node0")["trainer"] != old
-        kinds = [e.kind for e in p.events]
-        assert "trainer_restarted" in kinds and "trainer_restored" in kinds, kinds
-
-    asyncio.run(main())
-    assert_trained_exactly_once(store, "trainer-crash")
+    _, p, old = run_with_fault(stack, "trainer-crash", cfg, (2, TRAIN_STEP), kill_trainer)
+    step2 = p.steps[1]
+    assert step2.restored_from_step == 0 and step2.replayed_steps == [1]
+    assert stack.node_pids("node0")["trainer"] != old
+    kinds = [e.kind for e in p.events]
+    assert "trainer_restarted" in kinds and "trainer_restored" in kinds, kinds
+    assert_trained_exactly_once(store, "trainer-crash", cfg)
     assert_bitwise_equal(final_weights(store, "trainer-crash", STEPS), baseline)
 
 
@@ -94,7 +51,7 @@ def test_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline:
 CFG_BF16 = {**CFG, "train": {"lr": 1e-4, "precision": "bf16"}}
 
 
-def test_bf16_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline: dict, baselines: Baselines) -> None:
+def test_bf16_trainer_killed_mid_train_step(stack: Stack, store: Path, baseline: dict, baselines: Baselines) -> None:
     """The trainer-crash row with ``train.precision: bf16``: the restarted trainer restores
     step 0 and replays step 1 in bf16 (each step stores its precision), and the run ends
     bitwise equal to the fault-free bf16 run, which differs from the float32 one (the knob
@@ -102,74 +59,39 @@ def test_bf16_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, base
     bf16_baseline = baselines.weights(tiny_config(store, **CFG_BF16))
     assert any(not torch.equal(bf16_baseline[k], baseline[k]) for k in baseline), "bf16 trained like float32"
     run_id = "trainer-crash-bf16"
-
-    async def main() -> None:
-        client = await connect(proc_stack.server.address)
-        handle = await start_run(client, run_id, tiny_config(store, **CFG_BF16))
-        await wait_activity_started(client, f"{run_id}/step-2", TRAIN_STEP.name)
-        old = proc_stack.node_pids("node0")["trainer"]
-        os.kill(old, signal.SIGKILL)
-        await asyncio.wait_for(handle.result(), 300)
-        step2 = (await progress(client, run_id)).steps[1]
-        assert step2.restored_from_step == 0 and step2.replayed_steps == [1]
-
-    asyncio.run(main())
+    _, p, _ = run_with_fault(stack, run_id, tiny_config(store, **CFG_BF16), (2, TRAIN_STEP), kill_trainer)
+    assert p.steps[1].restored_from_step == 0 and p.steps[1].replayed_steps == [1]
     batch = json.loads((store / "runs" / run_id / "steps" / "000001" / "step_batch.json").read_text())
     assert batch["hparams"]["precision"] == "bf16"
     assert_bitwise_equal(final_weights(store, run_id, STEPS), bf16_baseline)
 
 
-def test_trainer_killed_during_checkpoint_is_an_event(proc_stack: Stack, store: Path, baseline: dict) -> None:
+def test_trainer_killed_during_checkpoint_is_an_event(stack: Stack, store: Path, baseline: dict) -> None:
     """A trainer restart outside train_step: the checkpoint activity restores and
     replays, and the run's events name the checkpoint and the replayed steps."""
     run_id = "trainer-crash-ckpt"
-
-    async def main() -> None:
-        client = await connect(proc_stack.server.address)
-        handle = await start_run(client, run_id, tiny_config(store, **CFG))
-        await wait_activity_started(client, f"{run_id}/step-{STEPS}", CHECKPOINT.name)
-        old = proc_stack.node_pids("node0")["trainer"]
-        os.kill(old, signal.SIGKILL)
-        await asyncio.wait_for(handle.result(), 300)
-        p = await progress(client, run_id)
-        restarted = [e for e in p.events if e.kind == "trainer_restarted"]
-        restored = [e for e in p.events if e.kind == "trainer_restored"]
-        assert restarted and f"pid {old} exited" in restarted[0].detail, [e.kind for e in p.events]
-        assert restored and restored[0].detail == f"checkpoint step 0, replayed steps [1, 2, 3] -> v{STEPS}"
-        assert p.steps[-1].checkpointed
-
-    asyncio.run(main())
+    _, p, old = run_with_fault(stack, run_id, tiny_config(store, **CFG), (STEPS, CHECKPOINT), kill_trainer)
+    restarted = [e for e in p.events if e.kind == "trainer_restarted"]
+    restored = [e for e in p.events if e.kind == "trainer_restored"]
+    assert restarted and f"pid {old} exited" in restarted[0].detail, [e.kind for e in p.events]
+    assert restored and restored[0].detail == f"checkpoint step 0, replayed steps [1, 2, 3] -> v{STEPS}"
+    assert p.steps[-1].checkpointed
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
 
 
-def test_control_worker_killed_mid_run(proc_stack: Stack, store: Path, baseline: dict) -> None:
-    async def main() -> None:
-        client = await connect(proc_stack.server.address)
-        handle = await start_run(client, "control-crash", tiny_config(store, **CFG))
-        await wait_activity_started(client, "control-crash/step-2", TRAIN_STEP.name)
-        proc_stack.kill("control")
-        proc_stack.start_control()
-        summary = await asyncio.wait_for(handle.result(), 300)
-        assert summary.steps == STEPS and summary.data_cursor == STEPS * 4
-
-    asyncio.run(main())
-    assert_trained_exactly_once(store, "control-crash")
+def test_control_worker_killed_mid_run(stack: Stack, store: Path, baseline: dict) -> None:
+    cfg = tiny_config(store, **CFG)
+    summary, _, _ = run_with_fault(stack, "control-crash", cfg, (2, TRAIN_STEP), restart_control)
+    assert summary.steps == STEPS and summary.data_cursor == STEPS * 4
+    assert_trained_exactly_once(store, "control-crash", cfg)
     assert_bitwise_equal(final_weights(store, "control-crash", STEPS), baseline)
 
 
-def test_temporal_server_restarted_mid_run(proc_stack: Stack, store: Path, baseline: dict) -> None:
-    async def main() -> None:
-        client = await connect(proc_stack.server.address)
-        await start_run(client, "server-restart", tiny_config(store, **CFG))
-        await wait_activity_started(client, "server-restart/step-2", TRAIN_STEP.name)
-        proc_stack.server.restart()  # same port, same SQLite file
-        client = await connect(proc_stack.server.address)
-        handle = client.get_workflow_handle("server-restart")
-        summary = await asyncio.wait_for(handle.result(), 300)
-        assert summary["steps"] == STEPS  # a handle without result_type gives the raw JSON
-
-    asyncio.run(main())
-    assert_trained_exactly_once(store, "server-restart")
+def test_temporal_server_restarted_mid_run(stack: Stack, store: Path, baseline: dict) -> None:
+    cfg = tiny_config(store, **CFG)
+    summary, _, _ = run_with_fault(stack, "server-restart", cfg, (2, TRAIN_STEP), restart_server)
+    assert summary.steps == STEPS
+    assert_trained_exactly_once(store, "server-restart", cfg)
     assert_bitwise_equal(final_weights(store, "server-restart", STEPS), baseline)
 
 
@@ -201,18 +123,15 @@ def test_node_agent_killed_run_moves_to_spare(tmp_path: Path, baseline: dict) ->
                 raise AssertionError(f"still alive: {alive()}") from err
 
         asyncio.run(main())
-    assert_trained_exactly_once(store, "node-loss")
+    assert_trained_exactly_once(store, "node-loss", tiny_config(store, **CFG))
     assert_bitwise_equal(final_weights(store, "node-loss", STEPS), baseline)
 
 
-def test_corrupt_checkpoint_is_reported_and_previous_used(proc_stack: Stack, store: Path, baseline: dict) -> None:
+def test_corrupt_checkpoint_is_reported_and_previous_used(stack: Stack, store: Path, baseline: dict) -> None:
     run_id = "corrupt-ckpt"
     cfg = tiny_config(store, steps=STEPS, checkpoint={"every": 1, "keep_last": 3})
 
-    async def main() -> None:
-        client = await connect(proc_stack.server.address)
-        handle = await start_run(client, run_id, cfg)
-        await wait_activity_started(client, f"{run_id}/step-3", TRAIN_STEP.name)
+    def corrupt_checkpoint_2_and_kill_trainer(stack: Stack) -> None:
         ckpt2 = store / "runs" / run_id / "checkpoints" / "step-000002"
         wait_for(lambda: (ckpt2 / "manifest.json").exists(), 60, what="checkpoint 2 durable")
         blob = ckpt2 / "policy.safetensors"
@@ -220,16 +139,14 @@ def test_corrupt_checkpoint_is_reported_and_previous_used(proc_stack: Stack, sto
         data[len(data) // 2] ^= 0xFF  # flip one byte in the stored checkpoint
         blob.write_bytes(bytes(data))
         # the node's disk copies go too, so the store is the only source
-        for local in (proc_stack.workdir / "nodes" / "node0" / "trainer" / run_id / "checkpoints").glob("step-*"):
+        for local in (stack.workdir / "nodes" / "node0" / "trainer" / run_id / "checkpoints").glob("step-*"):
             for f in local.iterdir():
                 f.unlink()
             local.rmdir()
-        os.kill(proc_stack.node_pids("node0")["trainer"], signal.SIGKILL)
-        await asyncio.wait_for(handle.result(), 300)
-        p = await progress(client, run_id)
-        corrupt = [e for e in p.events if e.kind == "checkpoint_corrupt"]
-        assert corrupt and "step=2" in corrupt[0].detail, ([e.kind for e in p.events], p.steps[2])
-        assert p.steps[2].restored_from_step == 1 and p.steps[2].replayed_steps == [2]
+        kill_trainer(stack)
 
-    asyncio.run(main())
+    _, p, _ = run_with_fault(stack, run_id, cfg, (3, TRAIN_STEP), corrupt_checkpoint_2_and_kill_trainer)
+    corrupt = [e for e in p.events if e.kind == "checkpoint_corrupt"]
+    assert corrupt and "step=2" in corrupt[0].detail, ([e.kind for e in p.events], p.steps[2])
+    assert p.steps[2].restored_from_step == 1 and p.steps[2].replayed_steps == [2]
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)

@@ -16,13 +16,7 @@ import pytest
 
 from gpu_runtime.engine.client import EngineClient, EngineError
 from tests.e2e.faults import (
-    Baselines,
-    assert_bitwise_equal,
-    final_weights,
-    module_stack_fixtures,
-    progress,
-    start_run,
-    wait_activity_started,
+    Baselines, assert_bitwise_equal, final_weights, module_stack_fixtures, progress, start_run, wait_activity_started,
 )
 from tests.stack import Stack, async_wait_for, tiny_config
 from workers.common import connect

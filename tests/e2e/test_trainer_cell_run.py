@@ -19,14 +19,7 @@ import psutil
 import pytest
 import ray  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-from tests.e2e.faults import (
-    assert_bitwise_equal,
-    final_weights,
-    progress,
-    run_to_end,
-    start_run,
-    wait_activity_started,
-)
+from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_to_end, start_run, wait_activity_started
 from tests.stack import ROOT, Stack, async_wait_for, running_stack, tiny_config, wait_for
 from workers.common import connect
 from workflows.stubs import TRAIN_STEP

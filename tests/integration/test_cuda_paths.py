@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.engine.client import EngineClient
 from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.models.model_folder import load_model_folder, save_model_folder
 from gpu_runtime.weight_sync import shared_memory as shm
-from tests.engine_fixtures import REPO, free_port, model_dirs, procs, start_engine, tiny_model, wait_for  # noqa: F401
+from tests.engine_fixtures import REPO, free_port, model_dirs, procs, started_engine, tiny_model  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11]]
@@ -39,10 +38,8 @@ def test_cuda_generation_is_seeded_like_cpu() -> None:
 
 
 def test_cuda_engine_loads_from_disk_and_shared_memory(model_dirs, procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    port = free_port()
-    procs.append(start_engine(model_dirs["v1"], port, tmp_path / "e.log", "--device", "cuda:0"))
-    c = EngineClient(f"http://127.0.0.1:{port}", timeout_s=120)
-    wait_for(c.health, 300, "cuda engine up")
+    c = started_engine(procs, model_dirs["v1"], tmp_path / "e.log", "--device", "cuda:0", timeout_s=120,
+                       up_within_s=300, what="cuda engine up")
     assert c.server_info()["device"] == "cuda:0"
     assert c.weights_checksum() == (model_dirs["c1"], "1")
     c.update_weights_from_disk(str(model_dirs["v2"]), 2)
@@ -69,10 +66,8 @@ def test_cuda_engine_receives_a_broadcast(backend: str, model_dirs, procs, tmp_p
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL between the trainer and an engine needs two GPUs")
     assert group_backend("cuda:0", [engine_gpu]) == backend
-    port = free_port()
-    procs.append(start_engine(model_dirs["v1"], port, tmp_path / "e.log", "--device", engine_gpu))
-    c = EngineClient(f"http://127.0.0.1:{port}", timeout_s=120)
-    wait_for(c.health, 300, "cuda engine up")
+    c = started_engine(procs, model_dirs["v1"], tmp_path / "e.log", "--device", engine_gpu, timeout_s=120,
+                       up_within_s=300, what="cuda engine up")
     m2, _, _ = load_model_folder(model_dirs["v2"])
     state = {k: v.to("cuda:0") for k, v in export_state_dict(m2).items()}
     manifest = folder_manifest(model_dirs["v2"])

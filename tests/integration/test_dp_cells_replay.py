@@ -4,7 +4,7 @@ stored steps, each split the way it committed (the train result records ``dp_cel
 the rebuilt state is bitwise the crashed trainer's, shrink step included. Replaying the
 shrink step over two cells instead would differ (checked: the split is what makes it exact).
 
-Rollouts run in-process (``bench._inproc.generate_step``: the real chunk plan and seeds,
+Rollouts run in-process (``bench._inproc.store_rollout``: the real chunk plan and seeds,
 ``generate_batch`` where a run asks an engine) on each version's published weights.
 """
 
@@ -18,10 +18,8 @@ from pathlib import Path
 import pytest
 import torchft  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
-from bench._inproc import dataset_rows, generate_step, rollout_request, run_setup, step_batch
+from bench._inproc import dataset_rows, run_setup, step_batch, store_rollout
 from gpu_runtime.data.rewards import score_samples
-from gpu_runtime.models.causal_lm import load_causal_lm
-from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.proc.processes import pid_alive
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
@@ -92,12 +90,7 @@ def _store_step_samples(store: LocalStore, cfg: RunConfig, folder: Path, rows: l
                         step: int) -> tuple[list[str], str]:
     """Generate the step's rollout with the weights in ``folder``, score it, store both:
     the chunk keys and the rewards key, as the node agent would leave them."""
-    chunks = generate_step(load_causal_lm(folder).eval(), rollout_request(cfg, RUN, step, len(rows)), rows,
-                           Tokenizer.load(folder))
-    keys = [art.rollout_chunk_key(RUN, step, c.chunk) for c in chunks]
-    for k, c in zip(keys, chunks):
-        art.put_model(store, k, c)
-    samples = [s for c in chunks for s in c.samples]
+    keys, samples = store_rollout(store, cfg, RUN, step, folder, rows)
     rkey = art.rewards_key(RUN, step)
     rewards = score_samples(samples, dict(enumerate(rows)), cfg.reward)
     art.put_model(store, rkey, art.StepRewards(run_id=RUN, step=step, rewards=rewards))

@@ -18,7 +18,7 @@ from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import HealthConfig
-from tests.engine_fixtures import free_port, free_port_block, model_dirs, procs, start_engine, wait_for  # noqa: F401
+from tests.engine_fixtures import free_port_block, model_dirs, procs, started_engine, wait_for  # noqa: F401
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11]]
 SP = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "sampling_seed": 11}
@@ -31,10 +31,7 @@ def _gen(c: EngineClient) -> list[tuple[list[int], list]]:
 
 @pytest.fixture
 def engine(model_dirs, procs, tmp_path: Path) -> Iterator[EngineClient]:  # type: ignore[no-untyped-def]
-    port = free_port()
-    procs.append(start_engine(model_dirs["v1"], port, tmp_path / "engine.log"))
-    c = EngineClient(f"http://127.0.0.1:{port}", timeout_s=120)
-    wait_for(c.health, 120, "engine up")
+    c = started_engine(procs, model_dirs["v1"], tmp_path / "engine.log", timeout_s=120, up_within_s=120)
     yield c
     c.close()
 

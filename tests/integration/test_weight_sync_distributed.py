@@ -42,7 +42,7 @@ from spec.model import ModelSpec
 from spec.run import CheckpointSpec
 from spec.train import SFTSpec, TrainSpec
 from spec.trainer_rpc import VersionInfo
-from tests.engine_fixtures import free_port, free_port_block, model_dirs, procs, start_engine, wait_for  # noqa: F401
+from tests.engine_fixtures import free_port, free_port_block, model_dirs, procs, started_engine, wait_for  # noqa: F401
 from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=10.0, first_wait_s=120.0, failure_threshold=3)
@@ -101,10 +101,8 @@ def test_trainer_broadcasts_a_version_to_two_engines(trainer, model_dirs, procs,
             assert (s.weight_version, s.checksum) == ("0", info.checksum)
             assert "updated weights from distributed group" in (tmp_path / "logs" / f"engine-{s.slot}.log").read_text()
         # bitwise the tokens and logprobs of an engine that loaded the version from disk
-        ref_port = free_port()
-        procs.append(start_engine(Path(info.model_path), ref_port, tmp_path / "ref.log"))
-        ref = EngineClient(f"http://127.0.0.1:{ref_port}", timeout_s=60)
-        wait_for(ref.health, 120, "reference engine up")
+        ref = started_engine(procs, Path(info.model_path), tmp_path / "ref.log", timeout_s=60, up_within_s=120,
+                             what="reference engine up")
         assert ref.weights_checksum()[0] == info.checksum
         want = [(r["output_ids"], r["meta_info"]["output_token_logprobs"]) for r in ref.generate(PROMPTS, SP)]
         for s in fleet.snapshot():
@@ -176,10 +174,7 @@ def test_engine_killed_during_the_broadcast_falls_back_to_disk(  # type: ignore[
 def test_a_member_that_never_joins_times_out_and_weights_stay(model_dirs, procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """World size 3, but only one engine joins (no trainer, no second engine): the join
     fails after the stated timeout with a clear error, and the engine keeps v1."""
-    port = free_port()
-    procs.append(start_engine(model_dirs["v1"], port, tmp_path / "engine.log"))
-    c = EngineClient(f"http://127.0.0.1:{port}", timeout_s=60)
-    wait_for(c.health, 120, "engine up")
+    c = started_engine(procs, model_dirs["v1"], tmp_path / "engine.log", timeout_s=60, up_within_s=120)
     t0 = time.monotonic()
     with pytest.raises(EngineError) as err:
         c.init_weights_update_group(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=3,

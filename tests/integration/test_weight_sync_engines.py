@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime.engine.backends import TorchEngineBackend
-from gpu_runtime.engine.client import EngineClient, EngineError
+from gpu_runtime.engine.client import EngineError
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import HealthConfig
 from gpu_runtime.models.model_folder import load_model_folder
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.weight_sync import shared_memory as shm
-from tests.engine_fixtures import free_port, free_port_block, model_dirs, procs, start_engine, wait_for  # noqa: F401
+from tests.engine_fixtures import free_port_block, model_dirs, procs, started_engine  # noqa: F401
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=5.0, first_wait_s=120.0, failure_threshold=2)
 PROMPTS = [[1, 5, 6, 7], [1, 9]]
@@ -24,10 +24,7 @@ SP = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 5}
 
 
 def test_engine_loads_a_segment_and_refuses_bad_ones(model_dirs, procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    port = free_port()
-    procs.append(start_engine(model_dirs["v1"], port, tmp_path / "engine.log"))
-    c = EngineClient(f"http://127.0.0.1:{port}", timeout_s=60)
-    wait_for(c.health, 120, "engine up")
+    c = started_engine(procs, model_dirs["v1"], tmp_path / "engine.log", timeout_s=60, up_within_s=120)
     assert c.weights_checksum() == (model_dirs["c1"], "1")
     v2_model, _, _ = load_model_folder(model_dirs["v2"])
     seg = shm.publish(export_state_dict(v2_model), 2, tag="itest", root=tmp_path)
@@ -35,10 +32,8 @@ def test_engine_loads_a_segment_and_refuses_bad_ones(model_dirs, procs, tmp_path
         c.update_weights_from_shared_memory(str(seg.path), 2, seg.checksum)
         assert c.weights_checksum() == (model_dirs["c2"], "2")
         # the same tokens as an engine that loaded v2 from disk
-        ref_port = free_port()
-        procs.append(start_engine(model_dirs["v2"], ref_port, tmp_path / "ref.log"))
-        ref = EngineClient(f"http://127.0.0.1:{ref_port}", timeout_s=60)
-        wait_for(ref.health, 120, "reference engine up")
+        ref = started_engine(procs, model_dirs["v2"], tmp_path / "ref.log", timeout_s=60, up_within_s=120,
+                             what="reference engine up")
         assert [r["output_ids"] for r in c.generate(PROMPTS, SP)] == [r["output_ids"] for r in ref.generate(PROMPTS, SP)]
         # a segment of another version than asked for, and a corrupted one: refused, weights kept
         v1_model, _, _ = load_model_folder(model_dirs["v1"])

@@ -71,15 +71,26 @@ def reference_step(model: torch.nn.Module, samples: list[Sample], rewards: list[
     opt.step()
 
 
-def test_a_trainer_step_on_episodes_matches_the_plain_reference() -> None:
+HP = TrainSpec(lr=1e-3, kl_coef=0.0, ppo_epochs=1, micro_batch_size=64, grad_clip=1.0)
+
+
+def stepped(masked: bool) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, float], list[Sample]]:
+    """From the same weights, one trainer step on ``episodes()`` (with their loss masks, or
+    without: every token trained) and one reference step (masked): the trainer's model, the
+    reference model, the trainer's metrics and the samples."""
     torch.set_num_threads(1)
-    hp = TrainSpec(lr=1e-3, kl_coef=0.0, ppo_epochs=1, micro_batch_size=64, grad_clip=1.0)
-    tr = PolicyTrainer.create(base(), hp, 3)
+    tr = PolicyTrainer.create(base(), HP, 3)
     ref = copy.deepcopy(tr.model)
     samples, rewards = episodes()
-    m = tr.train_step(samples, rewards, group_size=3, hparams=hp)
-    reference_step(ref, samples, rewards, 1e-3)
-    got, want = dict(tr.model.named_parameters()), dict(ref.named_parameters())
+    trained = samples if masked else [s.model_copy(update={"loss_mask": None}) for s in samples]
+    m = tr.train_step(trained, rewards, group_size=3, hparams=HP)
+    reference_step(ref, samples, rewards, HP.lr)
+    return tr.model, ref, m, samples
+
+
+def test_a_trainer_step_on_episodes_matches_the_plain_reference() -> None:
+    model, ref, m, samples = stepped(masked=True)
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
     # AdamW's first step moves a weight by about lr (1e-3) whatever its gradient's size: training on
     # the tool tokens too moves some weights by 2e-3 more; float order differences stay below 1e-5
     for name, p in want.items():
@@ -89,12 +100,6 @@ def test_a_trainer_step_on_episodes_matches_the_plain_reference() -> None:
 
 def test_training_on_the_tool_tokens_would_differ() -> None:
     """The comparison above can fail: the same step without the mask is far from the reference."""
-    torch.set_num_threads(1)
-    hp = TrainSpec(lr=1e-3, kl_coef=0.0, ppo_epochs=1, micro_batch_size=64, grad_clip=1.0)
-    tr = PolicyTrainer.create(base(), hp, 3)
-    ref = copy.deepcopy(tr.model)
-    samples, rewards = episodes()
-    tr.train_step([s.model_copy(update={"loss_mask": None}) for s in samples], rewards, group_size=3, hparams=hp)
-    reference_step(ref, samples, rewards, 1e-3)
-    got = dict(tr.model.named_parameters())
+    model, ref, _, _ = stepped(masked=False)
+    got = dict(model.named_parameters())
     assert max(float((got[k] - p).detach().abs().max()) for k, p in ref.named_parameters()) > 1e-3

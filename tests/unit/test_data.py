@@ -17,22 +17,23 @@ from gpu_runtime.data.rows import DataRow
 from tests.engine_fixtures import _tokenizer
 
 # captured from the generator before rows were normalized (rows were {"id", "question", "answer"}):
-# (id, old question, prompt_text, sft_target, answer)
-OLD_SEED1 = [
-    ("arith-1-000000", "What is 1+55?", "1+55=", "56", "1+55=56\n#### 56"),
-    ("arith-1-000001", "What is 0+47?", "0+47=", "47", "0+47=47\n#### 47"),
-    ("arith-1-000002", "What is 87+91?", "87+91=", "178", "87+91=178\n#### 178"),
-    ("arith-1-000003", "What is 16+10?", "16+10=", "26", "16+10=26\n#### 26"),
-    ("arith-1-000004", "What is 80+80?", "80+80=", "160", "80+80=160\n#### 160"),
-]
-OLD_SEED7_OPS = [
-    ("arith-7-000000", "What is 2-51?", "2-51=", "-49", "2-51=-49\n#### -49"),
-    ("arith-7-000001", "What is 52*89?", "52*89=", "4628", "52*89=4628\n#### 4628"),
-    ("arith-7-000002", "What is 47-58?", "47-58=", "-11", "47-58=-11\n#### -11"),
-    ("arith-7-000003", "What is 68+71?", "68+71=", "139", "68+71=139\n#### 139"),
-    ("arith-7-000004", "What is 73-48?", "73-48=", "25", "73-48=25\n#### 25"),
-    ("arith-7-000005", "What is 92*43?", "92*43=", "3956", "92*43=3956\n#### 3956"),
-]
+# the equations it wrote, in order; ``old_rows`` spells out its format
+OLD_SEED1_EQUATIONS = "1+55=56 0+47=47 87+91=178 16+10=26 80+80=160"
+OLD_SEED7_OPS_EQUATIONS = "2-51=-49 52*89=4628 47-58=-11 68+71=139 73-48=25 92*43=3956"
+
+
+def old_rows(seed: int, equations: str) -> list[tuple[str, str, str, str, str]]:
+    """The old generator's rows as (id, old question, prompt_text, sft_target, answer)."""
+    rows = []
+    for i, eq in enumerate(equations.split()):
+        expr, value = eq.split("=", 1)
+        rows.append((f"arith-{seed}-{i:06d}", f"What is {expr}?", f"{expr}=", value, f"{eq}\n#### {value}"))
+    return rows
+
+
+OLD_SEED1 = old_rows(1, OLD_SEED1_EQUATIONS)
+OLD_SEED7_OPS = old_rows(7, OLD_SEED7_OPS_EQUATIONS)
+
 # sha256 of json.dumps([[id, prompt_text, sft_target, final_answer] ...]) over generate_arithmetic(2000, 1),
 # the demo config's dataset, computed with the old generator
 OLD_2000_SEED1_SHA = "ceae6f050ebb9530bc72cc87cec1ea1c25b80bea21f908b28aa5668f0d4f89be"

@@ -185,20 +185,27 @@ def test_export_is_the_gathered_weights(folder: Path, ray_runtime: RayRuntime, t
         cell.close()
 
 
+def signal_rank_1_after_step_1(cell: TrainerCell, sig: int, error: type[Exception], match: str) -> list[int]:
+    """Step 1 on ``cell``, then ``sig`` to rank 1: step 2 fails with ``error`` and the cell
+    is Dead. The cell is closed however this ends; its ranks' pids."""
+    try:
+        pids = cell.pids()
+        cell.train_step(*rollout(1), 4, HP)
+        os.kill(pids[1], sig)
+        with pytest.raises(error, match=match):
+            cell.train_step(*rollout(2), 4, HP)
+        assert isinstance(cell.health, Dead)
+    finally:
+        cell.close()  # after a SIGSTOP, no SIGCONT: ending the cell must end a stopped rank too
+    return pids
+
+
 def test_a_killed_rank_fails_the_step_and_frees_the_cell(folder: Path, ray_runtime: RayRuntime) -> None:
     """Rank 1 SIGKILLed: the next step fails with CellRankDied (rank 0, blocked in a collective
     with the dead rank, does not hang the driver), close() ends rank 0 and frees the placement
     group, and a new cell takes its CPUs."""
     cell = TrainerCell(2, folder, HP, SEED)
-    try:
-        pids = cell.pids()
-        cell.train_step(*rollout(1), 4, HP)
-        os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(CellRankDied, match="rank 1 of the cell died"):
-            cell.train_step(*rollout(2), 4, HP)
-        assert isinstance(cell.health, Dead)
-    finally:
-        cell.close()
+    pids = signal_rank_1_after_step_1(cell, signal.SIGKILL, CellRankDied, "rank 1 of the cell died")
     wait_for(lambda: not pid_alive(pids[0]), timeout_s=60, what="rank 0 ended with its cell")
     again = TrainerCell(2, folder, HP, SEED)  # the placement group's CPUs are free again
     again.close()
@@ -219,15 +226,7 @@ def test_a_stopped_rank_fails_the_step_within_the_collective_timeout(folder: Pat
     ``collective_timeout_s`` and the step fails with CellRankHung instead of waiting gloo's
     30 minutes; the cell is closed (the stopped rank killed) and its CPUs take a new cell."""
     cell = TrainerCell(2, folder, HP, SEED, collective_timeout_s=5)
-    pids = cell.pids()
-    try:
-        cell.train_step(*rollout(1), 4, HP)
-        os.kill(pids[1], signal.SIGSTOP)
-        with pytest.raises(CellRankHung, match="collective timed out|did not finish"):
-            cell.train_step(*rollout(2), 4, HP)
-        assert isinstance(cell.health, Dead)
-    finally:
-        cell.close()  # no SIGCONT: ending the cell must end a stopped rank too
+    pids = signal_rank_1_after_step_1(cell, signal.SIGSTOP, CellRankHung, "collective timed out|did not finish")
     wait_for(lambda: not any(pid_alive(p) for p in pids), timeout_s=60, what="the hung cell's ranks ended")
     again = TrainerCell(2, folder, HP, SEED)
     again.close()

@@ -8,7 +8,6 @@ of DESIGN §4-7: activity retry, node loss and re-placement, pause / resume,
 
 from __future__ import annotations
 
-import asyncio
 from datetime import timedelta
 
 import pytest
@@ -19,16 +18,7 @@ from temporalio.worker import Worker
 
 from spec.train import HParamUpdate
 from tests.unit.workflow_harness import (
-    PROMPTS_PER_STEP,
-    WAIT_S,
-    Cluster,
-    finish,
-    progress,
-    reward_of,
-    run_config,
-    scenario,
-    start_run,
-    wait_progress,
+    PROMPTS_PER_STEP, Cluster, finish, lose_node_a, progress, reward_of, run_config, scenario, start_run, wait_progress,
 )
 from workflows.contracts.step import StepSummary
 from workflows.failures import Failure, failure
@@ -90,28 +80,18 @@ def test_train_step_retried_then_used_once() -> None:
 def test_lost_node_is_replaced_and_the_step_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
     """Node A's worker stops right after step 2's rollout: its train_step waits on a
     queue nobody polls, schedule-to-start times out, RLStep fails with NodeLost, and
-    the run re-places itself on node B at the committed version and re-runs step 2.
+    the run re-places itself on node B at the committed version and re-runs step 2
+    (the timeout runs on the wall clock: ``lose_node_a``)."""
 
-    The test server does not skip time while an activity task waits in a queue, so
-    this timeout runs on the wall clock: it is shortened from 15 s to 1 s here."""
-    monkeypatch.setattr(TRAIN_STEP, "schedule_to_start", timedelta(seconds=1))
-    cluster = Cluster(n_nodes=2)
-    node_a, node_b = cluster.queues
-    a_stopping = cluster.last_call_on(node_a, ROLLOUT, 2)
-
-    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
-        handle = await start_run(env, run_config(steps=3))
-        await asyncio.wait_for(a_stopping.wait(), WAIT_S)
-        await nodes[node_a].shutdown()
-        summary = await finish(handle)
-        assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 3 * PROMPTS_PER_STEP)
+    async def check(cluster: Cluster, handle: WorkflowHandle) -> None:
+        node_a, node_b = cluster.queues
         # A ran step 1 and step 2's rollout; step 2 was re-run whole on B, from v1
         assert [(c.queue, c.step) for c in cluster.served(ROLLOUT)] == [
             (node_a, 1), (node_a, 2), (node_b, 2), (node_b, 3)
         ]
         await assert_replaced(handle, cluster, node_a, node_b, lost_at_step=2)
 
-    scenario(cluster, body)
+    lose_node_a(monkeypatch, run_config(steps=3), (ROLLOUT, 2), (TRAIN_STEP,), check)
 
 
 def test_node_lost_raised_by_activity_is_replaced() -> None:

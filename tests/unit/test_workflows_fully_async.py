@@ -9,11 +9,10 @@ trained once. A re-placed step, a continue-as-new and a replay make the same sch
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 
 import pytest
 from pydantic import ValidationError
-from temporalio.client import WorkflowFailureError
+from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
@@ -21,14 +20,8 @@ from temporalio.worker import Replayer, Worker
 from spec.rollout import ONE_STEP_OFF_TIS_CAP
 from spec.run import RunConfig
 from tests.unit.workflow_harness import (
-    PROMPTS_PER_STEP,
-    WAIT_S,
-    Cluster,
-    finish,
-    progress,
-    run_config,
-    scenario,
-    start_run,
+    PROMPTS_PER_STEP, WAIT_S, Cluster, finish, lose_node_a, progress, rollout_section, run_config, scenario, start_run,
+    step_of,
 )
 from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import Sampled
@@ -43,12 +36,7 @@ P = PROMPTS_PER_STEP
 
 
 def fully_async(k: int = 2, steps: int = STEPS, **overrides: object) -> RunConfig:
-    rollout = {"prompts_per_step": P, "group_size": 2, "chunk_size": 4, "mode": "fully_async", "max_staleness": k}
-    return run_config(steps=steps, rollout=rollout, **overrides)
-
-
-def step_of(chunk_key: str) -> int:
-    return int(chunk_key.split("/steps/")[1].split("/")[0])
+    return run_config(steps=steps, rollout=rollout_section(mode="fully_async", max_staleness=k), **overrides)
 
 
 def batch(version: int, cursor: int) -> Sampled:
@@ -202,18 +190,9 @@ def test_lost_node_reruns_the_step_from_the_recorded_buffer(monkeypatch: pytest.
     v2 with its own and step 4's batches from the run's state (never sampled again), and
     step 5's batch is sampled again on B at the same version, step and cursor (on a real
     node the stored chunks make that a reuse)."""
-    for stub in (TRAIN_STEP, UPDATE_WEIGHTS):
-        monkeypatch.setattr(stub, "schedule_to_start", timedelta(seconds=1))
-    cluster = Cluster(n_nodes=2)
-    node_a, node_b = cluster.queues
-    a_stopping = cluster.last_call_on(node_a, ROLLOUT, 5)
 
-    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
-        handle = await start_run(env, fully_async())
-        await asyncio.wait_for(a_stopping.wait(), WAIT_S)
-        await nodes[node_a].shutdown()
-        summary = await finish(handle)
-        assert (summary.steps, summary.policy_version, summary.data_cursor) == (STEPS, STEPS, STEPS * P)
+    async def check(cluster: Cluster, handle: WorkflowHandle) -> None:
+        node_a, node_b = cluster.queues
         rollouts = [(c.queue, c.step, c.version) for c in cluster.served(ROLLOUT)]
         assert rollouts == [(node_a, 1, 0), (node_a, 2, 0), (node_a, 3, 0), (node_a, 4, 1), (node_a, 5, 2),
                             (node_b, 5, 2)]
@@ -222,7 +201,7 @@ def test_lost_node_reruns_the_step_from_the_recorded_buffer(monkeypatch: pytest.
         trained3 = {tuple(t.chunk_keys) for t in cluster.train_inputs if t.step == 3}
         assert len(trained3) == 1  # step 3 (tried on A, re-run on B): the same recorded batch
 
-    scenario(cluster, body)
+    lose_node_a(monkeypatch, fully_async(), (ROLLOUT, 5), (TRAIN_STEP, UPDATE_WEIGHTS), check)
 
 
 def test_dynamic_sampling_composes_each_batch_drawing_where_the_last_stopped() -> None:
@@ -231,8 +210,7 @@ def test_dynamic_sampling_composes_each_batch_drawing_where_the_last_stopped() -
     cluster = Cluster()
     # step 2's first round keeps 1 of 4 groups: it draws a second round
     cluster.varied = lambda step, round_, groups: [0] if (step, round_) == (2, 0) else list(range(groups))
-    rollout = {"prompts_per_step": P, "group_size": 2, "chunk_size": 4, "mode": "fully_async", "max_staleness": 2,
-               "dynamic_filter": {"enabled": True}}
+    rollout = rollout_section(mode="fully_async", max_staleness=2, dynamic_filter={"enabled": True})
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         summary = await finish(await start_run(env, run_config(steps=4, rollout=rollout)))

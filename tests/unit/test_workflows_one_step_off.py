@@ -7,34 +7,24 @@ batch is trained exactly once."""
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 
 import pytest
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.unit.workflow_harness import (
-    PROMPTS_PER_STEP,
-    WAIT_S,
-    Cluster,
-    finish,
-    progress,
-    run_config,
-    scenario,
-    start_run,
+    PROMPTS_PER_STEP, WAIT_S, Cluster, finish, lose_node_a, progress, rollout_section, run_config, scenario, start_run,
+    step_of,
 )
+from spec.run import RunConfig
 from workflows.stubs import ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
 
 STEPS = 4
 
 
-def one_step_off(**overrides: object):
-    rollout = {"prompts_per_step": PROMPTS_PER_STEP, "group_size": 2, "chunk_size": 4, "mode": "one_step_off"}
-    return run_config(steps=STEPS, rollout=rollout, **overrides)
-
-
-def step_of(chunk_key: str) -> int:
-    return int(chunk_key.split("/steps/")[1].split("/")[0])
+def one_step_off(**overrides: object) -> RunConfig:
+    return run_config(steps=STEPS, rollout=rollout_section(mode="one_step_off"), **overrides)
 
 
 def test_next_rollout_runs_during_train_step_one_version_behind() -> None:
@@ -88,18 +78,9 @@ def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest
     step 4's is being sampled): the step is re-run on B from v2 with the batch already
     recorded, and step 4's batch is sampled again on B at the same version with the same
     inputs (the stored chunks make that a reuse on a real node)."""
-    for stub in (TRAIN_STEP, UPDATE_WEIGHTS):
-        monkeypatch.setattr(stub, "schedule_to_start", timedelta(seconds=1))
-    cluster = Cluster(n_nodes=2)
-    node_a, node_b = cluster.queues
-    a_stopping = cluster.last_call_on(node_a, ROLLOUT, 4)
 
-    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
-        handle = await start_run(env, one_step_off())
-        await asyncio.wait_for(a_stopping.wait(), WAIT_S)
-        await nodes[node_a].shutdown()
-        summary = await finish(handle)
-        assert (summary.steps, summary.policy_version, summary.data_cursor) == (STEPS, STEPS, STEPS * PROMPTS_PER_STEP)
+    async def check(cluster: Cluster, handle: WorkflowHandle) -> None:
+        node_a, node_b = cluster.queues
         rollouts = [(c.queue, c.step, c.version) for c in cluster.served(ROLLOUT)]
         assert rollouts[:4] == [(node_a, 1, 0), (node_a, 2, 0), (node_a, 3, 1), (node_a, 4, 2)]
         assert (node_b, 3, 1) not in rollouts  # step 3's batch was recorded: not sampled again
@@ -110,13 +91,11 @@ def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest
         p = await progress(handle)
         assert [s.rollout_version for s in p.steps] == [0, 0, 1, 2]
 
-    scenario(cluster, body)
-
+    lose_node_a(monkeypatch, one_step_off(), (ROLLOUT, 4), (TRAIN_STEP, UPDATE_WEIGHTS), check)
 
 
 def test_one_step_off_turns_truncated_is_on_unless_the_config_sets_tis_cap() -> None:
     from spec.rollout import ONE_STEP_OFF_TIS_CAP
-    from spec.run import RunConfig
 
     on = RunConfig.model_validate({"rollout": {"mode": "one_step_off"}})
     assert on.train.tis_cap == ONE_STEP_OFF_TIS_CAP

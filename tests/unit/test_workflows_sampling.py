@@ -14,7 +14,9 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from tests.unit.workflow_harness import Cluster, finish, group_mean, progress, run_config, scenario, start_run
+from tests.unit.workflow_harness import (
+    Cluster, finish, group_mean, progress, rollout_section, run_config, scenario, start_run,
+)
 from workflows.contracts.sampling import RewardResult
 from workflows.failures import Failure, failure_in
 from workflows.queues import CONTROL_QUEUE
@@ -22,13 +24,12 @@ from workflows.sampling import SAMPLES_PATCH, choose_groups, more_rounds, pooled
 from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP
 from workflows.training_run import RUN_WORKFLOWS
 
-PPS, GROUP = 4, 2
+GROUP = 2  # the group size of rollout_section
 
 
 def filtered(**dynamic: object) -> dict:
     """The harness config with dynamic sampling: 4 prompts per step, groups of 2, 6 prompts a round."""
-    return {"prompts_per_step": PPS, "group_size": GROUP, "chunk_size": 4, "oversample": 1.5,
-            "dynamic_filter": {"enabled": True, **dynamic}}
+    return rollout_section(oversample=1.5, dynamic_filter={"enabled": True, **dynamic})
 
 
 # ---- the decision logic ---------------------------------------------------------------------

