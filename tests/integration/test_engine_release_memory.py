@@ -124,7 +124,7 @@ def test_fleet_keeps_released_engines_and_restarts_one_killed_while_released(fle
     assert fleet.restart_empty_slots(model_dirs["v2"], 2) == [0]
     assert fleet.update_weights(model_dirs["v2"], 2) == {0: model_dirs["c2"], 1: model_dirs["c2"]}
     slots = fleet.snapshot()
-    assert [(s.state, s.weight_version, s.checksum) for s in slots] == [("healthy", "2", model_dirs["c2"])] * 2
+    assert [(s.state, s.weight_version, s.checksum) for s in slots] == [("healthy", 2, model_dirs["c2"])] * 2
     assert slots[0].pid != victim.pid and slots[0].restart_count == 1
     gens = [_gen(EngineClient(s.url, timeout_s=120)) for s in slots]
     assert gens[0] == gens[1]  # the restarted engine and the resumed one serve the same weights

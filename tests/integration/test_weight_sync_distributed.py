@@ -98,7 +98,7 @@ def test_trainer_broadcasts_a_version_to_two_engines(trainer, model_dirs, procs,
         assert fleet.last_push.trainer_error is None
         assert "weight_sync_fallback" not in [e.kind for e in fleet.events]
         for s in fleet.snapshot():
-            assert (s.weight_version, s.checksum) == ("0", info.checksum)
+            assert (s.weight_version, s.checksum) == (0, info.checksum)
             assert "updated weights from distributed group" in (tmp_path / "logs" / f"engine-{s.slot}.log").read_text()
         # bitwise the tokens and logprobs of an engine that loaded the version from disk
         ref = started_engine(procs, Path(info.model_path), tmp_path / "ref.log", timeout_s=60, up_within_s=120,
@@ -160,13 +160,13 @@ def test_engine_killed_during_the_broadcast_falls_back_to_disk(  # type: ignore[
             assert ("weight_sync_fallback", 0) in kinds
             assert f"updated weights from {Path(info.model_path).resolve()} version=0" in survivor_log
         snap = fleet.snapshot()
-        assert (snap[0].state, snap[0].weight_version, snap[0].checksum) == ("healthy", "0", info.checksum)
+        assert (snap[0].state, snap[0].weight_version, snap[0].checksum) == ("healthy", 0, info.checksum)
         assert snap[1].state == "empty"
         # the survivor served its old version until the new one was whole; now the gated
         # recovery restarts the dead engine on the new version, as after any engine death
         assert fleet.restart_empty_slots() == [1]
         snap = fleet.snapshot()
-        assert [(s.state, s.weight_version, s.checksum) for s in snap] == [("healthy", "0", info.checksum)] * 2
+        assert [(s.state, s.weight_version, s.checksum) for s in snap] == [("healthy", 0, info.checksum)] * 2
     finally:
         fleet.stop()
 
