@@ -17,6 +17,7 @@ from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.models.model_folder import load_model_folder, save_model_folder
 from gpu_runtime.weight_sync import shared_memory as shm
+from spec.train import TrainSpec
 from tests.engine_fixtures import REPO, free_port, model_dirs, procs, started_engine, tiny_model  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -220,9 +221,7 @@ dist.destroy_process_group()
 """
 
 
-def cell_hparams(precision: str) -> "TrainSpec":
-    from spec.train import TrainSpec
-
+def cell_hparams(precision: str) -> TrainSpec:
     return TrainSpec(lr=1e-3, micro_batch_size=2, precision=precision)  # 2 micro-batches
 
 
