@@ -1,0 +1,25 @@
+"""The xdist units of work of ``make test`` (tests/scheduling.py): the fault modules of
+tests/e2e stay together on one worker; the modules listed fault-free really are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.scheduling import FAULT_FREE_E2E, scope_of
+
+ROOT = Path(__file__).resolve().parents[2]
+FAULTS = ("os.kill", "SIGKILL", "SIGSTOP", "MILESTONE_FAULT_", "running_stack(", "module_stack_fixtures", "kill_")
+
+
+def test_fault_modules_share_one_unit_and_other_modules_are_their_own() -> None:
+    assert scope_of("tests/e2e/test_process_faults.py::test_x") == scope_of("tests/e2e/test_fencing.py::test_y[a]")
+    assert scope_of("tests/e2e/test_rl_run.py::test_x") == scope_of("tests/e2e/test_fork.py::test_y")
+    assert scope_of("tests/e2e/test_rl_run.py::test_x") != scope_of("tests/e2e/test_process_faults.py::test_x")
+    assert scope_of("tests/unit/test_ppo.py::test_x") == "tests/unit/test_ppo.py"
+
+
+def test_the_fault_free_e2e_modules_exist_inject_nothing_and_start_no_stack() -> None:
+    for module in sorted(FAULT_FREE_E2E):
+        source = (ROOT / module).read_text()
+        found = [f for f in FAULTS if f in source]
+        assert not found, f"{module} is scheduled as fault-free but uses {found}"
