@@ -74,6 +74,7 @@ async def train(inp: RLStepInput, sampled: Sampled | None, sft_rows: SFTRows | N
             chunk_keys=sampled.chunk_keys if sampled else [], rewards_key=sampled.rewards_key if sampled else "",
             group_size=inp.config.rollout.group_size, train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
             selection=sampled.selection if sampled else None, sampling=sampled.sampling if sampled else None,
+            temperature=inp.config.rollout.temperature if sampled else 1.0,
         ),
         queue=inp.node_queue, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
     )
