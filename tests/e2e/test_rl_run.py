@@ -223,7 +223,8 @@ def test_temporal_ui_shows_the_run_in_chromium(stack: Stack, e2e_run: FinishedRu
 
 def assert_token_in_token_out(store: Path, run_id: str, step: int) -> float:
     """The trainer trains exactly the ids the engines produced, and the engines'
-    logprobs are those of the transformers model on those ids. Returns the max gap."""
+    logprobs are those of the transformers model on those ids at the step's temperature
+    (log_softmax(logits / T), the sampling policy). Returns the max gap."""
     run = store / "runs" / run_id
     batch = json.loads((run / "steps" / f"{step:06d}" / "step_batch.json").read_text())
     samples = [s for key in batch["chunk_keys"] for s in json.loads((store / key).read_text())["samples"]]
@@ -236,7 +237,7 @@ def assert_token_in_token_out(store: Path, run_id: str, step: int) -> float:
         assert tok.decode(s["response_ids"], skip_special_tokens=True) == s["response_text"]
         ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
         with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            logp = torch.log_softmax(model(ids).logits[0].float() / batch.get("temperature", 1.0), -1)
         n = len(s["prompt_ids"])
         mine = [logp[n - 1 + j, t].item() for j, t in enumerate(s["response_ids"])]
         assert len(s["logprobs"]) == len(mine)

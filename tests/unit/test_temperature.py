@@ -93,8 +93,9 @@ def test_trainer_step_at_temperature_matches_the_plain_reference() -> None:
     for (name, p), q in zip(tr.model.named_parameters(), policy.parameters()):
         assert p.grad is not None and q.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-7, msg=name)
-    dropped = reference_grpo_step(at_one, tr.ref_model, samples, rewards, hp, 1.0)
-    assert got["entropy"] != pytest.approx(dropped["entropy"], rel=1e-2)
+    reference_grpo_step(at_one, tr.ref_model, samples, rewards, hp, 1.0)  # the reference without T
+    grads = [(p.grad, q.grad) for p, q in zip(tr.model.parameters(), at_one.parameters())]
+    assert max(float((a - b).norm() / b.norm()) for a, b in grads) > 0.05  # T changes the gradient
 
 
 def test_updated_weights_match_the_reference_optimizer_step() -> None:
