@@ -203,6 +203,8 @@ def test_a_run_at_temperature_0_7_trains_the_policy_that_sampled(stack: Stack, t
     steps = assert_bitwise_the_plain_loop(stack, run, tmp_path / "plain")
     for s in steps:
         assert 0 <= s.rollout_logprob_abs_diff <= s.rollout_logprob_abs_diff_max <= 1e-5, s
+    gauges = stack.scrape("node0")  # Prometheus: the node's last train step is this run's last
+    assert gauges['milestone_train{metric="rollout_logprob_abs_diff_max"}'] == steps[-1].rollout_logprob_abs_diff_max
 
 
 async def _run(stack: Stack, run_id: str, cfg: dict) -> RunSummary:
