@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from gpu_runtime.algorithms.logprobs import tempered
+from gpu_runtime.data.datasets import encode_prompt
 from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.common.batches import cell_reduced
 from tests.unit.test_policy_trainer import ROWS, TOK, hparams, new_trainer, rollout
-from gpu_runtime.data.datasets import encode_prompt
 
 T = 0.7
 

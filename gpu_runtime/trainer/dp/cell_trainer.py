@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.common.batches import cell_reduced
 from gpu_runtime.trainer.common import lora as lora_lib
+from gpu_runtime.trainer.common.batches import cell_reduced
 from gpu_runtime.trainer.common.state_io import python_rng_state, set_python_rng_state
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from spec.train import TrainSpec
