@@ -6,7 +6,9 @@ of the reward or the run distills: the current weights' own, without grad), and 
 advantages: the estimator's, or GAE from the PPO critic's old values, plus the teacher's
 per-token term when distilling. ``micro_batch_backward`` then back-propagates one
 micro-batch's share of the loss (policy, KL, entropy; and the critic's value loss), and in
-the last epoch adds its metric shares to the step's sums.
+the last epoch adds its metric shares to the step's sums. Every logprob and entropy of the
+policy and of the reference is of ``logits / temperature`` (the rollout's: the policy that
+sampled); the teacher's are its own at 1.
 """
 
 from __future__ import annotations
