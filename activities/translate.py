@@ -39,7 +39,7 @@ def step_batch(inp: TrainStepInput) -> StepBatch:
     return StepBatch(
         step=inp.step, policy_version=inp.policy_version, chunk_keys=inp.chunk_keys,
         rewards_key=inp.rewards_key, group_size=inp.group_size, hparams=inp.train, sft=inp.sft_rows,
-        selection=inp.selection,
+        selection=inp.selection, temperature=inp.temperature,
     )
 
 

@@ -73,6 +73,7 @@ def step_batch(cfg: RunConfig, run_id: str, step: int, chunk_keys: list[str], re
     return translate.step_batch(TrainStepInput(
         run_id=run_id, step=step, store_uri=cfg.store, policy_version=step - 1, chunk_keys=chunk_keys,
         rewards_key=rewards_key, group_size=cfg.rollout.group_size, train=cfg.train,
+        temperature=cfg.rollout.temperature,
     ))
 
 
@@ -162,7 +163,8 @@ class PlainLoop:
         return [r.reward for r in score_samples(samples, self.by_index, self.reward_spec)]
 
     def train(self, samples: list[art.Sample], rewards: list[float]) -> dict[str, float]:
-        return self.trainer.train_step(samples, rewards, self.cfg.rollout.group_size, self.setup.hparams)
+        return self.trainer.train_step(samples, rewards, self.cfg.rollout.group_size, self.setup.hparams,
+                                       self.cfg.rollout.temperature)
 
     def update_weights(self) -> None:
         assert self.gen_model is not None

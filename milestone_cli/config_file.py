@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from spec.rollout import rl_sampling_conflicts
 from spec.run import RunConfig
 from spec.strict import format_validation_error
 
@@ -54,6 +55,9 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
             return f"{path}:{_line_of(root, loc) or 1}"
 
         raise ConfigError(format_validation_error(err, where)) from None
+    if cfg.mode == "rl" and (bad := rl_sampling_conflicts(cfg.rollout)):
+        raise ConfigError("\n".join(f"{path}:{_line_of(root, tuple(key.split('.'))) or 1}: {key}: {why}"
+                                     for key, why in bad))
     return absolutize_teacher_path(absolutize_data_path(absolutize_store(cfg)))
 
 

@@ -27,7 +27,7 @@ from gpu_runtime.store import artifacts as art, lineage as lin
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.store.object_store import ObjectStore
 from milestone_cli.resume import ResumeError, stored_dataset
-from spec.rollout import OFF_POLICY_MODES
+from spec.rollout import OFF_POLICY_MODES, rl_sampling_conflicts
 from spec.run import RunConfig
 from spec.status import RunEvent
 from spec.strict import format_validation_error
@@ -87,9 +87,12 @@ def apply_sets(cfg: RunConfig, train: TrainSpec, items: list[str]) -> tuple[RunC
             node = node[part]
         node[leaf] = parsed
     try:
-        return RunConfig.model_validate(cfg_doc), TrainSpec.model_validate(train_doc)
+        forked, forked_train = RunConfig.model_validate(cfg_doc), TrainSpec.model_validate(train_doc)
     except ValidationError as err:
         raise ForkError("--set: " + format_validation_error(err).replace("\n", "; ")) from None
+    if forked.mode == "rl" and (bad := rl_sampling_conflicts(forked.rollout)):
+        raise ForkError("--set: " + "; ".join(f"{key}: {why}" for key, why in bad))
+    return forked, forked_train
 
 
 def check_compatible(parent: RunConfig, fork: RunConfig, train: TrainSpec) -> None:

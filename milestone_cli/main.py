@@ -30,7 +30,7 @@ from gpu_runtime.store.object_store import StoreError
 from milestone_cli.errors import CLIError, connect_error, describe_error, failure_text, one_line
 from milestone_cli.fork import ForkError, fork_input, parent_record, resumed_buffer, with_parent_buffer
 from milestone_cli.preflight import PreflightError, check_config, check_new_run_id
-from milestone_cli.progress_view import format_cells, format_eval, format_progress
+from milestone_cli.progress_view import format_cells, format_eval, format_gap, format_progress
 from milestone_cli.resume import NothingToResume, ResumeError, parse_target, resume_state
 from gpu_runtime.store.uri import open_store
 from spec.strict import format_validation_error
@@ -233,8 +233,9 @@ async def cmd_status(client: Client, args: argparse.Namespace) -> int:
         if p.lineage:
             parent = p.lineage[-1]
             print(f"  forked from {parent.run_id} at step {parent.step}")
-        if (line := format_eval(p)) is not None:
-            print(line)
+        for line in (format_gap(p), format_eval(p)):
+            if line is not None:
+                print(line)
         for line in format_cells(p):
             print(line)
     else:

@@ -62,6 +62,15 @@ def format_cells(p: RunProgress) -> list[str]:
     return lines
 
 
+def format_gap(p: RunProgress) -> str | None:
+    """The last RL step's train-inference logprob gap (None before the first, and in mode sft)."""
+    if not p.steps or p.mode == "sft":
+        return None
+    s = p.steps[-1]
+    return (f"  logprob gap engine vs trainer (step {s.step}): mean {s.rollout_logprob_abs_diff:.2e}, "
+            f"max {s.rollout_logprob_abs_diff_max:.2e}")
+
+
 def format_eval(p: RunProgress) -> str | None:
     """The newest held-out eval of the run, or None before the first."""
     s = next((s for s in reversed(p.steps) if s.eval_greedy is not None), None)
@@ -73,4 +82,4 @@ def format_eval(p: RunProgress) -> str | None:
     )
 
 
-__all__ = ["format_cells", "format_eval", "format_progress"]
+__all__ = ["format_cells", "format_eval", "format_gap", "format_progress"]

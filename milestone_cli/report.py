@@ -1,5 +1,5 @@
-"""``milestone report RUN``: a PNG of the run's curves (reward, loss, KL / grad norm,
-time per phase, and held-out eval accuracy when the run has evals), from the run's
+"""``milestone report RUN``: a PNG of the run's curves (reward, loss, KL / grad norm with the
+train-inference logprob gap, time per phase, and held-out eval accuracy when the run has evals), from the run's
 ``progress`` query."""
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def render_report(p: RunProgress, out: Path, window: int = 10) -> Path:
     ax[1][0].plot(steps, [s.kl for s in p.steps], "-", lw=1, label="KL")
     ax[1][0].set_title("grad norm / KL")
     ax[1][0].legend(loc="upper right")
+    if any(s.rollout_logprob_abs_diff_max for s in p.steps):  # the train-inference gap, on a log axis
+        plot_gap(ax[1][0].twinx(), steps, p.steps)
     ax[1][1].stackplot(steps, *[[s.phase_seconds.get(ph, 0.0) for s in p.steps] for ph in PHASES], labels=PHASES)
     ax[1][1].plot(steps, [s.step_seconds for s in p.steps], "k-", lw=1, label="step wall")
     if any(s.overlap_seconds for s in p.steps):  # one_step_off / fully_async: later batches sampled during train
@@ -73,6 +75,15 @@ def render_report(p: RunProgress, out: Path, window: int = 10) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_gap(a: "matplotlib.axes.Axes", steps: list[int], summaries: list[StepSummary]) -> None:
+    """The train-inference logprob gap per step (mean and max |engine - trainer| over the
+    trained tokens), on a log scale: ~1e-7 when both sides compute the same distribution."""
+    a.semilogy(steps, [max(s.rollout_logprob_abs_diff, 1e-12) for s in summaries], "g-", lw=1, label="logprob gap mean")
+    a.semilogy(steps, [max(s.rollout_logprob_abs_diff_max, 1e-12) for s in summaries], "g:", lw=1,
+               label="logprob gap max")
+    a.legend(loc="upper left", fontsize=7)
 
 
 def plot_eval(a: "matplotlib.axes.Axes", evals: list[StepSummary], steps: list[int], train_acc: list[float]) -> None:

@@ -106,3 +106,23 @@ class RolloutSpec(Strict):
 # the truncated-IS cap a one_step_off or fully_async run gets when its config does not set train.tis_cap
 ONE_STEP_OFF_TIS_CAP = 2.0
 OFF_POLICY_MODES = ("one_step_off", "fully_async")  # rollout.mode values that train on older weights' samples
+
+
+def rl_sampling_conflicts(rollout: RolloutSpec) -> list[tuple[str, str]]:
+    """(field, why) for each sampling setting an RL run cannot train: the trainer trains the
+    policy that sampled, ``log_softmax(logits / temperature)`` over the whole vocabulary, and
+    the engines report that same distribution's logprobs (docs/algorithms.md, "Temperature").
+    Greedy sampling has no such distribution; top-p / top-k sample a truncated one the trainer
+    does not compute. Checked when a run starts (``milestone start`` / ``fork``, and a new
+    ``TrainingRun``), not by ``RolloutSpec`` itself: a recorded history must always decode."""
+    bad = []
+    if rollout.temperature <= 0:
+        bad.append(("rollout.temperature", "0 samples greedily: every sample of a group is the same and there is no "
+                    "sampling distribution to train (set it > 0; the held-out eval measures greedy accuracy)"))
+    if rollout.top_p < 1:
+        bad.append(("rollout.top_p", f"{rollout.top_p} is not supported in mode rl: the trainer's logprobs, ratio and "
+                    "KL are of the full distribution at rollout.temperature, not a top-p truncated one (set 1.0)"))
+    if rollout.top_k > 0:
+        bad.append(("rollout.top_k", f"{rollout.top_k} is not supported in mode rl: the trainer's logprobs, ratio and "
+                    "KL are of the full distribution at rollout.temperature, not a top-k truncated one (set -1)"))
+    return bad

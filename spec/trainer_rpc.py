@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from spec.model import DistillSpec, ModelSpec
 from spec.status import CellInfo, DPCells, RunEvent
@@ -97,6 +97,9 @@ class StepBatch(Message):
     hparams: TrainSpec  # the step's ``train`` (set_hparams updates applied)
     sft: SFTRows | None = None  # None: an RL step (also every batch stored before SFT mode)
     selection: BatchSelection | None = None  # dynamic sampling: these groups of the rounds' chunks
+    # rollout.temperature the chunks were sampled at: the trainer's logprobs, ratio, KL and entropy
+    # are those of logits / temperature (a batch stored before it reads 1.0, as it trained)
+    temperature: float = Field(1.0, gt=0)
 
 
 class Rebuild(Message):

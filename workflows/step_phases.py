@@ -74,9 +74,17 @@ async def train(inp: RLStepInput, sampled: Sampled | None, sft_rows: SFTRows | N
             chunk_keys=sampled.chunk_keys if sampled else [], rewards_key=sampled.rewards_key if sampled else "",
             group_size=inp.config.rollout.group_size, train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
             selection=sampled.selection if sampled else None, sampling=sampled.sampling if sampled else None,
+            temperature=trained_temperature(inp) if sampled else 1.0,
         ),
         queue=inp.node_queue, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
     )
+
+
+def trained_temperature(inp: RLStepInput) -> float:
+    """The temperature the trainer divides the logits by: the rollout's; 1 for a greedy rollout
+    (``temperature: 0``, which a new RL run refuses), whose engines report log_softmax(logits)."""
+    t = inp.config.rollout.temperature
+    return t if t > 0 else 1.0
 
 
 async def update_weights(inp: RLStepInput, trained: TrainStepResult) -> UpdateWeightsResult:

@@ -41,6 +41,8 @@ def summarize(r: StepResults) -> StepSummary:
         loss=metrics.get("loss", 0.0),
         kl=metrics.get("kl", 0.0),
         grad_norm=metrics.get("grad_norm", 0.0),
+        rollout_logprob_abs_diff=metrics.get("rollout_logprob_abs_diff", 0.0),
+        rollout_logprob_abs_diff_max=metrics.get("rollout_logprob_abs_diff_max", 0.0),
         step_seconds=r.seconds,
         phase_seconds=phases,
         activity_seconds=sum(phases.values()),

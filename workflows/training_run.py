@@ -20,6 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
+    from spec.rollout import rl_sampling_conflicts
     from spec.run import RunConfig
     from spec.status import RunEvent
     from spec.strict import format_validation_error
@@ -45,6 +46,7 @@ SA_VERSION = SearchAttributeKey.for_int("RlPolicyVersion")
 SA_STATUS = SearchAttributeKey.for_keyword("RlStatus")
 EVAL_BEFORE_PATCH = "eval-before-rl"  # runs recorded before it replay without the v0 eval
 SFT_STEP_PATCH = "sft-step-workflow"  # mode sft: SFTStep children (runs started before: RLStep in mode sft)
+RL_SAMPLING_PATCH = "rl-sampling-refused"  # a new RL run refuses greedy / top-p / top-k rollouts (runs before: not)
 MAX_NODE_REPLACEMENTS = 10
 
 
@@ -100,6 +102,7 @@ class TrainingRun:
             if st.node is None:
                 await self._place_on_node(run_id, chash, init=False)
             return
+        self._refuse_untrainable_sampling()
         st.dataset = await PREPARE_DATA.run(
             PrepareDataInput(
                 run_id=run_id, store_uri=cfg.store, seed=cfg.seed, data=cfg.data, reward=cfg.reward, eval=cfg.eval,
@@ -115,6 +118,16 @@ class TrainingRun:
         st.initialized = True
         if cfg.eval.enabled and st.dataset.eval_key and workflow.patched(EVAL_BEFORE_PATCH):
             st.eval_before = await self._eval_before_rl(run_id)
+
+    def _refuse_untrainable_sampling(self) -> None:
+        """A new RL run whose rollout samples a distribution the trainer cannot train (greedy,
+        top-p, top-k: ``spec.rollout.rl_sampling_conflicts``) fails at once, naming the field."""
+        cfg = self.cfg
+        assert cfg is not None
+        if cfg.mode == "rl" and (bad := rl_sampling_conflicts(cfg.rollout)) and workflow.patched(RL_SAMPLING_PATCH):
+            self.status = "failed"
+            raise failure(Failure.INVALID_INPUT, "invalid TrainingRun input:\n" + "\n".join(
+                f"{key}: {why}" for key, why in bad))
 
     async def _between_steps(self, steps_this_run: int) -> None:
         """Wait while paused; continue as new when this execution has run its share of steps

@@ -16,6 +16,10 @@ Stops (SGLang's sampling params): a sample ends at EOS, at a token of
 newest token completed. The stopping token is kept (its logprob too), so the output
 text contains the stop string and the trainer's loss mask covers exactly the tokens
 the engine produced; nothing is generated for the sample after it.
+
+Each output token's reported logprob is ``log_softmax(logits / temperature)`` of it
+(``reported_logprobs``): the distribution the trainer trains, which divides by the same
+temperature (docs/algorithms.md, "Temperature").
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class GenResult:
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # raw (temperature 1) logprob of each output token
+    logprobs: list[float] = field(default_factory=list)  # each output token's logprob (``reported_logprobs``)
     finish_reason: str = "length"  # "stop" | "length"
     matched: int | str | None = None  # what stopped it: the stop token id or the stop string
 
@@ -110,14 +114,22 @@ def _left_padded(prompts: list[list[int]], pad_id: int, dev: torch.device) -> tu
     return ids.to(dev), key_mask.to(dev)
 
 
+def reported_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logprobs the engine reports: ``log_softmax(logits / temperature)``, the distribution
+    it samples from before top-p / top-k (which RL refuses), so the trainer, which divides by
+    the same temperature, sees the same numbers. Greedy (``temperature`` 0) and 1 report the raw
+    ``log_softmax(logits)`` (no division at 1: bitwise the numbers of before)."""
+    return torch.log_softmax(logits if temperature <= 0.0 or temperature == 1.0 else logits / temperature, dim=-1)
+
+
 def _sample_step(
     logits: torch.Tensor, results: list[GenResult], gens: list[torch.Generator | None], stops: _Stops,
-    pad_id: int, pick: Callable[..., int],
+    pad_id: int, pick: Callable[..., int], temperature: float,
 ) -> torch.Tensor:
     """One token for every unfinished sample from the step's logits [B, V] (on the CPU) by
     ``pick`` (``sample_token`` with the request's sampling params), appended to its result with
-    its logprob; the step's new tokens [B] (``pad_id`` for the finished samples)."""
-    logp = torch.log_softmax(logits, dim=-1)
+    its logprob at ``temperature``; the step's new tokens [B] (``pad_id`` for the finished samples)."""
+    logp = reported_logprobs(logits, temperature)
     new_tokens = torch.full((len(results),), pad_id, dtype=torch.long, device=torch.device("cpu"))
     for i, r in enumerate(results):
         if stops.done[i]:
@@ -171,7 +183,7 @@ def generate_batch(
     cache = new_cache(model)
     logits = lm_logits(model, ids, key_mask, positions, cache)[:, -1, :].cpu()
     for step in range(max_new_tokens):
-        new_tokens = _sample_step(logits, results, gens, stops, pad_id, pick)
+        new_tokens = _sample_step(logits, results, gens, stops, pad_id, pick, temperature)
         if on_step is not None:
             on_step(step)
         if all(stops.done) or step == max_new_tokens - 1:

@@ -40,7 +40,8 @@ DP_CELL_KINDS = ("cell_lost", "cell_restarted", "cell_restart_failed", "cell_hea
                  "lighthouse_restarted", "lighthouse_restart_failed")
 REPLAYED_STEPS = Counter("milestone_replayed_steps_total", "steps replayed to rebuild trainer state")
 
-TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens_per_s", "distill_kl")
+TRAIN_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "lr", "tokens_per_s", "distill_kl",
+              "rollout_logprob_abs_diff", "rollout_logprob_abs_diff_max")  # the last two: the train-inference gap
 
 
 def serve(port: int, host: str = "127.0.0.1") -> None:

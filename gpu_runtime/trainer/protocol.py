@@ -52,8 +52,8 @@ class Trainer(Protocol):
     def health(self) -> Health: ...
 
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainSpec) -> dict[str, float]:
-        """One RL update (version + 1); its metrics."""
+                   hparams: TrainSpec, temperature: float = 1.0) -> dict[str, float]:
+        """One RL update (version + 1) of the policy that sampled at ``temperature``; its metrics."""
         ...
 
     def sft_step(self, rows: list[dict], hparams: TrainSpec) -> dict[str, float]:

@@ -337,8 +337,9 @@ class TrainerService:
         group = self.layouts.dp_group
         if cells is not None and group is not None and self.trainer is group:
             return group.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams,
-                                            forced_participants=cells)
-        return self.trainer.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams)
+                                    batch.temperature, forced_participants=cells)
+        return self.trainer.train_step(samples, [r.reward for r in rewards], batch.group_size, batch.hparams,
+                                       batch.temperature)
 
     def train_step(self, setup: RunSetup, batch: StepBatch) -> TrainResult:
         t0 = time.perf_counter()

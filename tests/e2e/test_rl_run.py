@@ -29,6 +29,7 @@ from tests.browser import render
 from tests.e2e.faults import assert_bitwise_equal
 from tests.stack import Stack, tiny_config, wait_for
 from workers.common import connect
+from workflows.contracts.step import StepSummary
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
 from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS_ON_NODE, EVALUATE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS
@@ -114,6 +115,7 @@ def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -
             for value in (s.reward_mean, s.loss, s.kl, s.grad_norm, s.step_seconds, *s.phase_seconds.values()):
                 assert math.isfinite(value)
             assert s.grad_norm > 0  # a real optimizer step happened
+            assert 0 <= s.rollout_logprob_abs_diff <= s.rollout_logprob_abs_diff_max <= 1e-5  # engine ~ trainer
 
         check_final_eval(stack, summary, progress)
 
@@ -160,25 +162,53 @@ def test_the_run_is_bitwise_the_plain_one_process_loop(stack: Stack, e2e_run: Fi
     process. Every step's loss and grad norm and the final weights are bitwise the run's:
     Temporal, the engine and trainer processes, the router and the store add nothing and
     lose nothing."""
+    assert_bitwise_the_plain_loop(stack, e2e_run, tmp_path)
+
+
+def assert_bitwise_the_plain_loop(stack: Stack, run: FinishedRun, tmp_path: Path) -> list[StepSummary]:
+    """Every step's loss and grad norm and the final weights of ``run`` are bitwise those of
+    ``PlainLoop`` on its config; the run's step summaries."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        loop = PlainLoop(RunConfig.model_validate(e2e_run.cfg), tmp_path)
-        plain = loop.run(e2e_run.summary.steps)
+        loop = PlainLoop(RunConfig.model_validate(run.cfg), tmp_path)
+        plain = loop.run(run.summary.steps)
     finally:
         torch.set_num_threads(threads)
 
     async def main() -> RunProgress:
         client = await connect(stack.server.address)
-        return await client.get_workflow_handle(e2e_run.run_id).query("progress", result_type=RunProgress)
+        return await client.get_workflow_handle(run.run_id).query("progress", result_type=RunProgress)
 
     steps = asyncio.run(main()).steps
     assert [(s.loss, s.grad_norm) for s in steps] == [(m["loss"], m["grad_norm"]) for m in plain]
     assert all(m["grad_norm"] > 0 for m in plain)  # each step trained on a signal
-    final = load_file(str(e2e_run.store / "runs/e2e-run/weights/v000003/model.safetensors"))
+    final = load_file(str(run.store / f"runs/{run.run_id}/weights/v{run.summary.steps:06d}/model.safetensors"))
     state = loop.trainer.model.state_dict()
     assert final.keys() <= state.keys()
     assert_bitwise_equal(final, {k: state[k] for k in final})
+    return steps
+
+
+def test_a_run_at_temperature_0_7_trains_the_policy_that_sampled(stack: Stack, tmp_path: Path) -> None:
+    """``rollout.temperature: 0.7`` end to end: the engines report log_softmax(logits / 0.7) of
+    the tokens they sampled (against a transformers forward), the step batch carries 0.7 to
+    the trainer process, the train-inference gap of every step is ~0 (both sides divide by
+    the same T) and the run is bitwise the one-process loop at 0.7."""
+    store = tmp_path / "store"
+    cfg = tiny_config(store, steps=2, rollout={"temperature": 0.7}, eval={"enabled": False})
+    run = FinishedRun("t07-run", cfg, store, asyncio.run(_run(stack, "t07-run", cfg)))
+    assert json.loads((store / "runs/t07-run/steps/000001/step_batch.json").read_text())["temperature"] == 0.7
+    assert_token_in_token_out(store, "t07-run", step=1)
+    steps = assert_bitwise_the_plain_loop(stack, run, tmp_path / "plain")
+    for s in steps:
+        assert 0 <= s.rollout_logprob_abs_diff <= s.rollout_logprob_abs_diff_max <= 1e-5, s
+    gauges = stack.scrape("node0")  # Prometheus: the node's last train step is this run's last
+    assert gauges['milestone_train{metric="rollout_logprob_abs_diff_max"}'] == steps[-1].rollout_logprob_abs_diff_max
+
+
+async def _run(stack: Stack, run_id: str, cfg: dict) -> RunSummary:
+    return await run_to_end(await connect(stack.server.address), run_id, cfg)
 
 
 def test_temporal_ui_shows_the_run_in_chromium(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -> None:
@@ -223,7 +253,8 @@ def test_temporal_ui_shows_the_run_in_chromium(stack: Stack, e2e_run: FinishedRu
 
 def assert_token_in_token_out(store: Path, run_id: str, step: int) -> float:
     """The trainer trains exactly the ids the engines produced, and the engines'
-    logprobs are those of the transformers model on those ids. Returns the max gap."""
+    logprobs are those of the transformers model on those ids at the step's temperature
+    (log_softmax(logits / T), the sampling policy). Returns the max gap."""
     run = store / "runs" / run_id
     batch = json.loads((run / "steps" / f"{step:06d}" / "step_batch.json").read_text())
     samples = [s for key in batch["chunk_keys"] for s in json.loads((store / key).read_text())["samples"]]
@@ -236,7 +267,7 @@ def assert_token_in_token_out(store: Path, run_id: str, step: int) -> float:
         assert tok.decode(s["response_ids"], skip_special_tokens=True) == s["response_text"]
         ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
         with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            logp = torch.log_softmax(model(ids).logits[0].float() / batch.get("temperature", 1.0), -1)
         n = len(s["prompt_ids"])
         mine = [logp[n - 1 + j, t].item() for j, t in enumerate(s["response_ids"])]
         assert len(s["logprobs"]) == len(mine)

@@ -118,6 +118,8 @@ def test_two_cells_train_like_the_single_trainer(group: DPGroup, reference, tmp_
     for s in (1, 2):
         m = _step(group, s)
         assert m["dp_cells"] == 2 and m["dp_attempts"] == 1 and m["policy_version"] == s
+        # the gap's max over both cells' tokens (one slot per cell in the SUM allreduce), not their sum
+        assert 0 < m["rollout_logprob_abs_diff"] <= m["rollout_logprob_abs_diff_max"] < 2 * m["rollout_logprob_abs_diff"]
     got = _weights(group, tmp_path, "v2")
     assert 0 < _close(got, reference[1]) <= WEIGHT_ATOL  # a reordered sum, not the same sum
     assert _close(got, reference[0]) > 100 * WEIGHT_ATOL  # a step moves the weights far more than that

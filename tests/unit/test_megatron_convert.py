@@ -128,11 +128,12 @@ def test_a_real_gpt_model_takes_the_weights_and_gives_them_back(arch: str, tie: 
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr[-3000:]
 
 
-def test_megatron_grpo_loss_is_the_single_trainers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_megatron_grpo_loss_is_the_single_trainers(tmp_path: Path, temperature: float) -> None:
     """The loss plumbing of ``megatron.train`` (batches, advantages, per-token loss,
-    aggregation, causal-only attention on right-padded batches) against the plain
-    reference, ``PolicyTrainer.train_step``, on CPU: the same loss, grad norm and updated
-    weights from the same start. (The GPTModel forward itself needs CUDA: tests/integration/test_cuda_paths.py.)"""
+    aggregation, causal-only attention on right-padded batches, logits / the rollout
+    temperature) against the plain reference, ``PolicyTrainer.train_step``, on CPU: the same
+    loss, grad norm, entropy, logprob gap and updated weights from the same start. (The GPTModel forward itself needs CUDA: tests/integration/test_cuda_paths.py.)"""
     import copy
 
     from gpu_runtime.store.artifacts import Sample
@@ -151,13 +152,14 @@ def test_megatron_grpo_loss_is_the_single_trainers(tmp_path: Path) -> None:
     rewards = [1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.25]
     ref = PolicyTrainer.create(tmp_path / "m", hp, 0)
     start = copy.deepcopy(ref.model)
-    want = ref.train_step(samples, rewards, 4, hp)
+    want = ref.train_step(samples, rewards, 4, hp, temperature)
     gpt = HFAsGPT(start)
     opt = torch.optim.AdamW(start.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay,
                             foreach=False)
-    got = grpo_step(gpt, opt, samples, rewards, 4, hp, tok.pad_token_id)
+    got = grpo_step(gpt, opt, samples, rewards, 4, hp, tok.pad_token_id, temperature)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    for mine, theirs in (("loss", "loss"), ("entropy", "entropy"), ("gap_max", "rollout_logprob_abs_diff_max")):
+        assert got[mine] == pytest.approx(want[theirs], rel=1e-5, abs=1e-7), mine
     for (name, a), b in zip(start.state_dict().items(), ref.model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), name
     with pytest.raises(ValueError, match="kl_coef > 0"):

@@ -51,3 +51,28 @@ def test_report_of_a_fully_async_run_plots_staleness_and_buffer_depth(tmp_path: 
     labels = [call.kwargs.get("label") for call in drawn.call_args_list]
     assert labels == ["staleness (versions)", "buffer depth (batches)"]
     assert [list(call.args[2]) for call in drawn.call_args_list] == [[0, 1, 2, 2], [2, 2, 1, 0]]
+
+
+def test_status_and_report_show_the_train_inference_gap(tmp_path: Path) -> None:
+    """``milestone status``'s gap line (the last step's mean and max) and the report's gap
+    curves (log scale, drawn only when a step has engine logprobs)."""
+    from unittest import mock
+
+    import matplotlib.axes
+
+    from milestone_cli.progress_view import format_gap
+
+    steps = [StepSummary(step=n, policy_version=n, data_cursor=4 * n, reward_mean=0.1, reward_std=0.1, accuracy=0.1,
+                         loss=0.5, step_seconds=1.0, rollout_logprob_abs_diff=n * 1e-7,
+                         rollout_logprob_abs_diff_max=n * 4e-7) for n in range(1, 4)]
+    p = RunProgress(run_id="r", state="running", step=3, total_steps=4, policy_version=3, data_cursor=12, steps=steps)
+    assert format_gap(p) == "  logprob gap engine vs trainer (step 3): mean 3.00e-07, max 1.20e-06"
+    assert format_gap(p.model_copy(update={"mode": "sft"})) is None
+    assert format_gap(p.model_copy(update={"steps": []})) is None
+    for gap, drawn_labels in ((1e-7, ["logprob gap mean", "logprob gap max"]), (0.0, [])):
+        run = p.model_copy(update={"steps": [s.model_copy(update={"rollout_logprob_abs_diff_max": gap})
+                                             for s in steps]})
+        with mock.patch.object(matplotlib.axes.Axes, "semilogy", autospec=True,
+                               side_effect=matplotlib.axes.Axes.semilogy) as drawn:
+            render_report(run, tmp_path / f"gap-{gap}.png")
+        assert [call.kwargs.get("label") for call in drawn.call_args_list] == drawn_labels

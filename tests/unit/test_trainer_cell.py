@@ -36,7 +36,7 @@ STEPS = 3
 # micro-batches: 2 per rank, so each rank accumulates and the cell reduces
 HP = hparams(micro_batch_size=2, ppo_epochs=2, kl_coef=0.1, warmup_steps=0, lr=1e-3, entropy_coef=0.01)
 COMPARED = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "grad_norm", "rollout_logprob_abs_diff",
-            "tokens", "reward_mean", "lr", "policy_version")
+            "rollout_logprob_abs_diff_max", "tokens", "reward_mean", "lr", "policy_version")
 # Tolerance against single. One step's gradient differs from the reference's by float32
 # rounding of a reordered sum (~1e-7 relative); AdamW divides by sqrt(v), so an element's
 # update error stays ~lr * 1e-7/|g| relative unless its gradient is itself a cancellation

@@ -39,6 +39,10 @@ class StepSummary(BaseModel):
     loss: float
     kl: float = 0.0
     grad_norm: float = 0.0
+    # the train-inference logprob gap: mean and max |engine logprob - trainer old logprob| over
+    # the trained response tokens (both of logits / rollout.temperature; 0: no engine logprobs)
+    rollout_logprob_abs_diff: float = 0.0
+    rollout_logprob_abs_diff_max: float = 0.0
     response_len_mean: float = 0.0
     chunks_reused: int = 0  # rollout chunks found in the store (a retried rollout)
     engine_retries: int = 0  # engine deaths during the rollout attempt that succeeded (their chunks were resent)

@@ -24,6 +24,7 @@ class TrainStepInput(BaseModel):
     epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
     selection: BatchSelection | None = None  # dynamic sampling: train these groups of the rounds' chunks
     sampling: SamplingStats | None = None  # dynamic sampling's counts, exported as metrics by the node
+    temperature: float = 1.0  # rollout.temperature: the trainer trains the policy that sampled (StepBatch)
 
 
 class TrainStepResult(TrainedStep):

@@ -10,6 +10,7 @@ split. ``MicroBatch`` converts between the two.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,11 +130,12 @@ def step_metrics(sums: dict[str, float], samples: list[Sample], rewards: list[fl
                  grad_norm: float, lr: float, seconds: float, policy_version: int, epochs: int = 1,
                  extra: dict[str, float] | None = None) -> dict[str, float]:
     """A train step's metrics as every trainer backend reports them: its loss sums (the
-    rollout-logprob gap's ``gap_total`` / ``gap_count`` among them, turned into
-    ``rollout_logprob_abs_diff``), ``extra`` (critic, distillation), then the step's own.
+    train-inference logprob gap's ``gap_total`` / ``gap_count`` / ``gap_max`` among them, turned
+    into ``rollout_logprob_abs_diff`` (the mean) and ``rollout_logprob_abs_diff_max``), ``extra``
+    (critic, distillation), then the step's own.
     A non-finite one is a FloatingPointError (the step diverged)."""
     metrics = dict(sums)
-    gap_total, gap_count = metrics.pop("gap_total"), metrics.pop("gap_count")
+    gap_total, gap_count, gap_max = metrics.pop("gap_total"), metrics.pop("gap_count"), metrics.pop("gap_max")
     metrics.update(extra or {})
     r = torch.tensor(rewards, dtype=torch.float32)
     lens = [float(len(s.response_ids)) for s in samples]
@@ -141,7 +143,7 @@ def step_metrics(sums: dict[str, float], samples: list[Sample], rewards: list[fl
         grad_norm=grad_norm, lr=lr, tokens=float(n_tokens), tokens_per_s=n_tokens * epochs / max(seconds, 1e-9),
         reward_mean=float(r.mean()), reward_std=float(r.std(unbiased=False)), response_len_mean=sum(lens) / len(lens),
         step_seconds=seconds, policy_version=float(policy_version),
-        rollout_logprob_abs_diff=gap_total / gap_count if gap_count else 0.0,
+        rollout_logprob_abs_diff=gap_total / gap_count if gap_count else 0.0, rollout_logprob_abs_diff_max=gap_max,
     )
     for k, v in metrics.items():
         if v != v or v in (float("inf"), float("-inf")):
@@ -180,16 +182,13 @@ def micro_batch_advantages(
     return out
 
 
-def logprob_gap(batches: list[MicroBatch], old_lps: list[torch.Tensor]) -> float:
-    """Mean |engine logprob - trainer logprob| over response tokens (0 when the samples carry none)."""
-    total, count = logprob_gap_sums(batches, list(old_lps))
-    return total / count if count else 0.0
-
-
-def logprob_gap_sums(batches: list[MicroBatch], old_lps: list[torch.Tensor | None]) -> tuple[float, float]:
-    """The sum of |engine logprob - trainer logprob| over response tokens and their count,
-    skipping micro-batches without trainer logprobs (those another rank of a cell trained)."""
-    total, count = 0.0, 0
+def logprob_gap_sums(batches: list[MicroBatch], old_lps: list[torch.Tensor | None]) -> dict[str, float]:
+    """The train-inference logprob gap of the step's response tokens, as sums a cell can add
+    up: ``gap_total`` (of |engine logprob - trainer old logprob|), ``gap_count`` (tokens) and
+    ``gap_max`` (a maximum: ``cell_reduced`` takes it over the ranks), skipping micro-batches
+    without trainer logprobs (those another rank of a cell trained) and samples without the
+    engine's logprob of every token."""
+    total, count, top = 0.0, 0, 0.0
     for k, batch in enumerate(batches):
         mine_k = old_lps[k]
         if mine_k is None:
@@ -201,6 +200,32 @@ def logprob_gap_sums(batches: list[MicroBatch], old_lps: list[torch.Tensor | Non
             engine = torch.tensor(s.logprobs, dtype=mine.dtype)
             if s.loss_mask is not None:  # tool-turn tokens have no engine logprob
                 engine = engine[torch.tensor(s.loss_mask, dtype=torch.bool)]
-            total += float((mine - engine).abs().sum())
+            gap = (mine - engine).abs()
+            total += float(gap.sum())
             count += len(engine)
-    return total, float(count)
+            if len(engine):
+                top = max(top, float(gap.max()))
+    return {"gap_total": total, "gap_count": float(count), "gap_max": top}
+
+
+MAX_SUMS = ("gap_max",)  # metric "sums" that are maxima: a cell takes the largest of its ranks'
+
+
+def cell_reduced(sums: dict[str, float], slot: int, slots: int,
+                 allreduce_sum: Callable[[torch.Tensor], object]) -> dict[str, float]:
+    """The step's metric sums over the processes of a cell, in one allreduce (SUM) of float64:
+    the sums add up; each of ``MAX_SUMS`` travels in this process's own ``slot`` of ``slots``
+    (zeros elsewhere), so the sum holds every process's value and the largest is taken."""
+    names = sorted(k for k in sums if k not in MAX_SUMS)
+    maxima = sorted(k for k in sums if k in MAX_SUMS)
+    values = [sums[k] for k in names]
+    for k in maxima:
+        values += [sums[k] if i == slot else 0.0 for i in range(slots)]
+    t = torch.tensor(values, dtype=torch.float64)
+    allreduce_sum(t)
+    flat = t.tolist()
+    out = dict(zip(names, flat[: len(names)]))
+    for j, k in enumerate(maxima):
+        start = len(names) + j * slots
+        out[k] = max(flat[start : start + slots])
+    return out

@@ -45,6 +45,7 @@ class StepInput(BaseModel):
     rewards: list[float]
     group_size: int
     hparams: TrainSpec
+    temperature: float = 1.0  # rollout.temperature (``StepBatch.temperature``)
 
 
 class TrainCall(BaseModel):
@@ -113,7 +114,7 @@ class CellService:
         step = StepInput.model_validate_json(open(a.input_path, "rb").read())
         t.forced_participants, t.from_version = a.forced_participants, a.from_version
         try:
-            metrics = t.train_step(step.samples, step.rewards, step.group_size, step.hparams)
+            metrics = t.train_step(step.samples, step.rewards, step.group_size, step.hparams, step.temperature)
         finally:
             t.forced_participants, t.from_version = None, None
         return self.report(healed_from_step=t.healed_from_step, metrics=metrics, seconds=time.perf_counter() - t0)

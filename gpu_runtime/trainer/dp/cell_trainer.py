@@ -36,6 +36,7 @@ import torch
 
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.common import lora as lora_lib
+from gpu_runtime.trainer.common.batches import cell_reduced
 from gpu_runtime.trainer.common.state_io import python_rng_state, set_python_rng_state
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from spec.train import TrainSpec
@@ -108,7 +109,7 @@ class DPCellTrainer(PolicyTrainer):
 
     # ---------------------------------------------------------------- the step
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainSpec) -> dict[str, float]:
+                   hparams: TrainSpec, temperature: float = 1.0) -> dict[str, float]:
         if bad := train_conflicts("cells", hparams):  # ``set_hparams`` may change ``train`` mid-run
             raise ValueError(f"trainer.cells > 1 does not support {'; '.join(bad)}")
         self.healed_from_step = None
@@ -134,7 +135,7 @@ class DPCellTrainer(PolicyTrainer):
                 raise RuntimeError(f"cell {self.index}: not a participant of quorum {self.manager._quorum_id}")
             self._share = (rank, n)
             try:
-                metrics = super().train_step(samples, rewards, group_size, hparams)
+                metrics = super().train_step(samples, rewards, group_size, hparams, temperature)
             except NotCommitted as err:
                 log.warning("cell %d: step v%d attempt %d not committed (%s); new quorum", self.index,
                             self.policy_version + 1, attempt, err)
@@ -158,10 +159,11 @@ class DPCellTrainer(PolicyTrainer):
     def reduce_over_cell(self, sums: dict[str, float]) -> dict[str, float]:
         from torch.distributed import ReduceOp
 
-        names = sorted(sums)
-        t = torch.tensor([sums[k] for k in names], dtype=torch.float64)
-        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
-        return {k: float(v) for k, v in zip(names, t.tolist())}
+        def allreduce_sum(t: torch.Tensor) -> None:
+            self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+
+        slot, slots = self._share  # this cell's rank in the step's quorum, and the quorum's size
+        return cell_reduced(sums, slot, slots, allreduce_sum)
 
     def take_optimizer_step(self, hp: TrainSpec, what: str) -> float:
         from torch.distributed import ReduceOp

@@ -167,12 +167,13 @@ class DPGroup:
 
     # ---- the calls a trainer answers ---------------------------------------------
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainSpec, forced_participants: int | None = None) -> dict[str, float]:
+                   hparams: TrainSpec, temperature: float = 1.0,
+                   forced_participants: int | None = None) -> dict[str, float]:
         self._ensure_lighthouse()
         path = self.work_dir / "step-input.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(StepInput(samples=samples, rewards=rewards, group_size=group_size,
-                                 hparams=hparams).model_dump_json())
+                                 hparams=hparams, temperature=temperature).model_dump_json())
         tmp.replace(path)
         call = TrainCall(input_path=str(path), forced_participants=forced_participants, from_version=self.version)
         done = self._on_live("train_step", call, lead=[c for c in self.live() if c.joining], quorum=True)

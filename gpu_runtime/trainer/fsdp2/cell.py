@@ -215,8 +215,8 @@ class TrainerCell:
 
     # ---- what the trainer service calls
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainSpec) -> dict[str, float]:
-        return self._call("train_step", samples, rewards, group_size, hparams)
+                   hparams: TrainSpec, temperature: float = 1.0) -> dict[str, float]:
+        return self._call("train_step", samples, rewards, group_size, hparams, temperature)
 
     def save_state(self, folder: str | Path) -> None:
         self._call("save_state", str(folder))

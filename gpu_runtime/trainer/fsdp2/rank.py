@@ -46,6 +46,7 @@ from gpu_runtime.models.causal_lm import load_causal_lm, shape_summary, tied_emb
 from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
+from gpu_runtime.trainer.common.batches import cell_reduced
 from gpu_runtime.trainer.common.state_io import read_meta, restore_progress, write_meta
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer, frozen_copy
 from spec.train import TrainSpec
@@ -103,10 +104,10 @@ class CellRankTrainer(PolicyTrainer):
 
     # ------------------------------------------------------------ the step
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainSpec) -> dict[str, float]:
+                   hparams: TrainSpec, temperature: float = 1.0) -> dict[str, float]:
         if bad := train_conflicts("fsdp2", hparams):  # ``set_hparams`` may change ``train`` mid-run
             raise ValueError(f"trainer.backend fsdp2 does not support {'; '.join(bad)}")
-        return super().train_step(samples, rewards, group_size, hparams)
+        return super().train_step(samples, rewards, group_size, hparams, temperature)
 
     def micro_batch_share(self, n: int) -> list[int]:
         if n % self.world:
@@ -118,10 +119,7 @@ class CellRankTrainer(PolicyTrainer):
         return list(range(self.rank, n, self.world))
 
     def reduce_over_cell(self, sums: dict[str, float]) -> dict[str, float]:
-        names = sorted(sums)
-        t = torch.tensor([sums[k] for k in names], dtype=torch.float64)
-        dist.all_reduce(t)
-        return {k: float(v) for k, v in zip(names, t.tolist())}
+        return cell_reduced(sums, self.rank, self.world, dist.all_reduce)
 
     def sft_warmup(self, *args: object, **kwargs: object) -> dict[str, float]:  # type: ignore[override]
         raise NotImplementedError("trainer.backend fsdp2: the SFT warm-up runs before the cell (sft.steps: 0)")

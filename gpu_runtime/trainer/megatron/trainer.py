@@ -110,7 +110,7 @@ class MegatronTrainer(AdamWSteps):
 
     # ------------------------------------------------------------------ RL
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
-                   hparams: TrainSpec) -> dict[str, float]:
+                   hparams: TrainSpec, temperature: float = 1.0) -> dict[str, float]:
         """One GRPO update from one rollout (one optimizer step); increments ``policy_version``.
         The same metrics as ``PolicyTrainer.train_step`` (``kl`` is 0: no reference)."""
         check_groups(samples, rewards, group_size)
@@ -119,7 +119,7 @@ class MegatronTrainer(AdamWSteps):
         self.hparams = hp = hparams
         self.model.train()
         lr = self.start_optimizer_step(hp)
-        sums = grpo_backward(self.model, samples, rewards, group_size, hp, self.tokenizer.pad_token_id)
+        sums = grpo_backward(self.model, samples, rewards, group_size, hp, self.tokenizer.pad_token_id, temperature)
         grad_norm = self.take_optimizer_step(hp, "train_step")
         self.policy_version += 1
         n_tokens = sums.pop("tokens")

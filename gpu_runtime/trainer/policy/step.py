@@ -6,7 +6,9 @@ of the reward or the run distills: the current weights' own, without grad), and 
 advantages: the estimator's, or GAE from the PPO critic's old values, plus the teacher's
 per-token term when distilling. ``micro_batch_backward`` then back-propagates one
 micro-batch's share of the loss (policy, KL, entropy; and the critic's value loss), and in
-the last epoch adds its metric shares to the step's sums.
+the last epoch adds its metric shares to the step's sums. Every logprob and entropy of the
+policy and of the reference is of ``logits / temperature`` (the rollout's: the policy that
+sampled); the teacher's are its own at 1.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class StepPlan:
     advantages: list[torch.Tensor]
     critic: CriticPass | None  # estimator ppo
     distill_kl: float | None  # distilling: the step's reverse KL to the teacher
+    temperature: float  # rollout.temperature: the policy's (and reference's) logprobs are of logits / it
     tis: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by micro-batch
 
     @property
@@ -64,7 +67,6 @@ class StepPlan:
     def local_sums(self, sums: dict[str, float]) -> dict[str, float]:
         """This process's complete loss sums, plus the rollout-logprob gap and the TIS weights
         of its micro-batches (token-share weighted: a cell adds its ranks' sums)."""
-        gap_total, gap_count = logprob_gap_sums(self.batches, self.old_lps)
         if self.tis:
             n_tokens = self.agg.n_tokens
             shares = {k: float(self.batches[k].tmask.sum()) / max(n_tokens, 1) for k in self.tis}
@@ -72,7 +74,7 @@ class StepPlan:
                                           for k, (wt, _) in self.tis.items())
             sums["tis_clip_fraction"] = sum(float(masked_mean(c.to(torch.float32), self.batches[k].tmask)) * shares[k]
                                             for k, (_, c) in self.tis.items())
-        return {**sums, "gap_total": gap_total, "gap_count": gap_count}
+        return {**sums, **logprob_gap_sums(self.batches, self.old_lps)}
 
     def extra_metrics(self, hp: TrainSpec) -> dict[str, float]:
         """The critic's and the distillation's metrics of the step."""
@@ -82,29 +84,33 @@ class StepPlan:
         return extra
 
 
-def _logprobs(model: PreTrainedModel, batches: list[MicroBatch], precision: str) -> list[torch.Tensor]:
+def _logprobs(model: PreTrainedModel, batches: list[MicroBatch], precision: str,
+              temperature: float) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [logprobs_and_logits(model, b.ids, b.mask, precision)[0] for b in batches]
+        return [logprobs_and_logits(model, b.ids, b.mask, precision, temperature)[0] for b in batches]
 
 
 def plan_step(
     model: PreTrainedModel, ref_model: PreTrainedModel | None, critic: Critic | None, teacher: Teacher | None,
     samples: list[Sample], rewards: list[float], group_size: int, hp: TrainSpec, pad_id: int,
+    temperature: float = 1.0,
 ) -> StepPlan:
-    """Everything the step computes before its first update (see the module doc)."""
+    """Everything the step computes before its first update (see the module doc). The policy's
+    and the KL reference's logprobs are taken at the rollout's ``temperature``; the teacher's
+    (distillation) at 1: it is scored as itself."""
     r = torch.tensor(rewards, dtype=torch.float32)
     batches = micro_batches(samples, hp.micro_batch_size, pad_id)
     agg = Aggregation.over([b.tmask for b in batches], hp.loss_agg, hp.loss_agg_norm_len)
     ref_lps: list[torch.Tensor | None] = [None] * len(batches)
     if hp.kl_coef > 0:
         assert ref_model is not None
-        ref_lps = list(_logprobs(ref_model, batches, hp.precision))
+        ref_lps = list(_logprobs(ref_model, batches, hp.precision, temperature))
     old_lps: list[torch.Tensor | None] = [None] * len(batches)
     first: list[torch.Tensor] = []  # the old logprobs, when the advantages need them first
     reward_kl: list[torch.Tensor] | None = None
     kl_in_reward = hp.kl_in_reward and hp.kl_coef > 0
     if kl_in_reward or teacher is not None:
-        first = _logprobs(model, batches, hp.precision)
+        first = _logprobs(model, batches, hp.precision, temperature)
         old_lps = list(first)
     if kl_in_reward:
         reward_kl = [kl_per_token(old, ref, hp.kl_estimator) for old, ref in zip(first, ref_lps) if ref is not None]
@@ -118,7 +124,7 @@ def plan_step(
     if teacher is not None:
         terms, distill_kl = distill_terms(teacher.model, batches, first, teacher.coef, hp.precision)
         advs = [a + t for a, t in zip(advs, terms)]
-    return StepPlan(batches, agg, ref_lps, old_lps, reward_kl, advs, critic_pass, distill_kl)
+    return StepPlan(batches, agg, ref_lps, old_lps, reward_kl, advs, critic_pass, distill_kl, temperature)
 
 
 @dataclass
@@ -140,7 +146,7 @@ def micro_batch_loss(model: PreTrainedModel, plan: StepPlan, k: int, hp: TrainSp
     ``tis_cap``), the KL to the reference unless it is part of the reward, the entropy bonus."""
     b, agg = plan.batches[k], plan.agg
     tmask = b.tmask
-    lp, logits = logprobs_and_logits(model, b.ids, b.mask, hp.precision)
+    lp, logits = logprobs_and_logits(model, b.ids, b.mask, hp.precision, plan.temperature)
     if plan.old_lps[k] is None:
         plan.old_lps[k] = lp.detach()
     old = plan.old_lps[k]

@@ -157,7 +157,8 @@ class PolicyTrainer(AdamWSteps):
         return distill_lib.Teacher(self.teacher, self.distill.coef)
 
     def train_step(
-        self, samples: list[Sample], rewards: list[float], group_size: int, hparams: TrainSpec
+        self, samples: list[Sample], rewards: list[float], group_size: int, hparams: TrainSpec,
+        temperature: float = 1.0,
     ) -> dict[str, float]:
         """One RL update from one rollout; increments ``policy_version`` by 1.
 
@@ -169,7 +170,9 @@ class PolicyTrainer(AdamWSteps):
         With ``distill`` the teacher's per-token term is added to the estimator's
         advantages (``policy.distill``). With estimator ``ppo`` the critic's old values
         give GAE advantages, and the critic trains alongside, one AdamW step per epoch
-        (``policy.ppo``); during ``critic_warmup_steps`` only the critic steps."""
+        (``policy.ppo``); during ``critic_warmup_steps`` only the critic steps. Every logprob,
+        ratio, KL and entropy is of ``logits / temperature`` (``rollout.temperature``: the
+        policy that sampled, ``algorithms.logprobs``)."""
         check_groups(samples, rewards, group_size)
         t0 = time.perf_counter()
         self.hparams = hp = hparams
@@ -177,7 +180,7 @@ class PolicyTrainer(AdamWSteps):
             raise ValueError("trainer.kl_coef > 0 needs a reference model: create the trainer with kl_coef > 0")
         critic = self.ensure_critic(hp) if hp.estimator == "ppo" else None
         plan = plan_step(self.model, self.ref_model, critic, self._teacher(), samples, rewards, group_size, hp,
-                         self.tokenizer.pad_token_id)
+                         self.tokenizer.pad_token_id, temperature)
         own = self.micro_batch_share(len(plan.batches))  # all of them, unless this is one rank of a cell
         self.model.train()
         sums = plan.first_sums(hp, own)
