@@ -250,8 +250,13 @@ class EngineFleet(FleetMemoryPhases):
             if not good:
                 self._declare_dead(s, "did not become healthy after restart", hung=False)
                 continue
-            if expected is not None and s.checksum != expected:
-                self._emit("checksum_mismatch", s.index, f"got {s.checksum} want {expected}")
+            if not self.backend.supports_checksum:  # no hash (SGLang): the sampled-parameter probe
+                s.checksum, got = self._probe_verified(s, self.model_path)
+                bad = s.checksum is None
+            else:
+                got, bad = f"got {s.checksum} want {expected}", expected is not None and s.checksum != expected
+            if bad:
+                self._emit("checksum_mismatch", s.index, got)
                 self._declare_dead(s, "checksum mismatch after restart", hung=False)
                 continue
             if self.router is not None:
