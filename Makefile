@@ -15,7 +15,13 @@ TORCH := torch==2.13.0
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: install demo test test-long soak up down status bench clean
+# The SGLang contract tests (tests/integration/test_sglang_contract.py) read the pinned SGLang
+# release's own request classes, routes and flags; SGLang needs CUDA to run or even import, so
+# its wheel is only unpacked here (--no-deps), with msgspec for its generated API types.
+SGLANG_CONTRACT := .sglang_contract
+SGLANG_PIN := sglang==0.5.23 msgspec==0.23.0
+
+.PHONY: install demo test test-long soak up down status bench clean sglang-contract
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +30,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+$(SGLANG_CONTRACT)/.installed: | $(STAMP)
+	rm -rf $(SGLANG_CONTRACT)
+	$(PIP) install -q --no-deps --target $(SGLANG_CONTRACT) $(SGLANG_PIN)
+	touch $@
+
+sglang-contract: $(SGLANG_CONTRACT)/.installed
 
 # Installed only when missing; a failed install stops `make test` here, loudly.
 $(CHROMIUM):
@@ -39,7 +52,7 @@ demo: install
 # integration modules share the others (tests/scheduling.py, docs/testing.md)
 TEST_WORKERS ?= 3
 
-test: install $(CHROMIUM)
+test: install $(CHROMIUM) sglang-contract
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # the tests that are long by nature (marker long): the 30-step random-fault soak, the GPU check's CPU tiny mode

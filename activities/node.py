@@ -23,6 +23,7 @@ from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import SGLangEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import HealthConfig, NoHealthyEngine, WeightMismatch
+from gpu_runtime.engine.weight_probe import unverifiable_reason
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
@@ -298,6 +299,8 @@ class NodeActivities:
         except ValueError as err:
             raise failure(Failure.INVALID_INPUT, f"engines.host: {err}") from err
         folder = self.rt.local_weights(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key, inp.checksum)
+        if e.backend == "sglang" and (why := unverifiable_reason(folder)) is not None:
+            raise failure(Failure.INVALID_INPUT, f"engines.backend 'sglang': {why}")
         health = HealthConfig(
             interval_s=e.health_check_interval_s, timeout_s=e.health_check_timeout_s,
             first_wait_s=e.health_check_first_wait_s or 120.0, failure_threshold=e.health_check_failure_threshold,
@@ -306,12 +309,14 @@ class NodeActivities:
             restarted = with_heartbeat(lambda: self.rt.ensure_engines(
                 e.num_engines, health, folder, inp.policy_version, e.backend, host=e.host,
                 weight_sync=e.weight_sync, weight_sync_timeout_s=e.weight_sync_timeout_s, run_id=inp.run_id,
-                release_memory=e.release_memory))
+                release_memory=e.release_memory, deterministic=e.deterministic))
         except WeightMismatch as err:
             raise failure(Failure.WEIGHT_MISMATCH, f"weight checksum mismatch: {err}") from err
         except NoHealthyEngine as err:
             raise failure(Failure.NO_HEALTHY_ENGINE, str(err)) from err
         assert self.rt.fleet is not None
+        # an engine without a hash of its own (SGLang) reports the checksum of the folder whose
+        # sampled parameters it was verified to hold (EngineFleet._probe_verified), else none
         checksums = {s.checksum for s in self.rt.fleet.snapshot() if s.state == "healthy"}
         if checksums != {inp.checksum}:
             raise failure(

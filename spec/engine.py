@@ -36,6 +36,14 @@ class EngineSpec(Strict):
         "on: always (refused in one_step_off and fully_async, whose rollout overlaps train_step); off: never "
         "(docs/gpu.md#memory-between-phases-enginesrelease_memory)",
     )
+    deterministic: bool = Field(
+        False,
+        description="engines.backend sglang: start the engines with --enable-deterministic-inference, so each "
+        "sample's sampling_seed is honoured and its tokens do not depend on its batch mates (batch-invariant, "
+        "slower kernels); without it SGLang ignores the seeds and a chunk generated again after a failure differs "
+        "from the lost one. The torch engine is deterministic either way "
+        "(docs/fault-tolerance.md#what-bitwise-means-per-engine)",
+    )
     health_check_interval_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(5.0, gt=0)
     # ge=0, not gt=0: runs recorded with 0 must still decode (0 = the 120 s default)

@@ -41,7 +41,10 @@ class EngineClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, route: str, *, json: Any = None, timeout_s: float | None = None) -> Any:
+    def _request(
+        self, method: str, route: str, *, json: Any = None, timeout_s: float | None = None, text: bool = False,
+    ) -> Any:
+        """The answer's JSON (its text with ``text``), or EngineError."""
         url = self.base_url + route
         try:
             resp = self._http.request(method, url, json=json, timeout=timeout_s or self.timeout_s)
@@ -51,14 +54,18 @@ class EngineClient:
             raise EngineError(url, f"request failed: {e!r}") from e
         if resp.status_code != 200:
             raise EngineError(url, f"HTTP {resp.status_code}: {resp.text[:500]}", status=resp.status_code)
+        if text:
+            return resp.text
         try:
             return resp.json()
         except ValueError as e:
             raise EngineError(url, f"not JSON: {resp.text[:200]!r}", status=200) from e
 
     def generate(
-        self, batch_input_ids: list[list[int]], sampling_params: dict[str, Any], return_logprob: bool = True
+        self, batch_input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
+        return_logprob: bool = True,
     ) -> list[dict[str, Any]]:
+        """``sampling_params``: one dict for the batch, or SGLang's list of one per prompt."""
         body = {"input_ids": batch_input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         out = self._request("POST", "/generate", json=body)
         if isinstance(out, dict):
@@ -69,14 +76,20 @@ class EngineClient:
 
     def health(self) -> bool:
         try:
-            self._request("GET", "/health", timeout_s=min(self.timeout_s, 5.0))
+            self._request("GET", "/health", timeout_s=min(self.timeout_s, 5.0), text=True)
             return True
         except EngineError:
             return False
 
+    def check_health(self, timeout_s: float) -> None:
+        """Raise EngineError unless ``/health`` answers 200 (an empty body on SGLang, which with
+        ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` generates nothing for it)."""
+        self._request("GET", "/health", timeout_s=timeout_s, text=True)
+
     def check_health_generate(self, timeout_s: float) -> None:
-        """Raise EngineError (``.timeout`` set when it timed out) unless a 1-token generation works."""
-        self._request("GET", "/health_generate", timeout_s=timeout_s)
+        """Raise EngineError (``.timeout`` set when it timed out) unless a 1-token generation works
+        (SGLang answers 200 with an empty body, the torch engine JSON: the body is not read)."""
+        self._request("GET", "/health_generate", timeout_s=timeout_s, text=True)
 
     def health_generate(self, timeout_s: float) -> bool:
         try:
@@ -151,8 +164,9 @@ class EngineClient:
             raise EngineError(self.base_url + route, f"failed: {out.get('message')}")
         return out
 
-    def flush_cache(self) -> None:
-        self._request("POST", "/flush_cache")
+    def flush_cache(self) -> str:
+        """SGLang answers plain text ("Cache flushed. ..."), not JSON; returned as it is."""
+        return str(self._request("POST", "/flush_cache", text=True))
 
     def model_info(self) -> dict[str, Any]:
         return self._request("GET", "/get_model_info")

@@ -1,7 +1,8 @@
 """A node's rollout engines: slots, parallel health checks, gated recovery, weight sync.
 
 Each slot runs one engine subprocess (torch or SGLang backend). A background
-``HealthMonitor`` probes every healthy engine *in parallel* with ``/health_generate``;
+``HealthMonitor`` probes every healthy engine *in parallel* with ``/health_generate``
+(``/health``, which generates nothing, while the engines' memory is released);
 ``failure_threshold`` failed or timed-out probes in a row (or an exited process) make
 the engine dead: it is SIGKILLed by pid (this also ends a SIGSTOPped engine), removed
 from the router at once, and its slot becomes ``empty``. Empty slots are refilled only
@@ -25,6 +26,7 @@ from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine import distributed_push
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.distributed_push import Broadcaster, PushResult
+from gpu_runtime.engine.fleet_memory import FleetMemoryPhases
 from gpu_runtime.engine.fleet_types import (
     EventKind,
     FleetError,
@@ -45,7 +47,7 @@ from spec.status import EngineSlotInfo
 log = logging.getLogger(__name__)
 
 
-class EngineFleet:
+class EngineFleet(FleetMemoryPhases):
     def __init__(
         self,
         backend: EngineBackend,
@@ -81,7 +83,7 @@ class EngineFleet:
         self._monitor: threading.Thread | None = None
         self._owns_router = False
         self._segments = NodeSegments(f"fleet{base_port}")  # engines.weight_sync shared_memory
-        self.released = False  # engines.release_memory: the engines' memory is released (training phase)
+        self._init_memory_phases()  # engines.release_memory (fleet_memory.py)
         self.last_push: PushResult | None = None  # engines.weight_sync distributed: the last push's outcome
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -193,9 +195,14 @@ class EngineFleet:
                 log.exception("health sweep failed")
 
     def _probe(self, s: _Slot) -> tuple[_Slot, bool, bool, str]:
+        """``/health_generate`` (a one-token generation on SGLang); while released ``/health``:
+        a generation on released memory (SGLang) is what must not happen."""
         c = EngineClient(s.url, timeout_s=self.health.timeout_s)
         try:
-            c.check_health_generate(self.health.timeout_s)
+            if self.released:
+                c.check_health(self.health.timeout_s)
+            else:
+                c.check_health_generate(self.health.timeout_s)
             return s, True, False, ""
         except EngineError as e:
             return s, False, e.timeout, str(e)
@@ -204,6 +211,10 @@ class EngineFleet:
 
     def check_now(self) -> None:
         """One sweep: reap exited engines, then probe all healthy engines in parallel."""
+        with self._phase:
+            self._sweep()
+
+    def _sweep(self) -> None:
         for s in list(self.slots):
             proc = s.proc
             if s.state == "healthy" and proc is not None and proc.poll() is not None:
@@ -239,8 +250,13 @@ class EngineFleet:
             if not good:
                 self._declare_dead(s, "did not become healthy after restart", hung=False)
                 continue
-            if expected is not None and s.checksum != expected:
-                self._emit("checksum_mismatch", s.index, f"got {s.checksum} want {expected}")
+            if not self.backend.supports_checksum:  # no hash (SGLang): the sampled-parameter probe
+                s.checksum, got = self._probe_verified(s, self.model_path)
+                bad = s.checksum is None
+            else:
+                got, bad = f"got {s.checksum} want {expected}", expected is not None and s.checksum != expected
+            if bad:
+                self._emit("checksum_mismatch", s.index, got)
                 self._declare_dead(s, "checksum mismatch after restart", hung=False)
                 continue
             if self.router is not None:
@@ -261,6 +277,15 @@ class EngineFleet:
             except EngineError as e:
                 log.warning("slot %d: get_weights_by_name(%s) failed: %s", s.index, name, e)
         return mismatched(expected, got)
+
+    def _probe_verified(self, s: _Slot, model_path: str) -> tuple[str | None, str]:
+        """(the folder's checksum, which a verified engine stands for since its sampled
+        parameters are the folder's; or None) and what the event says."""
+        wrong = self._probe_mismatch(s, model_path)
+        if wrong:
+            return None, f"probe mismatch: {', '.join(wrong)}"
+        checksum = read_meta(model_path).get("checksum")
+        return checksum, f"{checksum} (folder's; sampled parameters verified)"
 
     def _expected_checksum(self, model_path: str) -> str | None:
         if not self.backend.supports_checksum:
@@ -291,7 +316,9 @@ class EngineFleet:
             from_disk = self._push_distributed(targets, path, ver, broadcaster)
         self._load_weights(from_disk, path, ver, seg)
         self.model_path, self.weight_version = path, ver
-        return self._verify_weights([s for s in targets if s.state == "healthy"], path, ver)
+        verified = self._verify_weights([s for s in targets if s.state == "healthy"], path, ver)
+        self.push_pending = False
+        return verified
 
     def _push_distributed(self, targets: list[_Slot], path: str, ver: str, broadcaster: Broadcaster) -> list[_Slot]:
         """The trainer broadcasts version ``ver`` to ``targets``; the slots it did not reach
@@ -340,16 +367,14 @@ class EngineFleet:
         bad: list[int] = []
         out: dict[int, str] = {}
         for s, (got_ver, got_sum) in zip(targets, reports):
+            good = got_ver == ver and (expected is None or got_sum == expected)
+            detail = got_sum
+            if good and not self.backend.supports_checksum:  # no full hash: spot-check sampled parameters
+                got_sum, detail = self._probe_verified(s, path)
+                good = got_sum is not None
             with self._lock:
                 s.weight_version, s.checksum = got_ver, got_sum
-            good = got_ver == ver and (expected is None or got_sum == expected)
-            if good and not self.backend.supports_checksum:
-                wrong = self._probe_mismatch(s, path)  # no full hash: spot-check sampled parameters
-                if wrong:
-                    good = False
-                    got_sum = f"probe mismatch: {', '.join(wrong)}"
-            self._emit("checksum_ok" if good else "checksum_mismatch", s.index,
-                       f"version={got_ver} checksum={got_sum}")
+            self._emit("checksum_ok" if good else "checksum_mismatch", s.index, f"version={got_ver} checksum={detail}")
             if not good:
                 bad.append(s.index)
             out[s.index] = got_sum or ""
@@ -357,66 +382,33 @@ class EngineFleet:
             raise WeightMismatch(bad, f"expected version={ver} checksum={expected}")
         return out
 
-    # ---- memory between phases (engines.release_memory) -------------------------------
-    def release_memory(self) -> list[int]:
-        """Every healthy engine frees its weights and KV cache on its device (the trainer
-        trains meanwhile); they stay healthy (their probes answer "released"). An engine
-        that fails to release is replaced like a dead one. Returns the released slots."""
-        done = self._on_each_healthy("release", lambda c: c.release_memory_occupation())
-        self.released = True
-        return done
-
-    def resume_memory(self) -> list[int]:
-        """Every healthy engine takes its memory back (weights checksum-verified by the
-        engine); a no-op unless ``release_memory`` ran. An engine that fails to resume is
-        declared dead, so the gated recovery that follows restarts it."""
-        if not self.released:
-            return []
-        done = self._on_each_healthy("resume", lambda c: c.resume_memory_occupation())
-        self.released = False
-        return done
-
-    def _on_each_healthy(self, what: str, call: Callable[[EngineClient], Any]) -> list[int]:
-        targets = [s for s in self.slots if s.state == "healthy"]
-
-        def one(s: _Slot) -> str | None:
-            try:
-                call(self._client(s.url))
-                return None
-            except EngineError as e:
-                return str(e)
-
-        done: list[int] = []
-        for s, err in zip(targets, self._pool.map(one, targets)):
-            if err is None:
-                done.append(s.index)
-            else:
-                self._declare_dead(s, f"{what} memory occupation failed: {err}", hung=False)
-        log.info("engines %s memory: slots %s", what, done)
-        return done
-
     # ---- generation ------------------------------------------------------------------
     def generate_chunk(
         self, batch: list[list[int]], sampling_params: dict[str, Any], *, return_logprob: bool = True,
         max_attempts: int | None = None,
     ) -> tuple[list[dict[str, Any]], str]:
         """Send one chunk (one batch request) to a healthy engine; on an engine failure,
-        detect it and resend the SAME request (same seed) to a survivor."""
+        detect it and resend the SAME request (same seeds) to a survivor."""
+        self.push_if_pending()
+        params = self.backend.batch_sampling_params(sampling_params, len(batch))
+        # sglang-router 0.3.2 refuses a list of sampling params (HTTP 422, measured): such a
+        # chunk (SGLang's, one seed per sample) goes to an engine directly, round-robin
+        via_router = self.router is not None and isinstance(params, dict)
         attempts = max_attempts or len(self.slots) + 2
         last: EngineError | None = None
         for _ in range(attempts):
             healthy = self.healthy_urls()
             if not healthy:
                 raise NoHealthyEngine(f"no healthy engine (slots: {[s.state for s in self.slots]})") from last
-            url = self.router.url if self.router is not None else healthy[next(self._rr) % len(healthy)]
+            url = self.router.url if via_router and self.router else healthy[next(self._rr) % len(healthy)]
             try:
-                return self._client(url).generate(batch, sampling_params, return_logprob), url
+                return self._client(url).generate(batch, params, return_logprob), url
             except EngineError as e:
                 if e.status is not None and 400 <= e.status < 500 and e.status not in (404, 408, 429):
                     raise  # the request itself is bad: retrying elsewhere cannot help
                 last = e
                 log.warning("chunk failed on %s: %s; detecting failures and retrying", url, e)
-                if self.router is not None:
+                if via_router:
                     self.check_now()
                 else:
                     s = next(x for x in self.slots if x.url == url)

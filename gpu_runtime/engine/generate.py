@@ -2,7 +2,7 @@
 
 A batch is left-padded, prefilled once, then decoded one token per step with
 a KV cache. Sample ``i`` draws its randomness from its own
-``torch.Generator`` seeded with ``derive_seed(seed, i)`` (Gumbel-max over the
+``torch.Generator`` seeded with ``row_seed(seed, i)`` (Gumbel-max over the
 temperature / top-k / top-p filtered distribution), so its tokens depend only
 on (weights, its prompt, seed, i) for a given batch. On a CUDA model the forward
 runs on the GPU and each step's logits come back to the CPU for sampling, so the
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_runtime.store.artifacts import derive_seed
+from gpu_runtime.store.artifacts import row_seed
 from transformers import PreTrainedModel
 
 from gpu_runtime.models.causal_lm import lm_logits, new_cache, positions_from_mask
@@ -173,7 +173,7 @@ def generate_batch(
     if max_new_tokens == 0:
         return results
     stops = _Stops(b, set(stop_token_ids) | ({eos_id} if eos_id is not None else set()), [x for x in stop if x], decode)
-    gens = [torch.Generator().manual_seed(derive_seed(seed, i)) if temperature > 0 else None for i in range(b)]
+    gens = [torch.Generator().manual_seed(row_seed(seed, i)) if temperature > 0 else None for i in range(b)]
     pick = functools.partial(sample_token, temperature=temperature, top_p=top_p, top_k=top_k)
 
     dev = model_device(model)

@@ -183,13 +183,13 @@ class NodeRuntime:
         return False
 
     # ---- engines ------------------------------------------------------------------
-    def _backend(self, name: str) -> EngineBackend:
+    def _backend(self, name: str, deterministic: bool = False) -> EngineBackend:
         gpus = tuple(int(d.split(":")[1]) for d in self.placement.engines if d.startswith("cuda:"))
         if name == "sglang":  # GPU nodes: real SGLang servers behind the same client and router
             # release/resume_memory_occupation need SGLang's memory saver (the fleet re-pushes
             # the weights after every resume, so no CPU backup of them is needed)
             extra = ["--enable-memory-saver"] if self.memory_phases.enabled else []
-            return SGLangEngineBackend(gpus=gpus, extra_args=extra)
+            return SGLangEngineBackend(gpus=gpus, extra_args=extra, deterministic=deterministic)
         return TorchEngineBackend(
             threads=self.engine_threads,
             devices=self.placement.engines,
@@ -200,27 +200,31 @@ class NodeRuntime:
     def ensure_engines(
         self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch",
         *, host: str = "127.0.0.1", weight_sync: str = "store", weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
-        run_id: str = "", release_memory: str = "off",
+        run_id: str = "", release_memory: str = "off", deterministic: bool = False,
     ) -> list[int]:
         """Resume released engines, gated recovery, then weight push: returns the slots
         (re)started. A run whose engine settings differ from the running fleet's gets a new
         fleet (and a new router when the bind address changed)."""
         phases = resolve_release_memory(release_memory, self.placement)
         # SGLang engines start with --enable-memory-saver or without: a change restarts them
-        settings = (backend, num_engines, health.model_dump_json(), host, backend == "sglang" and phases.enabled)
+        # and --enable-deterministic-inference or without (engines.deterministic)
+        sglang_flags = (phases.enabled, deterministic) if backend == "sglang" else False
+        settings = (backend, num_engines, health.model_dump_json(), host, sglang_flags)
         with self._lock:
             if phases != self.memory_phases:
                 log.info("memory between phases: %s (%s)", "on" if phases.enabled else "off", phases.reason)
                 self.memory_phases = phases
             if self.fleet is not None:
-                self.fleet.resume_memory()  # engines that fail to resume are dead: restarted below
+                # engines that fail to resume are dead: restarted below; the push below gives
+                # engines that lost their weights when released (SGLang) the new version
+                self.fleet.resume_memory(push=False)
             if self.fleet is not None and settings != self._fleet_settings:
                 log.warning("engine settings changed %s -> %s: restarting the fleet", self._fleet_settings, settings)
                 self.fleet.stop()  # the router is ours and stays; the new fleet re-syncs its members
                 self.fleet = None
             if self.fleet is None:
                 self._fleet_settings = settings
-                self.fleet = self._new_fleet(backend, num_engines, health, host, model_path, version)
+                self.fleet = self._new_fleet(backend, num_engines, health, host, model_path, version, deterministic)
                 self.fleet.start()
                 restarted = list(range(num_engines))
             else:
@@ -236,6 +240,7 @@ class NodeRuntime:
 
     def _new_fleet(
         self, backend: str, num_engines: int, health: HealthConfig, host: str, model_path: Path, version: int,
+        deterministic: bool = False,
     ) -> EngineFleet:
         """A new fleet (not started) of the version at ``model_path`` behind this node's router
         (a new router when there is none or its bind address is not ``host``)."""
@@ -248,7 +253,8 @@ class NodeRuntime:
             )
             self.router.start()
         return EngineFleet(
-            self._backend(backend), num_engines, model_path, free_port_block(num_engines), self.work_dir / "logs",
+            self._backend(backend, deterministic), num_engines, model_path, free_port_block(num_engines),
+            self.work_dir / "logs",
             router=self.router, health=health, weight_version=version, on_event=self._on_fleet_event, host=host,
         )
 

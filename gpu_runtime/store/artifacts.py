@@ -98,6 +98,12 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
+def row_seed(batch_seed: int, row: int) -> int:
+    """The seed of row ``row`` of a batch sampled with ``batch_seed``: what the torch engine
+    seeds each row's generator with, and the ``sampling_seed`` sent per sample to SGLang."""
+    return derive_seed(batch_seed, row)
+
+
 class EpisodeInfo(BaseModel):
     """An agent episode's summary, carried by its ``Sample`` (built from its turn records,
     ``gpu_runtime.rollout.agent.records``, so a resumed episode carries the same one)."""

@@ -183,6 +183,11 @@ def test_sampled_weight_probe_for_engines_without_a_checksum(model_dirs, tmp_pat
         EngineClient(slot.url).update_weights_from_disk(str(model_dirs["v1"]), 2)
         assert fleet._probe_mismatch(slot, str(model_dirs["v2"]))
         assert not fleet._probe_mismatch(fleet.slots[1], str(model_dirs["v2"]))
+        # a passing engine stands for the folder's checksum (update_weights compares it with the
+        # trainer's); a restarted one is probed too before it rejoins
+        fleet.kill_slot(0)
+        assert fleet.restart_empty_slots(model_dirs["v2"], 2) == [0]
+        assert [s.checksum for s in fleet.snapshot()] == [model_dirs["c2"]] * 2
     finally:
         fleet.stop()
 
