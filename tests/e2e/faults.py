@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
+from gpu_runtime.data.datasets import prompts_for_step
 from spec.run import RunConfig
 from tests.stack import Stack, async_wait_for, running_stack
 from workers.common import connect
@@ -60,6 +61,23 @@ async def progress(client: Client, run_id: str) -> RunProgress:
 
 def final_weights(store: Path, run_id: str, version: int) -> dict[str, torch.Tensor]:
     return load_file(str(store / "runs" / run_id / "weights" / f"v{version:06d}" / "model.safetensors"))
+
+
+def trained_exactly_once(store: Path, run_id: str, cfg: dict) -> None:
+    """Each step of the run (``cfg``) trained exactly its prompts (seed, cursor), each once, in order."""
+    p, g = cfg["rollout"]["prompts_per_step"], cfg["rollout"]["group_size"]
+    n_rows, steps = cfg["data"]["num_train"], cfg["steps"]
+    run_dir = store / "runs" / run_id
+    # the steps that trained (steps/000000 holds only the eval of the post-SFT policy)
+    trained_steps = sorted(d.name for d in (run_dir / "steps").iterdir() if (d / "step_batch.json").exists())
+    assert trained_steps == [f"{s:06d}" for s in range(1, steps + 1)]
+    for step in range(1, steps + 1):
+        spec = json.loads((run_dir / "steps" / f"{step:06d}" / "step_batch.json").read_text())
+        trained = []
+        for key in spec["chunk_keys"]:
+            trained += [s["prompt_index"] for s in json.loads((store / key).read_text())["samples"]]
+        expected = prompts_for_step(n_rows, cfg["seed"], (step - 1) * p, p)
+        assert trained == [i for i in expected for _ in range(g)], f"step {step}"
 
 
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

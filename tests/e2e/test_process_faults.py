@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_runtime.data.datasets import prompts_for_step
 from tests.e2e.faults import (
     Baselines,
     assert_bitwise_equal,
     final_weights,
     progress,
     start_run,
+    trained_exactly_once,
     wait_activity_started,
 )
 from gpu_runtime.proc.processes import pid_alive
@@ -53,21 +53,7 @@ def baseline(baselines: Baselines, store: Path) -> dict:
 
 
 def assert_trained_exactly_once(store: Path, run_id: str) -> None:
-    """Each step trained exactly its prompts (seed, cursor), each once, in order."""
-    cfg = tiny_config(store, **CFG)
-    p, g = cfg["rollout"]["prompts_per_step"], cfg["rollout"]["group_size"]
-    n_rows = cfg["data"]["num_train"]
-    run_dir = store / "runs" / run_id
-    # the steps that trained (steps/000000 holds only the eval of the post-SFT policy)
-    trained_steps = sorted(d.name for d in (run_dir / "steps").iterdir() if (d / "step_batch.json").exists())
-    assert trained_steps == [f"{s:06d}" for s in range(1, STEPS + 1)]
-    for step in range(1, STEPS + 1):
-        spec = json.loads((run_dir / "steps" / f"{step:06d}" / "step_batch.json").read_text())
-        trained = []
-        for key in spec["chunk_keys"]:
-            trained += [s["prompt_index"] for s in json.loads((store / key).read_text())["samples"]]
-        expected = prompts_for_step(n_rows, cfg["seed"], (step - 1) * p, p)
-        assert trained == [i for i in expected for _ in range(g)], f"step {step}"
+    trained_exactly_once(store, run_id, tiny_config(store, **CFG))
 
 
 def test_trainer_killed_mid_train_step(proc_stack: Stack, store: Path, baseline: dict) -> None:
