@@ -211,6 +211,9 @@ class NodeRuntime:
         (re)started. A run whose engine settings differ from the running fleet's gets a new
         fleet (and a new router when the bind address changed)."""
         phases = resolve_release_memory(release_memory, self.placement)
+        if backend == "vllm" and phases.enabled:  # vLLM's sleep mode is not wired (refused on CPU)
+            raise ValueError(f"engines.backend vllm cannot release its memory between phases ({phases.reason}): "
+                             "set engines.release_memory off")
         # SGLang engines start with --enable-memory-saver or without: a change restarts them
         settings = (backend, num_engines, health.model_dump_json(), host, backend == "sglang" and phases.enabled,
                     vllm_python)

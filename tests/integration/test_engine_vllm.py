@@ -49,7 +49,7 @@ def fleet(models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> A
 
 
 def _client(fleet: EngineFleet) -> VLLMEngineClient:
-    c = fleet._client(fleet.slots[0].url)
+    c = fleet.backend.client(fleet.slots[0].url, 60.0)
     assert isinstance(c, VLLMEngineClient)
     return c
 
@@ -72,7 +72,8 @@ def test_one_seed_per_sample_reproducible(fleet: EngineFleet) -> None:
     other, _ = fleet.generate_chunk(PROMPTS, {**PARAMS, "sampling_seed": 99})
     assert _ids(other) != _ids(first)
     # row i of a chunk is seeded derive_seed(chunk seed, i): alone, row 3 samples what it sampled in the chunk
-    alone = _client(fleet).generate([PROMPTS[3]], [{**PARAMS, "sampling_seed": derive_seed(1234, 3)}])
+    with _client(fleet) as c:
+        alone = c.generate([PROMPTS[3]], [{**PARAMS, "sampling_seed": derive_seed(1234, 3)}])
     assert _ids(alone) == [_ids(first)[3]]
     for r in first:
         assert r["meta_info"]["weight_version"] == "1"
