@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from gpu_runtime.engine.auth import engine_token
-from gpu_runtime.engine.client import EngineClient
+from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.vllm_client import VLLMEngineClient
 from gpu_runtime.proc.devices import child_env
 
+log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON_ENV = "MILESTONE_VLLM_PYTHON"
 
@@ -184,9 +186,13 @@ class VLLMEngineBackend:
         return VLLMEngineClient(url, timeout_s=timeout_s)
 
     def started(self, client: EngineClient, version: str | None) -> None:
-        """vLLM starts at version "default": label the weights it loaded (it takes no flag for it)."""
+        """vLLM starts at version "default": label the weights it loaded (it takes no flag for it). A
+        failure leaves "default", which no step's version check accepts, until the next push."""
         if version is not None and isinstance(client, VLLMEngineClient):
-            client.set_weight_version(version)
+            try:
+                client.set_weight_version(version)
+            except EngineError as e:
+                log.warning("%s: could not set weight version %s: %s", client.base_url, version, e)
 
     def env(self) -> dict[str, str]:
         n = str(self.threads)
