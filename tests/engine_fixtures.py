@@ -40,13 +40,16 @@ def _tokenizer() -> Tokenizer:
     return Tokenizer(train_bpe_tokenizer(TEXTS, 300))
 
 
-def tiny_model(seed: int, *, arch: str = "qwen2", tie: bool = True) -> tuple[PreTrainedModel, Tokenizer]:
-    """A real random-init ``transformers`` model (2 layers, hidden 64) and a BPE tokenizer
-    trained here. A large init makes logits peaked, so greedy ties (and float-order flips)
-    are unlikely."""
+def tiny_model(
+    seed: int, *, arch: str = "qwen2", tie: bool = True, hidden_size: int = 64, num_attention_heads: int = 4,
+) -> tuple[PreTrainedModel, Tokenizer]:
+    """A real random-init ``transformers`` model (2 layers, hidden 64: head_dim 16) and a BPE
+    tokenizer trained here. A large init makes logits peaked, so greedy ties (and float-order
+    flips) are unlikely. vLLM's CPU attention needs head_dim 64: hidden 128, 2 heads."""
     folder = Path(tempfile.mkdtemp(prefix="tiny-model-"))
     init_model_folder(
-        folder / "m", arch=arch, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        folder / "m", arch=arch, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=num_attention_heads,
         num_key_value_heads=2, max_position_embeddings=512, tokenizer=_tokenizer().hf, seed=seed,
         tie_word_embeddings=tie, initializer_range=0.3,
     )
@@ -54,9 +57,10 @@ def tiny_model(seed: int, *, arch: str = "qwen2", tie: bool = True) -> tuple[Pre
     return model, tok
 
 
-def make_model_folder(folder: Path, *, seed: int, weight_version: int) -> str:
-    """Save a tiny random model as a versioned model folder; returns its checksum."""
-    model, tok = tiny_model(seed)
+def make_model_folder(folder: Path, *, seed: int, weight_version: int, **shape: int) -> str:
+    """Save a tiny random model as a versioned model folder; returns its checksum.
+    ``shape``: ``tiny_model``'s hidden_size and num_attention_heads."""
+    model, tok = tiny_model(seed, **shape)
     return save_model_folder(model, tok, folder, weight_version=weight_version)
 
 

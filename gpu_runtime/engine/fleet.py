@@ -148,7 +148,7 @@ class EngineFleet(FleetMemoryPhases):
     def _client(self, url: str) -> EngineClient:
         with self._lock:
             if url not in self._clients:
-                self._clients[url] = EngineClient(url, timeout_s=self.generate_timeout_s)
+                self._clients[url] = self.backend.client(url, self.generate_timeout_s)
             return self._clients[url]
 
     def kill_slot(self, i: int, detail: str = "killed by request") -> None:
@@ -197,7 +197,7 @@ class EngineFleet(FleetMemoryPhases):
     def _probe(self, s: _Slot) -> tuple[_Slot, bool, bool, str]:
         """``/health_generate`` (a one-token generation on SGLang); while released ``/health``:
         a generation on released memory (SGLang) is what must not happen."""
-        c = EngineClient(s.url, timeout_s=self.health.timeout_s)
+        c = self.backend.client(s.url, self.health.timeout_s)
         try:
             if self.released:
                 c.check_health(self.health.timeout_s)
@@ -341,7 +341,7 @@ class EngineFleet(FleetMemoryPhases):
         folder ``path``), in parallel; a slot that fails is declared dead."""
 
         def load(s: _Slot) -> str | None:
-            c = EngineClient(s.url, timeout_s=self.generate_timeout_s)
+            c = self.backend.client(s.url, self.generate_timeout_s)
             try:
                 if seg is not None:
                     c.update_weights_from_shared_memory(str(seg.path), ver, seg.checksum)

