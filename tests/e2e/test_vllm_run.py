@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.faults import progress, start_run, assert_trained_exactly_once, wait_activity_started
+from tests.e2e.faults import assert_trained_exactly_once, progress, start_run, wait_activity_started
 from tests.stack import Stack, running_stack, tiny_config
 from workers.common import connect
 from workflows.run_state import RunProgress
