@@ -35,6 +35,7 @@ from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout
 SEED = 7
 HP = hparams(micro_batch_size=2, ppo_epochs=1, kl_coef=0.1, warmup_steps=0, lr=1e-3, entropy_coef=0.01)
 WEIGHT_ATOL = 1e-5  # see test_trainer_cell.py: ~lr * 1e-7 relative per step, weights move ~1e-3 per step
+GATE = "fault_gate"  # under tmp_path: a fault delay (MILESTONE_FAULT_CELL_GATE) ends once it exists
 TIMEOUT_S = 5.0  # the cells' collective timeout: what a SIGSTOPped cell costs its peer
 
 
@@ -65,12 +66,14 @@ def group(folder: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Itera
     delay = getattr(request, "param", "")
     old = os.environ.get("MILESTONE_FAULT_CELL_DELAY")
     os.environ["MILESTONE_FAULT_CELL_DELAY"] = delay
+    os.environ["MILESTONE_FAULT_CELL_GATE"] = str(tmp_path / GATE)  # the delay ends once a test creates it
     lighthouse = Lighthouse(tmp_path / "lighthouse.log")
     g = None
     try:
         g = DPGroup(2, folder, HP, SEED, tmp_path / "dp", lighthouse, timeout_s=TIMEOUT_S)
         yield g
     finally:
+        os.environ.pop("MILESTONE_FAULT_CELL_GATE", None)
         if old is None:
             os.environ.pop("MILESTONE_FAULT_CELL_DELAY", None)
         else:
@@ -384,7 +387,7 @@ def test_a_restarted_lighthouses_quorum_with_an_old_number_and_other_cells_recon
     assert state.cells[0].state_checksum == state.cells[1].state_checksum
 
 
-@pytest.mark.parametrize("group", ["0:15:3:quorum"], indirect=True)
+@pytest.mark.parametrize("group", ["0:300:3:quorum"], indirect=True)
 def test_a_cell_restarting_during_a_step_on_a_restarted_lighthouse_does_not_block_its_quorum(group: DPGroup) -> None:
     """A lighthouse with no quorum yet (just restarted) will not form one of half or fewer
     of the cells it hears heartbeat. A restarted cell's torchft manager used to connect as
@@ -401,8 +404,9 @@ def test_a_cell_restarting_during_a_step_on_a_restarted_lighthouse_does_not_bloc
     t, box = _background_step(group, 3)  # cell 0 only: cell 1 is starting
     wait_for(lambda: _log_has(group, 0, "fault delay before the quorum of v3"), 60, what="cell 0 inside step 3")
     wait_for(lambda: victim.state == "alive", 120, what="cell 1 built")
-    assert t.is_alive(), "cell 1 was built after step 3's quorum: this test did not interleave them"
+    assert t.is_alive(), "step 3 ended before cell 1 was built: this test did not interleave them"
     assert group.lighthouse.heartbeating() == 1  # cell 1 is not heard yet
+    (group.work_dir.parent / GATE).touch()  # cell 0 may ask for step 3's quorum now
     t.join(120)
     assert not t.is_alive(), "step 3's quorum did not form"
     m = box["m"]

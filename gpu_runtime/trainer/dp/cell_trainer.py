@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
@@ -74,7 +75,9 @@ def _fault_delay(index: int, version: int, where: str = "allreduce") -> None:
     lands while that cell is inside a step: ``allreduce`` (the default) waits inside the
     step's quorum, before its allreduce; ``quorum`` waits before the cell asks the lighthouse
     for the quorum (of every step, or only of the step that makes ``version``; ``*`` for
-    every step). The log line is what they wait for."""
+    every step). The log line is what they wait for. With MILESTONE_FAULT_CELL_GATE=<file> the
+    delay ends as soon as that file exists (``seconds`` the most it waits), so a test can hold
+    the cell inside the step until what it interleaves has happened, however slow the machine."""
     spec = os.environ.get("MILESTONE_FAULT_CELL_DELAY", "")
     if not spec:
         return
@@ -83,7 +86,13 @@ def _fault_delay(index: int, version: int, where: str = "allreduce") -> None:
     at = rest[1] if len(rest) > 1 else "allreduce"
     if int(cell) == index and at == where and (only == "*" or int(only) == version):
         log.warning("fault delay before the %s of v%d: %s s", where, version, seconds)
-        time.sleep(float(seconds))
+        gate = os.environ.get("MILESTONE_FAULT_CELL_GATE")
+        if gate is None:
+            time.sleep(float(seconds))
+            return
+        deadline = time.monotonic() + float(seconds)
+        while not Path(gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class DPCellTrainer(PolicyTrainer):
