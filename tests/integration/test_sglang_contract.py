@@ -27,7 +27,7 @@ from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.store.artifacts import row_seed
 from spec.engine import EngineSpec
-from tests.engine_fixtures import REPO, free_port, free_port_block, tiny_model
+from tests.engine_fixtures import REPO, free_port, free_port_block, tiny_model, wait_for
 from tests.sglang_fake import FLUSHED, FakeSGLang
 from workflows.contracts.training import UpdateWeightsInput
 from workflows.failures import Failure
@@ -189,7 +189,8 @@ def test_the_router_probes_sglang_engines_without_generating(folders, make_fleet
     try:
         f.fleet.release_memory()
         seen = f.mark()
-        time.sleep(2.5)
+        # the router probes every second: wait for two of its probes (and the fleet's) to arrive
+        wait_for(lambda: len([r for r in f.requests(seen) if r[1] == "/health"]) >= 2, 30, what="probes while released")
         assert {r[1] for r in f.requests(seen)} == {"/health"} and not f.violations()
         f.fleet.resume_memory()
         params = f.backend.batch_sampling_params(dict(SP), 2)
