@@ -19,6 +19,8 @@ from pathlib import Path
 
 import psutil
 
+from gpu_runtime.trainer.fsdp2.ray_runtime import RAY_WORKER_ENV
+
 RAY_HEAD_PORT = int(os.environ.get("MILESTONE_RAY_PORT", "6379"))  # Ray's default GCS port
 
 
@@ -31,7 +33,8 @@ def ray_executable() -> str | None:
 def head_env() -> dict[str, str]:
     """Ray 2.60 asks for a token unless told otherwise (the head is for this machine: its
     workers register as 127.0.0.1, though GCS itself listens on every interface)."""
-    return {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "RAY_USAGE_STATS_ENABLED": "0"}
+    return {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"), "RAY_USAGE_STATS_ENABLED": "0",
+            **{k: os.environ.get(k, v) for k, v in RAY_WORKER_ENV.items()}}
 
 
 def head_command(port: int, temp_dir: Path, num_cpus: int) -> list[str]:

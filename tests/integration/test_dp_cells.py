@@ -12,6 +12,7 @@ micro-batches in the reference's order: bitwise equal to the reference.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -224,6 +225,43 @@ def test_a_lighthouse_killed_inside_a_step_is_back_before_the_step_gives_up(grou
     assert m["dp_attempts"] <= 2, m  # one quorum request may fail against the dead lighthouse
     assert group.lighthouse.pid != old and group.lighthouse.restarts == 1
     assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
+    state = group.state()
+    assert [c.state for c in state.cells] == ["alive", "alive"]
+    assert state.cells[0].state_checksum == state.cells[1].state_checksum
+
+
+@pytest.mark.parametrize("group", ["1:120:2:quorum"], indirect=True)
+def test_a_restarted_lighthouse_that_hears_one_cell_does_not_give_it_a_quorum_alone(group: DPGroup,
+                                                                                    tmp_path: Path) -> None:
+    """The race a loaded machine lost: the lighthouse restarted mid-step, cell 1 asked it for
+    the step's quorum while only cell 1's heartbeat had reached it, and got a quorum of itself;
+    cell 0's request then waited for a quorum its idle peer never joined, and cell 0 was lost
+    (CI, dp_cells 1). Here cell 0 is SIGSTOPped while the lighthouse restarts, so the new one
+    hears only cell 1 when cell 1 asks: cell 1 waits for cell 0's heartbeat, and the step is
+    trained by both once cell 0 runs again."""
+    _step(group, 1)
+    old = group.lighthouse.pid
+    t, box = _background_step(group, 2)
+    wait_for(lambda: _log_has(group, 1, "fault delay before the quorum of v2"), 60, what="cell 1 inside step 2")
+    wait_for(lambda: group.lighthouse.pending_requests() == 1, 60, what="cell 0 waiting for the quorum of v2")
+    cell0 = group.members[0].pid
+    assert cell0 is not None
+    os.kill(cell0, signal.SIGSTOP)
+    try:
+        os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+        wait_for(lambda: group.lighthouse.pid != old and group.lighthouse.heartbeating() == 1, 60,
+                 what="the restarted lighthouse hearing cell 1 only")
+        (tmp_path / GATE).touch()  # cell 1 asks now
+        wait_for(lambda: _log_has(group, 1, "waiting for their heartbeats before asking it"), 60,
+                 what="cell 1 waiting for cell 0's heartbeat")
+        assert group.lighthouse.pending_requests() == 0, "cell 1 asked a lighthouse that hears it alone"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # lost and stopped by the group meanwhile
+            os.kill(cell0, signal.SIGCONT)
+    t.join(120)
+    assert not t.is_alive(), "step 2 still waits for its quorum after 120 s"
+    m = box["m"]
+    assert isinstance(m, dict) and m["dp_cells"] == 2 and m["policy_version"] == 2, m
     state = group.state()
     assert [c.state for c in state.cells] == ["alive", "alive"]
     assert state.cells[0].state_checksum == state.cells[1].state_checksum

@@ -101,6 +101,7 @@ def test_a_cell_on_an_existing_head_leaves_it_running(head: Head, folder: Path, 
         assert state is not None and state.ray_address == address
         ranks = [r.pid for r in state.ranks]
         assert set(ranks) <= {p.pid for p in head_processes(head_pid)}, "the ranks are the head's workers"
+        assert [psutil.Process(p).nice() for p in ranks] == [0, 0], "the head starts its workers at niceness 0"
         m = cell.train_step(*rollout(1), 4, HP)
         assert m["policy_version"] == 1.0
         assert [e.kind for e in host.take_events()] == ["cell_started"]

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import ray  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
@@ -217,6 +218,8 @@ def test_unsatisfiable_placement_is_a_clear_error(folder: Path, ray_runtime: Ray
     again = TrainerCell(2, folder, HP, SEED, placement="spread")  # the failed group freed what it held
     try:
         assert len(set(again.pids())) == 2
+        # Ray's default worker niceness (15) starved the ranks behind any nice-0 process: minutes to start
+        assert [psutil.Process(p).nice() for p in again.pids()] == [0, 0]
     finally:
         again.close()
 

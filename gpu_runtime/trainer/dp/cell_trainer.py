@@ -33,12 +33,15 @@ from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
+import httpx
 import torch
 
+from gpu_runtime.proc.http_client import http_client
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.common.batches import cell_reduced
 from gpu_runtime.trainer.common.state_io import python_rng_state, set_python_rng_state
+from gpu_runtime.trainer.dp.lighthouse import lighthouse_status
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from spec.train import TrainSpec
 from spec.trainer import train_conflicts
@@ -50,10 +53,12 @@ MAX_ATTEMPTS = 20  # quorums one step may take before the cell gives up (each fa
 # (its connection to a restarted lighthouse may be stale)
 QUORUM_TIMEOUT_S = 15.0
 QUORUM_RETRIES = 2
-# after a failed quorum request (a dead or just restarted lighthouse) a cell waits this long
-# before asking again: by then its peers heartbeat the new lighthouse (every 100 ms), which
-# otherwise may form a quorum of the one cell it has heard from
+# after a failed quorum request (a dead or restarting lighthouse) a cell pauses this long
+# before asking again
 QUORUM_RETRY_PAUSE_S = 1.0
+# a restarted lighthouse forms a quorum of the cells it has heard from: a cell asks it only once
+# it hears as many cells as the cell's last quorum had, or after this long (a peer died meanwhile)
+PEERS_HEARD_TIMEOUT_S = 20.0
 
 
 class NotCommitted(RuntimeError):
@@ -106,9 +111,11 @@ class DPCellTrainer(PolicyTrainer):
     forced_participants: int | None = None  # a replay of a step that committed with fewer cells
     from_version: int | None = None  # the version the step trains from (set by the group for each call)
     _share: tuple[int, int] = (0, 1)
+    lighthouse: str = ""  # its address: the cell reads its /status page before asking a restarted one
+    _lighthouse_http: httpx.Client | None = None
 
-    def attach(self, manager: Any, index: int) -> None:
-        self.manager, self.index = manager, index
+    def attach(self, manager: Any, index: int, lighthouse: str = "") -> None:
+        self.manager, self.index, self.lighthouse = manager, index, lighthouse
         manager.register_state_dict_fn("policy", self.load_heal_state, self.heal_state)
         self.sync_manager_step()
 
@@ -126,6 +133,7 @@ class DPCellTrainer(PolicyTrainer):
             before = self.policy_version
             if attempt == 1:
                 _fault_delay(self.index, before + 1, "quorum")
+            self._wait_until_peers_heard()
             try:
                 self.manager.start_quorum()  # synchronous: a healing cell has its peer's state after this
             except Exception as err:  # noqa: BLE001 - e.g. the lighthouse restarted under the request
@@ -153,6 +161,35 @@ class DPCellTrainer(PolicyTrainer):
             return {**metrics, "dp_cells": float(self.participants), "dp_attempts": float(attempt)}
         raise StepNotCommitted(f"cell {self.index}: step v{self.policy_version + 1} failed its commit vote "
                                f"{MAX_ATTEMPTS} times")
+
+    def _wait_until_peers_heard(self) -> None:
+        """Before asking a restarted lighthouse (its last quorum id behind this cell's) for a
+        quorum, wait until it hears as many cells as this cell's last quorum had. Asked
+        earlier, while only this cell's heartbeat had reached it, it formed a quorum of this
+        cell alone; the peer's own request then waited for a quorum its idle neighbour never
+        joined, and the peer was lost (a 1 s pause after the failed request was the only
+        guard, too short on a loaded machine). A lighthouse that does not answer is left to
+        the request itself (it fails, and is retried)."""
+        if not self.lighthouse or self.participants <= 1:
+            return
+        if self._lighthouse_http is None:
+            self._lighthouse_http = http_client(timeout=2.0)
+        deadline = time.monotonic() + PEERS_HEARD_TIMEOUT_S
+        said = False
+        while (st := lighthouse_status(self.lighthouse, self._lighthouse_http)) is not None:
+            if st.quorum_id >= self.manager._quorum_id or st.heartbeating >= self.participants:
+                return
+            if not said:
+                log.warning("cell %d: the restarted lighthouse hears %d of the %d cells of the last quorum: "
+                            "waiting for their heartbeats before asking it", self.index, st.heartbeating,
+                            self.participants)
+                said = True
+            if time.monotonic() > deadline:
+                log.warning("cell %d: the restarted lighthouse hears %d of the %d cells of the last quorum after "
+                            "%.0f s; asking it anyway", self.index, st.heartbeating, self.participants,
+                            PEERS_HEARD_TIMEOUT_S)
+                return
+            time.sleep(0.05)
 
     def _participating(self) -> tuple[int, int]:
         rank, n = self._share
@@ -304,5 +341,5 @@ def new_manager(trainer: DPCellTrainer, index: int, lighthouse_addr: str, timeou
     )
     manager._milestone_store = store  # the store must outlive the manager
     manager._client = _QuorumGuard(manager)
-    trainer.attach(manager, index)
+    trainer.attach(manager, index, lighthouse_addr)
     return manager

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,33 @@ def lighthouse_command(port: int, *, min_replicas: int = 1, join_timeout_ms: int
             "--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
             "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
             "--quorum_tick_ms", str(quorum_tick_ms)]
+
+
+@dataclass(frozen=True)
+class LighthouseStatus:
+    """What a lighthouse's /status page says: the id of the last quorum it formed (0 until
+    its first: a restarted lighthouse counts from 0 again), the cells it hears heartbeats
+    from, and the cells waiting for the next quorum; -1 where the page does not say."""
+
+    quorum_id: int
+    heartbeating: int
+    pending: int
+
+
+def lighthouse_status(address: str, client: httpx.Client) -> LighthouseStatus | None:
+    """The lighthouse's /status page ("Current quorum_id: 3", "[2 heartbeating]", "only have
+    1 participants"), or None when it does not answer (dead, or restarting)."""
+    try:
+        text = client.get(address + "/status").text
+    except httpx.HTTPError:
+        return None
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else -1
+
+    return LighthouseStatus(number(r"Current quorum_id:\s*(?:<[^>]*>\s*)*(\d+)"), number(r"\[(\d+) heartbeating\]"),
+                            number(r"only have (\d+) participants"))
 
 
 class Lighthouse:
@@ -133,24 +161,17 @@ class Lighthouse:
         return was is not None
 
     def pending_requests(self) -> int:
-        """How many cells have asked for the next quorum ("New quorum not ready, only have 1
-        participants" on the lighthouse's /status page); -1 when the page does not say."""
-        return self._status_number(r"only have (\d+) participants")
+        """How many cells have asked for the next quorum; -1 when the page does not say."""
+        return self._status().pending
 
     def heartbeating(self) -> int:
-        """How many cells' managers the lighthouse hears from ("[2 heartbeating]"); -1 when
-        the page does not say."""
-        return self._status_number(r"\[(\d+) heartbeating\]")
+        """How many cells' managers the lighthouse hears from; -1 when the page does not say."""
+        return self._status().heartbeating
 
-    def _status_number(self, pattern: str) -> int:
-        try:
-            if self._http is None:
-                self._http = http_client(timeout=2.0)
-            text = self._http.get(self.address + "/status").text
-        except httpx.HTTPError:
-            return -1
-        m = re.search(pattern, text)
-        return int(m.group(1)) if m else -1
+    def _status(self) -> LighthouseStatus:
+        if self._http is None:
+            self._http = http_client(timeout=2.0)
+        return lighthouse_status(self.address, self._http) or LighthouseStatus(-1, -1, -1)
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None

@@ -22,6 +22,13 @@ import psutil
 from gpu_runtime.proc.processes import reachable
 from gpu_runtime.trainer.fsdp2.errors import RayUnavailable
 
+# Ray starts its workers at niceness 15 (its raylet config ``worker_niceness``) unless told
+# otherwise: a cell's ranks then got a few percent of a CPU that nice-0 processes (engines,
+# the node's other processes) also wanted, and a rank took minutes to start (the cell's
+# 60 s rendezvous ran out in CI). The trainer is the job, so its workers run at 0 (Ray's own
+# job submission does the same). Read by the raylet at its start: ours, or ``make up``'s head.
+RAY_WORKER_ENV = {"RAY_worker_niceness": "0"}
+
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +82,8 @@ class RayRuntime:
             raise RayUnavailable(f"cannot reach the Ray head at {self.address} (trainer.ray_address / "
                                  "$MILESTONE_RAY_ADDRESS): is it running?")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        for k, v in RAY_WORKER_ENV.items():
+            os.environ.setdefault(k, v)
         if self.address is None and self.temp_dir is None:
             self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
         self._before = {p.pid for p in psutil.Process().children(recursive=True)}
