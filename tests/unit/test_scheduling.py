@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.scheduling import FAULT_FREE_E2E, scope_of
+from tests.scheduling import FAULT_FREE_E2E, VLLM, scope_of
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ("os.kill", "SIGKILL", "SIGSTOP", "MILESTONE_FAULT_", "running_stack(", "module_stack_fixtures", "kill_")
@@ -23,3 +23,12 @@ def test_the_fault_free_e2e_modules_exist_inject_nothing_and_start_no_stack() ->
         source = (ROOT / module).read_text()
         found = [f for f in FAULTS if f in source]
         assert not found, f"{module} is scheduled as fault-free but uses {found}"
+
+
+def test_the_vllm_modules_are_one_unit_and_carry_the_marker() -> None:
+    """Their worker waits once for .venv-vllm's background install (tests/vllm_env.py)."""
+    assert scope_of("tests/integration/test_engine_vllm.py::test_x") == scope_of("tests/e2e/test_vllm_run.py::test_y")
+    assert scope_of("tests/e2e/test_vllm_run.py::test_y") != scope_of("tests/e2e/test_process_faults.py::test_x")
+    for module in sorted(VLLM):
+        source = (ROOT / module).read_text()
+        assert "pytest.mark.vllm" in source and "vllm_interpreter()" in source, module
