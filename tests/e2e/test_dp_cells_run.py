@@ -28,9 +28,6 @@ import torchft  # noqa: F401  (a dev dependency: imported, so a broken install f
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
-
 from gpu_runtime.proc.processes import pid_alive
 from tests.e2e.faults import final_weights, progress, run_to_end, start_run, wait_activity_started
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config
@@ -41,8 +38,13 @@ from workflows.training_run import RUN_WORKFLOWS
 
 pytestmark = pytest.mark.e2e
 STEPS = 30  # a restarted cell is built in the background (~4.5 s here) while steps of ~0.4 s go on
+HOLD = 20  # cell 0 waits before the quorum of v20 until the restarted cell 1 is built (GATE)
 WEIGHT_ATOL = 1e-5
-ENV = {"MILESTONE_FAULT_CELL_DELAY": "1:2:2"}  # cell 1 waits 2 s before step 2's allreduce: a kill lands mid-step
+# cell 1 waits 2 s before step 2's allreduce (a kill lands mid-step); cell 0 waits before step
+# 20's quorum until the test creates the gate: under CI load the background restart once took
+# longer than the 28 steps left, and the run ended before it
+ENV = {"MILESTONE_FAULT_CELL_DELAY": f"1:2:2,0:600:{HOLD}:quorum"}
+GATE = "cell_gate"  # under the stack's work dir: every fault delay ends once it exists
 
 
 def cfg(store: Path) -> dict:
@@ -53,7 +55,8 @@ def cfg(store: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("dp"), env=ENV) as s:
+    work = tmp_path_factory.mktemp("dp")
+    with running_stack(work, env={**ENV, "MILESTONE_FAULT_CELL_GATE": str(work / GATE)}) as s:
         yield s
 
 
@@ -63,8 +66,6 @@ def runs(stack: Stack) -> tuple[RunProgress, RunProgress, int]:
 
     async def main() -> tuple[RunProgress, RunProgress, int]:
         client = await connect(stack.server.address)
-        twin = await run_to_end(client, "twin", cfg(store), timeout_s=600)
-        assert twin.policy_version == STEPS
         handle = await start_run(client, "faulted", cfg(store))
         await wait_activity_started(client, "faulted/step-2", TRAIN_STEP.name)
         log = next(iter(stack.workdir.rglob("faulted/dp/cell1.log")))
@@ -72,8 +73,12 @@ def runs(stack: Stack) -> tuple[RunProgress, RunProgress, int]:
                              what="cell 1 inside step 2")
         victim = (await progress(client, "faulted")).dp.cells[1].pid  # type: ignore[union-attr]
         os.kill(victim, signal.SIGKILL)
+        await async_wait_for(lambda: _seen_times(log, "cell 1 built", 2), 600, what="cell 1 restarted and built")
+        (stack.workdir / GATE).touch()  # cell 0 goes on with step 20 (and the twin runs without delays)
         summary = await asyncio.wait_for(handle.result(), 600)
         assert summary.policy_version == STEPS
+        twin = await run_to_end(client, "twin", cfg(store), timeout_s=600)
+        assert twin.policy_version == STEPS
         replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         await replayer.replay_workflow(await handle.fetch_history())
         for step in range(2, STEPS + 1):
@@ -85,6 +90,10 @@ def runs(stack: Stack) -> tuple[RunProgress, RunProgress, int]:
 
 async def _has(path: Path, text: str) -> bool:
     return path.exists() and text in path.read_text(errors="replace")
+
+
+async def _seen_times(path: Path, text: str, n: int) -> bool:
+    return path.exists() and path.read_text(errors="replace").count(text) >= n
 
 
 def test_a_killed_cell_costs_its_step_nothing_and_is_healed_from_its_peer(stack: Stack, runs) -> None:  # type: ignore[no-untyped-def]

@@ -32,8 +32,14 @@ ENGINES = {"backend": "vllm", "num_engines": 2, "health_check_interval_s": 1, "h
            "health_check_first_wait_s": 400}
 
 
+TEMPERATURE = 0.7  # the trainer's logprobs of logits / T against vLLM's processed_logprobs
+GAP_MAX = 1e-5  # the largest |engine - trainer| logprob of a trained token a step may report
+
+
 def _cfg(store: Path) -> dict:
-    return tiny_config(store, steps=STEPS, model=MODEL, engines=ENGINES)
+    cfg = tiny_config(store, steps=STEPS, model=MODEL, engines=ENGINES)
+    cfg["rollout"]["temperature"] = TEMPERATURE
+    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +71,12 @@ def _assert_engines_serve_the_last_version(p: RunProgress) -> None:
     assert [e.state for e in p.engines] == ["healthy", "healthy"]
     assert {e.weight_version for e in p.engines} == {STEPS}
     assert len({e.checksum for e in p.engines}) == 1  # the trainer's: update_weights checked it
+    # the trainer trains the policy vLLM sampled: at T = 0.7 both sides' logprobs agree per token
+    gaps = [s.rollout_logprob_abs_diff_max for s in p.steps]
+    assert all(0 < g <= GAP_MAX for g in gaps), f"train-inference logprob gap per step (max |delta|): {gaps}"
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(TEST_TIMEOUT_S)  # its fixture may wait for `make test`'s install of .venv-vllm
 def test_engine_killed_mid_step(vllm_stack: Stack) -> None:
     old = vllm_stack.node_pids("node0").get("engines", [])
     p = _run_with_kill(vllm_stack, "vllm-engine-kill", TRAIN_STEP.name, "engine0")
@@ -79,7 +88,7 @@ def test_engine_killed_mid_step(vllm_stack: Stack) -> None:
     assert_trained_exactly_once(vllm_stack.workdir / "store", "vllm-engine-kill", _cfg(vllm_stack.workdir / "store"))
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_trainer_killed_mid_step(vllm_stack: Stack) -> None:
     p = _run_with_kill(vllm_stack, "vllm-trainer-kill", TRAIN_STEP.name, "trainer")
     kinds = [e.kind for e in p.events]

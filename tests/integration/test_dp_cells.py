@@ -231,33 +231,37 @@ def test_a_lighthouse_killed_inside_a_step_is_back_before_the_step_gives_up(grou
 
 
 @pytest.mark.parametrize("group", ["1:120:2:quorum"], indirect=True)
-def test_a_restarted_lighthouse_that_hears_one_cell_does_not_give_it_a_quorum_alone(group: DPGroup,
+@pytest.mark.parametrize("stopped", [0, 1], ids=["delayed-cell-asks", "retrying-cell-asks"])
+def test_a_restarted_lighthouse_that_hears_one_cell_does_not_give_it_a_quorum_alone(group: DPGroup, stopped: int,
                                                                                     tmp_path: Path) -> None:
-    """The race a loaded machine lost: the lighthouse restarted mid-step, cell 1 asked it for
-    the step's quorum while only cell 1's heartbeat had reached it, and got a quorum of itself;
-    cell 0's request then waited for a quorum its idle peer never joined, and cell 0 was lost
-    (CI, dp_cells 1). Here cell 0 is SIGSTOPped while the lighthouse restarts, so the new one
-    hears only cell 1 when cell 1 asks: cell 1 waits for cell 0's heartbeat, and the step is
-    trained by both once cell 0 runs again."""
+    """The race a loaded machine lost twice in CI: the lighthouse restarted mid-step and one
+    cell asked it for the step's quorum while only that cell's heartbeat had reached it, and
+    got a quorum of itself (dp_cells 1); its peer's request then waited for a quorum the idle
+    cell never joined, and the peer was lost. Here one cell is SIGSTOPped while the lighthouse
+    restarts, so the new one hears only the other when it asks: cell 1 leaving its fault delay
+    (cell 0 stopped), or cell 0 retrying its failed request (cell 1 stopped; torchft's own
+    retries once asked at once). The asking cell waits for its peer's heartbeat, and the step
+    is trained by both once the stopped cell runs again."""
+    asker = 1 - stopped
     _step(group, 1)
     old = group.lighthouse.pid
     t, box = _background_step(group, 2)
     wait_for(lambda: _log_has(group, 1, "fault delay before the quorum of v2"), 60, what="cell 1 inside step 2")
     wait_for(lambda: group.lighthouse.pending_requests() == 1, 60, what="cell 0 waiting for the quorum of v2")
-    cell0 = group.members[0].pid
-    assert cell0 is not None
-    os.kill(cell0, signal.SIGSTOP)
+    pid = group.members[stopped].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
     try:
         os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
         wait_for(lambda: group.lighthouse.pid != old and group.lighthouse.heartbeating() == 1, 60,
-                 what="the restarted lighthouse hearing cell 1 only")
-        (tmp_path / GATE).touch()  # cell 1 asks now
-        wait_for(lambda: _log_has(group, 1, "waiting for their heartbeats before asking it"), 60,
-                 what="cell 1 waiting for cell 0's heartbeat")
-        assert group.lighthouse.pending_requests() == 0, "cell 1 asked a lighthouse that hears it alone"
+                 what=f"the restarted lighthouse hearing cell {asker} only")
+        (tmp_path / GATE).touch()  # cell 1's fault delay ends (once it runs)
+        wait_for(lambda: _log_has(group, asker, "waiting for their heartbeats before asking it"), 60,
+                 what=f"cell {asker} waiting for cell {stopped}'s heartbeat")
+        assert group.lighthouse.pending_requests() == 0, f"cell {asker} asked a lighthouse that hears it alone"
     finally:
         with contextlib.suppress(ProcessLookupError):  # lost and stopped by the group meanwhile
-            os.kill(cell0, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
     t.join(120)
     assert not t.is_alive(), "step 2 still waits for its quorum after 120 s"
     m = box["m"]

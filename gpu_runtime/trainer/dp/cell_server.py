@@ -22,6 +22,8 @@ from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.dp.cell_trainer import DPCellTrainer, new_manager
 from spec.train import TrainSpec
 
+log = logging.getLogger(__name__)
+
 
 class BuildCall(BaseModel):
     folder: str  # the HF model folder every cell starts from (a restarted one heals from a peer)
@@ -88,6 +90,7 @@ class CellService:
         if self.trainer is not None:
             raise RuntimeError(f"cell {self.index}: already built (a cell is built once; the group restarts it)")
         self.trainer = DPCellTrainer.create(a.folder, a.hparams, a.seed)  # type: ignore[assignment]
+        log.info("cell %d built (pid %d)", self.index, os.getpid())
         return self.join(Empty()) if a.join else self.report()
 
     def join(self, a: Empty) -> CellReport:

@@ -49,10 +49,11 @@ from spec.trainer import train_conflicts
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 20  # quorums one step may take before the cell gives up (each failed one is a peer lost)
 # every live cell asks for the step's quorum at its start, so one forms within the lighthouse's
-# join timeout (1 s) or heartbeat timeout (1 s); a request that waits this long is retried
-# (its connection to a restarted lighthouse may be stale)
+# join timeout (1 s) or heartbeat timeout (1 s); a request that waits this long fails, and
+# ``train_step`` asks again (its connection to a restarted lighthouse may be stale). torchft's
+# own retries stay off: they asked a just restarted lighthouse past ``_wait_until_peers_heard``
 QUORUM_TIMEOUT_S = 15.0
-QUORUM_RETRIES = 2
+QUORUM_RETRIES = 0
 # after a failed quorum request (a dead or restarting lighthouse) a cell pauses this long
 # before asking again
 QUORUM_RETRY_PAUSE_S = 1.0
@@ -76,28 +77,27 @@ class StepNotCommitted(RuntimeError):
 
 
 def _fault_delay(index: int, version: int, where: str = "allreduce") -> None:
-    """Tests set MILESTONE_FAULT_CELL_DELAY="<cell>:<seconds>[:<version>[:<where>]]" so a fault
-    lands while that cell is inside a step: ``allreduce`` (the default) waits inside the
-    step's quorum, before its allreduce; ``quorum`` waits before the cell asks the lighthouse
-    for the quorum (of every step, or only of the step that makes ``version``; ``*`` for
-    every step). The log line is what they wait for. With MILESTONE_FAULT_CELL_GATE=<file> the
-    delay ends as soon as that file exists (``seconds`` the most it waits), so a test can hold
-    the cell inside the step until what it interleaves has happened, however slow the machine."""
-    spec = os.environ.get("MILESTONE_FAULT_CELL_DELAY", "")
-    if not spec:
-        return
-    cell, seconds, *rest = spec.split(":")
-    only = rest[0] if rest else "*"
-    at = rest[1] if len(rest) > 1 else "allreduce"
-    if int(cell) == index and at == where and (only == "*" or int(only) == version):
-        log.warning("fault delay before the %s of v%d: %s s", where, version, seconds)
-        gate = os.environ.get("MILESTONE_FAULT_CELL_GATE")
-        if gate is None:
-            time.sleep(float(seconds))
-            return
-        deadline = time.monotonic() + float(seconds)
-        while not Path(gate).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    """Tests set MILESTONE_FAULT_CELL_DELAY="<cell>:<seconds>[:<version>[:<where>]]" (several,
+    comma-separated) so a fault lands while that cell is inside a step: ``allreduce`` (the
+    default) waits inside the step's quorum, before its allreduce; ``quorum`` waits before the
+    cell asks the lighthouse for the quorum (of every step, or only of the step that makes
+    ``version``; ``*`` for every step). The log line is what they wait for. With
+    MILESTONE_FAULT_CELL_GATE=<file> the delay ends as soon as that file exists (``seconds`` the
+    most it waits), so a test can hold the cell inside the step until what it interleaves has
+    happened, however slow the machine."""
+    for spec in filter(None, os.environ.get("MILESTONE_FAULT_CELL_DELAY", "").split(",")):
+        cell, seconds, *rest = spec.split(":")
+        only = rest[0] if rest else "*"
+        at = rest[1] if len(rest) > 1 else "allreduce"
+        if int(cell) == index and at == where and (only == "*" or int(only) == version):
+            log.warning("fault delay before the %s of v%d: %s s", where, version, seconds)
+            gate = os.environ.get("MILESTONE_FAULT_CELL_GATE")
+            if gate is None:
+                time.sleep(float(seconds))
+                continue
+            deadline = time.monotonic() + float(seconds)
+            while not Path(gate).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 class DPCellTrainer(PolicyTrainer):
@@ -164,32 +164,31 @@ class DPCellTrainer(PolicyTrainer):
 
     def _wait_until_peers_heard(self) -> None:
         """Before asking a restarted lighthouse (its last quorum id behind this cell's) for a
-        quorum, wait until it hears as many cells as this cell's last quorum had. Asked
-        earlier, while only this cell's heartbeat had reached it, it formed a quorum of this
-        cell alone; the peer's own request then waited for a quorum its idle neighbour never
-        joined, and the peer was lost (a 1 s pause after the failed request was the only
-        guard, too short on a loaded machine). A lighthouse that does not answer is left to
-        the request itself (it fails, and is retried)."""
+        quorum, wait until it answers and hears as many cells as this cell's last quorum had.
+        Asked earlier, while only this cell's heartbeat had reached it, it formed a quorum of
+        this cell alone; the peer's own request then waited for a quorum its idle neighbour
+        never joined, and the peer was lost (CI: a 1 s pause after the failed request, and
+        torchft's own quorum retries, which bypassed any pause, were the only guards). After
+        ``PEERS_HEARD_TIMEOUT_S`` it asks anyway (a peer that died meanwhile is not waited for)."""
         if not self.lighthouse or self.participants <= 1:
             return
         if self._lighthouse_http is None:
             self._lighthouse_http = http_client(timeout=2.0)
         deadline = time.monotonic() + PEERS_HEARD_TIMEOUT_S
-        said = False
-        while (st := lighthouse_status(self.lighthouse, self._lighthouse_http)) is not None:
-            if st.quorum_id >= self.manager._quorum_id or st.heartbeating >= self.participants:
+        said: set[str] = set()
+        while time.monotonic() < deadline:
+            st = lighthouse_status(self.lighthouse, self._lighthouse_http)
+            if st is not None and (st.quorum_id >= self.manager._quorum_id or st.heartbeating >= self.participants):
                 return
-            if not said:
-                log.warning("cell %d: the restarted lighthouse hears %d of the %d cells of the last quorum: "
-                            "waiting for their heartbeats before asking it", self.index, st.heartbeating,
-                            self.participants)
-                said = True
-            if time.monotonic() > deadline:
-                log.warning("cell %d: the restarted lighthouse hears %d of the %d cells of the last quorum after "
-                            "%.0f s; asking it anyway", self.index, st.heartbeating, self.participants,
-                            PEERS_HEARD_TIMEOUT_S)
-                return
+            why = ("the lighthouse does not answer: waiting for its restart before asking it" if st is None else
+                   f"the restarted lighthouse hears {st.heartbeating} of the {self.participants} cells of the last "
+                   "quorum: waiting for their heartbeats before asking it")
+            if why.split(":")[0] not in said:
+                log.warning("cell %d: %s", self.index, why)
+                said.add(why.split(":")[0])
             time.sleep(0.05)
+        log.warning("cell %d: the lighthouse hears fewer cells than the last quorum had after %.0f s; asking it anyway",
+                    self.index, PEERS_HEARD_TIMEOUT_S)
 
     def _participating(self) -> tuple[int, int]:
         rank, n = self._share
