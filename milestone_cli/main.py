@@ -34,6 +34,7 @@ from milestone_cli.progress_view import format_cells, format_eval, format_gap, f
 from milestone_cli.resume import NothingToResume, ResumeError, parse_target, resume_state
 from gpu_runtime.store.uri import open_store
 from spec.strict import format_validation_error
+from spec.engine import EngineUpdate
 from spec.train import HParamUpdate
 from workers.common import connect, temporal_address
 from workers.payload_codec import PayloadKeyError
@@ -293,10 +294,36 @@ def parse_assignments(items: list[str]) -> HParamUpdate:
         raise CLIError(one_line(format_validation_error(err)) + hint, 2) from None
 
 
+ENGINES_PREFIX = "engines."
+
+
+def parse_engine_assignments(items: list[str]) -> EngineUpdate:
+    """``engines.num_engines=N`` -> a validated ``EngineUpdate`` (the one `engines` setting a run
+    changes mid-run)."""
+    fields: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            fields[key.removeprefix(ENGINES_PREFIX)] = yaml.safe_load(value) if sep else None
+        except yaml.YAMLError as err:
+            raise CLIError(f"{key}: cannot read {value!r}: {one_line(str(err))}", 2) from None
+    try:
+        return EngineUpdate(**fields)
+    except ValidationError as err:
+        unknown = any(e["type"] == "extra_forbidden" for e in err.errors())
+        hint = f" (settable: {', '.join(ENGINES_PREFIX + k for k in EngineUpdate.model_fields)})" if unknown else ""
+        raise CLIError(one_line(format_validation_error(err)) + hint, 2) from None
+
+
 async def cmd_set(client: Client, args: argparse.Namespace) -> int:
-    update = parse_assignments(args.assignments)
-    result = await client.get_workflow_handle(args.run).execute_update("set_hparams", update)
-    print(json.dumps(result))
+    """``train`` settings through ``set_hparams``; ``engines.*`` through ``set_engines``."""
+    engines = [a for a in args.assignments if a.startswith(ENGINES_PREFIX)]
+    train = [a for a in args.assignments if not a.startswith(ENGINES_PREFIX)]
+    handle = client.get_workflow_handle(args.run)
+    updates = ([("set_hparams", parse_assignments(train))] if train else []) + \
+        ([("set_engines", parse_engine_assignments(engines))] if engines else [])
+    for name, update in updates:
+        print(json.dumps(await handle.execute_update(name, update)))
     return 0
 
 
@@ -334,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run")
     rp.add_argument("--out", default=None, help="output file (default RUN-report.png)")
     se = sub.add_parser(
-        "set", help="change any `train` setting between steps, e.g. lr=1e-5 ppo_epochs=2 betas=[0.9,0.95]"
+        "set", help="change any `train` setting between steps, e.g. lr=1e-5 ppo_epochs=2 betas=[0.9,0.95], "
+        "or the engine count per node, engines.num_engines=4 (from the next step)"
     )
     se.add_argument("run")
     se.add_argument("assignments", nargs="+")

@@ -86,3 +86,10 @@ class EngineSpec(Strict):
 
 
 __all__ = ["EngineSpec"]
+
+
+class EngineUpdate(Strict):
+    """The mid-run change of ``engines`` (``set_engines``, ``milestone set engines.num_engines=N``):
+    the node's engine count from the next step on (grow or shrink; recorded in the run's history)."""
+
+    num_engines: int = Field(ge=1, description="rollout engines per node from the next step")

@@ -45,6 +45,7 @@ class RunState(BaseModel):
     prefetched: Sampled | None = None  # the one-batch buffer as carried before ``buffer`` existed (read only)
     dp: DPCells | None = None  # trainer.cells > 1: the DP cells as last reported
     cell_heal: dict[str, CellHeal] = {}  # lost DP cells awaiting their restart, by index
+    num_engines: int | None = None  # ``set_engines``: the engine count per node from the next step (None: the config's)
 
     def commit(self, summary: StepSummary, now: datetime, trainer: TrainerSpec) -> RunState:
         """The state once ``summary``'s step has committed (at workflow time ``now``): the only

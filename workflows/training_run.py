@@ -21,6 +21,7 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
     from spec.rollout import rl_sampling_conflicts
+    from spec.engine import EngineSpec, EngineUpdate
     from spec.run import RunConfig
     from spec.status import RunEvent
     from spec.strict import format_validation_error
@@ -160,9 +161,17 @@ class TrainingRun:
         st.add_events(events)
         return result
 
+    def _engines(self) -> EngineSpec:
+        """The ``engines`` section now: the config's, with ``set_engines``'s count once one was set."""
+        assert self.cfg is not None
+        n = self.st.num_engines
+        return self.cfg.engines if n is None else self.cfg.engines.model_copy(update={"num_engines": n})
+
     def _step_input(self, run_id: str) -> RLStepInput:
         cfg, st = self.cfg, self.st
         assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
+        if st.num_engines is not None:  # set_engines: the step's engines (a config without it is the run's own)
+            cfg = cfg.model_copy(update={"engines": self._engines()})
         return RLStepInput(
             run_id=run_id, step=st.next_step, config=cfg, train=st.train,
             policy_version=st.policy_version, data_cursor=st.data_cursor,
@@ -248,7 +257,7 @@ class TrainingRun:
         synced = await UPDATE_WEIGHTS.run(
             UpdateWeightsInput(
                 run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
-                weights_key=policy.weights_key, checksum=policy.checksum, engines=cfg.engines,
+                weights_key=policy.weights_key, checksum=policy.checksum, engines=self._engines(),
             ),
             queue=st.node.task_queue,
             summary=f"start engines @ v{policy.policy_version}",
@@ -341,6 +350,19 @@ class TrainingRun:
         self.st.train = update.apply(self.st.train)
         self._event("hparams_set", json.dumps(update.given()))
         return self.st.train.model_dump()
+
+    @workflow.update
+    def set_engines(self, update: EngineUpdate) -> dict:
+        """The node's engine count from the next step on (the fleet grows or shrinks then)."""
+        before = self._engines().num_engines
+        self.st.num_engines = update.num_engines
+        self._event("engines_set", f"num_engines {before} -> {update.num_engines} from the next step")
+        return {"num_engines": update.num_engines}
+
+    @set_engines.validator
+    def _validate_engines(self, update: EngineUpdate) -> None:
+        if self.cfg is not None and self.cfg.mode != "rl":
+            raise ValueError(f"set_engines: mode {self.cfg.mode} runs no engines between steps")
 
     @set_hparams.validator
     def _validate_hparams(self, update: HParamUpdate) -> None:

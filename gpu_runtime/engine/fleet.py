@@ -40,6 +40,7 @@ from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.engine.slots import SlotProcesses
 from gpu_runtime.engine.weight_probe import TRUNCATE_ROWS, expected_probe, mismatched
 from gpu_runtime.models.model_folder import read_meta
+from gpu_runtime.proc.processes import free_port
 from gpu_runtime.weight_sync.distributed import DEFAULT_BUCKET_BYTES
 from gpu_runtime.weight_sync.shared_memory import NodeSegments, Segment
 from spec.status import EngineSlotInfo
@@ -231,18 +232,46 @@ class EngineFleet(FleetMemoryPhases):
                 self._declare_dead(s, f"health_generate failed: {detail}", hung=timed_out)
 
     # ---- recovery and weights --------------------------------------------------------
+    def resize(self, n: int) -> None:
+        """``engines.num_engines`` changed mid-run: shrink stops the highest slots (out of the
+        router first, so no request is routed to a dying engine); grow adds empty slots on
+        free ports, which ``restart_empty_slots`` starts with the newest weights, gated and
+        checksum-verified like any recovery."""
+        if n < 1:
+            raise ValueError(f"engines.num_engines must be >= 1, got {n}")
+        with self._lock:
+            gone, self.slots = self.slots[n:], self.slots[:n]
+            host = self.slots[0].url.rsplit(":", 1)[0]
+            ports = [free_port() for _ in range(n - len(self.slots))]
+            self.slots += [_Slot(len(self.slots) + i, f"{host}:{p}", p, added=True) for i, p in enumerate(ports)]
+        for s in gone:
+            if self.router is not None:
+                self.router.remove_worker(s.url)
+            self._procs.kill(s)
+            s.state = "empty"
+            self._emit("engine_removed", s.index, f"num_engines {n}")
+        for s in self.slots:
+            if s.added:
+                self._emit("engine_added", s.index, f"num_engines {n}: port {s.port}")
+        if n > self._pool._max_workers:  # one thread per slot for a chunk fan-out
+            old, self._pool = self._pool, ThreadPoolExecutor(max_workers=n, thread_name_prefix="fleet")
+            old.shutdown(wait=False)
+
     def restart_empty_slots(self, model_path: str | Path | None = None, version: int | str | None = None) -> list[int]:
         """Gated recovery: start engines in empty slots with the given (newest) weights,
-        wait until healthy, verify the checksum and re-add them to the router."""
+        wait until healthy, verify the checksum and re-add them to the router (slots that
+        ``resize`` added start here the same way)."""
         if model_path is not None:
             self.model_path = str(model_path)
             self.weight_version = None if version is None else str(version)
         empty = [s for s in self.slots if s.state == "empty"]
         for s in empty:
             with self._lock:
-                s.restart_count += 1
+                s.restart_count += not s.added
+                added, s.added = s.added, False
             self._procs.spawn(s, self.model_path, self.weight_version)
-            self._emit("engine_restarted", s.index, f"pid={s.proc.pid if s.proc else None} {self.model_path}")
+            if not added:
+                self._emit("engine_restarted", s.index, f"pid={s.proc.pid if s.proc else None} {self.model_path}")
         ok = self._procs.wait_all_healthy(empty)
         expected = self._expected_checksum(self.model_path)
         recovered: list[int] = []

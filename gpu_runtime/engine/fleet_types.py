@@ -12,7 +12,7 @@ from spec.status import SlotState
 
 EventKind = Literal[
     "engine_dead", "engine_restarted", "engine_recovered", "checksum_ok", "checksum_mismatch", "engine_hung",
-    "weight_sync_fallback",
+    "weight_sync_fallback", "engine_added", "engine_removed",
 ]
 
 
@@ -56,3 +56,4 @@ class _Slot:
     restart_count: int = 0
     failures: int = 0
     launched: tuple[str, str | None] | None = None  # (model path, version) of the last spawn
+    added: bool = False  # grown by ``EngineFleet.resize``, not started yet: its first start is no restart

@@ -218,7 +218,8 @@ class NodeRuntime:
         # SGLang engines start with --enable-memory-saver or without: a change restarts them
         # and --enable-deterministic-inference or without (engines.deterministic)
         sglang_flags = (phases.enabled, deterministic) if backend == "sglang" else False
-        settings = (backend, num_engines, health.model_dump_json(), host, sglang_flags, vllm_python)
+        # a new engine count resizes the running fleet (``EngineFleet.resize``); other settings restart it
+        settings = (backend, health.model_dump_json(), host, sglang_flags, vllm_python)
         with self._lock:
             if phases != self.memory_phases:
                 log.info("memory between phases: %s (%s)", "on" if phases.enabled else "off", phases.reason)
@@ -231,6 +232,9 @@ class NodeRuntime:
                 log.warning("engine settings changed %s -> %s: restarting the fleet", self._fleet_settings, settings)
                 self.fleet.stop()  # the router is ours and stays; the new fleet re-syncs its members
                 self.fleet = None
+            if self.fleet is not None and len(self.fleet.slots) != num_engines:
+                log.warning("engines.num_engines %d -> %d: resizing the fleet", len(self.fleet.slots), num_engines)
+                self.fleet.resize(num_engines)
             if self.fleet is None:
                 self._fleet_settings = settings
                 self.fleet = self._new_fleet(backend, num_engines, health, host, model_path, version, deterministic,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from spec.engine import EngineUpdate
 from tests.e2e.faults import assert_trained_exactly_once, progress, start_run, wait_activity_started
 from tests.stack import Stack, running_stack, tiny_config
 from tests.vllm_env import TEST_TIMEOUT_S, vllm_interpreter
@@ -96,3 +97,32 @@ def test_trainer_killed_mid_step(vllm_stack: Stack) -> None:
     _assert_engines_serve_the_last_version(p)
     assert [s.step for s in p.steps] == [1, 2, 3] and p.data_cursor == STEPS * 4
     assert_trained_exactly_once(vllm_stack.workdir / "store", "vllm-trainer-kill", _cfg(vllm_stack.workdir / "store"))
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_fleet_resized_mid_run(vllm_stack: Stack) -> None:
+    """``milestone set engines.num_engines=N`` at a step boundary: set to 1 during step 1's train
+    step (step 2's weight update stops slot 1), back to 2 during step 2's (step 3's starts a new
+    vLLM server with the newest weights, checksum-gated). Every prompt is trained once."""
+    run_id, store = "vllm-resize", vllm_stack.workdir / "store"
+
+    async def main() -> RunProgress:
+        client = await connect(vllm_stack.server.address)
+        handle = await start_run(client, run_id, _cfg(store))
+        for step, n in ((1, 1), (2, 2)):  # each train step waits 2 s first (MILESTONE_FAULT_TRAIN_DELAY_S)
+            await wait_activity_started(client, f"{run_id}/step-{step}", TRAIN_STEP.name, timeout_s=600)
+            assert await handle.execute_update("set_engines", EngineUpdate(num_engines=n)) == {"num_engines": n}
+        summary = await asyncio.wait_for(handle.result(), 900)
+        assert summary.steps == STEPS and summary.policy_version == STEPS
+        return await progress(client, run_id)
+
+    p = asyncio.run(main())
+    kinds = [(e.kind, e.detail) for e in p.events]
+    assert [d for k, d in kinds if k == "engines_set"] == ["num_engines 2 -> 1 from the next step",
+                                                          "num_engines 1 -> 2 from the next step"]
+    removed = [d for k, d in kinds if k == "engine_removed"]
+    added = [d for k, d in kinds if k == "engine_added"]
+    assert len(removed) == 1 and removed[0].startswith("slot 1") and len(added) == 1 and added[0].startswith("slot 1")
+    _assert_engines_serve_the_last_version(p)
+    assert p.engines[1].restart_count == 0  # a new engine, not a restarted one
+    assert_trained_exactly_once(store, run_id, _cfg(store))

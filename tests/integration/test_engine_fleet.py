@@ -18,6 +18,7 @@ from gpu_runtime.engine.client import EngineClient
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.router import RouterProcess
+from gpu_runtime.proc.processes import pid_alive
 from tests.engine_fixtures import free_port, free_port_block, model_dirs, wait_for  # noqa: F401
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=1.0, first_wait_s=60.0, failure_threshold=1)
@@ -215,3 +216,28 @@ def test_an_engine_whose_port_is_taken_while_it_starts_moves(model_dirs, tmp_pat
         finally:
             f.stop()
             starter.join(30)
+
+
+def test_resize_grows_with_verified_engines_and_shrinks_out_of_the_router(fleet, model_dirs) -> None:  # type: ignore[no-untyped-def]
+    """engines.num_engines changed mid-run (``set_engines``): grow starts the new slots with the
+    newest weights (checksum-gated, added to the router, no restart counted); shrink takes the
+    highest slots out of the router, then stops them by pid. A chunk's tokens do not depend on
+    how many engines share it."""
+    reference, _ = fleet.generate_chunk(BATCH, SP)
+    fleet.update_weights(model_dirs["v2"], 2)
+    fleet.resize(3)
+    assert fleet.restart_empty_slots() == [2]  # the node's ensure_engines does this after a resize
+    snap = fleet.snapshot()
+    assert [(s.state, s.weight_version, s.restart_count) for s in snap] == [("healthy", 2, 0)] * 3
+    assert len({s.checksum for s in snap}) == 1
+    assert fleet.router.worker_urls() == {s.url for s in snap}
+    assert [e.kind for e in fleet.events if e.slot == 2] == ["engine_added", "engine_recovered"]
+    on_three, _ = fleet.generate_chunk(BATCH, SP)
+    gone = [s.pid for s in fleet.snapshot()[1:]]
+    fleet.resize(1)
+    assert [s.slot for s in fleet.snapshot()] == [0]
+    assert fleet.router.worker_urls() == {fleet.snapshot()[0].url}
+    wait_for(lambda: not any(pid_alive(p) for p in gone), 30, "the removed engines stopped")
+    assert sorted(e.slot for e in fleet.events if e.kind == "engine_removed") == [1, 2]
+    on_one, _ = fleet.generate_chunk(BATCH, SP)
+    assert _tokens(on_one) == _tokens(on_three) != _tokens(reference)  # v2's tokens, whatever the fleet's size

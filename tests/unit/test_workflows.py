@@ -16,6 +16,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from spec.engine import EngineUpdate
 from spec.train import HParamUpdate
 from tests.unit.workflow_harness import (
     PROMPTS_PER_STEP, Cluster, finish, lose_node_a, progress, reward_of, run_config, scenario, start_run, wait_progress,
@@ -203,6 +204,28 @@ def test_set_hparams_null_turns_an_optional_knob_off_from_the_next_step() -> Non
         assert [(t.step, t.train.tis_cap) for t in cluster.train_inputs] == [(1, 2.0), (2, None)]
         events = [e for e in (await progress(handle)).events if e.kind == "hparams_set"]
         assert [e.detail for e in events] == ['{"tis_cap": null}']
+
+    scenario(cluster, body)
+
+
+def test_set_engines_resizes_the_fleet_from_the_next_step() -> None:
+    """``milestone set engines.num_engines=3``: step 1 (already sent) keeps 2 engines, every
+    later step's weight update asks the node for 3; the change is an event and in history."""
+    cluster = Cluster()
+    held = cluster.gate(TRAIN_STEP, 1)
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        cfg = run_config(steps=3)
+        assert cfg.engines.num_engines == 2
+        handle = await start_run(env, cfg)
+        await held.wait_reached()
+        assert await handle.execute_update(TrainingRun.set_engines, EngineUpdate(num_engines=3)) == {"num_engines": 3}
+        held.release.set()
+        await finish(handle)
+        assert [n for _, n in cluster.engine_counts] == [2, 2, 3, 3]  # v0 and step 1, then steps 2 and 3
+        p = await progress(handle)
+        assert len(p.engines) == 3
+        assert [e.detail for e in p.events if e.kind == "engines_set"] == ["num_engines 2 -> 3 from the next step"]
 
     scenario(cluster, body)
 

@@ -157,6 +157,7 @@ class Cluster:
         self.engine_version: dict[str, int] = {}  # the version each node's engines serve (set by update_weights)
         self.init_inputs: list[tuple[str, InitPolicyInput]] = []
         self.train_inputs: list[TrainStepInput] = []
+        self.engine_counts: list[tuple[int, int]] = []  # (version, engines.num_engines) of each weight update
         self.eval_inputs: list[EvalInput] = []
         self.liveness_started: list[str] = []  # the queue of each node_liveness watch
         self.epoch = 0  # the placement epoch of the last claim
@@ -323,6 +324,7 @@ class StandInNode:
     async def update_weights(self, inp: UpdateWeightsInput) -> UpdateWeightsResult:
         await self.cluster.record(self.queue, UPDATE_WEIGHTS.name, None, inp.policy_version)
         self.cluster.engine_version[self.queue] = inp.policy_version
+        self.cluster.engine_counts.append((inp.policy_version, inp.engines.num_engines))
         engines = [
             EngineSlotInfo(slot=i, state="healthy", weight_version=inp.policy_version, checksum=inp.checksum)
             for i in range(inp.engines.num_engines)
