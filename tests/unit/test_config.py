@@ -269,3 +269,15 @@ def test_engines_host_defaults_to_loopback_and_takes_a_bare_address() -> None:
     for bad in ("http://10.0.0.1", "10.0.0.1:30000", "", "::1"):
         with pytest.raises(ValidationError, match="an IPv4 address or host name"):
             EngineSpec(host=bad)
+
+
+def test_cli_set_reads_the_engine_count_and_names_what_is_settable() -> None:
+    from milestone_cli.errors import CLIError
+    from milestone_cli.main import parse_engine_assignments
+    from spec.engine import EngineUpdate
+
+    assert parse_engine_assignments(["engines.num_engines=3"]) == EngineUpdate(num_engines=3)
+    with pytest.raises(CLIError, match="settable: engines.num_engines"):
+        parse_engine_assignments(["engines.backend=vllm"])  # a new backend needs a new run
+    with pytest.raises(CLIError, match="num_engines"):
+        parse_engine_assignments(["engines.num_engines=0"])
