@@ -84,6 +84,9 @@ class SlotProcesses:
                         log.warning("slot %d: %s was taken while its engine started; the slot moves to %s",
                                     s.index, old, s.url)
                         self.spawn(s, *s.launched)
+                        # a new process: the whole first wait again (CI: under load the first start took
+                        # most of it, and the moved engine was declared unhealthy while it loaded)
+                        deadline = time.monotonic() + self.health.first_wait_s
                         probe.close()
                         probe = self.backend.client(s.url, self.health.timeout_s)
                         continue
