@@ -4,7 +4,9 @@ subprocesses for the install and the command."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +26,16 @@ def _script(tmp: Path, name: str, code: str) -> str:
 
 def _run(tmp: Path, install: str, command: str) -> tuple[int, dict, str]:
     status = tmp / "install.json"
-    p = subprocess.run([sys.executable, "-m", "infra.alongside", "--install", install, "--status", str(status),
-                        "--", sys.executable, "-c", command], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[2])
-    return p.returncode, json.loads(status.read_text()), p.stdout + p.stderr
+    p = subprocess.Popen([sys.executable, "-m", "infra.alongside", "--install", install, "--status", str(status),
+                          "--", sys.executable, "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=Path(__file__).resolve().parents[2], start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=120)
+    finally:  # a hung run: its command and install go with it (their group), not only alongside itself
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return p.returncode, json.loads(status.read_text()), out
 
 
 def test_the_command_sees_the_install_finish(tmp_path: Path) -> None:
