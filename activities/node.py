@@ -312,7 +312,8 @@ class NodeActivities:
             check_exposure(e.host, engine_token(), "engines")
         except ValueError as err:
             raise failure(Failure.INVALID_INPUT, f"engines.host: {err}") from err
-        folder = self.rt.local_weights(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key, inp.checksum)
+        folder = self.rt.local_weights(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key, inp.checksum,
+                                       export=self._exporter(inp.run_id, inp.policy_version))
         if e.backend == "sglang" and (why := unverifiable_reason(folder)) is not None:
             raise failure(Failure.INVALID_INPUT, f"engines.backend 'sglang': {why}")
         health = HealthConfig(
@@ -349,6 +350,16 @@ class NodeActivities:
             seconds=time.perf_counter() - t0,
             node_events=self.rt.drain_events(),
         )
+
+    def _exporter(self, run_id: str, version: int) -> Callable[[], None]:
+        """This node's trainer exporting ``version`` of the run again (restore + replay when it
+        holds another): for an engine push of a version the store holds no copy of."""
+        def export() -> None:
+            known = self.rt.setups.get(run_id)
+            setup = self._setup(run_id, known.epoch if known else 0)  # NodeLost without one: re-placed
+            self._trainer_call(run_id, setup.epoch, f"export v{version}",
+                               lambda: self.rt.trainer.ensure_version(setup, version))
+        return export
 
     @activity.defn(name=CHECKPOINT.name)
     def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:

@@ -44,7 +44,7 @@ def step_batch(inp: TrainStepInput) -> StepBatch:
 
 
 def checkpoint_request(inp: CheckpointInput) -> CheckpointRequest:
-    return CheckpointRequest(step=inp.step, data_cursor=inp.data_cursor)
+    return CheckpointRequest(step=inp.step, data_cursor=inp.data_cursor, sync=inp.durable)
 
 
 def rollout_request(inp: RolloutInput, n_rows: int) -> RolloutRequest:

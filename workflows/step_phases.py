@@ -104,7 +104,8 @@ async def checkpoint_if_due(inp: RLStepInput, cursor: int) -> CheckpointResult |
     if inp.step % cfg.checkpoint.every != 0 and inp.step != cfg.steps:
         return None
     return await CHECKPOINT.run(
-        CheckpointInput(run_id=inp.run_id, step=inp.step, store_uri=cfg.store, data_cursor=cursor, epoch=inp.epoch),
+        CheckpointInput(run_id=inp.run_id, step=inp.step, store_uri=cfg.store, data_cursor=cursor, epoch=inp.epoch,
+                        durable=inp.step == cfg.steps),
         queue=inp.node_queue, summary=f"checkpoint step {inp.step}",
     )
 

@@ -157,7 +157,7 @@ UPDATE_WEIGHTS = on_node(
     "update_weights", training.UpdateWeightsInput, training.UpdateWeightsResult, timedelta(minutes=10), _retry(10),
 )
 CHECKPOINT = on_node(
-    "checkpoint", training.CheckpointInput, training.CheckpointResult, timedelta(minutes=10), _retry(10),
+    "checkpoint", training.CheckpointInput, training.CheckpointResult, timedelta(minutes=60), _retry(10),
 )
 # a failed cell restart is an outcome, not an error (the run backs off): retries are for the trainer process
 RESTART_CELLS = on_node(

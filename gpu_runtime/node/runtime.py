@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from gpu_runtime.proc import metrics
@@ -146,22 +147,39 @@ class NodeRuntime:
 
     def local_weights(
         self, store_uri: str, run_id: str, version: int, weights_key: str, checksum: str | None = None,
+        export: Callable[[], None] | None = None,
     ) -> Path:
         """The version's model folder on local disk: hard links to this node's trainer export
-        when it is that version with ``checksum`` (same disk: no copy), else downloaded from
-        the store (another node trained it, or the export is gone). Once per version."""
+        when it is that version with ``checksum`` (same disk: no copy); else downloaded from the
+        store when it holds the version (a checkpoint's); else ``export`` has this node's trainer
+        export it again (restored from the last checkpoint and replayed when it moved on), then
+        linked. Once per version."""
         folder = self.work_dir / "weights" / run_id / f"v{version:06d}"
         if not (folder / WEIGHTS_FILE).exists():
             tmp = folder.with_name(folder.name + ".download")
             shutil.rmtree(tmp, ignore_errors=True)
             if not self._link_export(run_id, version, checksum, tmp):
-                store = open_store(store_uri)
-                for key in store.list(weights_key + "/"):  # nested files (a LoRA adapter/ folder) keep their place
-                    store.get_file(key, tmp / key.removeprefix(weights_key + "/"))
+                self._fetch(store_uri, run_id, version, weights_key, checksum, export, tmp)
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
         prune_version_folders(folder.parent, version)
         return folder
+
+    def _fetch(self, store_uri: str, run_id: str, version: int, weights_key: str, checksum: str | None,
+               export: Callable[[], None] | None, dst: Path) -> None:
+        store = open_store(store_uri)
+        if store.exists(f"{weights_key}/{WEIGHTS_FILE}") or export is None:
+            for key in store.list(weights_key + "/"):  # nested files (a LoRA adapter/ folder) keep their place
+                store.get_file(key, dst / key.removeprefix(weights_key + "/"))
+            if not (dst / WEIGHTS_FILE).exists():
+                raise FileNotFoundError(f"weights v{version} of run {run_id}: no export on this node and none "
+                                        f"in the store at {weights_key}")
+            return
+        log.info("weights v%d: not exported here and not in the store: the trainer exports it again", version)
+        export()
+        if not self._link_export(run_id, version, checksum, dst):
+            raise RuntimeError(f"weights v{version} of run {run_id}: the trainer's export does not hold it "
+                               f"(checksum {checksum})")
 
     def _link_export(self, run_id: str, version: int, checksum: str | None, dst: Path) -> bool:
         """Hard-link the trainer's export of ``version`` into ``dst`` if its meta names that

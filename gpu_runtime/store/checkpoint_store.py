@@ -12,11 +12,17 @@ uploaded again; its entry points (``stored_in``) at the folder that holds the by
 A checkpoint is durable when its manifest exists and parses. Uploads run one at a time
 (a single worker thread, or the caller's thread with ``sync=True``), so retention, which
 runs after each commit, never races an upload of this store.
+
+``save`` copies a written folder; ``save_written`` takes a writer instead (a trainer's
+in-memory state snapshot): the upload thread writes the files, hashes and uploads them, so the
+caller waits for neither the disk nor the store. A write or upload that fails for lack of
+space (ENOSPC) is retried like any other (``RetryPolicy``) and reported once as a
+``disk_full`` event. With ``keep_local=False`` the local copy is removed once the checkpoint
+is durable (a restore reads the store).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import queue
@@ -24,7 +30,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,58 +45,13 @@ from gpu_runtime.store.checkpoint_manifest import (  # noqa: F401  (re-exported)
     parse_manifest,
     step_name,
 )
+from gpu_runtime.store.checkpoint_handle import (
+    CheckpointHandle, Writer, copy_and_hash, file_hash, hash_files, is_disk_full,
+)
 from gpu_runtime.store.object_store import ObjectStore, StoreError, file_sha256
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class CheckpointHandle:
-    step: int
-    local_path: Path
-    files: dict[str, tuple[str, int]]  # relpath -> (sha256, size)
-    meta: dict[str, Any]
-    failures: int = 0
-    last_error: BaseException | None = None
-    uploaded: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    upload_seconds: float | None = None
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
-    _error: BaseException | None = field(default=None, repr=False)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """True once durable; False on timeout or failure (see ``error``)."""
-        self._done.wait(timeout)
-        return self.durable
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def durable(self) -> bool:
-        return self._done.is_set() and self._error is None
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
-
-
-def _copy_and_hash(src: Path, dst: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with src.open("rb") as fi, dst.open("wb") as fo:
-        while block := fi.read(8 << 20):
-            h.update(block)
-            fo.write(block)
-            size += len(block)
-    return h.hexdigest(), size
 
 
 class CheckpointStore:
@@ -104,6 +64,8 @@ class CheckpointStore:
         *,
         retry: RetryPolicy | None = None,
         accept: Callable[[CheckpointInfo], bool] | None = None,
+        keep_local: bool = True,
+        on_durable: Callable[[CheckpointHandle], None] | None = None,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -114,6 +76,8 @@ class CheckpointStore:
         self.retry = retry or RetryPolicy()
         # a manifest it refuses is not durable state (fencing: written by a placement left behind)
         self.accept = accept
+        self.keep_local = keep_local
+        self.on_durable = on_durable  # called on the upload thread after a commit and its retention
         self.events: list[dict[str, Any]] = []
         self._queue: queue.Queue[CheckpointHandle | None] = queue.Queue()
         self._pending: list[CheckpointHandle] = []
@@ -121,6 +85,7 @@ class CheckpointStore:
         self._pending_lock = threading.Lock()
         self._closing = threading.Event()
         self._worker: threading.Thread | None = None
+        self._disk_full_reported: set[tuple[int, str]] = set()  # (step, what): one disk_full event each
 
     # -- keys ---------------------------------------------------------------------
 
@@ -163,10 +128,26 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
             for p in sources:
                 rel = p.relative_to(folder).as_posix()
-                files[rel] = _copy_and_hash(p, tmp / rel)
+                files[rel] = copy_and_hash(p, tmp / rel)
             shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
-        handle = CheckpointHandle(step, dest, files, dict(meta))
+        return self._enqueue(CheckpointHandle(step, dest, files, dict(meta)), sync)
+
+    def save_written(
+        self, step: int, write: Writer, meta: dict[str, Any], *, sync: bool = False,
+        extra: tuple[str, Path] | None = None,
+    ) -> CheckpointHandle:
+        """Queue a checkpoint whose files ``write`` puts into an empty folder (on the upload
+        thread, or here with ``sync=True``); ``extra``: a folder uploaded under a store prefix
+        before the manifest (the version's model folder)."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._closing.is_set():
+            raise RuntimeError("CheckpointStore is closed")
+        handle = CheckpointHandle(step, self.local_dir / step_name(step), {}, dict(meta), write=write, extra=extra)
+        return self._enqueue(handle, sync)
+
+    def _enqueue(self, handle: CheckpointHandle, sync: bool) -> CheckpointHandle:
         if sync:
             self.wait_for_uploads()
             self._upload(handle)
@@ -219,6 +200,8 @@ class CheckpointStore:
             except (StoreError, OSError, KeyError) as e:
                 handle.failures += 1
                 handle.last_error = e
+                if is_disk_full(e) and (handle.step, what) not in self._disk_full_reported:
+                    self._disk_full(handle, what, e)
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing.is_set():
                     raise CheckpointUploadError(
@@ -237,6 +220,8 @@ class CheckpointStore:
             name = step_name(h.step)
             manifest_key = self._key(name, MANIFEST)
             try:
+                if h.write is not None:  # a snapshot: its files are written here, off the caller's path
+                    self._with_retry(h, deadline, f"write {h.local_path}", lambda: self._write(h))
                 # an older manifest of this step must never describe the new files
                 self._with_retry(h, deadline, "remove stale manifest", lambda: self.store.delete(manifest_key))
                 base = self._with_retry(h, deadline, "read previous manifest", lambda: self._newest_before(h.step))
@@ -252,6 +237,8 @@ class CheckpointStore:
                     self._with_retry(h, deadline, f"upload {rel}", lambda r=rel, s=sha, n=size: self._put_verified(name, h, r, s, n))
                     entries[rel] = {"sha256": sha, "size": size, "stored_in": name}
                     h.uploaded.append(rel)
+                if h.extra is not None:
+                    self._upload_extra(h, deadline)
                 doc = {"format": FORMAT, "step": h.step, "created_at": time.time(), "meta": h.meta, "files": entries}
                 data = json.dumps(doc, indent=1, sort_keys=True).encode()
                 self._with_retry(h, deadline, "commit manifest", lambda: self._put_manifest(manifest_key, data))
@@ -259,6 +246,7 @@ class CheckpointStore:
                 log.log(logging.ERROR, "checkpoint %s not durable (the previous durable one stays): %s", name, e,
                         exc_info=not isinstance(e, CheckpointUploadError))
                 self.events.append({"kind": "checkpoint_upload_failed", "step": h.step, "error": str(e)})
+                self._drop_local(h)
                 h._finish(e)
                 return
             h.upload_seconds = time.monotonic() - t0
@@ -268,7 +256,59 @@ class CheckpointStore:
                 self._apply_retention()
             except (StoreError, OSError) as e:
                 log.warning("checkpoint retention after %s failed (will retry next time): %s", name, e)
+            self._drop_local(h)
+            if self.on_durable is not None:
+                try:
+                    self.on_durable(h)
+                except (StoreError, OSError) as e:
+                    log.warning("after checkpoint %s: %s", name, e)
             h._finish(None)
+
+    def _write(self, h: CheckpointHandle) -> None:
+        """Run the handle's writer into a fresh folder, then hash what it wrote."""
+        assert h.write is not None
+        t0 = time.monotonic()
+        tmp = self.local_dir / f".{step_name(h.step)}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        h.write(tmp)
+        files = hash_files(tmp)
+        if not files:
+            raise ValueError(f"checkpoint {step_name(h.step)}: the writer wrote no files")
+        shutil.rmtree(h.local_path, ignore_errors=True)
+        tmp.rename(h.local_path)
+        h.files, h.write = files, None  # written: a retry of a later part does not write again
+        h.write_seconds = time.monotonic() - t0
+
+    def _upload_extra(self, h: CheckpointHandle, deadline: float) -> None:
+        assert h.extra is not None
+        prefix, folder = h.extra
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            key = f"{prefix}/{path.relative_to(folder).as_posix()}"
+            sha, size = self._with_retry(h, deadline, f"hash {path}", lambda p=path: file_hash(p))
+
+            def put(k: str = key, p: Path = path, s: str = sha, n: int = size) -> None:
+                self.store.put_file(k, p)
+                if not self.store.verify_file(k, p, s, n):
+                    raise StoreError(f"{self.store.uri(k)}: stored object does not match sha256 {s[:12]}..")
+            self._with_retry(h, deadline, f"upload {key}", put)
+
+    def _drop_local(self, h: CheckpointHandle) -> None:
+        """With ``keep_local=False``: the local copy goes once the checkpoint ended (durable or
+        given up); the extra folder always goes (the caller made it for this upload)."""
+        if not self.keep_local:
+            shutil.rmtree(h.local_path, ignore_errors=True)
+        if h.extra is not None:
+            shutil.rmtree(h.extra[1], ignore_errors=True)
+
+    def _disk_full(self, h: CheckpointHandle, what: str, err: BaseException) -> None:
+        """One ``disk_full`` event per failing write (it is retried with the rest)."""
+        self._disk_full_reported.add((h.step, what))
+        free = shutil.disk_usage(self.local_dir if self.local_dir.exists() else self.local_dir.parent).free
+        self.events.append({"kind": "disk_full", "step": h.step, "what": what, "free_bytes": free,
+                            "error": str(err)})
+        log.warning("checkpoint %s: %s: disk full (%d bytes free): retrying until space returns",
+                    step_name(h.step), what, free)
 
     def _put_verified(self, name: str, h: CheckpointHandle, rel: str, sha: str, size: int) -> None:
         key = self._key(name, rel)

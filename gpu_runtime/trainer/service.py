@@ -19,12 +19,13 @@ from gpu_runtime.store import artifacts as art, lineage
 from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.data.datasets import load_jsonl, prompts_for_step
-from gpu_runtime.models.model_folder import prune_version_folders
+from gpu_runtime.models.model_folder import prune_version_folders, read_meta
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.store.fence import FencedStore, StaleEpoch, read_fence
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.work_dir import weights_folder
 from gpu_runtime.trainer import weight_broadcast
+from gpu_runtime.trainer.checkpoint_saver import CheckpointSaver, fault_injection_delay
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.common.offload import OptimizerOffload
 from gpu_runtime.trainer.common.step_samples import step_samples
@@ -56,14 +57,6 @@ class Divergence(RuntimeError):
     """Training produced NaN/inf: not retryable; the run pauses on its last good state."""
 
 
-def _fault_injection_delay(phase: str) -> None:
-    """Tests set MILESTONE_FAULT_TRAIN_DELAY_S / MILESTONE_FAULT_CHECKPOINT_DELAY_S so a
-    SIGKILL lands inside train_step / checkpoint."""
-    delay = float(os.environ.get(f"MILESTONE_FAULT_{phase.upper()}_DELAY_S", "0"))
-    if delay > 0:
-        time.sleep(delay)
-
-
 class TrainerService:
     def __init__(self, work_dir: str | Path, cell_gpus: tuple[int, ...] = ()) -> None:
         self.work_dir = Path(work_dir)
@@ -72,12 +65,14 @@ class TrainerService:
         self.trainer: Trainer | None = None
         self.store: FencedStore | None = None
         self.ckpts: CheckpointStore | None = None
+        self.saver: CheckpointSaver | None = None  # the run's checkpoints: snapshot now, write and upload after
         self.ancestors: list[tuple[int, CheckpointStore]] = []  # a fork: (last step, the ancestor's checkpoints)
         self._events_seen = 0
         self._refused: list[dict] = []  # writes the run's fence refused (reported with the checkpoint events)
         self.layouts = TrainerLayouts(self.work_dir, cell_gpus)  # what trains the run (single, fsdp2, DP, megatron)
         self._offload: tuple[PolicyTrainer, OptimizerOffload] | None = None  # setup.offload_optimizer
         self._published: tuple[str, int, str] | None = None  # (run, version, checksum) of the last export
+        self._published_by: Trainer | None = None  # the trainer object that exported it
 
     # ---- setup and versions -------------------------------------------------------
     def _bind(self, setup: RunSetup) -> None:
@@ -87,6 +82,8 @@ class TrainerService:
         if self.setup is not None and self.setup.run_id == setup.run_id and self.store is not None:
             self.setup = setup
             self.store.epoch, self.store.node = setup.epoch, setup.node_id  # this call's placement
+            if self.saver is not None:
+                self.saver.setup = setup  # its checkpoints record this placement's epoch
             return
         self._check_backend(setup)
         self.setup = setup
@@ -96,13 +93,8 @@ class TrainerService:
         self.store = FencedStore(open_store(setup.store_uri), setup.run_id, setup.epoch, setup.node_id,
                                  on_refused=self._on_refused)
         self._events_seen = 0
-        self.ckpts = CheckpointStore(
-            self.store,
-            art.checkpoints_prefix(setup.run_id),
-            local_dir=self.work_dir / setup.run_id / "checkpoints",
-            keep_last=setup.keep_last,
-            accept=self._fenced_accept(setup.run_id),
-        )
+        self.saver = CheckpointSaver(self.store, setup, self.work_dir, self._fenced_accept(setup.run_id))
+        self.ckpts = self.saver.ckpts
         # read-only: a fork restores its ancestors' checkpoints but never saves or prunes there
         self.ancestors = [
             (a.step, CheckpointStore(self.store, art.checkpoints_prefix(a.run_id),
@@ -229,6 +221,7 @@ class TrainerService:
         metrics = trainer.sft_warmup(
             rows, s.sft.steps, s.sft.batch_size, s.sft.lr, s.seed, s.sft.grad_clip, betas=s.sft.betas)
         self.trainer = self.layouts.after_sft(s, trainer)
+        self._publish_weights()  # checkpoint 0 uploads v0's model folder with it
         self.save_checkpoint(0, data_cursor=0, sync=True)
         return None, metrics
 
@@ -270,25 +263,26 @@ class TrainerService:
         return weights_folder(self.work_dir, self.setup.run_id, version)
 
     def _publish_weights(self) -> VersionInfo:
-        """Export the current version as a model folder, locally and to the store."""
+        """Export the current version as a model folder on this node's disk (the engines load
+        it, hard-linked). Nothing goes to the store: a checkpoint uploads its version's folder
+        (``save_checkpoint``), any other version is rebuilt when needed (checkpoint + replay)."""
         assert self.trainer is not None and self.store is not None and self.setup is not None
         v = self.trainer.policy_version
         folder = self._weights_dir(v)
+        held = self._published
+        if held is not None and held[:2] == (self.setup.run_id, v) and self._published_by is self.trainer \
+                and read_meta(folder).get("checksum") == held[2]:  # this trainer exported it already
+            return VersionInfo(policy_version=v, checksum=held[2], weights_key=art.weights_prefix(self.setup.run_id, v),
+                               model_path=str(folder))
         checksum = self.trainer.export_model_folder(folder)
         lora = self.setup.model.lora
         if lora is not None and lora.export == "adapter":
             self.trainer.export_adapter_folder(folder / ADAPTER_DIR, self._published_base())
-        prefix = art.weights_prefix(self.setup.run_id, v)
-        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-            self.store.put_file(f"{prefix}/{f.relative_to(folder).as_posix()}", f)
-        # the store keeps v0 (the post-SFT policy) and the newest two versions: a new node
-        # restores from checkpoints, engines only ever load the newest
-        if v - 2 > 0:
-            self.store.delete_prefix(art.weights_prefix(self.setup.run_id, v - 2) + "/")
         # engines on this node only need the newest two versions locally
         prune_version_folders(folder.parent, v)
-        self._published = (self.setup.run_id, v, checksum)
-        return VersionInfo(policy_version=v, checksum=checksum, weights_key=prefix, model_path=str(folder))
+        self._published, self._published_by = (self.setup.run_id, v, checksum), self.trainer
+        return VersionInfo(policy_version=v, checksum=checksum, weights_key=art.weights_prefix(self.setup.run_id, v),
+                           model_path=str(folder))
 
     def _published_base(self) -> str:
         """Where an adapter export's base model is: the user's ``model.path``, or a built
@@ -353,7 +347,7 @@ class TrainerService:
         if self.trainer is None or self.trainer.policy_version != batch.policy_version:
             before = self.ensure_version(setup, batch.policy_version)
         art.put_model(self.store, art.step_batch_key(setup.run_id, batch.step), batch)
-        _fault_injection_delay("train")
+        fault_injection_delay("train")
         try:
             metrics = self._train(batch)
         except FloatingPointError as err:
@@ -405,7 +399,7 @@ class TrainerService:
         before: VersionInfo | None = None
         if self.trainer is None or self.trainer.policy_version != request.step:
             before = self.ensure_version(setup, request.step)
-        _fault_injection_delay("checkpoint")
+        fault_injection_delay("checkpoint")
         saved = self.save_checkpoint(request.step, data_cursor=request.data_cursor, sync=request.sync)
         return saved.model_copy(update={
             "rebuild": before.rebuild if before else None,
@@ -413,25 +407,13 @@ class TrainerService:
         })
 
     def save_checkpoint(self, step: int, *, data_cursor: int, sync: bool = False) -> CheckpointSaved:
-        assert self.trainer is not None and self.ckpts is not None and self.setup is not None
+        """Checkpoint version ``step`` (``CheckpointSaver.save``: the step waits for a snapshot)."""
+        assert self.trainer is not None and self.saver is not None
         if self.trainer.policy_version != step:
             raise RuntimeError(f"checkpoint step {step} but trainer holds v{self.trainer.policy_version}")
-        folder = Path(tempfile.mkdtemp(dir=self.work_dir, prefix="save-"))
-        try:
-            self.trainer.save_state(folder)
-            meta = {
-                "step": step,
-                "policy_version": self.trainer.policy_version,
-                "data_cursor": data_cursor,
-                "config_hash": self.setup.config_hash,
-                "epoch": self.setup.epoch,  # the placement that wrote it (fencing: Fence.accepts)
-            }
-            handle = self.ckpts.save(step, folder, meta, sync=sync)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        return CheckpointSaved(
-            step=step, durable=bool(handle.durable), key=f"{art.checkpoints_prefix(self.setup.run_id)}/step-{step:06d}"
-        )
+        held = self._published
+        checksum = held[2] if held is not None and held[:2] == (self.saver.run_id, step) else None
+        return self.saver.save(self.trainer, step, data_cursor=data_cursor, sync=sync, checksum=checksum)
 
     def wait_for_uploads(self, timeout_s: float) -> bool:
         return True if self.ckpts is None else self.ckpts.wait_for_uploads(timeout_s)

@@ -60,3 +60,24 @@ def test_no_export_or_no_checksum_downloads(node: tuple[NodeRuntime, str]) -> No
     key4 = KEY.replace("v000003", "v000004")
     _folder(Path(uri.removeprefix("file://")) / key4, 4, "sum-4", b"v4 from the store")
     assert (rt.local_weights(uri, RUN, 4, key4) / WEIGHTS_FILE).read_bytes() == b"v4 from the store"
+
+
+def test_a_version_the_store_does_not_hold_is_exported_again(node: tuple[NodeRuntime, str]) -> None:
+    """Only checkpoint versions are stored: any other comes from this node's trainer, which
+    exports it again (restore + replay) when its export is gone, and is then linked."""
+    rt, uri = node
+    key5 = KEY.replace("v000003", "v000005")
+    export = weights_folder(rt.trainer.work_dir, RUN, 5)
+    asked: list[int] = []
+
+    def export_again() -> None:
+        asked.append(5)
+        _folder(export, 5, "sum-5", b"exported again")
+
+    got = rt.local_weights(uri, RUN, 5, key5, "sum-5", export=export_again)
+    assert asked == [5] and (got / WEIGHTS_FILE).read_bytes() == b"exported again"
+    assert (got / WEIGHTS_FILE).stat().st_ino == (export / WEIGHTS_FILE).stat().st_ino
+    with pytest.raises(FileNotFoundError, match="none in the store"):  # nothing can give v6
+        rt.local_weights(uri, RUN, 6, KEY.replace("v000003", "v000006"), "sum-6")
+    with pytest.raises(RuntimeError, match="does not hold it"):  # the export is another version
+        rt.local_weights(uri, RUN, 7, KEY.replace("v000003", "v000007"), "sum-7", export=lambda: None)

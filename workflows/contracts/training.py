@@ -56,6 +56,9 @@ class CheckpointInput(BaseModel):
     store_uri: str
     data_cursor: int
     epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
+    # wait until it is durable (the run's last step: the run ends with its final checkpoint and
+    # model folder in the store); any other checkpoint is written and uploaded in the background
+    durable: bool = False
 
 
 class CheckpointResult(BaseModel):

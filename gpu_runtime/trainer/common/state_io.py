@@ -40,7 +40,8 @@ def read_meta(folder: Path, name: str = META_FILE, format_version: int = FORMAT_
 def write_meta(folder: Path, fields: dict, name: str = META_FILE, format_version: int = FORMAT_VERSION) -> None:
     """``fields`` with the format and the Python RNG's state, into ``folder/name`` atomically:
     written last, so a folder that has it is whole."""
-    meta = {"format": format_version, **fields, "python_random": python_rng_state()}
+    meta = {"format": format_version, **fields}
+    meta.setdefault("python_random", python_rng_state())  # a snapshot's fields carry the state it was taken at
     tmp = folder / (name + ".tmp")
     tmp.write_text(json.dumps(meta, indent=1))
     tmp.replace(folder / name)
@@ -60,9 +61,15 @@ def set_python_rng_state(saved: list[Any]) -> None:
 
 # ---- the optimizer part ---------------------------------------------------------------
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """An optimizer's state as flat ``<param index>.<name>`` tensors, and its param groups."""
+    """An optimizer's state as flat ``<param index>.<name>`` tensors (copies), and its param groups."""
+    views, groups = optimizer_views(opt)
+    return {k: t.contiguous().clone() for k, t in views.items()}, groups
+
+
+def optimizer_views(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """``optimizer_tensors`` without the copy: the live state tensors, detached."""
     osd = opt.state_dict()
-    tensors = {f"{idx}.{name}": t.detach().contiguous().clone()
+    tensors = {f"{idx}.{name}": t.detach()
                for idx, st in osd["state"].items() for name, t in st.items() if isinstance(t, torch.Tensor)}
     return tensors, osd["param_groups"]
 
@@ -103,5 +110,5 @@ def restore_progress(trainer: Progress, meta: dict, weights: Path) -> None:
 
 
 __all__ = ["FORMAT_VERSION", "META_FILE", "OPTIM_FILE", "Progress", "RNG_FILE", "WEIGHTS_FILE",
-           "load_optimizer_tensors", "optimizer_tensors", "python_rng_state", "read_meta", "restore_progress",
+           "load_optimizer_tensors", "optimizer_tensors", "optimizer_views", "python_rng_state", "read_meta", "restore_progress",
            "set_python_rng_state", "write_meta"]

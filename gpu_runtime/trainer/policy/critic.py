@@ -95,11 +95,17 @@ class Critic:
     def save(self, folder: Path) -> dict:
         """Its weights and AdamW state into ``folder`` (``CRITIC_WEIGHTS``, ``CRITIC_OPTIM``);
         returns what the trainer's meta records of it (steps, param groups, checksum)."""
+        files, meta = self.parts()
+        for name, tensors in files.items():
+            save_file(tensors, str(folder / name))
+        return meta
+
+    def parts(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """What ``save`` writes (copies, by file name) and what it returns."""
         sd = self.state_dict()
-        save_file(sd, str(folder / CRITIC_WEIGHTS))
         tensors, groups = optimizer_tensors(self.optimizer)
-        save_file(tensors, str(folder / CRITIC_OPTIM))
-        return {"steps": self.steps, "optimizer_param_groups": groups, "checksum": weights_checksum(sd)}
+        meta = {"steps": self.steps, "optimizer_param_groups": groups, "checksum": weights_checksum(sd)}
+        return {CRITIC_WEIGHTS: sd, CRITIC_OPTIM: tensors}, meta
 
     @classmethod
     def restore(cls, folder: Path, meta: dict, config: PretrainedConfig, hp: TrainSpec) -> "Critic":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from gpu_runtime.data.datasets import encode_prompt, final_answer
@@ -41,6 +41,7 @@ from gpu_runtime.store.artifacts import Sample, derive_seed
 from gpu_runtime.trainer.common import lora as lora_lib, state_io
 from gpu_runtime.trainer.common.batches import check_groups, step_metrics
 from gpu_runtime.trainer.common.optim import AdamWSteps
+from gpu_runtime.trainer.common.snapshot import SnapshotBuffers, StateSnapshot
 from gpu_runtime.trainer.policy import critic as critic_lib, distill as distill_lib, sft as sft_lib
 from gpu_runtime.trainer.policy.step import micro_batch_backward, plan_step
 from gpu_runtime.trainer.protocol import ALIVE, Health
@@ -283,24 +284,45 @@ class PolicyTrainer(AdamWSteps):
         """Write the full trainer state into ``folder`` (meta file last): the trained weights
         (and the reference's, ``REF_FILE``), the architecture and tokenizer, AdamW, the critic
         (``critic.safetensors``, ``critic_optimizer.safetensors``: never published), torch's RNG."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(self.trained_state(), str(folder / state_io.WEIGHTS_FILE))
-        if (ref := self.reference_state()) is not None:
-            save_file(ref, str(folder / REF_FILE))
-        self.model.config.save_pretrained(str(folder))  # architecture, so ``from_state`` can rebuild
-        self.tokenizer.save(folder)
-        tensors, groups = self.optimizer_state()
-        save_file(tensors, str(folder / state_io.OPTIM_FILE))
-        critic_meta = self.critic.save(folder) if self.critic is not None else None
-        save_file({"torch_cpu": torch.get_rng_state()}, str(folder / state_io.RNG_FILE))
-        state_io.write_meta(folder, {
+        self.state_snapshot().write(Path(folder))
+
+    def state_snapshot(self, buffers: SnapshotBuffers | None = None, checksum: str | None = None) -> StateSnapshot:
+        """What ``save_state`` writes, taken now. With ``buffers`` every tensor is copied into
+        them (the snapshot stays valid while the trainer trains on); without, the snapshot
+        holds the live tensors and must be written before the next step. ``checksum``: this
+        version's published-weights checksum when the caller knows it (else computed)."""
+        def held(file: str, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return buffers.copy(file, sd) if buffers is not None else {k: v.contiguous() for k, v in sd.items()}
+
+        files = {state_io.WEIGHTS_FILE: held(state_io.WEIGHTS_FILE, self._model_tensors(self.model))}
+        if self.ref_model is not None:
+            files[REF_FILE] = held(REF_FILE, self._model_tensors(self.ref_model))
+        optim, groups = state_io.optimizer_views(self.optimizer)
+        files[state_io.OPTIM_FILE] = held(state_io.OPTIM_FILE, optim)
+        critic_meta = None
+        if self.critic is not None:
+            critic_files, critic_meta = self.critic.parts()  # copies already
+            files.update(critic_files)
+        files[state_io.RNG_FILE] = {"torch_cpu": torch.get_rng_state()}
+        meta = {
             "policy_version": self.policy_version, "opt_steps": self.opt_steps, "seed": self.seed,
             "model_config": shape_summary(self.model), "hparams": self.hparams.model_dump(mode="json"),
             "has_reference": self.ref_model is not None,
             "lora": self.lora.model_dump(mode="json") if self.lora else None,
-            "optimizer_param_groups": groups, "critic": critic_meta, "checksum": self.checksum(),
-        })
+            "optimizer_param_groups": copy.deepcopy(groups), "critic": critic_meta,
+            "checksum": checksum or self.checksum(), "python_random": state_io.python_rng_state(),
+        }
+        config, tokenizer = self.model.config, self.tokenizer
+
+        def write_static(folder: Path) -> None:
+            config.save_pretrained(str(folder))  # architecture, so ``from_state`` can rebuild
+            tokenizer.save(folder)
+
+        return StateSnapshot(files, meta, write_static, buffers=buffers)
+
+    def _model_tensors(self, model: PreTrainedModel) -> dict[str, torch.Tensor]:
+        """``_model_state`` without its copy: the live weights (detached views), or the adapters."""
+        return lora_lib.adapter_state_dict(model) if self.lora else exported_tensors(model)
 
     @classmethod
     def from_state(cls, folder: str | Path) -> "PolicyTrainer":

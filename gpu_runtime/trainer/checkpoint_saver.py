@@ -1,0 +1,133 @@
+"""A run's checkpoints as the trainer saves them: the state copied out of the trainer now,
+written, hashed and uploaded with the version's model folder on the upload thread.
+
+The step that asks for a checkpoint waits only for the copy (``StateSnapshot`` into reused
+``SnapshotBuffers``; a fsdp2 cell, DP cells and the megatron trainer write their state into a
+local folder instead, their ranks holding the shards). The next checkpoint waits for the
+previous one to be durable (or given up): its buffers are reused, and the store commits one
+checkpoint at a time. A crash before a manifest is written leaves the previous durable
+checkpoint, which restore + replay start from (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gpu_runtime.store import artifacts as art
+from gpu_runtime.store.checkpoint_handle import CheckpointHandle
+from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
+from gpu_runtime.store.checkpoint_store import CheckpointStore
+from gpu_runtime.store.object_store import ObjectStore
+from gpu_runtime.trainer.common.snapshot import SnapshotBuffers
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+from gpu_runtime.trainer.protocol import Trainer
+from gpu_runtime.trainer.work_dir import weights_folder
+from spec.trainer_rpc import CheckpointSaved, RunSetup
+
+log = logging.getLogger(__name__)
+
+
+def fault_injection_delay(phase: str) -> None:
+    """Tests set MILESTONE_FAULT_TRAIN_DELAY_S / MILESTONE_FAULT_CHECKPOINT_DELAY_S /
+    MILESTONE_FAULT_UPLOAD_DELAY_S so a SIGKILL lands inside train_step / checkpoint / a
+    checkpoint's background write (before its files exist); MILESTONE_FAULT_UPLOAD_GATE=<file>
+    holds the background write until that file exists (at most 10 minutes)."""
+    delay = float(os.environ.get(f"MILESTONE_FAULT_{phase.upper()}_DELAY_S", "0"))
+    if delay > 0:
+        time.sleep(delay)
+    gate = os.environ.get(f"MILESTONE_FAULT_{phase.upper()}_GATE")
+    deadline = time.monotonic() + 600
+    while gate and not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class CheckpointSaver:
+    def __init__(self, store: ObjectStore, setup: RunSetup, work_dir: Path,
+                 accept: Callable[[CheckpointInfo], bool]) -> None:
+        self.store = store
+        self.run_id = setup.run_id
+        self.setup = setup
+        self.work_dir = work_dir
+        self.ckpts = CheckpointStore(
+            store, art.checkpoints_prefix(setup.run_id), local_dir=work_dir / setup.run_id / "checkpoints",
+            keep_last=setup.keep_last, accept=accept,
+            keep_local=False,  # a restore reads the store: a node keeps a checkpoint only until it is durable
+            on_durable=self._prune_stored_weights,
+        )
+        self.buffers = SnapshotBuffers()  # host copies of the trainer's state, reused by every checkpoint
+
+    def save(self, trainer: Trainer, step: int, *, data_cursor: int, sync: bool = False,
+             checksum: str | None = None) -> CheckpointSaved:
+        """Checkpoint ``trainer`` (at version ``step``); ``sync``: durable before this returns.
+        ``checksum``: the version's published checksum, when the caller holds it."""
+        t0 = time.perf_counter()
+        self.ckpts.wait_for_uploads()
+        waited = time.perf_counter() - t0
+        meta = {
+            "step": step,
+            "policy_version": trainer.policy_version,
+            "data_cursor": data_cursor,
+            "config_hash": self.setup.config_hash,
+            "epoch": self.setup.epoch,  # the placement that wrote it (fencing: Fence.accepts)
+        }
+        write = self._state_writer(trainer, checksum)
+        handle = self.ckpts.save_written(step, write, meta, sync=sync, extra=self._version_folder_copy(step))
+        log.info("checkpoint step %d: %.2fs waiting for the previous one, %.2fs to snapshot%s", step, waited,
+                 time.perf_counter() - t0 - waited, "" if sync else "; uploading")
+        return CheckpointSaved(step=step, durable=bool(handle.durable),
+                               key=f"{art.checkpoints_prefix(self.run_id)}/step-{step:06d}")
+
+    def _state_writer(self, trainer: Trainer, checksum: str | None) -> Callable[[Path], None]:
+        """The trainer's state, taken now, as a writer for the upload thread."""
+        if isinstance(trainer, PolicyTrainer):
+            snap = trainer.state_snapshot(self.buffers, checksum)
+
+            def write_snapshot(folder: Path) -> None:
+                fault_injection_delay("upload")
+                snap.write(folder)
+            return write_snapshot
+        written = Path(tempfile.mkdtemp(dir=self.work_dir, prefix="save-"))
+        try:
+            trainer.save_state(written)
+        except BaseException:
+            shutil.rmtree(written, ignore_errors=True)
+            raise
+
+        def move(folder: Path) -> None:
+            fault_injection_delay("upload")
+            for item in written.iterdir():
+                item.rename(folder / item.name)
+            shutil.rmtree(written, ignore_errors=True)
+        return move
+
+    def _version_folder_copy(self, step: int) -> tuple[str, Path] | None:
+        """Hard links to version ``step``'s exported model folder (pruning the version folders
+        cannot take it from the upload), uploaded beside its checkpoint."""
+        src = weights_folder(self.work_dir, self.run_id, step)
+        if not src.is_dir():
+            return None
+        dst = self.work_dir / self.run_id / "checkpoints" / f".weights-v{step:06d}"
+        shutil.rmtree(dst, ignore_errors=True)
+        for f in sorted(p for p in src.rglob("*") if p.is_file()):
+            (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            os.link(f, dst / f.relative_to(src))
+        return art.weights_prefix(self.run_id, step), dst
+
+    def _prune_stored_weights(self, _handle: CheckpointHandle) -> None:
+        """After a checkpoint is durable: the store keeps the model folders of v0 (the
+        post-SFT policy) and of the run's durable checkpoints (``checkpoint.keep_last``)."""
+        kept = {0} | {c.step for c in self.ckpts.list_durable()}
+        prefix = f"{art.run_prefix(self.run_id)}/weights/"
+        versions = {key[len(prefix):].partition("/")[0] for key in self.store.list(prefix)}
+        for name in sorted(versions):
+            if name.startswith("v") and name[1:].isdigit() and int(name[1:]) not in kept:
+                self.store.delete_prefix(f"{prefix}{name}/")
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self.ckpts.wait_for_uploads(timeout_s)
