@@ -1,0 +1,152 @@
+"""What a benchmarked run writes and how much memory its processes hold, watched from outside.
+
+``Watch`` runs one thread that, every ``interval_s``:
+
+- walks the given folders (a file:// store, a node's work dir) and keeps a ledger of every
+  file it has seen: the largest size seen, the kind of bytes (from its path, through a
+  ``classify`` function) and when it first appeared. A path that turns up with the inode
+  of a file seen at the previous scan under another path is that file renamed or hard-linked
+  (a ``.tmp`` folder renamed into place, an engine folder hard-linked to the trainer's
+  export): no new bytes. A file written and deleted between two scans is missed;
+- reads each watched process's ``VmHWM`` (the kernel's peak resident set, exact) and, through
+  psutil, its resident set and ``write_bytes`` (bytes it sent to the storage layer). The pids
+  come from a function called each time, so processes started during the run (a node's
+  trainer and engines) join when they appear.
+
+``Watch.__exit__`` takes a last sample, so the last values are those just before the
+processes are stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+# (kind, where) of a file from its path relative to the watched root; None: not counted
+Classify = Callable[[tuple[str, ...]], tuple[str, str] | None]
+
+
+@dataclass
+class FileSeen:
+    kind: str
+    where: str
+    size: int
+    first_seen: float  # time.time() of the first scan that saw it
+
+
+@dataclass
+class ProcSeen:
+    role: str
+    pid: int
+    peak_rss: int = 0  # max of VmHWM and the sampled RSS, bytes
+    write_bytes: int = 0  # /proc/<pid>/io write_bytes at the last sample
+
+
+@dataclass
+class Ledger:
+    files: list[FileSeen] = field(default_factory=list)
+    _by_path: dict[Path, tuple[int, FileSeen]] = field(default_factory=dict)
+    _last_inodes: dict[int, FileSeen] = field(default_factory=dict)
+
+    def scan(self, roots: list[tuple[Path, Classify]]) -> None:
+        now, inodes = time.time(), {}
+        for root, classify in roots:
+            for path, st in _walk(root):
+                known = self._by_path.get(path)
+                if known is not None and known[0] == st.st_ino:
+                    seen = known[1]
+                elif st.st_ino in self._last_inodes or st.st_ino in inodes:  # renamed or hard-linked
+                    seen = self._last_inodes.get(st.st_ino) or inodes[st.st_ino]
+                else:
+                    kind = classify(path.relative_to(root).parts)
+                    if kind is None:
+                        continue
+                    seen = FileSeen(kind[0], kind[1], 0, now)
+                    self.files.append(seen)
+                self._by_path[path] = (st.st_ino, seen)
+                seen.size = max(seen.size, st.st_size)
+                inodes[st.st_ino] = seen
+        self._last_inodes = inodes
+
+    def bytes_by_kind(self, start: float = 0.0, end: float = float("inf")) -> dict[tuple[str, str], int]:
+        """Bytes of the files that first appeared in [start, end), by (kind, where)."""
+        out: dict[tuple[str, str], int] = {}
+        for f in self.files:
+            if start <= f.first_seen < end:
+                out[(f.kind, f.where)] = out.get((f.kind, f.where), 0) + f.size
+        return out
+
+
+def _walk(root: Path):
+    stack = [root]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:  # removed meanwhile
+            continue
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(Path(e.path))
+                elif e.is_file(follow_symlinks=False):
+                    yield Path(e.path), e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+
+
+def vm_hwm(pid: int) -> int:
+    """The kernel's peak resident set of ``pid`` in bytes (0: gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Watch:
+    """``with Watch(roots, pids) as w:`` samples until the block ends; then ``w.ledger`` and
+    ``w.procs`` (role -> ProcSeen). ``pids()`` returns {role: pid} (roles stay unique)."""
+
+    def __init__(self, roots: list[tuple[Path, Classify]], pids: Callable[[], dict[str, int]] = dict,
+                 interval_s: float = 0.1) -> None:
+        self.roots, self.pids, self.interval_s = roots, pids, interval_s
+        self.ledger = Ledger()
+        self.procs: dict[str, ProcSeen] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="watch", daemon=True)
+
+    def sample(self) -> None:
+        self.ledger.scan(self.roots)
+        for role, pid in self.pids().items():
+            seen = self.procs.get(role)
+            if seen is None or seen.pid != pid:  # a restarted process keeps the larger peak under its role
+                seen = self.procs[role] = ProcSeen(role, pid, seen.peak_rss if seen else 0)
+            try:
+                p = psutil.Process(pid)
+                rss, wb = p.memory_info().rss, p.io_counters().write_bytes
+            except (psutil.Error, OSError):
+                continue
+            seen.peak_rss = max(seen.peak_rss, rss, vm_hwm(pid))
+            seen.write_bytes = wb
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> "Watch":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
