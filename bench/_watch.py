@@ -4,10 +4,12 @@
 
 - walks the given folders (a file:// store, a node's work dir) and keeps a ledger of every
   file it has seen: the largest size seen, the kind of bytes (from its path, through a
-  ``classify`` function) and when it first appeared. A path that turns up with the inode
-  of a file seen at the previous scan under another path is that file renamed or hard-linked
-  (a ``.tmp`` folder renamed into place, an engine folder hard-linked to the trainer's
-  export): no new bytes. A file written and deleted between two scans is missed;
+  ``classify`` function) and when it first appeared. Files are counted where they land:
+  a path with a part that starts with ``.`` or ends with ``.tmp``, ``.download``, ``.part`` or
+  ``.old`` (what the project writes before renaming into place) is skipped, and a hard
+  link (``st_nlink > 1``) to a file counted at this scan or the one before (an engine's
+  folder linked to the trainer's export) adds nothing. A path rewritten as a new file (a
+  new inode) counts again. A file written and deleted between two scans is missed;
 - reads each watched process's ``VmHWM`` (the kernel's peak resident set, exact) and, through
   psutil, its resident set and ``write_bytes`` (bytes it sent to the storage layer). The pids
   come from a function called each time, so processes started during the run (a node's
@@ -48,30 +50,38 @@ class ProcSeen:
     write_bytes: int = 0  # /proc/<pid>/io write_bytes at the last sample
 
 
+TRANSIENT_SUFFIXES = (".tmp", ".download", ".part", ".old")
+
+
+def transient(parts: tuple[str, ...]) -> bool:
+    """A path under a name the project writes before renaming it into place."""
+    return any(p.startswith(".") or p.endswith(TRANSIENT_SUFFIXES) for p in parts)
+
+
 @dataclass
 class Ledger:
     files: list[FileSeen] = field(default_factory=list)
     _by_path: dict[Path, tuple[int, FileSeen]] = field(default_factory=dict)
-    _last_inodes: dict[int, FileSeen] = field(default_factory=dict)
+    _last_inodes: set[int] = field(default_factory=set)
 
     def scan(self, roots: list[tuple[Path, Classify]]) -> None:
-        now, inodes = time.time(), {}
+        now, inodes = time.time(), set()
         for root, classify in roots:
             for path, st in _walk(root):
                 known = self._by_path.get(path)
                 if known is not None and known[0] == st.st_ino:
-                    seen = known[1]
-                elif st.st_ino in self._last_inodes or st.st_ino in inodes:  # renamed or hard-linked
-                    seen = self._last_inodes.get(st.st_ino) or inodes[st.st_ino]
+                    known[1].size = max(known[1].size, st.st_size)
+                elif st.st_nlink > 1 and (st.st_ino in self._last_inodes or st.st_ino in inodes):
+                    self._by_path[path] = (st.st_ino, FileSeen("link", "", 0, now))  # not in files: no bytes
                 else:
-                    kind = classify(path.relative_to(root).parts)
+                    parts = path.relative_to(root).parts
+                    kind = None if transient(parts) else classify(parts)
                     if kind is None:
                         continue
-                    seen = FileSeen(kind[0], kind[1], 0, now)
+                    seen = FileSeen(kind[0], kind[1], st.st_size, now)
                     self.files.append(seen)
-                self._by_path[path] = (st.st_ino, seen)
-                seen.size = max(seen.size, st.st_size)
-                inodes[st.st_ino] = seen
+                    self._by_path[path] = (st.st_ino, seen)
+                inodes.add(st.st_ino)
         self._last_inodes = inodes
 
     def bytes_by_kind(self, start: float = 0.0, end: float = float("inf")) -> dict[tuple[str, str], int]:
