@@ -4,12 +4,13 @@
 
 - walks the given folders (a file:// store, a node's work dir) and keeps a ledger of every
   file it has seen: the largest size seen, the kind of bytes (from its path, through a
-  ``classify`` function) and when it first appeared. Files are counted where they land:
-  a path with a part that starts with ``.`` or ends with ``.tmp``, ``.download``, ``.part`` or
-  ``.old`` (what the project writes before renaming into place) is skipped, and a hard
-  link (``st_nlink > 1``) to a file counted at this scan or the one before (an engine's
-  folder linked to the trainer's export) adds nothing. A path rewritten as a new file (a
-  new inode) counts again. A file written and deleted between two scans is missed;
+  ``classify`` function) and when it was written (its mtime when first seen). Files are
+  counted where they land: a path with a part that starts with ``.`` or ends with ``.tmp``,
+  ``.download``, ``.part`` or ``.old`` (what the project writes before renaming it into place)
+  is skipped, and a hard link (``st_nlink > 1``) to a file counted at this scan or the one
+  before (an engine's folder linked to the trainer's export) adds nothing. A path rewritten
+  as a new file (a new inode) counts again. A file written and deleted between two scans
+  is missed;
 - reads each watched process's ``VmHWM`` (the kernel's peak resident set, exact) and, through
   psutil, its resident set and ``write_bytes`` (bytes it sent to the storage layer). The pids
   come from a function called each time, so processes started during the run (a node's
@@ -39,7 +40,7 @@ class FileSeen:
     kind: str
     where: str
     size: int
-    first_seen: float  # time.time() of the first scan that saw it
+    written: float  # its mtime when first seen (time.time() clock): when it was written, not when the scan came
 
 
 @dataclass
@@ -78,17 +79,17 @@ class Ledger:
                     kind = None if transient(parts) else classify(parts)
                     if kind is None:
                         continue
-                    seen = FileSeen(kind[0], kind[1], st.st_size, now)
+                    seen = FileSeen(kind[0], kind[1], st.st_size, min(now, st.st_mtime))
                     self.files.append(seen)
                     self._by_path[path] = (st.st_ino, seen)
                 inodes.add(st.st_ino)
         self._last_inodes = inodes
 
     def bytes_by_kind(self, start: float = 0.0, end: float = float("inf")) -> dict[tuple[str, str], int]:
-        """Bytes of the files that first appeared in [start, end), by (kind, where)."""
+        """Bytes of the files written in [start, end) (their mtime when first seen), by (kind, where)."""
         out: dict[tuple[str, str], int] = {}
         for f in self.files:
-            if start <= f.first_seen < end:
+            if start <= f.written < end:
                 out[(f.kind, f.where)] = out.get((f.kind, f.where), 0) + f.size
         return out
 

@@ -4,7 +4,8 @@ For each shape (``--shapes demo,0.36b``: examples/demo.yaml's model, and Qwen2-0
 hidden 896, intermediate 4864, 24 layers, 14 / 2 heads, random init through ``model.init``)
 runs a short RL run (``--prompts`` x ``--samples``, ``--new-tokens`` new tokens, ``--steps``
 steps, a checkpoint every ``--every`` steps and after the last, ``--engines`` torch engines,
-SFT cut to ``--sft-steps``, no held-out eval, file:// store in a temp dir) once per
+SFT cut to ``--sft-steps``, default 0: ``train.entropy_coef`` ``--entropy-coef`` then makes
+every step change the weights; no held-out eval, file:// store in a temp dir) once per
 ``rollout.mode`` (``--modes``) on a fresh stack (``bench.bench_rl_step.measure_temporal``),
 then the same work in a plain single-process loop (``measure_plain``: the same chunks and
 seeds, ``train_step``, a weight copy into the generating model, ``save_state`` + an async
@@ -15,9 +16,9 @@ version published) in a process of its own. Prints, per shape:
   against the plain loop; s/step is the close-to-close cadence of the RLStep children;
 - bytes written by kind and where (store / node / plain loop), from a ledger of every file
   seen under the store folder and the node's work dir (``bench._watch``: a scan every
-  ``--scan-interval`` s, renames and hard links counted once), split by when each file first
-  appeared: before step 1 (init), during a step without / with a checkpoint (per step), after
-  the last step; and the Temporal history payload bytes per step (the RLStep histories);
+  ``--scan-interval`` s, renames and hard links counted once), split by when each file was
+  written (its mtime): before step 1 (init), during a step without / with a checkpoint (per
+  step), after the last step; and the Temporal history payload bytes per step (the RLStep histories);
 - each process's peak RSS (the kernel's VmHWM, read on the watch thread until the run ends;
   the plain loop's own ``ru_maxrss``) and the bytes it wrote to disk (``/proc/<pid>/io``
   write_bytes, over the whole run including init).
@@ -38,9 +39,9 @@ import multiprocessing
 import os
 import resource
 import shutil
+import signal
 import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -70,6 +71,9 @@ def scale_config(store_dir: Path, shape: str, a: argparse.Namespace, name: str) 
                       "max_new_tokens": a.new_tokens}
     raw["engines"] = {**raw["engines"], "num_engines": a.engines}
     raw["eval"] = {**raw.get("eval", {}), "enabled": False}  # the plain loop evaluates nothing
+    # without SFT every answer scores 0, every advantage is 0 and no weight would change (nor would a
+    # checkpoint's upload: unchanged files are not uploaded again); the entropy bonus moves them all
+    raw["train"] = {**raw["train"], "entropy_coef": a.entropy_coef}
     return RunConfig.model_validate(raw)
 
 
@@ -106,7 +110,7 @@ def classify_plain(parts: tuple[str, ...]) -> tuple[str, str] | None:
 
 
 def by_window(ledger: Ledger, bounds: list[float], ckpt: list[bool]) -> dict[str, dict[str, int]]:
-    """{window: {"kind/where": bytes}}: files that first appeared before step 1, during the
+    """{window: {"kind/where": bytes}}: files written before step 1, during the
     steps (without / with a checkpoint), after the last step. ``bounds``: step 1's start, then
     each step's end."""
     out: dict[str, dict[str, int]] = {w: {} for w in WINDOWS}
@@ -191,8 +195,8 @@ def plain_child(cfg_json: str, work: str, interval_s: float) -> dict:
 
 def plain_run(cfg: RunConfig, work: Path, interval_s: float) -> dict:
     try:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(plain_child, cfg.model_dump_json(), str(work), interval_s).result()
+        with multiprocessing.get_context("spawn").Pool(1) as pool:  # its exit terminates the child
+            return pool.apply(plain_child, (cfg.model_dump_json(), str(work), interval_s))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -233,7 +237,7 @@ def report(shape: str, cfg: RunConfig, runs: dict[str, dict]) -> None:
               f"overlap {r['overlap']:.2f}s/step; init incl. SFT {r['init_s']:.1f}s, stack start "
               f"{r['stack_start_s']:.1f}s; history payloads {r['history_bytes_per_step'] / 1e3:.1f} kB/step")
 
-    print(f"\nbytes written, GB (files under the store / node dir, by when each first appeared; per step = "
+    print(f"\nbytes written, GB (files under the store / node dir, by when each was written; per step = "
           f"mean over the steps of that kind)")
     cols = [(r, m) for m in ["plain", *modes] for r in [runs[m]]]
     print(f"{'':<28}" + "".join(f"{m:>28}" for _, m in cols))
@@ -273,6 +277,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=6, help="rollout.max_new_tokens")
     ap.add_argument("--engines", type=int, default=1, help="engines.num_engines (the plain loop generates on 1 thread)")
     ap.add_argument("--sft-steps", type=int, default=0)
+    ap.add_argument("--entropy-coef", type=float, default=0.01,
+                    help="train.entropy_coef (> 0 so that the weights change without SFT)")
     ap.add_argument("--scan-interval", type=float, default=0.1, help="seconds between the watch thread's samples")
     ap.add_argument("--json", default=None, help="also write every number here")
     a = ap.parse_args()
@@ -285,6 +291,7 @@ def main() -> None:
     if a.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is excluded as warm-up)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a TERM still stops the stack (finally blocks)
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
@@ -309,7 +316,7 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
     print("\nnotes: step 1 is warm-up (excluded from the seconds). Bytes: a file counts once with the largest size "
-          "seen, under the window it first appeared in (an async checkpoint upload that outlives its step counts "
+          "seen, under the window its mtime falls in (an async checkpoint upload that outlives its step counts "
           "under the next one, the last under 'after'); 'version publish/node' is the trainer's export (the "
           "engines' hard links to it add nothing). 'wrote' is /proc/<pid>/io write_bytes over the whole run.")
 
