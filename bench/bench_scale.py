@@ -291,7 +291,11 @@ def main() -> None:
     if a.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is excluded as warm-up)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a TERM still stops the stack (finally blocks)
+    def on_term(*_: object) -> None:  # a TERM still stops the stack (finally blocks); a second one waits for that
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
