@@ -42,6 +42,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -280,7 +281,9 @@ def main() -> None:
     ap.add_argument("--entropy-coef", type=float, default=0.01,
                     help="train.entropy_coef (> 0 so that the weights change without SFT)")
     ap.add_argument("--scan-interval", type=float, default=0.1, help="seconds between the watch thread's samples")
-    ap.add_argument("--json", default=None, help="also write every number here")
+    ap.add_argument("--json", default=None, help="also write every number here (after each run)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs already in --json (same settings) and measure only the missing ones")
     a = ap.parse_args()
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -291,34 +294,43 @@ def main() -> None:
     if a.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is excluded as warm-up)")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
     def on_term(*_: object) -> None:  # a TERM still stops the stack (finally blocks); a second one waits for that
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, on_term)
 
+    settings = {k: v for k, v in vars(a).items() if k not in ("shapes", "modes", "json", "resume")}
     results: dict[str, dict] = {}
+    if a.resume and a.json and Path(a.json).exists():  # runs already measured with the same settings count
+        saved = json.loads(Path(a.json).read_text())
+        if saved.get("settings") != settings:
+            ap.error(f"--resume: {a.json} was measured with other settings: {saved.get('settings')}")
+        results = saved["shapes"]
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
         for shape in shapes:
             tag = shape.replace(".", "")
-            free = shutil.disk_usage(work).free / GB
-            runs: dict[str, dict] = {}
-            for mode in modes:
+            runs = results.setdefault(shape, {})
+            for mode in [*modes, "plain"]:
+                if mode in runs:
+                    continue
                 run_id = f"scale-{tag}-{mode.replace('_', '-')}"
-                cfg = with_mode(scale_config(work / run_id / "store", shape, a, run_id), mode)
-                load = os.getloadavg()[0]
-                runs[mode] = project_run(cfg, work / run_id, run_id, a.scan_interval)
-                print(f"{shape} {mode}: done, load average {load:.1f} -> {os.getloadavg()[0]:.1f}, "
-                      f"{free:.0f} GB free before", flush=True)
-            cfg = scale_config(work / "plain-unused", shape, a, "plain")
-            load = os.getloadavg()[0]
-            runs["plain"] = plain_run(cfg, work / f"plain-{tag}", a.scan_interval)
-            print(f"{shape} plain loop: done, load average {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
-            report(shape, cfg, runs)
-            results[shape] = runs
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
+                load, t, free = os.getloadavg()[0], time.monotonic(), shutil.disk_usage(work).free / GB
+                if mode == "plain":
+                    runs[mode] = plain_run(scale_config(work / "unused", shape, a, "plain"), work / run_id,
+                                           a.scan_interval)
+                else:
+                    cfg = with_mode(scale_config(work / run_id / "store", shape, a, run_id), mode)
+                    runs[mode] = project_run(cfg, work / run_id, run_id, a.scan_interval)
+                runs[mode]["load"] = [load, os.getloadavg()[0]]
+                print(f"{shape} {mode}: {time.monotonic() - t:.0f}s, load average {load:.1f} -> "
+                      f"{os.getloadavg()[0]:.1f}, {free:.0f} GB free before", flush=True)
+                if a.json:  # after each run: an interrupted bench resumes from here (--resume)
+                    Path(a.json).write_text(json.dumps({"settings": settings, "shapes": results}, indent=1) + "\n")
+            report(shape, scale_config(work / "unused", shape, a, "plain"),
+                   {m: runs[m] for m in [*modes, "plain"]})
     print("\nnotes: step 1 is warm-up (excluded from the seconds). Bytes: a file counts once with the largest size "
           "seen, under the window its mtime falls in (an async checkpoint upload that outlives its step counts "
           "under the next one, the last under 'after'); 'version publish/node' is the trainer's export (the "
