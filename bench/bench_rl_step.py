@@ -141,17 +141,20 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
             loop.update_weights()
             ph["update_weights"] = time.perf_counter() - t
             t = time.perf_counter()
+            parts: dict[str, float] = {}  # the checkpoint's save_state, then its local copy (hashed on the way)
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
                 folder = Path(tempfile.mkdtemp(dir=work, prefix="save-"))
                 trainer.save_state(folder)
+                parts["save_state"] = time.perf_counter() - t
                 ckpts.save(step, folder, {"step": step, "policy_version": trainer.policy_version}, sync=False)
                 shutil.rmtree(folder, ignore_errors=True)
+                parts["local_copy"] = time.perf_counter() - t - parts["save_state"]
             ph["checkpoint"] = time.perf_counter() - t
             steps.append({"phases": ph, "wall": time.perf_counter() - t_step, "end": time.time(),
-                          "checkpointed": step % cfg.checkpoint.every == 0 or step == cfg.steps})
+                          "checkpointed": bool(parts), "checkpoint_parts": parts})
     finally:
         ckpts.close(120)
-    return {"steps": steps, "checksum": trainer.checksum()}
+    return {"steps": steps, "checksum": trainer.checksum(), "trainer": trainer}
 
 
 # ---------------------------------------------------------------- report

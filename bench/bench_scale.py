@@ -43,6 +43,8 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -53,7 +55,9 @@ from bench._inproc import demo_config  # noqa: E402
 from bench._watch import Classify, Ledger, Watch  # noqa: E402
 from bench.bench_rl_step import PHASES, cadence, mean, measure_plain, measure_temporal, with_mode  # noqa: E402
 from bench.gpu_check import FULL_SHAPE  # noqa: E402
-from gpu_runtime.models.model_folder import read_meta  # noqa: E402
+from gpu_runtime.models.model_folder import model_checksum, read_meta  # noqa: E402
+from gpu_runtime.store.object_store import LocalStore  # noqa: E402
+from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
 from spec.run import RunConfig  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 
@@ -140,9 +144,19 @@ def stack_pids(stack: Stack) -> dict[str, int]:
 
 def project_run(cfg: RunConfig, run_dir: Path, run_id: str, interval_s: float) -> dict:
     """One mode on a fresh stack, reduced to numbers (its folders removed afterwards)."""
-    def watch(stack: Stack) -> Watch:
-        return Watch([(run_dir / "store", classify_store), (stack.workdir / "nodes", classify_node)],
-                     pids=lambda: stack_pids(stack), interval_s=interval_s)
+    manifest = run_dir / "store" / "runs" / run_id / "checkpoints" / f"step-{cfg.steps:06d}" / "manifest.json"
+    durable: list[float] = []  # the last checkpoint's manifest mtime, once it exists
+
+    @contextmanager
+    def watch(stack: Stack) -> Iterator[Watch]:
+        with Watch([(run_dir / "store", classify_store), (stack.workdir / "nodes", classify_node)],
+                   pids=lambda: stack_pids(stack), interval_s=interval_s) as w:
+            yield w
+            # the run completes before its last checkpoint's upload ends: wait for it (its bytes count)
+            deadline = time.monotonic() + 600
+            while not manifest.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            durable.extend([manifest.stat().st_mtime] if manifest.exists() else [])
 
     try:
         r = measure_temporal(cfg, run_dir, run_id, watch)
@@ -166,6 +180,8 @@ def project_run(cfg: RunConfig, run_dir: Path, run_id: str, interval_s: float) -
                                             for t in tl]),
             "procs": {role: {"peak_rss": p.peak_rss, "write_bytes": p.write_bytes} for role, p in w.procs.items()},
             "checksum": final,
+            # seconds from the last RLStep's close to its checkpoint's manifest in the store (None: not in 600 s)
+            "last_ckpt_durable_after": durable[0] - tl[-1]["_last"] if durable else None,
         }
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -177,6 +193,7 @@ def plain_child(cfg_json: str, work: str, interval_s: float) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     with Watch([(folder, classify_plain)], interval_s=interval_s) as w:
         out = measure_plain(cfg, folder)
+    probe = publish_probe(out.pop("trainer"), folder / "probe")
     steps = out["steps"]
     meas = steps[1:]
     starts = steps[0]["end"] - steps[0]["wall"]
@@ -187,11 +204,34 @@ def plain_child(cfg_json: str, work: str, interval_s: float) -> dict:
         "wall_ckpt_step": mean([s["wall"] for s in meas if s["checkpointed"]]),
         "ckpt_phase": mean([s["phases"]["checkpoint"] for s in meas if s["checkpointed"]]),
         "n_ckpt": sum(s["checkpointed"] for s in steps), "n_steps": len(steps),
+        "checkpoint_parts": {k: mean([s["checkpoint_parts"][k] for s in meas if s["checkpointed"]])
+                             for k in ("save_state", "local_copy")},
+        "publish_probe": probe,
         "bytes": by_window(w.ledger, [starts, *(s["end"] for s in steps)], [s["checkpointed"] for s in steps]),
         "procs": {"plain loop": {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                  "write_bytes": psutil.Process().io_counters().write_bytes}},
         "checksum": out["checksum"],
     }
+
+
+def publish_probe(trainer: PolicyTrainer, folder: Path) -> dict[str, float]:
+    """What publishing a version costs the project's trainer beyond the plain loop's step, timed
+    once in the plain loop's process after its run: the checksum the folder carries, the
+    model folder written (``export_model_folder``: checksum + safetensors), its copy into a
+    file:// store."""
+    t = time.perf_counter()
+    model_checksum(trainer.model)
+    checksum_s = time.perf_counter() - t
+    t = time.perf_counter()
+    trainer.export_model_folder(folder / "v")
+    export_s = time.perf_counter() - t
+    t = time.perf_counter()
+    store = LocalStore(folder / "store")
+    for f in sorted(x for x in (folder / "v").rglob("*") if x.is_file()):
+        store.put_file(f"v/{f.relative_to(folder / 'v').as_posix()}", f)
+    copy_s = time.perf_counter() - t
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"checksum": checksum_s, "export (checksum + write)": export_s, "copy to the store": copy_s}
 
 
 def plain_run(cfg: RunConfig, work: Path, interval_s: float) -> dict:
@@ -231,9 +271,15 @@ def report(shape: str, cfg: RunConfig, runs: dict[str, dict]) -> None:
     row("  checkpoint phase, when due", "ckpt_phase")
     print(f"{'s/step, close to close':<34} {base:>9.3f}"
           + "".join(f" {runs[m]['cadence']:>13.3f} {runs[m]['cadence'] / base:>7.2f}x" for m in modes))
+    parts = ", ".join(f"{k} {v:.2f}s" for k, v in plain["checkpoint_parts"].items())
+    probe = ", ".join(f"{k} {v:.2f}s" for k, v in plain["publish_probe"].items())
+    print(f"  plain: checkpoint = {parts}; publishing a version (not in its step, timed once after): {probe}")
     for m in modes:
         r = runs[m]
         stall = r["ckpt_phase"] / r["wall_plain_step"] if r["wall_plain_step"] > 0 else float("nan")
+        last = r["last_ckpt_durable_after"]
+        print(f"  {m}: the last checkpoint durable in the store "
+              + (f"{last:.1f}s after the run's last step closed" if last is not None else "not within 600 s"))
         print(f"  {m}: checkpoint stall {r['ckpt_phase']:.2f}s = {100 * stall:.0f}% of a step without one; "
               f"overlap {r['overlap']:.2f}s/step; init incl. SFT {r['init_s']:.1f}s, stack start "
               f"{r['stack_start_s']:.1f}s; history payloads {r['history_bytes_per_step'] / 1e3:.1f} kB/step")
