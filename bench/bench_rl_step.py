@@ -36,6 +36,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -43,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._inproc import PlainLoop, demo_config  # noqa: E402
+from bench.step_timeline import child_timeline  # noqa: E402
 from gpu_runtime.store.checkpoint_store import CheckpointStore  # noqa: E402
 from gpu_runtime.models.model_folder import read_meta  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
@@ -73,18 +76,25 @@ async def temporal_run(cfg: RunConfig, address: str, run_id: str) -> dict:
         closes.append(desc.close_time.timestamp())
     first_start = (await client.get_workflow_handle(f"{run_id}/step-1").describe()).start_time.timestamp()
     run_start = (await client.get_workflow_handle(run_id).describe()).start_time.timestamp()
+    # each RLStep child's history read back (bench.step_timeline): its first and last event times, payload bytes
+    timelines = [await child_timeline(client, f"{run_id}/step-{s.step}") for s in prog.steps]
     return {"summary": summary, "steps": prog.steps, "closes": closes, "total": total,
-            "init": first_start - run_start}
+            "init": first_start - run_start, "run_start": run_start, "timelines": timelines}
 
 
-def measure_temporal(cfg: RunConfig, work: Path, run_id: str = RUN_ID) -> dict:
+def measure_temporal(cfg: RunConfig, work: Path, run_id: str = RUN_ID,
+                     watch: Callable[[Stack], AbstractContextManager[object]] | None = None) -> dict:
+    """``cfg`` run to its end on a fresh stack in ``work/stack-<run_id>``. ``watch(stack)``: a
+    context entered once the stack is up and left before it stops (``out["watched"]``)."""
     stack = Stack(work / f"stack-{run_id}")
     try:
         t = time.monotonic()
         stack.start()
         started = time.monotonic() - t
-        out = asyncio.run(temporal_run(cfg, stack.server.address, run_id))
+        with watch(stack) if watch is not None else nullcontext() as watched:
+            out = asyncio.run(temporal_run(cfg, stack.server.address, run_id))
         out["stack_start"] = started
+        out["watched"] = watched
         return out
     finally:
         stack.stop()
@@ -131,16 +141,20 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
             loop.update_weights()
             ph["update_weights"] = time.perf_counter() - t
             t = time.perf_counter()
+            parts: dict[str, float] = {}  # the checkpoint's save_state, then its local copy (hashed on the way)
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
                 folder = Path(tempfile.mkdtemp(dir=work, prefix="save-"))
                 trainer.save_state(folder)
+                parts["save_state"] = time.perf_counter() - t
                 ckpts.save(step, folder, {"step": step, "policy_version": trainer.policy_version}, sync=False)
                 shutil.rmtree(folder, ignore_errors=True)
+                parts["local_copy"] = time.perf_counter() - t - parts["save_state"]
             ph["checkpoint"] = time.perf_counter() - t
-            steps.append({"phases": ph, "wall": time.perf_counter() - t_step})
+            steps.append({"phases": ph, "wall": time.perf_counter() - t_step, "end": time.time(),
+                          "checkpointed": bool(parts), "checkpoint_parts": parts})
     finally:
         ckpts.close(120)
-    return {"steps": steps, "checksum": trainer.checksum()}
+    return {"steps": steps, "checksum": trainer.checksum(), "trainer": trainer}
 
 
 # ---------------------------------------------------------------- report
