@@ -8,7 +8,8 @@ SFT cut to ``--sft-steps`` and a checkpoint every ``--every`` steps, store in a 
 dir. Then does the same work without Temporal in one process: the same SFT, then per
 step ``generate_batch`` over the same chunks (same seeds), ``score_samples``,
 ``PolicyTrainer.train_step``, a weight copy into the generation model, and every
-``--every`` steps ``save_state`` + ``CheckpointStore.save`` (async upload, local store).
+``--every`` steps a state snapshot + ``CheckpointStore.save_written`` (written and uploaded on its
+thread, local store; the last one waited for), as the project's trainer checkpoints.
 
 Prints the 1-minute load average before and after each run (the ratios compare runs
 made one after another: on a shared machine they move with the load), per-phase mean
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._inproc import PlainLoop, demo_config  # noqa: E402
 from bench.step_timeline import child_timeline  # noqa: E402
 from gpu_runtime.store.checkpoint_store import CheckpointStore  # noqa: E402
+from gpu_runtime.trainer.common.snapshot import SnapshotBuffers  # noqa: E402
 from gpu_runtime.models.model_folder import read_meta  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
 from spec.run import RunConfig  # noqa: E402
@@ -122,7 +124,8 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
     loop.sft()
     trainer = loop.trainer
     ckpts = CheckpointStore(LocalStore(work / "plain-store"), "plain/checkpoints", local_dir=work / "plain-ckpt",
-                            keep_last=cfg.checkpoint.keep_last)
+                            keep_last=cfg.checkpoint.keep_last, keep_local=False)
+    buffers = SnapshotBuffers()
     steps = []
     try:
         for step in range(1, cfg.steps + 1):
@@ -141,14 +144,16 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
             loop.update_weights()
             ph["update_weights"] = time.perf_counter() - t
             t = time.perf_counter()
-            parts: dict[str, float] = {}  # the checkpoint's save_state, then its local copy (hashed on the way)
+            # the checkpoint as the project takes it, in-process: wait for the previous one, snapshot the
+            # state into reused buffers, write + hash + upload on the store's thread (the last one: wait)
+            parts: dict[str, float] = {}
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
-                folder = Path(tempfile.mkdtemp(dir=work, prefix="save-"))
-                trainer.save_state(folder)
-                parts["save_state"] = time.perf_counter() - t
-                ckpts.save(step, folder, {"step": step, "policy_version": trainer.policy_version}, sync=False)
-                shutil.rmtree(folder, ignore_errors=True)
-                parts["local_copy"] = time.perf_counter() - t - parts["save_state"]
+                ckpts.wait_for_uploads()
+                parts["wait_previous"] = time.perf_counter() - t
+                snap = trainer.state_snapshot(buffers)
+                parts["snapshot"] = time.perf_counter() - t - parts["wait_previous"]
+                ckpts.save_written(step, snap.write, {"step": step, "policy_version": trainer.policy_version},
+                                   sync=step == cfg.steps)
             ph["checkpoint"] = time.perf_counter() - t
             steps.append({"phases": ph, "wall": time.perf_counter() - t_step, "end": time.time(),
                           "checkpointed": bool(parts), "checkpoint_parts": parts})

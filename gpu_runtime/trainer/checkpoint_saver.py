@@ -33,17 +33,20 @@ from spec.trainer_rpc import CheckpointSaved, RunSetup
 log = logging.getLogger(__name__)
 
 
-def fault_injection_delay(phase: str) -> None:
+def fault_injection_delay(phase: str, step: int | None = None) -> None:
     """Tests set MILESTONE_FAULT_TRAIN_DELAY_S / MILESTONE_FAULT_CHECKPOINT_DELAY_S /
     MILESTONE_FAULT_UPLOAD_DELAY_S so a SIGKILL lands inside train_step / checkpoint / a
-    checkpoint's background write (before its files exist); MILESTONE_FAULT_UPLOAD_GATE=<file>
-    holds the background write until that file exists (at most 10 minutes)."""
+    checkpoint's background write (before its files exist); MILESTONE_FAULT_UPLOAD_GATE=
+    ``[<step>:]<file>`` holds the background write (of checkpoint ``step`` only, with one)
+    until that file exists (at most 10 minutes)."""
     delay = float(os.environ.get(f"MILESTONE_FAULT_{phase.upper()}_DELAY_S", "0"))
     if delay > 0:
         time.sleep(delay)
-    gate = os.environ.get(f"MILESTONE_FAULT_{phase.upper()}_GATE")
+    at, _, gate = os.environ.get(f"MILESTONE_FAULT_{phase.upper()}_GATE", "").rpartition(":")
+    if not gate or (at and step is not None and int(at) != step):
+        return
     deadline = time.monotonic() + 600
-    while gate and not Path(gate).exists() and time.monotonic() < deadline:
+    while not Path(gate).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -76,20 +79,20 @@ class CheckpointSaver:
             "config_hash": self.setup.config_hash,
             "epoch": self.setup.epoch,  # the placement that wrote it (fencing: Fence.accepts)
         }
-        write = self._state_writer(trainer, checksum)
+        write = self._state_writer(trainer, checksum, step)
         handle = self.ckpts.save_written(step, write, meta, sync=sync, extra=self._version_folder_copy(step))
         log.info("checkpoint step %d: %.2fs waiting for the previous one, %.2fs to snapshot%s", step, waited,
                  time.perf_counter() - t0 - waited, "" if sync else "; uploading")
         return CheckpointSaved(step=step, durable=bool(handle.durable),
                                key=f"{art.checkpoints_prefix(self.run_id)}/step-{step:06d}")
 
-    def _state_writer(self, trainer: Trainer, checksum: str | None) -> Callable[[Path], None]:
+    def _state_writer(self, trainer: Trainer, checksum: str | None, step: int) -> Callable[[Path], None]:
         """The trainer's state, taken now, as a writer for the upload thread."""
         if isinstance(trainer, PolicyTrainer):
             snap = trainer.state_snapshot(self.buffers, checksum)
 
             def write_snapshot(folder: Path) -> None:
-                fault_injection_delay("upload")
+                fault_injection_delay("upload", step)
                 snap.write(folder)
             return write_snapshot
         written = Path(tempfile.mkdtemp(dir=self.work_dir, prefix="save-"))
@@ -100,7 +103,7 @@ class CheckpointSaver:
             raise
 
         def move(folder: Path) -> None:
-            fault_injection_delay("upload")
+            fault_injection_delay("upload", step)
             for item in written.iterdir():
                 item.rename(folder / item.name)
             shutil.rmtree(written, ignore_errors=True)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,10 +27,20 @@ pytestmark = pytest.mark.e2e
 STEPS = 3
 # checkpoints only at the end: a rebuilt trainer must restore step 0 and replay
 CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}}
+# a checkpoint 2's background write waits while this file is missing (it exists but in the upload-crash row)
+UPLOAD_GATE = Path(tempfile.gettempdir()) / f"milestone-upload-gate-{os.getpid()}"
 # fault-injection aid: each train step and checkpoint waits first, so a kill lands inside it
-ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2", "MILESTONE_FAULT_CHECKPOINT_DELAY_S": "1.5"}
+ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2", "MILESTONE_FAULT_CHECKPOINT_DELAY_S": "1.5",
+       "MILESTONE_FAULT_UPLOAD_GATE": f"2:{UPLOAD_GATE}"}
 
 stack, store = module_stack_fixtures("process-faults", ENV)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def upload_gate() -> Iterator[Path]:
+    UPLOAD_GATE.touch()
+    yield UPLOAD_GATE
+    UPLOAD_GATE.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +137,8 @@ def test_node_agent_killed_run_moves_to_spare(tmp_path: Path, baseline: dict) ->
 
         asyncio.run(main())
     assert_trained_exactly_once(store, "node-loss", tiny_config(store, **CFG))
+    # the spare rebuilt v1 (checkpoint 0 + replay) for its engines: the store never held a copy of it
+    assert sorted(d.name for d in (store / "runs" / "node-loss" / "weights").iterdir()) == ["v000000", "v000003"]
     assert_bitwise_equal(final_weights(store, "node-loss", STEPS), baseline)
 
 
@@ -149,4 +164,29 @@ def test_corrupt_checkpoint_is_reported_and_previous_used(stack: Stack, store: P
     corrupt = [e for e in p.events if e.kind == "checkpoint_corrupt"]
     assert corrupt and "step=2" in corrupt[0].detail, ([e.kind for e in p.events], p.steps[2])
     assert p.steps[2].restored_from_step == 1 and p.steps[2].replayed_steps == [2]
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
+
+
+def test_trainer_killed_while_a_checkpoint_uploads(stack: Stack, store: Path, baseline: dict) -> None:
+    """Checkpoint 2 is a snapshot the run goes on from while its files are written (held back
+    here); the trainer dies before they exist, in step 3's train step. The restarted trainer
+    restores checkpoint 1, the last durable one, and replays step 2; checkpoint 2 never
+    becomes durable, and the run ends bitwise equal to its twin."""
+    run_id = "crash-mid-upload"
+    cfg = tiny_config(store, steps=STEPS, checkpoint={"every": 1, "keep_last": 3})
+
+    def kill_trainer_then_let_writes_go(stack: Stack) -> None:
+        kill_trainer(stack)
+        UPLOAD_GATE.touch()
+
+    UPLOAD_GATE.unlink()
+    try:
+        _, p, _ = run_with_fault(stack, run_id, cfg, (3, TRAIN_STEP), kill_trainer_then_let_writes_go)
+    finally:
+        UPLOAD_GATE.touch()
+    assert p.steps[1].checkpointed  # the step's checkpoint call returned: the write was left to the upload thread
+    assert p.steps[2].restored_from_step == 1 and p.steps[2].replayed_steps == [2], p.steps[2]
+    checkpoints = store / "runs" / run_id / "checkpoints"
+    assert sorted(m.parent.name for m in checkpoints.glob("*/manifest.json"))[-2:] == ["step-000001", "step-000003"]
+    assert_trained_exactly_once(store, run_id, cfg)
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
