@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from gpu_runtime.models.causal_lm import (
-    export_state_dict,
     exported_tensors,
     load_causal_lm,
     load_exported_state_dict,
@@ -59,7 +58,9 @@ def save_model_folder(
     """Write the folder atomically (temp dir + rename). Returns the weight checksum.
     ``weights``: the tensors to save instead of ``model``'s own (``export_state_dict``
     naming; ``model`` still gives the config)."""
-    sd = export_state_dict(model) if weights is None else weights
+    # the model's own tensors, uncopied: safetensors and the checksum read them (a clone of every
+    # weight per exported version cost a full model's memcpy and memory)
+    sd = {k: v.contiguous() for k, v in exported_tensors(model).items()} if weights is None else weights
     return write_model_folder(model.config, model.generation_config, tokenizer, folder, weight_version=weight_version,
                               weights=sd)
 

@@ -228,7 +228,7 @@ class PolicyTrainer(AdamWSteps):
         return lora_lib.merged_state_dict(self.model) if self.lora else export_state_dict(self.model)
 
     def checksum(self) -> str:
-        return weights_checksum(self.published_state())
+        return weights_checksum(self.published_state() if self.lora else exported_tensors(self.model))
 
     def broadcast_tensors(self, exported: Path) -> dict[str, torch.Tensor]:
         """The full-tuned model's own tensors as views (no second copy of the weights on the
