@@ -96,14 +96,14 @@ def test_waits_grow_to_five_minutes() -> None:
     assert waits == [5, 10, 20, 40, 80, 160, 300] and next_wait(MAX_WAIT_S) == MAX_WAIT_S
 
 
-def disk_full_times(n: int):  # noqa: ANN201 (a Cluster hook)
-    """A hook whose first ``n`` calls fail as a trainer on a full disk would."""
+def failing(n: int, kind: Failure = Failure.DISK_FULL):  # noqa: ANN201 (a Cluster hook)
+    """A hook whose first ``n`` calls fail with ``kind`` (by default as a trainer on a full disk)."""
     left = {"n": n}
 
     async def hook(queue: str, attempt: int) -> None:
         if left["n"] > 0:
             left["n"] -= 1
-            raise failure(Failure.DISK_FULL, "checkpoint: no space left on device: /w has 0 bytes free")
+            raise failure(kind, "checkpoint: no space left on device: /w has 0 bytes free")
 
     return hook
 
@@ -114,9 +114,9 @@ def test_a_full_disk_at_checkpoint_and_train_waits_then_the_run_completes() -> N
     spent: every call is a first attempt), nothing else of the step runs again, and the run
     completes with every step committed once."""
     cluster = Cluster()
-    cluster.hook(CHECKPOINT, 2, disk_full_times(3))
-    cluster.hook(TRAIN_STEP, 3, disk_full_times(1))
-    cluster.hook(INIT_POLICY, None, disk_full_times(1))
+    cluster.hook(CHECKPOINT, 2, failing(3))
+    cluster.hook(TRAIN_STEP, 3, failing(1))
+    cluster.hook(INIT_POLICY, None, failing(1))
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
         # no liveness watch: the test server does not skip time while an activity runs
@@ -146,16 +146,11 @@ async def timers(handle: WorkflowHandle) -> list[float]:
 
 def test_another_final_failure_is_not_waited_on() -> None:
     cluster = Cluster()
-
-    async def invalid(queue: str, attempt: int) -> None:
-        raise failure(Failure.INVALID_INPUT, "checkpoint: bad field")
-
-    cluster.hook(CHECKPOINT, 2, invalid)
+    cluster.hook(CHECKPOINT, 2, failing(1, Failure.INVALID_INPUT))
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
-        handle = await start_run(env, run_config(steps=3))
         with pytest.raises(Exception):
-            await finish(handle)
+            await finish(await start_run(env, run_config(steps=3)))
         assert len(cluster.served(CHECKPOINT, 2)) == 1
 
     scenario(cluster, body)
