@@ -18,6 +18,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 
 from activities import rewards, translate
+from activities.disk import disk_full_failure
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.engine.auth import check_exposure, engine_token, is_loopback
 from gpu_runtime.engine.backends import SGLangEngineBackend, vllm_python
@@ -94,6 +95,7 @@ class NodeActivities:
         self.report = report  # tells a run about an event outside any activity result (a signal)
         self.watching: Counter[str] = Counter()  # run id -> its node_liveness watches running here
         self.claimed: dict[str, float] = {}  # run id -> when it claimed this node (until its watch starts)
+        self.on_run_left: Callable[[str], None] | None = None  # a run's watch ended here (workers.node_reclaim)
 
     # ---- fencing ------------------------------------------------------------------
     def _store(self, run_id: str, store_uri: str, epoch: int) -> FencedStore:
@@ -149,6 +151,8 @@ class NodeActivities:
         finally:  # the run ended or left this node
             self.watching[inp.run_id] -= 1
             self.claimed.pop(inp.run_id, None)
+            if self.on_run_left is not None and not self.watching[inp.run_id]:
+                self.on_run_left(inp.run_id)
 
     @activity.defn(name=INIT_POLICY.name)
     def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
@@ -393,9 +397,13 @@ class NodeActivities:
                 if isinstance(err, RemoteError) and err.error_type == "StaleEpoch":
                     error = self._stale(run_id, epoch, f"{what}: {err.message}")
                 else:
-                    error = _trainer_error(err, what)
+                    error = disk_full_failure(err, self.rt.node_id, run_id, what, self.report) or _trainer_error(err, what)
                 cause = err
         raise error from cause
+
+    def live_runs(self) -> set[str]:
+        """Runs this node serves now: watched, or claimed and not yet watched."""
+        return {r for r, n in self.watching.items() if n} | set(self.claimed)
 
     def all(self) -> list[Callable]:
         """The activities of this node's own queue."""

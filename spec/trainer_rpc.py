@@ -189,6 +189,18 @@ class CheckpointCall(Message):
     request: CheckpointRequest
 
 
+class ForgetRunCall(Message):
+    """A closed run: the trainer drops what it holds for it (the node then reclaims its files)."""
+
+    run_id: str
+
+
+class RunForgotten(Message):
+    run_id: str
+    held: bool  # the trainer was bound to the run (it is not any more)
+    uploads_done: bool = True  # its background checkpoint uploads finished before it let go
+
+
 # ---- weight broadcast (engines.weight_sync distributed) -------------------------------
 class HeldWeightsCall(Message):
     run_id: str

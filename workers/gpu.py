@@ -27,6 +27,7 @@ from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
 from spec.status import RunEvent
 from workers.common import connect, install_shutdown, parse_worker_args, setup_logging
+from workers.node_reclaim import RunReclaimer
 from workflows.queues import POOL_QUEUE
 
 log = logging.getLogger("workers.gpu")
@@ -57,8 +58,11 @@ async def run(args: argparse.Namespace) -> None:
     await asyncio.to_thread(runtime.start)
     client = await connect(args.address, args.namespace)
     acts = NodeActivities(runtime, report=run_reporter(client, asyncio.get_running_loop()))
+    reclaimer = RunReclaimer(client, runtime, acts.live_runs)  # closed runs' files leave the node
+    acts.on_run_left = reclaimer.run_left
     stop = asyncio.Event()
     install_shutdown(stop)
+    sweeps = asyncio.create_task(reclaimer.run_forever())
     try:
         with ThreadPoolExecutor(max_workers=16) as pool:
             node_worker = Worker(
@@ -76,6 +80,8 @@ async def run(args: argparse.Namespace) -> None:
             async with node_worker, pool_worker:
                 await stop.wait()
     finally:
+        sweeps.cancel()
+        await reclaimer.close()
         await asyncio.to_thread(runtime.stop)
         log.info("node agent stopped")
 

@@ -25,13 +25,17 @@ class Failure(StrEnum):
     TRAINER_ERROR = "TrainerError"  # any other trainer-side error (message names its class)
     REWARD_ERROR = "RewardError"  # a reward function raised or timed out, an endpoint failed
     SAMPLING_SHORTFALL = "SamplingShortfall"  # dynamic sampling kept too few groups (on_shortfall: fail)
+    # a trainer write failed for lack of space: final for the activity, the workflow waits and calls again
+    DISK_FULL = "DiskFull"
 
     @property
     def retryable(self) -> bool:
         return self not in NON_RETRYABLE
 
 
-NON_RETRYABLE: frozenset[Failure] = frozenset({Failure.INVALID_INPUT, Failure.DIVERGENCE, Failure.NODE_LOST})
+NON_RETRYABLE: frozenset[Failure] = frozenset({
+    Failure.INVALID_INPUT, Failure.DIVERGENCE, Failure.NODE_LOST, Failure.DISK_FULL,
+})
 
 
 def failure(kind: Failure, message: str, *details: object, final: bool = False) -> ApplicationError:

@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
         CheckpointInput, CheckpointResult, EvalInput, EvalResult, TrainStepInput, TrainStepResult,
         UpdateWeightsInput, UpdateWeightsResult,
     )
+    from workflows.disk_wait import waiting_for_disk
     from workflows.failures import Failure, failure_in
     from workflows.stubs import CHECKPOINT, EVALUATE, RESTART_CELLS, TRAIN_STEP, UPDATE_WEIGHTS
 
@@ -54,10 +55,10 @@ async def restart_cells(inp: RLStepInput) -> RestartCellsResult:
     """Start the lost DP cells whose backoff is over (``workflows.cell_heal``) on the trainer's
     node; each heals from a peer in this step's quorum. A restart that fails is an outcome,
     not an error: the run backs off and tries again at a later step."""
-    return await RESTART_CELLS.run(
+    return await waiting_for_disk(lambda: RESTART_CELLS.run(
         RestartCellsInput(run_id=inp.run_id, store_uri=inp.config.store, cells=inp.restart_cells, epoch=inp.epoch),
         queue=inp.node_queue, summary=f"restart DP cells {inp.restart_cells}",
-    )
+    ), f"restart DP cells {inp.restart_cells}")
 
 
 def start_cell_restarts(inp: RLStepInput) -> asyncio.Task[RestartCellsResult] | None:
@@ -68,7 +69,7 @@ def start_cell_restarts(inp: RLStepInput) -> asyncio.Task[RestartCellsResult] | 
 async def train(inp: RLStepInput, sampled: Sampled | None, sft_rows: SFTRows | None = None) -> TrainStepResult:
     """The trainer's step on the sampled batch: its chunks and their rewards, or the kept
     groups of its rounds (dynamic sampling); or, in mode sft, on ``sft_rows``."""
-    return await TRAIN_STEP.run(
+    return await waiting_for_disk(lambda: TRAIN_STEP.run(
         TrainStepInput(
             run_id=inp.run_id, step=inp.step, store_uri=inp.config.store, policy_version=inp.policy_version,
             chunk_keys=sampled.chunk_keys if sampled else [], rewards_key=sampled.rewards_key if sampled else "",
@@ -77,7 +78,7 @@ async def train(inp: RLStepInput, sampled: Sampled | None, sft_rows: SFTRows | N
             temperature=trained_temperature(inp) if sampled else 1.0,
         ),
         queue=inp.node_queue, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
-    )
+    ), f"train step {inp.step}")
 
 
 def trained_temperature(inp: RLStepInput) -> float:
@@ -99,15 +100,16 @@ async def update_weights(inp: RLStepInput, trained: TrainStepResult) -> UpdateWe
 
 
 async def checkpoint_if_due(inp: RLStepInput, cursor: int) -> CheckpointResult | None:
-    """The step's checkpoint every ``checkpoint.every`` steps and after the last one."""
+    """The step's checkpoint every ``checkpoint.every`` steps and after the last one (a full
+    disk: it waits for space, ``workflows.disk_wait``; so do the train step and a cell restart)."""
     cfg = inp.config
     if inp.step % cfg.checkpoint.every != 0 and inp.step != cfg.steps:
         return None
-    return await CHECKPOINT.run(
+    return await waiting_for_disk(lambda: CHECKPOINT.run(
         CheckpointInput(run_id=inp.run_id, step=inp.step, store_uri=cfg.store, data_cursor=cursor, epoch=inp.epoch,
                         durable=inp.step == cfg.steps),
         queue=inp.node_queue, summary=f"checkpoint step {inp.step}",
-    )
+    ), f"checkpoint step {inp.step}")
 
 
 async def evaluate_if_due(inp: RLStepInput, version: int, *,

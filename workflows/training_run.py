@@ -33,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.run_state import RunProgress, RunState, RunSummary, TrainingRunInput
     from workflows.contracts.step import RLStepInput, StepSummary
     from workflows.contracts.training import EvalResult, UpdateWeightsInput
+    from workflows.disk_wait import waiting_for_disk
     from workflows.failures import Failure, failure, failure_in
     from workflows.node_watch import NodeWatch
     from workflows.queues import CONTROL_QUEUE
@@ -239,7 +240,7 @@ class TrainingRun:
         """The claimed node's trainer to the committed version, its engines up."""
         cfg, st = self.cfg, self.st
         assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
-        policy = await INIT_POLICY.run(
+        policy = await waiting_for_disk(lambda: INIT_POLICY.run(
             InitPolicyInput(
                 run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
                 train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
@@ -248,7 +249,7 @@ class TrainingRun:
             ),
             queue=st.node.task_queue,
             summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
-        )
+        ), "init policy")
         st.add_events(policy.node_events)
         st.cells = [policy.cell] if policy.cell is not None else []
         if policy.dp is not None:  # trainer.cells > 1: cells this trainer lost are scheduled for a restart

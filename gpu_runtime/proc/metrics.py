@@ -33,6 +33,7 @@ WEIGHT_SYNC_BYTES = Counter("milestone_weight_sync_bytes_total", "bytes of weigh
 ENGINE_EVENTS = Counter("milestone_engine_events_total", "engine fleet events", ["kind"])
 ENGINES_HEALTHY = Gauge("milestone_engines_healthy", "healthy engines on this node")
 TRAINER_RESTARTS = Counter("milestone_trainer_restarts_total", "trainer process restarts")
+RECLAIMED_BYTES = Counter("milestone_node_reclaimed_bytes_total", "bytes of closed runs' files removed from this node")
 DP_CELLS_ALIVE = Gauge("milestone_dp_cells_alive", "live DP cells of this node's trainer (trainer.cells)")
 DP_CELL_EVENTS = Counter("milestone_dp_cell_events_total", "DP cell events (cell_lost, cell_restarted, cell_healed, "
                          "checksum_mismatch, lighthouse_restarted)", ["kind"])

@@ -3,7 +3,6 @@ and whether it is durable yet (``CheckpointStore`` owns the upload)."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import threading
 from collections.abc import Callable
@@ -82,11 +81,3 @@ def file_hash(path: Path) -> tuple[str, int]:
 def hash_files(folder: Path) -> dict[str, tuple[str, int]]:
     """relpath -> (sha256, size) of every file under ``folder``."""
     return {p.relative_to(folder).as_posix(): file_hash(p) for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def is_disk_full(err: BaseException) -> bool:
-    """A write that failed for lack of space: ENOSPC / EDQUOT, or safetensors' message for it
-    (its Rust writer reports the OS error as text)."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return "No space left on device" in str(err) or "Disk quota exceeded" in str(err)

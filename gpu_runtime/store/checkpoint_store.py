@@ -46,8 +46,9 @@ from gpu_runtime.store.checkpoint_manifest import (  # noqa: F401  (re-exported)
     step_name,
 )
 from gpu_runtime.store.checkpoint_handle import (
-    CheckpointHandle, Writer, copy_and_hash, file_hash, hash_files, is_disk_full,
+    CheckpointHandle, Writer, copy_and_hash, file_hash, hash_files,
 )
+from gpu_runtime.proc.disk import free_bytes, is_no_space
 from gpu_runtime.store.object_store import ObjectStore, StoreError, file_sha256
 
 log = logging.getLogger(__name__)
@@ -197,10 +198,13 @@ class CheckpointStore:
         while True:
             try:
                 return fn()
-            except (StoreError, OSError, KeyError) as e:
+            except Exception as e:  # noqa: BLE001  (store, disk and missing-key errors retry; the rest do not)
+                full = is_no_space(e, [self.local_dir])  # safetensors' SafetensorError too
+                if not (full or isinstance(e, (StoreError, OSError, KeyError))):
+                    raise
                 handle.failures += 1
                 handle.last_error = e
-                if is_disk_full(e) and (handle.step, what) not in self._disk_full_reported:
+                if full and (handle.step, what) not in self._disk_full_reported:
                     self._disk_full(handle, what, e)
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing.is_set():
@@ -304,7 +308,7 @@ class CheckpointStore:
     def _disk_full(self, h: CheckpointHandle, what: str, err: BaseException) -> None:
         """One ``disk_full`` event per failing write (it is retried with the rest)."""
         self._disk_full_reported.add((h.step, what))
-        free = shutil.disk_usage(self.local_dir if self.local_dir.exists() else self.local_dir.parent).free
+        free = free_bytes(self.local_dir)
         self.events.append({"kind": "disk_full", "step": h.step, "what": what, "free_bytes": free,
                             "error": str(err)})
         log.warning("checkpoint %s: %s: disk full (%d bytes free): retrying until space returns",

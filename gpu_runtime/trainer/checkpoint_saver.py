@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpu_runtime.proc.disk import is_no_space
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_handle import CheckpointHandle
 from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
@@ -81,6 +82,10 @@ class CheckpointSaver:
         }
         write = self._state_writer(trainer, checksum, step)
         handle = self.ckpts.save_written(step, write, meta, sync=sync, extra=self._version_folder_copy(step))
+        if sync and not handle.durable:  # asked durable: the call fails (a full disk: the run waits and asks again)
+            last = handle.last_error
+            raise last if last is not None and is_no_space(last) else (handle.error or RuntimeError(
+                f"checkpoint step {step} is not durable"))
         log.info("checkpoint step %d: %.2fs waiting for the previous one, %.2fs to snapshot%s", step, waited,
                  time.perf_counter() - t0 - waited, "" if sync else "; uploading")
         return CheckpointSaved(step=step, durable=bool(handle.durable),

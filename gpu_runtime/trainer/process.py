@@ -25,9 +25,11 @@ from spec.trainer_rpc import (
     CheckpointRequest,
     CheckpointSaved,
     EnsureVersionCall,
+    ForgetRunCall,
     HeldWeights,
     HeldWeightsCall,
     RestartCellsCall,
+    RunForgotten,
     RunSetup,
     StepBatch,
     TrainResult,
@@ -78,6 +80,10 @@ class TrainerProcess:
     def restart_cells(self, setup: RunSetup, cells: list[int]) -> CellsRestarted:
         """Start lost DP cells again (``trainer.cells``); they heal from a peer at the next step."""
         return self._call("restart_cells", RestartCellsCall(setup=setup, cells=cells), CellsRestarted)
+
+    def forget_run(self, run_id: str) -> RunForgotten:
+        """A closed run: the trainer drops what it holds for it (its model, optimizer, checkpoint store)."""
+        return self._call("forget_run", ForgetRunCall(run_id=run_id), RunForgotten)
 
     def held_weights(self, run_id: str) -> HeldWeights:
         """The published version the trainer holds in memory (``engines.weight_sync`` distributed)."""

@@ -10,18 +10,23 @@ import argparse
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
 from gpu_runtime.proc.devices import parse_gpu_list
+from gpu_runtime.proc.disk import guarded
 from gpu_runtime.proc.processes import exit_when_parent_dies
 from gpu_runtime.proc.rpc import Method, RPCServer
+from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.common.device import use_device
 from gpu_runtime.trainer.service import TrainerService
+from gpu_runtime.trainer.work_dir import remove_temp_dirs
 from spec.trainer_rpc import (
     BroadcastWeightsCall,
     CheckpointCall,
     EnsureVersionCall,
+    ForgetRunCall,
     HeldWeightsCall,
     RestartCellsCall,
     TrainStepCall,
@@ -29,15 +34,24 @@ from spec.trainer_rpc import (
 
 
 def build_methods(svc: TrainerService) -> dict[str, Method]:
-    """The trainer's RPC methods; ``TrainerProcess`` is their typed client."""
-    return {
+    """The trainer's RPC methods; ``TrainerProcess`` is their typed client. A write that fails
+    for lack of space reaches the caller as ``DiskFull`` (``gpu_runtime.proc.disk``)."""
+    methods = {
         "ensure_version": Method(EnsureVersionCall, lambda a: svc.ensure_version(a.setup, a.target)),
         "train_step": Method(TrainStepCall, lambda a: svc.train_step(a.setup, a.batch)),
         "checkpoint": Method(CheckpointCall, lambda a: svc.checkpoint(a.setup, a.request)),
         "restart_cells": Method(RestartCellsCall, lambda a: svc.restart_cells(a.setup, a.cells)),
         "held_weights": Method(HeldWeightsCall, lambda a: svc.held_weights(a.run_id)),
         "broadcast_weights": Method(BroadcastWeightsCall, svc.broadcast_weights),
+        "forget_run": Method(ForgetRunCall, lambda a: svc.forget_run(a.run_id)),
     }
+    return {name: Method(m.arg_type, guarded(m.fn, lambda: write_paths(svc))) for name, m in methods.items()}
+
+
+def write_paths(svc: TrainerService) -> list[Path]:
+    """Where the trainer writes: its work dir and, with a file:// store, the store."""
+    inner = svc.store.inner if svc.store is not None else None
+    return [svc.work_dir, *([inner.root] if isinstance(inner, LocalStore) else [])]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     use_device(args.device)
+    remove_temp_dirs(Path(args.work_dir))  # a killed predecessor's half-written saves and restores
     svc = TrainerService(args.work_dir, cell_gpus=tuple(parse_gpu_list(args.cell_gpus, "--cell-gpus") or ()))
     server = RPCServer(args.host, args.port, build_methods(svc))
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a stop ends a fsdp2 cell's Ray processes

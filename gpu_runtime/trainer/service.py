@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpu_runtime.proc.disk import inject_enospc
 from gpu_runtime.store import artifacts as art, lineage
 from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
 from gpu_runtime.store.checkpoint_store import CheckpointStore
@@ -42,6 +43,7 @@ from spec.trainer_rpc import (
     CheckpointSaved,
     HeldWeights,
     Rebuild,
+    RunForgotten,
     RunSetup,
     StepBatch,
     TrainResult,
@@ -395,6 +397,7 @@ class TrainerService:
 
     def checkpoint(self, setup: RunSetup, request: CheckpointRequest) -> CheckpointSaved:
         """Save version ``request.step`` (restoring it first if this process lost it)."""
+        inject_enospc("checkpoint", request.step)  # tests: MILESTONE_FAULT_ENOSPC
         self._bind(setup)
         before: VersionInfo | None = None
         if self.trainer is None or self.trainer.policy_version != request.step:
@@ -417,3 +420,13 @@ class TrainerService:
 
     def wait_for_uploads(self, timeout_s: float) -> bool:
         return True if self.ckpts is None else self.ckpts.wait_for_uploads(timeout_s)
+
+    def forget_run(self, run_id: str, upload_wait_s: float = 300.0) -> RunForgotten:
+        """A closed run: drop what this process holds for it (its files are reclaimed); a later call rebinds."""
+        if self.setup is None or self.setup.run_id != run_id:
+            return RunForgotten(run_id=run_id, held=False)
+        uploaded = self.wait_for_uploads(upload_wait_s)
+        self.layouts.end_dp_group()
+        self.setup = self.trainer = self.store = self.ckpts = self.saver = self._offload = self._published = None
+        self._published_by = None  # _bind resets the rest
+        return RunForgotten(run_id=run_id, held=True, uploads_done=uploaded)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from tests.e2e.faults import (
     Baselines, assert_bitwise_equal, assert_trained_exactly_once, final_weights, kill_trainer, module_stack_fixtures,
     progress, restart_control, restart_server, run_with_fault, start_run, wait_activity_started,
 )
-from tests.stack import Stack, running_stack, tiny_config, wait_for
+from tests.stack import Stack, async_wait_for, running_stack, tiny_config, wait_for
 from workers.common import connect
+from workflows.run_state import RunProgress
 from workflows.stubs import CHECKPOINT, TRAIN_STEP
 
 pytestmark = pytest.mark.e2e
@@ -29,9 +31,11 @@ STEPS = 3
 CFG = {"steps": STEPS, "checkpoint": {"every": 3, "keep_last": 2}}
 # a checkpoint 2's background write waits while this file is missing (it exists but in the upload-crash row)
 UPLOAD_GATE = Path(tempfile.gettempdir()) / f"milestone-upload-gate-{os.getpid()}"
-# fault-injection aid: each train step and checkpoint waits first, so a kill lands inside it
+# while this file exists, the checkpoint of the last step fails with a real OSError(ENOSPC)
+ENOSPC_GATE = Path(tempfile.gettempdir()) / f"milestone-enospc-gate-{uuid.uuid4().hex[:8]}"
+# fault-injection aids: each train step and checkpoint waits first, so a kill lands inside it
 ENV = {"MILESTONE_FAULT_TRAIN_DELAY_S": "2", "MILESTONE_FAULT_CHECKPOINT_DELAY_S": "1.5",
-       "MILESTONE_FAULT_UPLOAD_GATE": f"2:{UPLOAD_GATE}"}
+       "MILESTONE_FAULT_UPLOAD_GATE": f"2:{UPLOAD_GATE}", "MILESTONE_FAULT_ENOSPC": f"checkpoint:{STEPS}:{ENOSPC_GATE}"}
 
 stack, store = module_stack_fixtures("process-faults", ENV)
 
@@ -89,6 +93,47 @@ def test_trainer_killed_during_checkpoint_is_an_event(stack: Stack, store: Path,
     assert restarted and f"pid {old} exited" in restarted[0].detail, [e.kind for e in p.events]
     assert restored and restored[0].detail == f"checkpoint step 0, replayed steps [1, 2, 3] -> v{STEPS}"
     assert p.steps[-1].checkpointed
+    assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
+
+
+def test_disk_full_during_checkpoint_waits_then_completes(stack: Stack, store: Path, baseline: dict) -> None:
+    """The last checkpoint's write fails with ENOSPC while the gate file exists: the run
+    says what is full (a ``disk_full`` event: the path and its free bytes) and waits,
+    running; once the gate is gone (space is back) the checkpoint is called again and the
+    run completes, bitwise equal to its twin."""
+    run_id = "disk-full"
+    ENOSPC_GATE.touch()
+    try:
+        async def full_disk() -> RunProgress:
+            client = await connect(stack.server.address)
+            await start_run(client, run_id, tiny_config(store, **CFG))
+
+            async def reported() -> RunProgress | None:
+                p = await progress(client, run_id)
+                return p if any(e.kind == "disk_full" for e in p.events) else None
+
+            return await async_wait_for(reported, 300, interval_s=1.0, what="a disk_full event")
+
+        waiting = asyncio.run(full_disk())
+    finally:
+        ENOSPC_GATE.unlink(missing_ok=True)
+    event = next(e for e in waiting.events if e.kind == "disk_full")
+    assert waiting.state == "running", waiting.state
+    assert f"checkpoint {STEPS}" in event.detail and "bytes free" in event.detail, event.detail
+    assert "No space left on device" in event.detail and "waits for space" in event.detail, event.detail
+
+    async def space_back() -> tuple[RunProgress, list[str]]:
+        client = await connect(stack.server.address)
+        await asyncio.wait_for(client.get_workflow_handle(run_id).result(), 300)
+        history = await client.get_workflow_handle(f"{run_id}/step-{STEPS}").fetch_history()
+        scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                     if e.HasField("activity_task_scheduled_event_attributes")]
+        return await progress(client, run_id), scheduled
+
+    done, scheduled = asyncio.run(space_back())
+    assert done.state == "completed" and done.steps[-1].checkpointed
+    assert scheduled.count(CHECKPOINT.name) >= 2 and scheduled.count(TRAIN_STEP.name) == 1, scheduled
+    assert_trained_exactly_once(store, run_id, tiny_config(store, **CFG))
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
 
 

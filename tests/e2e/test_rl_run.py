@@ -23,6 +23,7 @@ from temporalio.worker import Replayer
 
 from bench._inproc import PlainLoop
 from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
+from gpu_runtime.node.reclaim import run_paths
 from milestone_cli.report import render_report
 from spec.run import RunConfig
 from tests.browser import render
@@ -153,6 +154,17 @@ def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -
     assert all(torch.isfinite(t).all() for t in v3.values())
     gap = assert_token_in_token_out(store, "e2e-run", step=1)
     print(f"max |engine logprob - transformers logprob| over step 1's response tokens: {gap:.2e}")
+
+
+def test_a_completed_runs_node_files_are_reclaimed(stack: Stack, e2e_run: FinishedRun) -> None:
+    """Once the run has closed, its node keeps none of its files (the trainer's versions,
+    checkpoints, dataset and base model, the engines' versions, the rows cache), and says
+    how many bytes it reclaimed; the store keeps everything resume and fork need."""
+    node = stack.workdir / "nodes" / "node0"
+    wait_for(lambda: not run_paths(node, e2e_run.run_id), 120, interval_s=0.5, what="e2e-run's node files reclaimed")
+    line = wait_for(lambda: re.search(r"reclaimed (\d+) bytes of closed run e2e-run ", stack.log("gpu-node0")), 30)
+    assert int(line.group(1)) > 100_000, line.group(0)  # a checkpoint alone is more
+    assert (e2e_run.store / "runs" / "e2e-run" / "checkpoints").is_dir()
 
 
 def test_the_run_is_bitwise_the_plain_one_process_loop(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -> None:
