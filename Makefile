@@ -107,4 +107,6 @@ bench: install
 	$(PY) -m bench.bench_checkpoint
 
 clean: down
+	@if [ -x $(PY) ] && [ -d .milestone/nodes ]; then for d in .milestone/nodes/*; do \
+		rm -rf "$$($(PY) -c 'import sys; from gpu_runtime.trainer.work_dir import versions_root; print(versions_root(sys.argv[1]))' "$$d/trainer")"; done; fi
 	rm -rf .milestone

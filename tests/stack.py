@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from typing import TypeVar
 
 
 from gpu_runtime.proc.processes import free_port, pid_alive, spawn, stop_pid
+from gpu_runtime.trainer.work_dir import versions_root
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,6 +178,7 @@ class Stack:
         for node_dir in (self.workdir / "nodes").glob("*"):  # children of a SIGKILLed agent
             for pid in self.node_children(node_dir.name):
                 stop_pid(pid)
+            shutil.rmtree(versions_root(node_dir / "trainer"), ignore_errors=True)  # in RAM (/dev/shm): not in workdir
         self.server.stop()
 
     def log(self, name: str) -> str:

@@ -4,8 +4,10 @@ Under a node agent's ``--work-dir`` a run ``R`` keeps
 
 - ``trainer/R/``: the trainer's exported versions, local checkpoints, dataset, base
   model folder and a fork's ancestors' checkpoints (``gpu_runtime.trainer.work_dir``);
-- ``weights/R/``: the versions the engines were given (hard links to the trainer's
-  exports, or downloads);
+- the run's version folders (``gpu_runtime.trainer.work_dir.run_versions``: in RAM under
+  ``/dev/shm`` when it can, else ``trainer/versions/R/``): the trainer's exports, the
+  engines' copies (hard links) and a checkpoint's version on its way to the store;
+- ``weights/R/``: where the engines' versions were kept before they moved there;
 - ``data/runs_R_data_<split>.jsonl``: the dataset splits the rollouts read
   (``NodeRuntime.rows``: the store key with ``/`` as ``_``).
 
@@ -25,7 +27,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from gpu_runtime.trainer.work_dir import is_temp_dir, run_folder
+from gpu_runtime.trainer.work_dir import is_temp_dir, run_folder, run_versions, versions_root
 
 log = logging.getLogger(__name__)
 TRASH_PREFIX = ".reclaim-"
@@ -43,7 +45,8 @@ def run_paths(work_dir: Path, run_id: str) -> list[Path]:
     if not run_id or "/" in run_id or run_id.startswith("."):
         raise ValueError(f"invalid run id {run_id!r}")
     work_dir = Path(work_dir)
-    paths = [run_folder(trainer_dir(work_dir), run_id), work_dir / "weights" / run_id]
+    paths = [run_folder(trainer_dir(work_dir), run_id), work_dir / "weights" / run_id,
+             run_versions(trainer_dir(work_dir), run_id)]
     data = work_dir / "data"
     if data.is_dir():
         paths += sorted(p for p in data.iterdir()
@@ -55,7 +58,7 @@ def runs_on_node(work_dir: Path) -> set[str]:
     """The run ids that have files on this node."""
     work_dir = Path(work_dir)
     runs: set[str] = set()
-    for folder in (trainer_dir(work_dir), work_dir / "weights"):
+    for folder in (trainer_dir(work_dir), work_dir / "weights", versions_root(trainer_dir(work_dir))):
         if folder.is_dir():
             runs |= {p.name for p in folder.iterdir()
                      if p.is_dir() and not p.name.startswith(".") and not is_temp_dir(p)}
@@ -102,7 +105,7 @@ def reclaim_run(work_dir: Path, run_id: str) -> int:
 def remove_trash(work_dir: Path) -> None:
     """Folders a reclaim renamed but did not finish removing (the agent was stopped)."""
     work_dir = Path(work_dir)
-    for folder in (trainer_dir(work_dir), work_dir / "weights", work_dir / "data"):
+    for folder in (trainer_dir(work_dir), work_dir / "weights", work_dir / "data", versions_root(trainer_dir(work_dir))):
         if folder.is_dir():
             for p in folder.iterdir():
                 if p.name.startswith(TRASH_PREFIX):

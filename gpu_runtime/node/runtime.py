@@ -32,7 +32,7 @@ from gpu_runtime.rollout.held import HeldChunks
 from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from gpu_runtime.store.uri import open_store
-from gpu_runtime.trainer.work_dir import weights_folder
+from gpu_runtime.trainer.work_dir import engine_weights_folder, weights_folder
 from gpu_runtime.trainer.process import TrainerProcess
 from spec.status import RunEvent
 from spec.trainer_rpc import RunSetup
@@ -154,7 +154,7 @@ class NodeRuntime:
         store when it holds the version (a checkpoint's); else ``export`` has this node's trainer
         export it again (restored from the last checkpoint and replayed when it moved on), then
         linked. Once per version."""
-        folder = self.work_dir / "weights" / run_id / f"v{version:06d}"
+        folder = engine_weights_folder(self.trainer.work_dir, run_id, version)
         if not (folder / WEIGHTS_FILE).exists():
             tmp = folder.with_name(folder.name + ".download")
             shutil.rmtree(tmp, ignore_errors=True)

@@ -28,7 +28,7 @@ from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.trainer.common.snapshot import SnapshotBuffers
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.protocol import Trainer
-from gpu_runtime.trainer.work_dir import weights_folder
+from gpu_runtime.trainer.work_dir import upload_weights_folder, weights_folder
 from spec.trainer_rpc import CheckpointSaved, RunSetup
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class CheckpointSaver:
         src = weights_folder(self.work_dir, self.run_id, step)
         if not src.is_dir():
             return None
-        dst = self.work_dir / self.run_id / "checkpoints" / f".weights-v{step:06d}"
+        dst = upload_weights_folder(self.work_dir, self.run_id, step)
         shutil.rmtree(dst, ignore_errors=True)
         for f in sorted(p for p in src.rglob("*") if p.is_file()):
             (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
