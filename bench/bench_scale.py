@@ -14,8 +14,8 @@ version published) in a process of its own. Prints, per shape:
 
 - seconds per phase and per step (mean of steps 2..N, step 1 is warm-up), each mode
   against the plain loop; s/step is the close-to-close cadence of the RLStep children;
-- bytes written by kind and where (store / node / plain loop), from a ledger of every file
-  seen under the store folder and the node's work dir (``bench._watch``: a scan every
+- bytes written by kind and where (store / node disk / node RAM / plain loop), from a ledger of
+  every file seen under the store folder, the node's work dir and its version folders (``bench._watch``: a scan every
   ``--scan-interval`` s, renames and hard links counted once), split by when each file was
   written (its mtime): before step 1 (init), during a step without / with a checkpoint (per
   step), after the last step; and the Temporal history payload bytes per step (the RLStep histories);
@@ -58,12 +58,14 @@ from bench.gpu_check import FULL_SHAPE  # noqa: E402
 from gpu_runtime.models.model_folder import model_checksum, read_meta  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
+from gpu_runtime.trainer.work_dir import versions_root  # noqa: E402
 from spec.run import RunConfig  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 
 SHAPES: dict[str, dict] = {"demo": {}, "0.36b": FULL_SHAPE}  # model.init over demo.yaml's
 WINDOWS = ("init", "step", "checkpoint step", "after")
 GB = 1e9
+VERSIONS_WHERE = "node RAM" if str(versions_root(Path("x"))).startswith("/dev/shm/") else "node"
 
 
 # ---------------------------------------------------------------- config
@@ -103,6 +105,12 @@ def classify_node(parts: tuple[str, ...]) -> tuple[str, str] | None:
         return {"weights": ("version publish", "node"), "checkpoints": ("checkpoint", "node")}.get(
             rest[2], ("other", "node"))
     return "other", "node"
+
+
+def classify_versions(parts: tuple[str, ...]) -> tuple[str, str] | None:
+    """The node's version folders (``versions_root``): ``<run>/trainer|engines|upload/v<N>/...``,
+    in RAM (``/dev/shm``) unless the node falls back to its disk."""
+    return "version publish", VERSIONS_WHERE
 
 
 def classify_plain(parts: tuple[str, ...]) -> tuple[str, str] | None:
@@ -149,8 +157,9 @@ def project_run(cfg: RunConfig, run_dir: Path, run_id: str, interval_s: float) -
 
     @contextmanager
     def watch(stack: Stack) -> Iterator[Watch]:
-        with Watch([(run_dir / "store", classify_store), (stack.workdir / "nodes", classify_node)],
-                   pids=lambda: stack_pids(stack), interval_s=interval_s) as w:
+        ram = versions_root(stack.workdir / "nodes" / "node0" / "trainer")  # the node's version folders
+        with Watch([(run_dir / "store", classify_store), (stack.workdir / "nodes", classify_node),
+                    (ram, classify_versions)], pids=lambda: stack_pids(stack), interval_s=interval_s) as w:
             yield w
             # the run completes before its last checkpoint's upload ends: wait for it (its bytes count)
             deadline = time.monotonic() + 600
