@@ -52,11 +52,12 @@ class ProcSeen:
 
 
 TRANSIENT_SUFFIXES = (".tmp", ".download", ".part", ".old")
+KEPT_DOT_NAMES = frozenset({".versions"})  # a node's version folders (gpu_runtime.trainer.work_dir.versions_root)
 
 
 def transient(parts: tuple[str, ...]) -> bool:
     """A path under a name the project writes before renaming it into place."""
-    return any(p.startswith(".") or p.endswith(TRANSIENT_SUFFIXES) for p in parts)
+    return any((p.startswith(".") and p not in KEPT_DOT_NAMES) or p.endswith(TRANSIENT_SUFFIXES) for p in parts)
 
 
 @dataclass

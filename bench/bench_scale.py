@@ -14,7 +14,7 @@ version published) in a process of its own. Prints, per shape:
 
 - seconds per phase and per step (mean of steps 2..N, step 1 is warm-up), each mode
   against the plain loop; s/step is the close-to-close cadence of the RLStep children;
-- bytes written by kind and where (store / node disk / node RAM / plain loop), from a ledger of
+- bytes written by kind and where (store / node / plain loop), from a ledger of
   every file seen under the store folder, the node's work dir and its version folders (``bench._watch``: a scan every
   ``--scan-interval`` s, renames and hard links counted once), split by when each file was
   written (its mtime): before step 1 (init), during a step without / with a checkpoint (per
@@ -65,7 +65,6 @@ from tests.stack import Stack  # noqa: E402
 SHAPES: dict[str, dict] = {"demo": {}, "0.36b": FULL_SHAPE}  # model.init over demo.yaml's
 WINDOWS = ("init", "step", "checkpoint step", "after")
 GB = 1e9
-VERSIONS_WHERE = "node RAM" if str(versions_root(Path("x"))).startswith("/dev/shm/") else "node"
 
 
 # ---------------------------------------------------------------- config
@@ -97,7 +96,7 @@ def classify_node(parts: tuple[str, ...]) -> tuple[str, str] | None:
     state before its local copy), ``<node>/weights/<run>/...`` (the engines' folders: hard links
     to the trainer's export, or downloads)."""
     rest = parts[1:]
-    if rest[:1] == ("weights",):
+    if rest[:1] == ("weights",) or rest[:2] == ("trainer", ".versions"):  # the version folders (versions_root)
         return "version publish", "node"
     if rest[:1] == ("trainer",) and len(rest) > 2:
         if rest[1].startswith("save-"):
@@ -108,9 +107,9 @@ def classify_node(parts: tuple[str, ...]) -> tuple[str, str] | None:
 
 
 def classify_versions(parts: tuple[str, ...]) -> tuple[str, str] | None:
-    """The node's version folders (``versions_root``): ``<run>/trainer|engines|upload/v<N>/...``,
-    in RAM (``/dev/shm``) unless the node falls back to its disk."""
-    return "version publish", VERSIONS_WHERE
+    """The node's version folders when ``$MILESTONE_VERSIONS_DIR`` puts them elsewhere (a tmpfs:
+    RAM): ``<run>/trainer|engines|upload/v<N>/...``."""
+    return "version publish", "node versions dir"
 
 
 def classify_plain(parts: tuple[str, ...]) -> tuple[str, str] | None:
@@ -157,9 +156,11 @@ def project_run(cfg: RunConfig, run_dir: Path, run_id: str, interval_s: float) -
 
     @contextmanager
     def watch(stack: Stack) -> Iterator[Watch]:
-        ram = versions_root(stack.workdir / "nodes" / "node0" / "trainer")  # the node's version folders
-        with Watch([(run_dir / "store", classify_store), (stack.workdir / "nodes", classify_node),
-                    (ram, classify_versions)], pids=lambda: stack_pids(stack), interval_s=interval_s) as w:
+        versions = versions_root(stack.workdir / "nodes" / "node0" / "trainer")  # $MILESTONE_VERSIONS_DIR: elsewhere
+        roots = [(run_dir / "store", classify_store), (stack.workdir / "nodes", classify_node)]
+        if stack.workdir not in versions.parents:
+            roots.append((versions, classify_versions))
+        with Watch(roots, pids=lambda: stack_pids(stack), interval_s=interval_s) as w:
             yield w
             # the run completes before its last checkpoint's upload ends: wait for it (its bytes count)
             deadline = time.monotonic() + 600

@@ -2,9 +2,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,13 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTHONPATH", str(ROOT))
-
-# the version folders nodes keep in RAM (gpu_runtime.trainer.work_dir.versions_root): under one folder
-# per pytest process (each xdist worker its own), removed when the session ends; the trainer and
-# node-agent subprocesses the tests start inherit it
-_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else None
-VERSIONS_DIR = Path(tempfile.mkdtemp(prefix="milestone-test-versions-", dir=_SHM))
-os.environ["MILESTONE_VERSIONS_DIR"] = str(VERSIONS_DIR)
 
 from tests.scheduling import E2EOnOneWorker  # noqa: E402
 from tests.stack import Stack  # noqa: E402
@@ -115,7 +106,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         if lines:
             report.sections.append((f"stack log {log.name} (last warnings/errors)",
                                     "\n".join(ln[:400] for ln in lines[-_LOG_LINES_PER_FILE:])))
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(VERSIONS_DIR, ignore_errors=True)

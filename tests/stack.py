@@ -178,7 +178,7 @@ class Stack:
         for node_dir in (self.workdir / "nodes").glob("*"):  # children of a SIGKILLed agent
             for pid in self.node_children(node_dir.name):
                 stop_pid(pid)
-            shutil.rmtree(versions_root(node_dir / "trainer"), ignore_errors=True)  # in RAM (/dev/shm): not in workdir
+            shutil.rmtree(versions_root(node_dir / "trainer"), ignore_errors=True)  # $MILESTONE_VERSIONS_DIR: outside workdir
         self.server.stop()
 
     def log(self, name: str) -> str:

@@ -4,8 +4,8 @@ Under a node agent's ``--work-dir`` a run ``R`` keeps
 
 - ``trainer/R/``: the trainer's exported versions, local checkpoints, dataset, base
   model folder and a fork's ancestors' checkpoints (``gpu_runtime.trainer.work_dir``);
-- the run's version folders (``gpu_runtime.trainer.work_dir.run_versions``: in RAM under
-  ``/dev/shm`` when it can, else ``trainer/versions/R/``): the trainer's exports, the
+- the run's version folders (``gpu_runtime.trainer.work_dir.run_versions``:
+  ``trainer/.versions/R/``, or under ``$MILESTONE_VERSIONS_DIR``): the trainer's exports, the
   engines' copies (hard links) and a checkpoint's version on its way to the store;
 - ``weights/R/``: where the engines' versions were kept before they moved there;
 - ``data/runs_R_data_<split>.jsonl``: the dataset splits the rollouts read

@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 TEMP_NAME = re.compile(r"(restore|save)-[a-z0-9_]{8}")
 RUN_ENTRIES = ("checkpoints", "weights", "dataset.jsonl")  # a run's folder has one of these; a temporary one none
 VERSIONS_ENV = "MILESTONE_VERSIONS_DIR"
-MIN_TMPFS_BYTES = 4 << 30
 
 
 def run_folder(work_dir: Path, run_id: str) -> Path:
@@ -32,28 +31,18 @@ def run_folder(work_dir: Path, run_id: str) -> Path:
 
 def versions_root(work_dir: Path) -> Path:
     """Where the node whose trainer process has ``--work-dir work_dir`` keeps the version
-    folders of its runs: in RAM when it can (a version is exported every step and read by
-    the engines right away; on a disk it cost the step a model's size of writes, ~10 s per
-    step at 0.36B on this machine's disk, measured by ``bench.bench_scale``).
-
-    ``$MILESTONE_VERSIONS_DIR`` when set (``disk``: the trainer's work dir), else ``/dev/shm``
-    when it is a tmpfs of at least ``MIN_TMPFS_BYTES`` (a container's default 64 MB is not:
-    ``--shm-size``), else the trainer's work dir. One folder per node (named by a hash of
-    ``work_dir``), so the trainer process and the node agent find the same one."""
+    folders of its runs: the trainer's work dir (``<work_dir>/.versions``: a dot name, never
+    a run's folder), or
+    ``$MILESTONE_VERSIONS_DIR/<tag>`` when set (a tmpfs such as ``/dev/shm``: the versions in
+    RAM; ``<tag>`` names the node by a hash of ``work_dir``, so the trainer process and the
+    node agent find the same folder). On this machine (a VM whose fresh memory pages are
+    slow to fault in) RAM was slower than the disk's page cache: 24.3 s vs 15.9 s per train
+    phase at 0.36B (``bench.bench_scale``; docs/cost-per-step.md)."""
     work_dir = Path(work_dir).absolute()
-    tag = "milestone-versions-" + hashlib.sha256(str(work_dir).encode()).hexdigest()[:12]
     chosen = os.environ.get(VERSIONS_ENV, "")
-    if chosen == "disk":
-        return work_dir / "versions"
-    if chosen:
-        return Path(chosen) / tag
-    shm = Path("/dev/shm")
-    try:
-        st = os.statvfs(shm)
-        big = st.f_blocks * st.f_frsize >= MIN_TMPFS_BYTES and os.access(shm, os.W_OK)
-    except OSError:
-        big = False
-    return shm / tag if big else work_dir / "versions"
+    if not chosen or chosen == "disk":
+        return work_dir / ".versions"
+    return Path(chosen) / ("milestone-versions-" + hashlib.sha256(str(work_dir).encode()).hexdigest()[:12])
 
 
 def run_versions(work_dir: Path, run_id: str) -> Path:
