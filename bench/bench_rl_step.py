@@ -36,6 +36,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -126,6 +127,7 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
     ckpts = CheckpointStore(LocalStore(work / "plain-store"), "plain/checkpoints", local_dir=work / "plain-ckpt",
                             keep_last=cfg.checkpoint.keep_last, keep_local=False)
     buffers = SnapshotBuffers()
+    warming: threading.Thread | None = None
     steps = []
     try:
         for step in range(1, cfg.steps + 1):
@@ -139,6 +141,8 @@ def measure_plain(cfg: RunConfig, work: Path) -> dict:
             ph["reward"] = time.perf_counter() - t
             t = time.perf_counter()
             loop.train(samples, rewards)
+            if warming is None or not warming.is_alive():  # the snapshot's buffers, as the project's trainer does
+                warming = buffers.warm(buffers.missing(trainer.live_state()[0]))
             ph["train"] = time.perf_counter() - t
             t = time.perf_counter()
             loop.update_weights()

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,7 @@ class CheckpointSaver:
             on_durable=self._prune_stored_weights,
         )
         self.buffers = SnapshotBuffers()  # host copies of the trainer's state, reused by every checkpoint
+        self._warming: threading.Thread | None = None  # their allocation after the first train step
 
     def save(self, trainer: Trainer, step: int, *, data_cursor: int, sync: bool = False,
              checksum: str | None = None) -> CheckpointSaved:
@@ -90,6 +92,12 @@ class CheckpointSaver:
                  time.perf_counter() - t0 - waited, "" if sync else "; uploading")
         return CheckpointSaved(step=step, durable=bool(handle.durable),
                                key=f"{art.checkpoints_prefix(self.run_id)}/step-{step:06d}")
+
+    def prepare(self, trainer: Trainer) -> None:
+        """After a train step, while the trainer waits for the engines: the snapshot's buffers
+        allocated in the background (once: the shapes stay), off the next checkpoint's stall."""
+        if isinstance(trainer, PolicyTrainer) and (self._warming is None or not self._warming.is_alive()):
+            self._warming = self.buffers.warm(self.buffers.missing(trainer.live_state()[0]))
 
     def _state_writer(self, trainer: Trainer, checksum: str | None, step: int) -> Callable[[Path], None]:
         """The trainer's state, taken now, as a writer for the upload thread."""

@@ -360,6 +360,8 @@ class TrainerService:
                 self.trainer = None
             raise
         info = self._publish_weights()
+        if self.saver is not None:  # the next checkpoint's buffers, while the engines take this version
+            self.saver.prepare(self.trainer)
         if setup.offload_optimizer:
             self._offload_optimizer()
         result = TrainResult(

@@ -107,6 +107,7 @@ def test_trainer_killed_mid_step(vllm_stack: Stack) -> None:
     assert_trained_exactly_once(vllm_stack.workdir / "store", "vllm-trainer-kill", _cfg(vllm_stack.workdir / "store"))
 
 
+@pytest.mark.long  # a third vLLM server start (~3.5 min under CI load): make test-long (docs/testing.md)
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_fleet_resized_mid_run(vllm_stack: Stack) -> None:
     """``milestone set engines.num_engines=N`` at a step boundary: set to 1 during step 1's train

@@ -95,7 +95,7 @@ def _update_weights(fleet: SGLangFleet, folder: Path, checksum: str, monkeypatch
     monkeypatch.setattr(SGLangEngineBackend, "available", staticmethod(lambda: True))
     acts = NodeActivities.__new__(NodeActivities)
     acts.rt = SimpleNamespace(
-        local_weights=lambda *a: folder, fleet=fleet.fleet, drain_events=lambda: [],
+        local_weights=lambda *a, **k: folder, fleet=fleet.fleet, drain_events=lambda: [],
         ensure_engines=lambda *a, **k: (fleet.fleet.update_weights(folder, 2), [])[1],
     )
     inp = UpdateWeightsInput(run_id="r", store_uri="file:///unused", policy_version=2, weights_key="k",

@@ -291,14 +291,9 @@ class PolicyTrainer(AdamWSteps):
         them (the snapshot stays valid while the trainer trains on); without, the snapshot
         holds the live tensors and must be written before the next step. ``checksum``: this
         version's published-weights checksum when the caller knows it (else computed)."""
-        def held(file: str, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return buffers.copy(file, sd) if buffers is not None else {k: v.contiguous() for k, v in sd.items()}
-
-        files = {state_io.WEIGHTS_FILE: held(state_io.WEIGHTS_FILE, self._model_tensors(self.model))}
-        if self.ref_model is not None:
-            files[REF_FILE] = held(REF_FILE, self._model_tensors(self.ref_model))
-        optim, groups = state_io.optimizer_views(self.optimizer)
-        files[state_io.OPTIM_FILE] = held(state_io.OPTIM_FILE, optim)
+        live, groups = self.live_state()
+        files = {name: buffers.copy(name, sd) if buffers is not None else {k: v.contiguous() for k, v in sd.items()}
+                 for name, sd in live.items()}
         critic_meta = None
         if self.critic is not None:
             critic_files, critic_meta = self.critic.parts()  # copies already
@@ -319,6 +314,16 @@ class PolicyTrainer(AdamWSteps):
             tokenizer.save(folder)
 
         return StateSnapshot(files, meta, write_static, buffers=buffers)
+
+    def live_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
+        """The tensor files of ``save_state`` that a snapshot copies, as live views (the trained
+        weights, the reference's, AdamW's state), and AdamW's param groups."""
+        files = {state_io.WEIGHTS_FILE: self._model_tensors(self.model)}
+        if self.ref_model is not None:
+            files[REF_FILE] = self._model_tensors(self.ref_model)
+        optim, groups = state_io.optimizer_views(self.optimizer)
+        files[state_io.OPTIM_FILE] = optim
+        return files, groups
 
     def _model_tensors(self, model: PreTrainedModel) -> dict[str, torch.Tensor]:
         """``_model_state`` without its copy: the live weights (detached views), or the adapters."""
