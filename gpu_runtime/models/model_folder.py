@@ -111,6 +111,15 @@ def load_weights_into(model: PreTrainedModel, folder: str | Path) -> dict:
     return read_meta(folder)
 
 
+def link_folder(src: Path, dst: Path) -> None:
+    """Hard links in ``dst`` to every file under ``src`` (nested folders keep their place): a
+    copy without copying, for folders whose files are never rewritten in place."""
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        target = dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(f, target)
+
+
 def prune_version_folders(parent: Path, newest: int, keep: int = 2) -> None:
     """Delete ``v<NNNNNN>`` folders under ``parent`` older than the newest ``keep``."""
     oldest_kept = f"v{newest - keep + 1:06d}"

@@ -23,7 +23,7 @@ from gpu_runtime.engine.distributed_push import Broadcaster
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine
 from gpu_runtime.engine.router import RouterProcess
-from gpu_runtime.models.model_folder import WEIGHTS_FILE, prune_version_folders, read_meta
+from gpu_runtime.models.model_folder import WEIGHTS_FILE, link_folder, prune_version_folders, read_meta
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.proc.devices import Placement
 from gpu_runtime.node.memory_phases import MemoryPhases, resolve_release_memory
@@ -191,10 +191,7 @@ class NodeRuntime:
             meta = read_meta(src)
             if checksum is None or meta.get("checksum") != checksum or meta.get("weight_version") != version:
                 return False
-            for f in sorted(p for p in src.rglob("*") if p.is_file()):
-                target = dst / f.relative_to(src)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.link(f, target)
+            link_folder(src, dst)
             if (dst / WEIGHTS_FILE).exists():
                 return True
         except (OSError, ValueError) as err:  # pruned or replaced meanwhile, another disk: download instead

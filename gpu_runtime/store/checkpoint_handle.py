@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime.store.object_store import file_sha256
+
 # a writer fills an empty folder with the checkpoint's files (a trainer's state snapshot, written
 # on the upload thread: the step that asked for the checkpoint does not wait for the disk)
 Writer = Callable[[Path], None]
@@ -30,7 +32,7 @@ class CheckpointHandle:
     uploaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     upload_seconds: float | None = None
-    write_seconds: float | None = None  # the writer's time on the upload thread
+    write_seconds: float | None = None  # the writer's time on the upload thread (logged with the commit)
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _error: BaseException | None = field(default=None, repr=False)
 
@@ -69,13 +71,8 @@ def copy_and_hash(src: Path, dst: Path) -> tuple[str, int]:
 
 
 def file_hash(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with path.open("rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
-            size += len(block)
-    return h.hexdigest(), size
+    """(sha256, size) of a file: ``object_store.file_sha256`` and its size."""
+    return file_sha256(path), path.stat().st_size
 
 
 def hash_files(folder: Path) -> dict[str, tuple[str, int]]:

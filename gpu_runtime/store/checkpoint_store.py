@@ -103,19 +103,12 @@ class CheckpointStore:
     def save(self, step: int, folder: str | Path, meta: dict[str, Any], *, sync: bool = False) -> CheckpointHandle:
         """Copy ``folder`` to ``local_dir/step-XXXXXX`` (hashing on the way), then upload it
         (background thread, or here with ``sync=True``). The caller may reuse ``folder``."""
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
         folder = Path(folder)
         if not folder.is_dir():
             raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
         if (folder / MANIFEST).exists():
             raise ValueError(f"{folder / MANIFEST}: name is reserved for the checkpoint manifest")
-        try:
-            json.dumps(meta, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"checkpoint meta for step {step} is not JSON-serializable: {e}") from None
-        if self._closing.is_set():
-            raise RuntimeError("CheckpointStore is closed")
+        self._check_saving(step, meta)
         dest = self.local_dir / step_name(step)
         files: dict[str, tuple[str, int]] = {}
         sources = sorted(p for p in folder.rglob("*") if p.is_file())
@@ -123,7 +116,7 @@ class CheckpointStore:
             raise ValueError(f"checkpoint folder {folder} has no files")
         if dest.resolve() == folder.resolve():
             for p in sources:
-                files[p.relative_to(folder).as_posix()] = (file_sha256(p), p.stat().st_size)
+                files[p.relative_to(folder).as_posix()] = file_hash(p)
         else:
             tmp = self.local_dir / f".{step_name(step)}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -141,12 +134,20 @@ class CheckpointStore:
         """Queue a checkpoint whose files ``write`` puts into an empty folder (on the upload
         thread, or here with ``sync=True``); ``extra``: a folder uploaded under a store prefix
         before the manifest (the version's model folder)."""
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        if self._closing.is_set():
-            raise RuntimeError("CheckpointStore is closed")
+        self._check_saving(step, meta)
         handle = CheckpointHandle(step, self.local_dir / step_name(step), {}, dict(meta), write=write, extra=extra)
         return self._enqueue(handle, sync)
+
+    def _check_saving(self, step: int, meta: dict[str, Any]) -> None:
+        """What ``save`` and ``save_written`` refuse before anything is written."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        try:
+            json.dumps(meta, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint meta for step {step} is not JSON-serializable: {e}") from None
+        if self._closing.is_set():
+            raise RuntimeError("CheckpointStore is closed")
 
     def _enqueue(self, handle: CheckpointHandle, sync: bool) -> CheckpointHandle:
         if sync:
@@ -254,8 +255,9 @@ class CheckpointStore:
                 h._finish(e)
                 return
             h.upload_seconds = time.monotonic() - t0
-            log.info("checkpoint %s durable in %.2fs (%d uploaded, %d unchanged, %d failed attempts)",
-                     name, h.upload_seconds, len(h.uploaded), len(h.skipped), h.failures)
+            log.info("checkpoint %s durable in %.2fs (%s%d uploaded, %d unchanged, %d failed attempts)",
+                     name, h.upload_seconds, "" if h.write_seconds is None else f"written in {h.write_seconds:.2f}s, ",
+                     len(h.uploaded), len(h.skipped), h.failures)
             try:  # before _finish, so a waiter sees the store already pruned
                 self._apply_retention()
             except (StoreError, OSError) as e:
@@ -290,12 +292,8 @@ class CheckpointStore:
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):
             key = f"{prefix}/{path.relative_to(folder).as_posix()}"
             sha, size = self._with_retry(h, deadline, f"hash {path}", lambda p=path: file_hash(p))
-
-            def put(k: str = key, p: Path = path, s: str = sha, n: int = size) -> None:
-                self.store.put_file(k, p)
-                if not self.store.verify_file(k, p, s, n):
-                    raise StoreError(f"{self.store.uri(k)}: stored object does not match sha256 {s[:12]}..")
-            self._with_retry(h, deadline, f"upload {key}", put)
+            self._with_retry(h, deadline, f"upload {key}",
+                             lambda k=key, p=path, s=sha, n=size: self._put_checked(k, p, s, n))
 
     def _drop_local(self, h: CheckpointHandle) -> None:
         """With ``keep_local=False``: the local copy goes once the checkpoint ended (durable or
@@ -315,8 +313,10 @@ class CheckpointStore:
                     step_name(h.step), what, free)
 
     def _put_verified(self, name: str, h: CheckpointHandle, rel: str, sha: str, size: int) -> None:
-        key = self._key(name, rel)
-        path = h.local_path / rel
+        self._put_checked(self._key(name, rel), h.local_path / rel, sha, size)
+
+    def _put_checked(self, key: str, path: Path, sha: str, size: int) -> None:
+        """Upload ``path`` to ``key`` and verify the stored object (size + sha256)."""
         self.store.put_file(key, path)
         if not self.store.verify_file(key, path, sha, size):
             raise StoreError(f"{self.store.uri(key)}: stored object does not match sha256 {sha[:12]}.. / size {size}")

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpu_runtime.models.model_folder import link_folder
 from gpu_runtime.proc.disk import is_no_space
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_handle import CheckpointHandle
@@ -130,9 +131,7 @@ class CheckpointSaver:
             return None
         dst = upload_weights_folder(self.work_dir, self.run_id, step)
         shutil.rmtree(dst, ignore_errors=True)
-        for f in sorted(p for p in src.rglob("*") if p.is_file()):
-            (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
-            os.link(f, dst / f.relative_to(src))
+        link_folder(src, dst)
         return art.weights_prefix(self.run_id, step), dst
 
     def _prune_stored_weights(self, _handle: CheckpointHandle) -> None:

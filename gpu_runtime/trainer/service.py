@@ -8,7 +8,6 @@ artifacts of steps c+1..v (DESIGN §6). Policy version v is produced by step v
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -271,10 +270,10 @@ class TrainerService:
         assert self.trainer is not None and self.store is not None and self.setup is not None
         v = self.trainer.policy_version
         folder = self._weights_dir(v)
-        held = self._published
-        if held is not None and held[:2] == (self.setup.run_id, v) and self._published_by is self.trainer \
-                and read_meta(folder).get("checksum") == held[2]:  # this trainer exported it already
-            return VersionInfo(policy_version=v, checksum=held[2], weights_key=art.weights_prefix(self.setup.run_id, v),
+        held = self._published_checksum(self.setup.run_id, v)
+        if held is not None and self._published_by is self.trainer and read_meta(folder).get("checksum") == held:
+            # this trainer exported it already
+            return VersionInfo(policy_version=v, checksum=held, weights_key=art.weights_prefix(self.setup.run_id, v),
                                model_path=str(folder))
         checksum = self.trainer.export_model_folder(folder)
         lora = self.setup.model.lora
@@ -285,6 +284,11 @@ class TrainerService:
         self._published, self._published_by = (self.setup.run_id, v, checksum), self.trainer
         return VersionInfo(policy_version=v, checksum=checksum, weights_key=art.weights_prefix(self.setup.run_id, v),
                            model_path=str(folder))
+
+    def _published_checksum(self, run_id: str, version: int) -> str | None:
+        """The checksum of the last export when it is ``version`` of ``run_id``."""
+        held = self._published
+        return held[2] if held is not None and held[:2] == (run_id, version) else None
 
     def _published_base(self) -> str:
         """Where an adapter export's base model is: the user's ``model.path``, or a built
@@ -416,9 +420,8 @@ class TrainerService:
         assert self.trainer is not None and self.saver is not None
         if self.trainer.policy_version != step:
             raise RuntimeError(f"checkpoint step {step} but trainer holds v{self.trainer.policy_version}")
-        held = self._published
-        checksum = held[2] if held is not None and held[:2] == (self.saver.run_id, step) else None
-        return self.saver.save(self.trainer, step, data_cursor=data_cursor, sync=sync, checksum=checksum)
+        return self.saver.save(self.trainer, step, data_cursor=data_cursor, sync=sync,
+                               checksum=self._published_checksum(self.saver.run_id, step))
 
     def wait_for_uploads(self, timeout_s: float) -> bool:
         return True if self.ckpts is None else self.ckpts.wait_for_uploads(timeout_s)

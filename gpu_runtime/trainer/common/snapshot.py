@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,6 @@ class StateSnapshot:
     meta: dict[str, Any]
     write_static: Callable[[Path], None]
     meta_name: str = state_io.META_FILE
-    buffers: SnapshotBuffers | None = field(default=None, repr=False)
 
     def write(self, folder: Path) -> None:
         """The trainer-state folder (its meta file last): what ``save_state`` would have written

@@ -313,7 +313,7 @@ class PolicyTrainer(AdamWSteps):
             config.save_pretrained(str(folder))  # architecture, so ``from_state`` can rebuild
             tokenizer.save(folder)
 
-        return StateSnapshot(files, meta, write_static, buffers=buffers)
+        return StateSnapshot(files, meta, write_static)
 
     def live_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
         """The tensor files of ``save_state`` that a snapshot copies, as live views (the trained
