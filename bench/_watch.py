@@ -8,8 +8,9 @@
   counted where they land: a path with a part that starts with ``.`` or ends with ``.tmp``,
   ``.download``, ``.part`` or ``.old`` (what the project writes before renaming it into place)
   is skipped, and a hard link (``st_nlink > 1``) to a file counted at this scan or the one
-  before (an engine's folder linked to the trainer's export) adds nothing. A path rewritten
-  as a new file (a new inode) counts again. A file written and deleted between two scans
+  before, unmodified since (an engine's folder linked to the trainer's export), adds nothing.
+  A path rewritten as a new file (a new inode) counts again, and so does a file written over
+  in place under a new name (an export over a pruned version's file: a new mtime). A file written and deleted between two scans
   is missed;
 - reads each watched process's ``VmHWM`` (the kernel's peak resident set, exact) and, through
   psutil, its resident set and ``write_bytes`` (bytes it sent to the storage layer). The pids
@@ -64,7 +65,7 @@ def transient(parts: tuple[str, ...]) -> bool:
 class Ledger:
     files: list[FileSeen] = field(default_factory=list)
     _by_path: dict[Path, tuple[int, FileSeen]] = field(default_factory=dict)
-    _last_inodes: set[int] = field(default_factory=set)
+    _last_inodes: set[tuple[int, int]] = field(default_factory=set)  # (inode, mtime_ns)
 
     def scan(self, roots: list[tuple[Path, Classify]]) -> None:
         now, inodes = time.time(), set()
@@ -73,7 +74,7 @@ class Ledger:
                 known = self._by_path.get(path)
                 if known is not None and known[0] == st.st_ino:
                     known[1].size = max(known[1].size, st.st_size)
-                elif st.st_nlink > 1 and (st.st_ino in self._last_inodes or st.st_ino in inodes):
+                elif st.st_nlink > 1 and ((same := (st.st_ino, st.st_mtime_ns)) in self._last_inodes or same in inodes):
                     self._by_path[path] = (st.st_ino, FileSeen("link", "", 0, now))  # not in files: no bytes
                 else:
                     parts = path.relative_to(root).parts
@@ -83,7 +84,7 @@ class Ledger:
                     seen = FileSeen(kind[0], kind[1], st.st_size, min(now, st.st_mtime))
                     self.files.append(seen)
                     self._by_path[path] = (st.st_ino, seen)
-                inodes.add(st.st_ino)
+                inodes.add((st.st_ino, st.st_mtime_ns))
         self._last_inodes = inodes
 
     def bytes_by_kind(self, start: float = 0.0, end: float = float("inf")) -> dict[tuple[str, str], int]:

@@ -12,10 +12,11 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from gpu_runtime.models.causal_lm import (
@@ -23,10 +24,12 @@ from gpu_runtime.models.causal_lm import (
     load_causal_lm,
     load_exported_state_dict,
 )
+from gpu_runtime.models.safetensors_file import Spares, write_safetensors
 from gpu_runtime.models.tokenizer import Tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "milestone.json"
+SPARES_DIR = ".spares"  # beside version folders: weights files of pruned ones, written over by the next export
 
 
 def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
@@ -41,7 +44,7 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # no copy (tobytes was 2/3 of the time)
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")  # no copy (tobytes was 2/3 of the time)
     return h.hexdigest()
 
 
@@ -75,8 +78,9 @@ def write_model_folder(
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    checksum = weights_checksum(weights)
-    save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    weights_file = tmp / WEIGHTS_FILE
+    spares_for(folder).take(weights_file)  # a pruned version's file: written over, no fresh pages
+    checksum = _written_and_hashed(weights_file, weights)
     config.save_pretrained(str(tmp))
     if generation_config is not None:
         generation_config.save_pretrained(str(tmp))
@@ -90,6 +94,35 @@ def write_model_folder(
     else:
         os.replace(tmp, folder)
     return checksum
+
+
+def _written_and_hashed(path: Path, weights: dict[str, torch.Tensor]) -> str:
+    """Write ``weights`` to ``path`` (safetensors, over the file's pages when it exists) while
+    another thread hashes them (``weights_checksum``; both release the GIL): the export costs
+    the longer of the two, not their sum."""
+    cpu = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+    result: list[str | BaseException] = []
+
+    def hash_them() -> None:
+        try:
+            result.append(weights_checksum(cpu))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the writing thread
+            result.append(err)
+
+    hasher = threading.Thread(target=hash_them, name="weights-checksum")
+    hasher.start()
+    try:
+        write_safetensors(path, cpu, metadata={"format": "pt"})
+    finally:
+        hasher.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def spares_for(version_folder: Path) -> Spares:
+    """Where the weights files of ``version_folder``'s pruned siblings wait to be written over."""
+    return Spares(Path(version_folder).parent / SPARES_DIR)
 
 
 def read_meta(folder: str | Path) -> dict:
@@ -120,9 +153,13 @@ def link_folder(src: Path, dst: Path) -> None:
         os.link(f, target)
 
 
-def prune_version_folders(parent: Path, newest: int, keep: int = 2) -> None:
-    """Delete ``v<NNNNNN>`` folders under ``parent`` older than the newest ``keep``."""
+def prune_version_folders(parent: Path, newest: int, keep: int = 2, spares: Spares | None = None) -> None:
+    """Delete ``v<NNNNNN>`` folders under ``parent`` older than the newest ``keep``; their
+    weights files go to ``spares`` (default: ``parent``'s own) when nothing else links them."""
     oldest_kept = f"v{newest - keep + 1:06d}"
+    spares = spares or Spares(parent / SPARES_DIR)
     for old in parent.glob("v*"):
         if old.name < oldest_kept:
+            if old.is_dir():
+                spares.salvage(old / WEIGHTS_FILE)
             shutil.rmtree(old, ignore_errors=True)

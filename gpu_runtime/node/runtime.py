@@ -23,7 +23,7 @@ from gpu_runtime.engine.distributed_push import Broadcaster
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine
 from gpu_runtime.engine.router import RouterProcess
-from gpu_runtime.models.model_folder import WEIGHTS_FILE, link_folder, prune_version_folders, read_meta
+from gpu_runtime.models.model_folder import WEIGHTS_FILE, link_folder, prune_version_folders, read_meta, spares_for
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.proc.devices import Placement
 from gpu_runtime.node.memory_phases import MemoryPhases, resolve_release_memory
@@ -162,7 +162,10 @@ class NodeRuntime:
                 self._fetch(store_uri, run_id, version, weights_key, checksum, export, tmp)
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
-        prune_version_folders(folder.parent, version)
+        # an engines' folder's file is the trainer's export (hard links): once the trainer pruned
+        # it too, the trainer writes its next export over it
+        prune_version_folders(folder.parent, version,
+                              spares=spares_for(weights_folder(self.trainer.work_dir, run_id, version)))
         return folder
 
     def _fetch(self, store_uri: str, run_id: str, version: int, weights_key: str, checksum: str | None,
