@@ -40,6 +40,7 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -65,6 +66,10 @@ from tests.stack import Stack  # noqa: E402
 SHAPES: dict[str, dict] = {"demo": {}, "0.36b": FULL_SHAPE}  # model.init over demo.yaml's
 WINDOWS = ("init", "step", "checkpoint step", "after")
 GB = 1e9
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
 
 # ---------------------------------------------------------------- config
@@ -179,6 +184,10 @@ def project_run(cfg: RunConfig, run_dir: Path, run_id: str, interval_s: float) -
             "step_wall": mean([s.step_seconds for s in meas]),
             "cadence": cadence(r["closes"]),
             "wall_plain_step": mean([s.step_seconds for s in meas if not s.checkpointed]),
+            "wall_plain_step_median": median([s.step_seconds for s in meas if not s.checkpointed]),
+            "wall_steady": mean([s.step_seconds for s in meas if s.step != cfg.steps]),
+            "per_step": [{"step": s.step, "wall": s.step_seconds, "checkpointed": s.checkpointed,
+                          "phases": {p: s.phase_seconds.get(p, 0.0) for p in PHASES}} for s in steps],
             # the stall: checkpoints the run goes on from (the last one is durable before the run ends)
             "wall_ckpt_step": mean([s.step_seconds for s in meas if s.checkpointed and s.step != cfg.steps]),
             "ckpt_phase": mean([s.phase_seconds.get("checkpoint", 0.0) for s in meas
@@ -214,6 +223,10 @@ def plain_child(cfg_json: str, work: str, interval_s: float) -> dict:
         "phases": {p: mean([s["phases"][p] for s in meas]) for p in PHASES},
         "step_wall": mean([s["wall"] for s in meas]),
         "wall_plain_step": mean([s["wall"] for s in meas if not s["checkpointed"]]),
+        "wall_plain_step_median": median([s["wall"] for s in meas if not s["checkpointed"]]),
+        "wall_steady": mean([s["wall"] for s in meas[:-1]]),
+        "per_step": [{"step": i + 1, "wall": s["wall"], "checkpointed": s["checkpointed"], "phases": s["phases"]}
+                     for i, s in enumerate(steps)],
         "wall_ckpt_step": mean([s["wall"] for s in meas[:-1] if s["checkpointed"]]),
         "ckpt_phase": mean([s["phases"]["checkpoint"] for s in meas[:-1] if s["checkpointed"]]),
         "final_ckpt_phase": steps[-1]["phases"]["checkpoint"],
@@ -290,7 +303,13 @@ def report(shape: str, cfg: RunConfig, runs: dict[str, dict]) -> None:
     for p in PHASES:
         row(f"  {p}", "phases", p)
     row("step wall (RLStep / loop step)", "step_wall")
+    row("  steps before the last", "wall_steady")  # what a long run sees: the last waits for its durable checkpoint
     row("  steps without a checkpoint", "wall_plain_step")
+    row("  steps without a checkpoint, median", "wall_plain_step_median")
+    for m in ["plain", *modes]:
+        if "per_step" in runs[m]:
+            print(f"    {m} per step (s, * = checkpoint): " + " ".join(
+                f"{x['wall']:.1f}{'*' if x['checkpointed'] else ''}" for x in runs[m]["per_step"]))
     row("  steps with a checkpoint", "wall_ckpt_step")
     row("  checkpoint phase, when due", "ckpt_phase")
     row("  the last step's (durable) checkpoint", "final_ckpt_phase")

@@ -73,9 +73,9 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 class Spares:
     """Weights files kept to be written over (``write_safetensors``) instead of deleted:
-    at most ``keep`` of them, in one folder of the node."""
+    at most ``keep`` of them (one is enough for an export per step), in one folder of the node."""
 
-    def __init__(self, folder: Path, keep: int = 2) -> None:
+    def __init__(self, folder: Path, keep: int = 1) -> None:
         self.folder, self.keep = Path(folder), keep
 
     def salvage(self, file: Path) -> None:

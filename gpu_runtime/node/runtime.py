@@ -96,14 +96,18 @@ class NodeRuntime:
         (self.work_dir / "children.json").unlink(missing_ok=True)
 
     def _write_children(self) -> None:
-        """Child pids on disk, so ``make down`` can stop them even if this process was killed."""
+        """Child pids on disk, so ``make down`` can stop them even if this process was killed.
+        Written whole then renamed: a reader (``make down``, a test aiming a kill) never sees
+        a half-written file."""
         children = {
             "agent": os.getpid(),
             "trainer": self.trainer.pid,
             "router": self.router.pid if self.router else None,
             "engines": [s.pid for s in self.fleet.snapshot()] if self.fleet else [],
         }
-        (self.work_dir / "children.json").write_text(json.dumps(children))
+        tmp = self.work_dir / f"children.json.{threading.get_ident()}.tmp"
+        tmp.write_text(json.dumps(children))
+        os.replace(tmp, self.work_dir / "children.json")
 
     def _add_event(self, ev: RunEvent) -> None:
         with self._events_lock:

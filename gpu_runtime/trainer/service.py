@@ -363,7 +363,10 @@ class TrainerService:
             if self.layouts.step_failed(setup, self.trainer, err):  # rebuilt by restore + replay
                 self.trainer = None
             raise
+        trained = time.perf_counter()
         info = self._publish_weights()
+        log.info("step %d: trained in %.2fs, v%d exported in %.2fs", batch.step, trained - t0, info.policy_version,
+                 time.perf_counter() - trained)
         if self.saver is not None:  # the next checkpoint's buffers, while the engines take this version
             self.saver.prepare(self.trainer)
         if setup.offload_optimizer:
