@@ -281,10 +281,15 @@ def test_one_rank_checkpoint_restores_into_two_ranks(folder: Path, ray_runtime: 
 # float32 weights is the single trainer's forward, and only the order of the float32 gradient
 # sums differs, as in float32. Measured 1.8e-5 (float32: under 1e-5): each micro-batch's weight
 # gradients come out of bf16 matmuls, so partial sums that nearly cancel are coarser and AdamW
-# turns their reordering into a larger update difference. 5e-5 is still 20x below the steps'
-# movement and 80x below bf16's own distance from float32 (4e-3 here), which is checked too.
+# turns their reordering into a larger update difference. How much larger depends on the CPU's
+# bf16 kernels: 1.8e-5 on the machine this was first measured on, 1.3e-4 (and grad_norm 3.7e-5
+# relative at step 3, the losses still bitwise equal) on an AMD EPYC without AVX-512, whose bf16
+# matmuls take the AVX2 path. 2e-4 is still over 20x below bf16's own distance from float32
+# (5.5e-3 there; checked below); the metrics get a bf16 reordering bound too (1e-4 relative,
+# against float32's 1e-5).
 HP_BF16 = HP.model_copy(update={"precision": "bf16"})
-BF16_WEIGHT_ATOL = 5e-5
+BF16_WEIGHT_ATOL = 2e-4
+BF16_METRIC_RTOL = 1e-4
 
 
 def test_bf16_cell_matches_the_single_bf16_trainer(folder: Path, ray_runtime: RayRuntime, reference) -> None:
@@ -295,7 +300,7 @@ def test_bf16_cell_matches_the_single_bf16_trainer(folder: Path, ray_runtime: Ra
     metrics, w, _ = run_cell(folder, hp=HP_BF16)
     for step, (mine, theirs) in enumerate(zip(metrics, ref_metrics), start=1):
         for k in COMPARED:
-            assert mine[k] == pytest.approx(theirs[k], rel=METRIC_RTOL, abs=1e-7), f"step {step} {k}"
+            assert mine[k] == pytest.approx(theirs[k], rel=BF16_METRIC_RTOL, abs=1e-7), f"step {step} {k}"
     worst = max(float((w[k] - ref_w[k]).abs().max()) for k in w)
     assert worst <= BF16_WEIGHT_ATOL, f"max |bf16 cell - bf16 single| = {worst}"
     fp32_w = reference[1]
