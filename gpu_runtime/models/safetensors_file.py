@@ -86,7 +86,7 @@ class Spares:
         dst = self.folder / uuid.uuid4().hex
         try:
             os.rename(file, dst)
-        except FileNotFoundError:
+        except OSError:  # pruned meanwhile, or another filesystem: the caller deletes it as before
             return
         if os.stat(dst).st_nlink > 1 or sum(1 for _ in self.folder.iterdir()) > self.keep:
             dst.unlink()
@@ -99,6 +99,6 @@ class Spares:
             try:
                 os.rename(spare, dst)
                 return True
-            except FileNotFoundError:  # taken by a concurrent writer
+            except OSError:  # taken by a concurrent writer (or another filesystem): a fresh file then
                 continue
         return False
