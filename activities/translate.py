@@ -32,6 +32,7 @@ def run_setup(inp: InitPolicyInput, node_id: str = "") -> RunSetup:
         run_id=inp.run_id, store_uri=inp.store_uri, seed=inp.seed, model=inp.model, sft=inp.sft, hparams=inp.train,
         dataset_key=inp.dataset.key, keep_last=inp.checkpoint.keep_last, config_hash=inp.config_hash,
         distill=inp.distill, lineage=inp.lineage, epoch=inp.epoch, node_id=node_id, trainer=inp.trainer,
+        keep_versions=inp.checkpoint.keep_versions,
     )
 
 

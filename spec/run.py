@@ -26,6 +26,18 @@ from spec.trainer import RunAsks, TrainerSpec, layout_conflicts
 class CheckpointSpec(Strict):
     every: int = Field(5, ge=1, description="checkpoint every k steps")
     keep_last: int = Field(3, ge=1)
+    keep_versions: list[int] = Field(
+        default_factory=list,
+        description="policy versions whose model folder the store keeps for the rest of the run, beside v0, the "
+        "kept checkpoints' and the last step's: version N is checkpointed after step N (docs/cost-per-step.md)",
+    )
+
+    @field_validator("keep_versions")
+    @classmethod
+    def _versions(cls, v: list[int]) -> list[int]:
+        if bad := [n for n in v if n < 1]:
+            raise ValueError(f"keep_versions {bad}: versions are steps, 1 or more (v0 is always kept)")
+        return sorted(set(v))
 
 
 class EvalSpec(Strict):
@@ -93,6 +105,14 @@ class RunConfig(Strict):
     steps_per_workflow_run: int = Field(
         50, ge=1, description="continue-as-new after this many steps (keeps history small)"
     )
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _kept_versions(cls, v: CheckpointSpec, info: ValidationInfo) -> CheckpointSpec:
+        steps = info.data.get("steps")
+        if steps is not None and (bad := [n for n in v.keep_versions if n > steps]):
+            raise ValueError(f"keep_versions {bad}: the run has {steps} steps, so its last version is v{steps}")
+        return v
 
     @field_validator("engines")
     @classmethod

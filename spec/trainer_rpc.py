@@ -58,6 +58,7 @@ class RunSetup(Message):
     lineage: list[ForkPoint] = []  # a fork: its ancestors, oldest first (gpu_runtime.store.lineage)
     epoch: int = 0  # the placement epoch every store write of this call carries (0: unfenced)
     node_id: str = ""  # the node the trainer runs on (named in refused writes)
+    keep_versions: list[int] = []  # checkpoint.keep_versions: their model folders stay in the store
     trainer: TrainerSpec | None = None  # None: backend single
     # engines.release_memory resolved on: the optimizer state waits on the host between steps
     # (``gpu_runtime.trainer.common.offload``); set by the node agent, which knows the placement

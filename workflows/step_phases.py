@@ -100,10 +100,11 @@ async def update_weights(inp: RLStepInput, trained: TrainStepResult) -> UpdateWe
 
 
 async def checkpoint_if_due(inp: RLStepInput, cursor: int) -> CheckpointResult | None:
-    """The step's checkpoint every ``checkpoint.every`` steps and after the last one (a full
-    disk: it waits for space, ``workflows.disk_wait``; so do the train step and a cell restart)."""
+    """The step's checkpoint every ``checkpoint.every`` steps, after the last one and after the
+    steps whose version the store keeps (``checkpoint.keep_versions``) (a full disk: it waits
+    for space, ``workflows.disk_wait``; so do the train step and a cell restart)."""
     cfg = inp.config
-    if inp.step % cfg.checkpoint.every != 0 and inp.step != cfg.steps:
+    if inp.step % cfg.checkpoint.every != 0 and inp.step != cfg.steps and inp.step not in cfg.checkpoint.keep_versions:
         return None
     return await waiting_for_disk(lambda: CHECKPOINT.run(
         CheckpointInput(run_id=inp.run_id, step=inp.step, store_uri=cfg.store, data_cursor=cursor, epoch=inp.epoch,

@@ -136,8 +136,9 @@ class CheckpointSaver:
 
     def _prune_stored_weights(self, _handle: CheckpointHandle) -> None:
         """After a checkpoint is durable: the store keeps the model folders of v0 (the
-        post-SFT policy) and of the run's durable checkpoints (``checkpoint.keep_last``)."""
-        kept = {0} | {c.step for c in self.ckpts.list_durable()}
+        post-SFT policy), of the run's durable checkpoints (``checkpoint.keep_last``) and of the
+        versions the config keeps (``checkpoint.keep_versions``)."""
+        kept = {0} | {c.step for c in self.ckpts.list_durable()} | set(self.setup.keep_versions)
         prefix = f"{art.run_prefix(self.run_id)}/weights/"
         versions = {key[len(prefix):].partition("/")[0] for key in self.store.list(prefix)}
         for name in sorted(versions):

@@ -110,6 +110,28 @@ def test_weights_reach_the_store_only_with_checkpoints_and_restore_bitwise(
     assert info.rebuild.replayed_steps == [1, 2, 3] and info.checksum == checksums[3]
 
 
+def test_a_version_the_config_keeps_stays_in_the_store(tmp_path: Path) -> None:
+    """``checkpoint.keep_versions``: v2's model folder outlives checkpoint 2 (keep_last 2 prunes it)."""
+    cfg = RunConfig.model_validate(tiny_config(
+        tmp_path / "store", steps=STEPS, sft={"steps": 5}, train={"lr": 1e-3, "entropy_coef": 0.01},
+        checkpoint={"every": 2, "keep_last": 2, "keep_versions": [2]}))
+    setup = run_setup(cfg, RUN)
+    assert setup.keep_versions == [2]
+    store = LocalStore(tmp_path / "store")
+    rows = dataset_rows(cfg, tmp_path / "train.jsonl")
+    store.put_file(setup.dataset_key, tmp_path / "train.jsonl")
+    svc = TrainerService(tmp_path / "node")
+    folder = Path(svc.ensure_version(setup, 0).model_path)
+    for step in range(1, STEPS + 1):
+        _train(svc, setup, cfg, store, rows, step, folder)
+        folder = svc._weights_dir(step)
+        if step % 2 == 0 or step == STEPS:
+            svc.save_checkpoint(step, data_cursor=step * cfg.rollout.prompts_per_step, sync=True)
+    assert _stored_versions(tmp_path / "store") == ["v000000", "v000002", "v000004", "v000005"]
+    ckpts = tmp_path / "store" / "runs" / RUN / "checkpoints"
+    assert sorted(d.parent.name for d in ckpts.glob("*/manifest.json")) == ["step-000004", "step-000005"]
+
+
 def test_a_full_disk_delays_the_checkpoint_until_space_returns(
         tmp_path: Path, run: tuple[RunConfig, RunSetup, LocalStore, list[dict]],
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -281,3 +281,16 @@ def test_cli_set_reads_the_engine_count_and_names_what_is_settable() -> None:
         parse_engine_assignments(["engines.backend=vllm"])  # a new backend needs a new run
     with pytest.raises(CLIError, match="num_engines"):
         parse_engine_assignments(["engines.num_engines=0"])
+
+
+def test_kept_versions_name_their_field_and_line(tmp_path: Path) -> None:
+    assert RunConfig.model_validate({"steps": 9, "checkpoint": {"keep_versions": [6, 2, 6]}}).checkpoint.keep_versions \
+        == [2, 6]
+    p = write(tmp_path, "steps: 4\ncheckpoint:\n  every: 2\n  keep_versions: [2, 7]\n")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(p)
+    assert "checkpoint" in str(err.value) and "keep_versions [7]: the run has 4 steps" in str(err.value)
+    p = write(tmp_path, "checkpoint:\n  keep_versions: [0]\n")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(p)
+    assert f"{p}:2: checkpoint.keep_versions:" in str(err.value) and "1 or more" in str(err.value)

@@ -322,3 +322,17 @@ def test_step_summary_reports_engine_retries_and_reused_chunks() -> None:
         assert [(s.engine_retries, s.chunks_reused) for s in p.steps] == [(0, 0), (2, 1)]
 
     scenario(cluster, body)
+
+
+def test_a_kept_version_is_checkpointed_after_its_step() -> None:
+    """``checkpoint.keep_versions``: its steps are checkpoint steps besides every k-th and the last;
+    only the last one waits to be durable."""
+    cluster = Cluster()
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        summary = await finish(await start_run(env, run_config(steps=5, checkpoint={"every": 2, "keep_versions": [3]})))
+        assert summary.steps == 5
+        assert [(c.step, c.durable) for c in cluster.checkpoint_inputs] == [
+            (2, False), (3, False), (4, False), (5, True)]
+
+    scenario(cluster, body)
