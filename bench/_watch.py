@@ -10,8 +10,8 @@
   is skipped, and a hard link (``st_nlink > 1``) to a file counted at this scan or the one
   before, unmodified since (an engine's folder linked to the trainer's export), adds nothing.
   A path rewritten as a new file (a new inode) counts again, and so does a file written over
-  in place under a new name (an export over a pruned version's file: a new mtime). A file written and deleted between two scans
-  is missed;
+  in place under a new name (an export over a pruned version's file: a new mtime). A file
+  written and deleted between two scans is missed;
 - reads each watched process's ``VmHWM`` (the kernel's peak resident set, exact) and, through
   psutil, its resident set and ``write_bytes`` (bytes it sent to the storage layer). The pids
   come from a function called each time, so processes started during the run (a node's

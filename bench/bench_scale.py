@@ -270,12 +270,11 @@ def plain_run(cfg: RunConfig, work: Path, interval_s: float) -> dict:
 
 
 # ---------------------------------------------------------------- report
-def settle(run_dir: Path) -> float:
-    """Remove a measured run's files and wait for the disk to write back what it left dirty,
-    so the next run does not pay for this one's writeback (the last durable checkpoint of a
-    0.36B run leaves GBs dirty); returns the seconds it took."""
+def settle() -> float:
+    """Wait for the disk to write back what the measured run left dirty (its folder is already
+    removed: ``project_run``, ``plain_run``), so the next run does not pay for this one's
+    writeback (the last durable checkpoint of a 0.36B run leaves GBs dirty); returns the seconds."""
     t = time.monotonic()
-    shutil.rmtree(run_dir, ignore_errors=True)
     os.sync()
     return time.monotonic() - t
 
@@ -417,7 +416,7 @@ def main() -> None:
                     runs[mode] = project_run(cfg, work / run_id, run_id, a.scan_interval)
                 runs[mode]["load"] = [load, os.getloadavg()[0]]
                 print(f"{shape} {mode}: {time.monotonic() - t:.0f}s, load average {load:.1f} -> "
-                      f"{os.getloadavg()[0]:.1f}, {free:.0f} GB free before; settled in {settle(work / run_id):.0f}s",
+                      f"{os.getloadavg()[0]:.1f}, {free:.0f} GB free before; settled in {settle():.0f}s",
                       flush=True)
                 if a.json:  # after each run: an interrupted bench resumes from here (--resume)
                     Path(a.json).write_text(json.dumps({"settings": settings, "shapes": results}, indent=1) + "\n")

@@ -24,7 +24,7 @@ from gpu_runtime.models.causal_lm import (
     load_causal_lm,
     load_exported_state_dict,
 )
-from gpu_runtime.models.safetensors_file import Spares, write_safetensors
+from gpu_runtime.models.safetensors_file import Spares, tensor_bytes, write_safetensors
 from gpu_runtime.models.tokenizer import Tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -44,7 +44,7 @@ def weights_checksum(state_dict: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")  # no copy (tobytes was 2/3 of the time)
+        h.update(tensor_bytes(t))  # no copy (tobytes was 2/3 of the time)
     return h.hexdigest()
 
 

@@ -32,8 +32,8 @@ _DTYPES: dict[torch.dtype, str] = {
 _RANK = {d: i for i, d in enumerate(_DTYPES)}
 
 
-def _raw(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes, uncopied (a CPU contiguous tensor)."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, uncopied (a CPU contiguous tensor, 0-dim included)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
@@ -65,7 +65,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     with open(path, "r+b" if path.exists() else "wb") as f:
         f.write(head)
         for name in order:
-            f.write(_raw(tensors[name]))
+            f.write(tensor_bytes(tensors[name]))
         size = f.tell()
         f.truncate(size)
     return size

@@ -28,6 +28,7 @@ import torch
 
 from gpu_runtime.models.causal_lm import load_exported_state_dict
 from gpu_runtime.models.model_folder import weights_checksum
+from gpu_runtime.models.safetensors_file import tensor_bytes
 from gpu_runtime.proc.processes import pid_alive
 
 MAGIC = b"MSWSHM01"
@@ -90,7 +91,7 @@ def publish(state_dict: dict[str, torch.Tensor], version: int | str, *, tag: str
         for e, t in zip(entries, tensors):
             f.seek(data_start + e["offset"])
             if e["nbytes"]:
-                f.write(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+                f.write(tensor_bytes(t))
         f.truncate(total)
     os.replace(tmp, path)
     return Segment(path, str(version), checksum, total)
