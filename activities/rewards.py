@@ -1,10 +1,8 @@
 """Scoring a rollout's samples: the body of the reward activity, wherever it runs.
 
-Since the ``samples-on-node`` patch (``workflows.sampling``) the run's node agent scores
-the samples it just generated (``NodeActivities.compute_rewards_on_node``, from memory);
-steps recorded before it score on the control worker (``activities.control.compute_rewards``,
-reading the chunks from the store). Both call ``score``: the same scoring, the same
-stored rewards and judge records, the same errors.
+The run's node agent scores the samples it just generated
+(``NodeActivities.compute_rewards_on_node``, from memory, reading from the store only the
+chunks it does not hold) through ``score``.
 """
 
 from __future__ import annotations
@@ -89,11 +87,3 @@ def summary(inp: RewardInput, key: str, rewards: list[art.SampleReward], errors:
         "groups_all_wrong": groups.all_wrong, "groups_all_equal_other": groups.all_equal_other,
         "group_means": groups.means,
     })
-
-
-def stored_samples(store: ObjectStore, chunk_keys: list[str]) -> list[art.Sample]:
-    """The samples of ``chunk_keys``, in order, read from the store."""
-    out: list[art.Sample] = []
-    for key in chunk_keys:
-        out.extend(art.get_model(store, key, art.RolloutChunk).samples)
-    return out

@@ -42,12 +42,12 @@ from tests.e2e.faults import progress, run_to_end  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 from workers.common import connect  # noqa: E402
 from workflows.stubs import (  # noqa: E402
-    ASSEMBLE_BATCH, CHECKPOINT, COMPUTE_REWARDS, COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS,
+    CHECKPOINT, COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP, UPDATE_WEIGHTS,
 )
 
 RUN_ID = "step-timeline"
 # the StepSummary phase each activity's own seconds are reported under (rewards: scored on the
-# node that holds the samples; compute_rewards and assemble_batch only in steps recorded before)
+# node that holds the samples)
 PHASE_OF = {ROLLOUT.name: "rollout", COMPUTE_REWARDS_ON_NODE.name: "reward", TRAIN_STEP.name: "train",
             UPDATE_WEIGHTS.name: "update_weights", CHECKPOINT.name: "checkpoint"}
 
@@ -144,11 +144,6 @@ def main() -> None:
         print(f"  {name + ' outside':<28} {run - inside:>10.4f}  "
               f"(server-seen run {run:.4f} - in-activity {inside:.4f})")
     print(f"  {'between steps':<28} {statistics.fmean(gaps) if gaps else float('nan'):>10.4f}")
-    where = {"on the node": COMPUTE_REWARDS_ON_NODE.name, "on the control worker": COMPUTE_REWARDS.name}
-    scored = [w for w, name in where.items() if any(f"{name} run" in r for r in rows)]
-    assembled = any(f"{ASSEMBLE_BATCH.name} run" in r for r in rows)
-    print(f"  {'rewards scored':<28} {' and '.join(scored) or 'nowhere'}; "
-          f"{'an assemble_batch copy' if assembled else 'no assemble phase (a selection is trained)'}")
     acts = statistics.fmean(sum(v for k, v in r.items() if k.endswith((" queue", " run"))
                                 and not k.startswith("workflow")) for r in rows)
     wts = statistics.fmean(r["workflow tasks"] for r in rows)

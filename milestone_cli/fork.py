@@ -125,25 +125,18 @@ def cursor_after(store: ObjectStore, lineage: list[tuple[str, int]], step: int) 
                     base_step, cursor = c.step, int(c.meta["data_cursor"])
     for k in range(base_step + 1, step + 1):
         owner = lin.owner(lineage, "", k)
-        cursor += _prompts_drawn(store, owner, k, _step_batch(store, owner, k))
+        cursor += _prompts_drawn(store, _step_batch(store, owner, k))
     return cursor
 
 
-def _prompts_drawn(store: ObjectStore, run_id: str, step: int, batch: dict) -> int:
-    """The prompts step ``step`` drew: its trained rewards / group size, or with dynamic
-    sampling every round's, kept or filtered (docs/rewards.md): the rounds of its selection,
-    or, stored before selections, the rounds next to the ``batch/`` copy it trained."""
+def _prompts_drawn(store: ObjectStore, batch: dict) -> int:
+    """The prompts a step drew: its trained rewards / group size, or with dynamic
+    sampling every round's, kept or filtered (docs/rewards.md): the rounds of its selection."""
     group_size, rewards_key = int(batch["group_size"]), batch["rewards_key"]
     if batch.get("selection"):
         return sum(len(art.get_model(store, r["rewards_key"], art.StepRewards).rewards) // group_size
                    for r in batch["selection"]["rounds"])
-    if rewards_key != art.batch_rewards_key(run_id, step):
-        return len(art.get_model(store, rewards_key, art.StepRewards).rewards) // group_size
-    drawn, r = 0, 0
-    while store.exists(key := art.rewards_key(run_id, step, r)):
-        drawn += len(art.get_model(store, key, art.StepRewards).rewards) // group_size
-        r += 1
-    return drawn
+    return len(art.get_model(store, rewards_key, art.StepRewards).rewards) // group_size
 
 
 def fork_input(
@@ -205,7 +198,7 @@ async def sampled_ahead(client: Client, cfg: RunConfig, step: int, data_cursor: 
         summary = await client.get_workflow_handle(f"{owner}/step-{step}", result_type=StepSummary).result()
     except Exception as err:  # noqa: BLE001  the step's workflow is gone (retention) or failed: sample afresh
         return _afresh(cfg, step, f"{owner}/step-{step}: {type(err).__name__}")
-    buffer = summary.next_buffer or ([summary.next_sampled] if summary.next_sampled else [])
+    buffer = summary.next_buffer
     buffer = buffer[: cfg.steps - step]  # batch k is step step+1+k's
     if not buffer:
         return [], ""

@@ -3,8 +3,7 @@
 A message carries the sections themselves (``RunSetup.hparams`` is the run's ``TrainSpec``,
 ``RunSetup.model`` its ``ModelSpec``, ...), so a knob is declared once, with its default and
 validation, and arrives at the trainer as the run config wrote it. ``StepBatch`` is also
-stored before a step trains (replay reads it back): a knob added later reads, from a batch
-an older version stored, as its default, which reproduces the trainer from before it existed.
+stored before a step trains (replay reads it back).
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ class BatchSelection(BaseModel):
     """The trained batch of a step with dynamic sampling, as a selection: the rounds' chunks
     and rewards, and the (round, group index) of each trained group, in training order. The
     trainer reads each round's chunks once and takes these groups in memory; nothing is
-    copied (before the ``samples-on-node`` patch ``assemble_batch`` wrote them as ``batch/``).
+    copied.
     Part of the train_step input in history, so lenient."""
 
     rounds: list[SampledRound]
@@ -86,9 +85,7 @@ class BatchSelection(BaseModel):
 class StepBatch(Message):
     """One step's training input, stored before training so replay uses exactly it:
     the rollout's chunks and rewards (RL), the kept groups of its rounds (``selection``,
-    dynamic sampling; ``chunk_keys`` then empty), or the rows of an SFT-mode step (``sft``).
-    A batch stored before selections names a dynamic-sampling step's ``batch/`` copy as
-    its chunks and rewards."""
+    dynamic sampling; ``chunk_keys`` then empty), or the rows of an SFT-mode step (``sft``)."""
 
     step: int
     policy_version: int  # the version the trainer holds before the step
@@ -96,7 +93,7 @@ class StepBatch(Message):
     rewards_key: str
     group_size: int
     hparams: TrainSpec  # the step's ``train`` (set_hparams updates applied)
-    sft: SFTRows | None = None  # None: an RL step (also every batch stored before SFT mode)
+    sft: SFTRows | None = None  # None: an RL step
     selection: BatchSelection | None = None  # dynamic sampling: these groups of the rounds' chunks
     # rollout.temperature the chunks were sampled at: the trainer's logprobs, ratio, KL and entropy
     # are those of logits / temperature (a batch stored before it reads 1.0, as it trained)

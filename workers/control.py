@@ -1,8 +1,7 @@
 """Orchestration worker: ``python -m workers.control``.
 
 Runs the ``TrainingRun`` workflow and its step children (``RLStep``, ``SFTStep``) and the light CPU activities
-on the control task queue: dataset preparation, and the rewards and dynamic-sampling batch of steps recorded
-before rewards moved to the node agents (``workflows.sampling.SAMPLES_PATCH``).
+on the control task queue: dataset preparation.
 """
 
 from __future__ import annotations
@@ -15,14 +14,14 @@ from datetime import timedelta
 
 from temporalio.worker import Worker
 
-from activities.control import assemble_batch, compute_rewards, prepare_data
+from activities.control import prepare_data
 from gpu_runtime.proc import metrics
 from workers.common import connect, install_shutdown, parse_worker_args, setup_logging
 from workflows.queues import CONTROL_QUEUE
 from workflows.training_run import RUN_WORKFLOWS
 
 log = logging.getLogger("workers.control")
-CONTROL_ACTIVITIES = [prepare_data, compute_rewards, assemble_batch]
+CONTROL_ACTIVITIES = [prepare_data]
 
 
 async def run(address: str | None, namespace: str | None) -> None:

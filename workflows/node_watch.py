@@ -13,9 +13,7 @@ When the run ends (or continues as new) it cancels the watch and waits until the
 has acknowledged the cancel (``finish``), so a closed run lists no pending activity in
 the UI; on a node that is gone the heartbeat timeout ends the wait.
 
-Deterministic: only workflow APIs. Runs recorded before the watch existed replay
-without it (``workflow.patched(LIVENESS_PATCH)``), and those recorded before ``finish``
-waited replay without the wait (``FINISH_WAIT_PATCH``).
+Deterministic: only workflow APIs.
 """
 
 from __future__ import annotations
@@ -36,8 +34,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.stubs import NODE_LIVENESS
 
 T = TypeVar("T")
-LIVENESS_PATCH = "node-liveness"
-FINISH_WAIT_PATCH = "node-liveness-finish-wait"
 
 
 class NodeWatch:
@@ -70,14 +66,14 @@ class NodeWatch:
         the run closes with no pending activity."""
         handle = self.handle
         self.stop()
-        if handle is not None and workflow.patched(FINISH_WAIT_PATCH):
+        if handle is not None:
             with contextlib.suppress(ActivityError, asyncio.CancelledError):
                 await handle
 
     async def on_live_node(self, run_id: str, queue: str, spec: NodeSpec, work: Awaitable[T]) -> T:
         """``work`` (on node ``queue``), cancelled and turned into ``NodeLost`` as soon
         as the node stops answering."""
-        if spec.liveness_timeout_s <= 0 or not workflow.patched(LIVENESS_PATCH):
+        if spec.liveness_timeout_s <= 0:
             return await work
         task = asyncio.ensure_future(work)
         while True:

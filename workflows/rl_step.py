@@ -5,9 +5,6 @@ the oldest batch sampled ahead by an earlier step) -> train -> update weights ->
 checkpoint (every k steps) -> evaluate (every k steps) (``workflows.step_phases``),
 then the ``StepSummary`` (``workflows.step_summary``). In one_step_off / fully_async
 later steps' batches are sampled during the train step (``workflows.rollout_schedule``).
-
-SFT runs started before ``SFTStep`` existed ran their steps as ``RLStep`` in mode sft
-(``SFT_MODE_PATCH``): those still run, and replay, as ``SFTStep``'s phases.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.contracts.step import RLStepInput, StepSummary
     from workflows.rollout_schedule import buffer_depth, buffered, check_batch, steps_ahead
     from workflows.sampling import sample_step
-    from workflows.sft_step import train_on_rows
     from workflows.step_phases import (
         cancelled_on_error,
         checkpoint_if_due,
@@ -33,17 +29,12 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.step_summary import StepResults, summarize
 
-EVAL_PATCH = "eval-activity"  # steps recorded before the eval existed replay without it
-SFT_MODE_PATCH = "sft-mode"  # mode sft: the step trains on dataset rows, without rollout and reward
-
 
 @workflow.defn(name="RLStep")
 class RLStep:
     @workflow.run
     async def run(self, inp: RLStepInput) -> StepSummary:
         started = workflow.now()
-        if inp.config.mode == "sft" and workflow.patched(SFT_MODE_PATCH):
-            return await train_on_rows(inp, started, eval_patch=EVAL_PATCH)
         depth = buffer_depth(inp.config)
         heal = start_cell_restarts(inp)  # lost DP cells start again while the step samples, and join its train step
         async with cancelled_on_error(heal):
@@ -56,7 +47,7 @@ class RLStep:
             sampled_ahead = await ahead if ahead is not None else []
         synced = await update_weights(inp, trained)  # after the batches sampled ahead: engines serve one version
         checkpoint = await checkpoint_if_due(inp, cursor)
-        evaluated, eval_events = await evaluate_if_due(inp, trained.policy_version, patch=EVAL_PATCH)
+        evaluated, eval_events = await evaluate_if_due(inp, trained.policy_version)
         return summarize(StepResults(
             inp=inp, seconds=seconds_since(started), cursor=cursor, sampled=sampled, trained=trained, synced=synced,
             checkpoint=checkpoint, evaluated=evaluated, eval_events=eval_events, restarted=restarted,
@@ -94,7 +85,7 @@ async def sample_ahead(inp: RLStepInput, steps: list[int], cursor: int) -> list[
     out: list[Sampled] = []
     for step in steps:
         out.append(await sample_step(
-            inp.model_copy(update={"step": step, "data_cursor": cursor, "prefetched": None, "buffer": []})
+            inp.model_copy(update={"step": step, "data_cursor": cursor, "buffer": []})
         ))
         cursor = out[-1].data_cursor + out[-1].prompts
     return out

@@ -35,9 +35,8 @@ def buffer_depth(cfg: RunConfig) -> int:
 
 
 def buffered(inp: RLStepInput) -> list[Sampled]:
-    """The step's input buffer, oldest first (a one_step_off step recorded before the
-    buffer existed carries its batch as ``prefetched``)."""
-    return list(inp.buffer) or ([inp.prefetched] if inp.prefetched is not None else [])
+    """The step's input buffer, oldest first."""
+    return list(inp.buffer)
 
 
 def steps_ahead(step: int, last_step: int, left: int, depth: int) -> list[int]:

@@ -42,7 +42,6 @@ class RunState(BaseModel):
     first_rewards: list[float] = []
     eval_before: EvalResult | None = None  # the post-SFT policy (v0) on the held-out split
     buffer: list[Sampled] = []  # batches sampled ahead for the next steps, oldest first (one_step_off, fully_async)
-    prefetched: Sampled | None = None  # the one-batch buffer as carried before ``buffer`` existed (read only)
     dp: DPCells | None = None  # trainer.cells > 1: the DP cells as last reported
     cell_heal: dict[str, CellHeal] = {}  # lost DP cells awaiting their restart, by index
     num_engines: int | None = None  # ``set_engines``: the engine count per node from the next step (None: the config's)
@@ -54,12 +53,9 @@ class RunState(BaseModel):
         return self.model_copy(update={
             "policy_version": summary.policy_version,
             "data_cursor": summary.data_cursor,
-            # one_step_off / fully_async: the next steps' batches, already sampled (a summary recorded
-            # before the buffer existed carries one_step_off's as next_sampled)
-            "buffer": summary.next_buffer or ([summary.next_sampled] if summary.next_sampled else []),
-            "prefetched": None,
+            "buffer": summary.next_buffer,  # one_step_off / fully_async: the next steps' batches, already sampled
             "history": [*self.history, summary.model_copy(update={
-                "events": [], "engines": [], "cell": None, "next_sampled": None, "next_buffer": [], "dp": None,
+                "events": [], "engines": [], "cell": None, "next_buffer": [], "dp": None,
             })][-HISTORY_KEEP:],
             "events": [*self.events, *summary.events][-EVENTS_KEEP:],
             "engines": summary.engines,

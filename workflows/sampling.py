@@ -15,10 +15,7 @@ groups in memory. Every drawn prompt counts as used: the data cursor moves past 
 them, kept, filtered or surplus.
 
 Rewards are scored where the samples are: on the run's node, which still holds the
-chunks it just generated (``COMPUTE_REWARDS_ON_NODE``). Steps recorded before
-``SAMPLES_PATCH`` scored on the control worker (``COMPUTE_REWARDS``, reading the chunks
-back) and had ``assemble_batch`` write the kept groups as a ``batch/`` copy; they replay,
-and in-flight ones finish, that way.
+chunks it just generated (``COMPUTE_REWARDS_ON_NODE``).
 """
 
 from __future__ import annotations
@@ -29,24 +26,19 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from spec.status import RunEvent
+    from spec.trainer_rpc import SampledRound
     from workflows.contracts.sampling import (
-        AssembleBatchInput,
-        BatchResult,
         BatchSelection,
         RewardInput,
         RewardResult,
         RolloutInput,
         RolloutResult,
         Sampled,
-        SampledRound,
         SamplingStats,
     )
     from workflows.contracts.step import RLStepInput
     from workflows.failures import Failure, failure
-    from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, COMPUTE_REWARDS_ON_NODE, ROLLOUT
-
-# rewards scored on the node that holds the samples; dynamic sampling trains a selection (no batch/ copy)
-SAMPLES_PATCH = "samples-on-node"
+    from workflows.stubs import COMPUTE_REWARDS_ON_NODE, ROLLOUT
 
 
 def more_rounds(kept: int, target: int, rounds_done: int, max_rounds: int) -> bool:
@@ -102,16 +94,13 @@ def _rollout_input(inp: RLStepInput, round_: int = 0, cursor: int | None = None,
 
 async def score(inp: RLStepInput, rollout: RolloutResult, summary: str, round_: int = 0,
                 group_size: int = 0) -> RewardResult:
-    """The rollout's rewards, scored on the run's node (which holds its samples), or on the
-    control worker in steps recorded before ``SAMPLES_PATCH``."""
+    """The rollout's rewards, scored on the run's node (which holds its samples)."""
     cfg = inp.config
     arg = RewardInput(
         run_id=inp.run_id, step=inp.step, store_uri=cfg.store, chunk_keys=rollout.chunk_keys,
         dataset=inp.dataset, reward=cfg.reward, round=round_, group_size=group_size, epoch=inp.epoch,
     )
-    if workflow.patched(SAMPLES_PATCH):
-        return await COMPUTE_REWARDS_ON_NODE.run(arg, queue=inp.node_queue, summary=summary)
-    return await COMPUTE_REWARDS.run(arg, summary=summary)
+    return await COMPUTE_REWARDS_ON_NODE.run(arg, queue=inp.node_queue, summary=summary)
 
 
 async def sample(inp: RLStepInput) -> Sampled:
@@ -147,19 +136,8 @@ async def sample_with_filter(inp: RLStepInput) -> Sampled:
         rounds=[SampledRound(chunk_keys=got.chunk_keys, rewards_key=rw.rewards_key) for got, rw in rounds],
         groups=groups,
     )
-    if workflow.patched(SAMPLES_PATCH):
-        trained_mean = trained_reward_mean(rewards, groups)
-        return pooled_batch(inp, rounds, stats.model_copy(update={"trained_reward_mean": trained_mean}),
-                            selection=selection)
-    batch = await ASSEMBLE_BATCH.run(
-        AssembleBatchInput(
-            run_id=inp.run_id, step=inp.step, store_uri=inp.config.store, rounds=selection.rounds,
-            groups=groups, group_size=spec.group_size, chunk_size=spec.chunk_size, sampling=stats,
-            epoch=inp.epoch,
-        ),
-        summary=f"batch step {inp.step}: {len(groups)} groups of {stats.groups_generated} in {len(rounds)} rounds",
-    )
-    return pooled_batch(inp, rounds, stats.model_copy(update={"trained_reward_mean": batch.reward_mean}), batch=batch)
+    trained_mean = trained_reward_mean(rewards, groups)
+    return pooled_batch(inp, rounds, stats.model_copy(update={"trained_reward_mean": trained_mean}), selection)
 
 
 def trained_reward_mean(rewards: list[RewardResult], groups: list[tuple[int, int]]) -> float:
@@ -216,10 +194,9 @@ def check_shortfall(inp: RLStepInput, stats: SamplingStats) -> None:
     )
 
 
-def pooled_batch(inp: RLStepInput, rounds: list[Round], stats: SamplingStats, *, batch: BatchResult | None = None,
-                 selection: BatchSelection | None = None) -> Sampled:
-    """The step's batch: the kept groups (a ``selection`` of the rounds' chunks, or the
-    ``batch`` ``assemble_batch`` wrote), with the rewards and metrics of every round."""
+def pooled_batch(inp: RLStepInput, rounds: list[Round], stats: SamplingStats, selection: BatchSelection) -> Sampled:
+    """The step's batch: the kept groups (a ``selection`` of the rounds' chunks), with the
+    rewards and metrics of every round."""
     rollouts = [got for got, _ in rounds]
     rewards = [rw for _, rw in rounds]
     mean, std, accuracy = pooled(rewards)
@@ -233,13 +210,12 @@ def pooled_batch(inp: RLStepInput, rounds: list[Round], stats: SamplingStats, *,
     samples = sum(rw.n for rw in rewards)
     phases = {"rollout": sum(got.seconds for got in rollouts), "reward": sum(rw.seconds for rw in rewards)}
     return Sampled(
-        chunk_keys=batch.chunk_keys if batch else [], rewards_key=batch.rewards_key if batch else "",
-        selection=selection, prompts=stats.prompts_drawn,
+        chunk_keys=[], rewards_key="", selection=selection, prompts=stats.prompts_drawn,
         reward_mean=mean, reward_std=std, accuracy=accuracy, reward_errors=sum(rw.errors for rw in rewards),
         response_len_mean=sum(got.response_len_mean * got.n_samples for got in rollouts) / max(1, samples),
         chunks_reused=sum(got.chunks_reused for got in rollouts),
         engine_retries=sum(got.engine_retries for got in rollouts),
-        phases=phases | {"assemble": batch.seconds} if batch else phases,
+        phases=phases,
         node_events=events,
         agent=pool_agent_metrics([got.agent for got in rollouts if got.agent]),
         sampling=stats,

@@ -2,14 +2,9 @@
 
 train_step on ``sft.batch_size`` dataset rows (their labels: no rollout, no reward)
 -> update_weights -> checkpoint (every k steps) -> evaluate (every k steps).
-``TrainingRun`` starts it since the ``sft-step-workflow`` patch; the steps of SFT runs
-started before it are ``RLStep`` children, which run the same phases
-(``train_on_rows``) and replay as they were recorded.
 """
 
 from __future__ import annotations
-
-from datetime import datetime
 
 from temporalio import workflow
 
@@ -31,19 +26,15 @@ with workflow.unsafe.imports_passed_through():
 class SFTStep:
     @workflow.run
     async def run(self, inp: RLStepInput) -> StepSummary:
-        return await train_on_rows(inp, workflow.now())
-
-
-async def train_on_rows(inp: RLStepInput, started: datetime, *, eval_patch: str | None = None) -> StepSummary:
-    """The SFT step's phases; ``eval_patch``: the eval's patch in ``RLStep``'s histories."""
-    rows = SFTRows(data_cursor=inp.data_cursor, n_rows=inp.config.sft.batch_size)
-    restarted = await restart_cells(inp) if inp.restart_cells else None  # lost DP cells rejoin for the train step
-    trained = await train(inp, None, sft_rows=rows)
-    synced = await update_weights(inp, trained)
-    cursor = inp.data_cursor + rows.n_rows
-    checkpoint = await checkpoint_if_due(inp, cursor)
-    evaluated, eval_events = await evaluate_if_due(inp, trained.policy_version, patch=eval_patch)
-    return summarize(StepResults(
-        inp=inp, seconds=seconds_since(started), cursor=cursor, trained=trained, synced=synced,
-        checkpoint=checkpoint, evaluated=evaluated, eval_events=eval_events, restarted=restarted,
-    ))
+        started = workflow.now()
+        rows = SFTRows(data_cursor=inp.data_cursor, n_rows=inp.config.sft.batch_size)
+        restarted = await restart_cells(inp) if inp.restart_cells else None  # lost DP cells rejoin for the train step
+        trained = await train(inp, None, sft_rows=rows)
+        synced = await update_weights(inp, trained)
+        cursor = inp.data_cursor + rows.n_rows
+        checkpoint = await checkpoint_if_due(inp, cursor)
+        evaluated, eval_events = await evaluate_if_due(inp, trained.policy_version)
+        return summarize(StepResults(
+            inp=inp, seconds=seconds_since(started), cursor=cursor, trained=trained, synced=synced,
+            checkpoint=checkpoint, evaluated=evaluated, eval_events=eval_events, restarted=restarted,
+        ))

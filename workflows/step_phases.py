@@ -113,13 +113,11 @@ async def checkpoint_if_due(inp: RLStepInput, cursor: int) -> CheckpointResult |
     ), f"checkpoint step {inp.step}")
 
 
-async def evaluate_if_due(inp: RLStepInput, version: int, *,
-                          patch: str | None = None) -> tuple[EvalResult | None, list[RunEvent]]:
+async def evaluate_if_due(inp: RLStepInput, version: int) -> tuple[EvalResult | None, list[RunEvent]]:
     """The held-out eval when the step is due one (``eval.every``, and the run has a held-out
-    split). ``patch``: also only when ``workflow.patched(patch)`` (``RLStep`` recorded
-    steps before the eval existed)."""
+    split)."""
     cfg = inp.config
-    if inp.dataset.eval_key and cfg.eval.due(inp.step, cfg.steps) and (patch is None or workflow.patched(patch)):
+    if inp.dataset.eval_key and cfg.eval.due(inp.step, cfg.steps):
         return await evaluate(inp, version)
     return None, []
 

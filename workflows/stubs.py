@@ -138,19 +138,9 @@ NODE_LIVENESS = ActivityStub(
 # ---- the step ----------------------------------------------------------------------------
 # rollout waits in retries while no engine is alive (engines come back at the next update)
 ROLLOUT = on_node("rollout", sampling.RolloutInput, sampling.RolloutResult, timedelta(minutes=20), _retry(20, 10.0))
-# the rewards of a rollout, scored by the node that generated (and holds) its samples; the
-# same timeouts and retries as the control worker's compute_rewards, which steps recorded
-# before the samples-on-node patch keep calling (with assemble_batch, for dynamic sampling)
+# the rewards of a rollout, scored by the node that generated (and holds) its samples
 COMPUTE_REWARDS_ON_NODE = on_node(
     "compute_rewards_on_node", sampling.RewardInput, sampling.RewardResult, timedelta(minutes=10), _retry(5),
-)
-COMPUTE_REWARDS = ActivityStub(
-    name="compute_rewards", input=sampling.RewardInput, output=sampling.RewardResult, queue=QueueKind.CONTROL,
-    start_to_close=timedelta(minutes=10), heartbeat=HEARTBEAT, retry=_retry(5),
-)
-ASSEMBLE_BATCH = ActivityStub(
-    name="assemble_batch", input=sampling.AssembleBatchInput, output=sampling.BatchResult, queue=QueueKind.CONTROL,
-    start_to_close=timedelta(minutes=5), retry=_retry(5),
 )
 TRAIN_STEP = on_node("train_step", training.TrainStepInput, training.TrainStepResult, timedelta(minutes=30), _retry(5))
 UPDATE_WEIGHTS = on_node(
@@ -167,6 +157,6 @@ RESTART_CELLS = on_node(
 EVALUATE = on_node("evaluate", training.EvalInput, training.EvalResult, timedelta(minutes=20), _retry(5, 10.0))
 
 STUBS: tuple[ActivityStub, ...] = (
-    CLAIM_NODE, PREPARE_DATA, INIT_POLICY, NODE_LIVENESS, ROLLOUT, COMPUTE_REWARDS_ON_NODE, COMPUTE_REWARDS,
-    ASSEMBLE_BATCH, TRAIN_STEP, UPDATE_WEIGHTS, CHECKPOINT, RESTART_CELLS, EVALUATE,
+    CLAIM_NODE, PREPARE_DATA, INIT_POLICY, NODE_LIVENESS, ROLLOUT, COMPUTE_REWARDS_ON_NODE, TRAIN_STEP,
+    UPDATE_WEIGHTS, CHECKPOINT, RESTART_CELLS, EVALUATE,
 )

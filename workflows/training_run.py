@@ -46,9 +46,6 @@ SA_STEP = SearchAttributeKey.for_int("RlStep")
 SA_REWARD = SearchAttributeKey.for_float("RlReward")
 SA_VERSION = SearchAttributeKey.for_int("RlPolicyVersion")
 SA_STATUS = SearchAttributeKey.for_keyword("RlStatus")
-EVAL_BEFORE_PATCH = "eval-before-rl"  # runs recorded before it replay without the v0 eval
-SFT_STEP_PATCH = "sft-step-workflow"  # mode sft: SFTStep children (runs started before: RLStep in mode sft)
-RL_SAMPLING_PATCH = "rl-sampling-refused"  # a new RL run refuses greedy / top-p / top-k rollouts (runs before: not)
 MAX_NODE_REPLACEMENTS = 10
 
 
@@ -118,7 +115,7 @@ class TrainingRun:
             self._event("eval_skipped", f"no held-out split ({why}): the run is not evaluated")
         await self._place_on_node(run_id, chash, init=True)
         st.initialized = True
-        if cfg.eval.enabled and st.dataset.eval_key and workflow.patched(EVAL_BEFORE_PATCH):
+        if cfg.eval.enabled and st.dataset.eval_key:
             st.eval_before = await self._eval_before_rl(run_id)
 
     def _refuse_untrainable_sampling(self) -> None:
@@ -126,7 +123,7 @@ class TrainingRun:
         top-p, top-k: ``spec.rollout.rl_sampling_conflicts``) fails at once, naming the field."""
         cfg = self.cfg
         assert cfg is not None
-        if cfg.mode == "rl" and (bad := rl_sampling_conflicts(cfg.rollout)) and workflow.patched(RL_SAMPLING_PATCH):
+        if cfg.mode == "rl" and (bad := rl_sampling_conflicts(cfg.rollout)):
             self.status = "failed"
             raise failure(Failure.INVALID_INPUT, "invalid TrainingRun input:\n" + "\n".join(
                 f"{key}: {why}" for key, why in bad))
@@ -177,7 +174,7 @@ class TrainingRun:
             run_id=run_id, step=st.next_step, config=cfg, train=st.train,
             policy_version=st.policy_version, data_cursor=st.data_cursor,
             dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
-            buffer=st.buffer or ([st.prefetched] if st.prefetched else []),
+            buffer=st.buffer,
             restart_cells=cell_heal.due(st.cell_heal, workflow.now()),
         )
 
@@ -189,7 +186,7 @@ class TrainingRun:
         replacements = 0
         while True:
             assert st.node is not None
-            sft = cfg.mode == "sft" and workflow.patched(SFT_STEP_PATCH)
+            sft = cfg.mode == "sft"
             child = workflow.execute_child_workflow(
                 SFTStep.run if sft else RLStep.run,
                 self._step_input(run_id),

@@ -1,6 +1,6 @@
 """Dynamic sampling (DAPO) on stored artifacts: which groups of a round carry a learning
 signal, and the trained batch: the groups the workflow kept, taken from the rounds' samples
-(by the trainer, in memory; by ``assemble_batch`` in steps recorded before it did).
+(by the trainer, in memory).
 
 A group is the ``group_size`` consecutive samples of one prompt (the rollout's order).
 Its rewards "vary" unless they are all equal; an all-equal group gets zero advantage

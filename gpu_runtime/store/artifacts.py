@@ -58,15 +58,6 @@ def judge_prefix(run_id: str, step: int, round_: int = 0) -> str:
     return f"{step_prefix(run_id, step)}/{_round(round_)}judge"
 
 
-def batch_chunk_key(run_id: str, step: int, chunk: int) -> str:
-    """The trained batch of a step with dynamic sampling: the kept groups' samples, copied."""
-    return f"{step_prefix(run_id, step)}/batch/chunk-{chunk:04d}.json"
-
-
-def batch_rewards_key(run_id: str, step: int) -> str:
-    return f"{step_prefix(run_id, step)}/batch/rewards.json"
-
-
 def step_batch_key(run_id: str, step: int) -> str:
     """The step's training input (``StepBatch``), stored before training so replay reuses it."""
     return f"{step_prefix(run_id, step)}/step_batch.json"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from temporalio.worker import Replayer
 
 from gpu_runtime.store import artifacts as art
 from spec.run import RunConfig
+from tests.recorded_histories import record
 from tests.reward_servers import Behaviour, length_score, reward_server
 from tests.stack import Stack, tiny_config
 from workers.common import connect
@@ -29,7 +29,6 @@ from workflows.stubs import COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP
 from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 pytestmark = pytest.mark.e2e
-HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
 PPS, GROUP, PER_ROUND = 4, 4, 5
 
 
@@ -94,9 +93,7 @@ def test_dynamic_filter_trains_only_groups_whose_rewards_vary(shared_stack: Stac
             await replayer.replay_workflow(history)
         # step 2 drew two rounds, scored on the node; no assemble_batch: the trainer got the selection
         assert scheduled(history)[:5] == [ROLLOUT.name, COMPUTE_REWARDS_ON_NODE.name] * 2 + [TRAIN_STEP.name]
-        if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change
-            # rl_step_dynamic.json stays as recorded: a step before the samples-on-node patch
-            (HISTORY_DIR / "rl_step_dynamic_on_node.json").write_text(history.to_json())  # step 2: two rounds
+        record("rl_step_dynamic", history)  # step 2: two rounds (tests/recorded_histories.py)
         return summary, progress
 
     summary, progress = asyncio.run(main())
@@ -156,8 +153,7 @@ def test_judge_reward_is_asked_once_per_sample_across_a_failed_attempt(shared_st
                 if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED]
     assert 2 in attempts  # the reward activity failed once and was retried (its attempt 2 started)
     assert scheduled(history)[:2] == [ROLLOUT.name, COMPUTE_REWARDS_ON_NODE.name]  # scored on the node
-    if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change
-        (HISTORY_DIR / "rl_step_on_node.json").write_text(history.to_json())  # a step scored on its node
+    record("rl_step_judge", history)  # a step scored on its node, its reward retried (tests/recorded_histories.py)
 
     chunk_keys = json.loads((store / art.step_batch_key("e2e-judge", 1)).read_text())["chunk_keys"]
     samples = [x for k in chunk_keys for x in stored(store, k, art.RolloutChunk).samples]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from gpu_runtime.models.hf_factory import init_model_folder, train_bpe_tokenizer
 from gpu_runtime.node.reclaim import run_paths
 from milestone_cli.report import render_report
 from spec.run import RunConfig
+from tests.recorded_histories import record
 from tests.browser import render
 from tests.e2e.faults import assert_bitwise_equal
 from tests.stack import Stack, tiny_config, wait_for
@@ -37,7 +37,6 @@ from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS_ON_NODE, EVALUATE, ROLLO
 from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 pytestmark = pytest.mark.e2e
-HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"  # git-ignored; CI keeps the UI screenshots here
 STEP_ACTIVITIES = [ROLLOUT.name, COMPUTE_REWARDS_ON_NODE.name, TRAIN_STEP.name, UPDATE_WEIGHTS.name, CHECKPOINT.name]
 LAST_STEP_ACTIVITIES = [*STEP_ACTIVITIES, EVALUATE.name]  # eval.every 0: the held-out eval after the last step only
@@ -137,12 +136,9 @@ def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -
         replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
         for h in histories:
             await replayer.replay_workflow(h)
-        if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change
-            HISTORY_DIR.mkdir(exist_ok=True)
-            # training_run.json stays: the run recorded before the liveness watch (node-liveness patch)
-            (HISTORY_DIR / "training_run_watch.json").write_text(run_history.to_json())
-            (HISTORY_DIR / "rl_step.json").write_text(histories[1].to_json())
-            (HISTORY_DIR / "rl_step_eval.json").write_text(histories[3].to_json())  # the last step: with its eval
+        record("training_run", run_history)  # tests/recorded_histories.py: with MILESTONE_RECORD_HISTORY
+        record("rl_step", histories[1])
+        record("rl_step_eval", histories[3])  # the last step: with its checkpoint and eval
 
     asyncio.run(main())
 

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib
 import os
-import pkgutil
 import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +35,7 @@ from gpu_runtime.proc.processes import free_port, spawn, stop_pid
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from infra.seaweedfs import SeaweedServer
+from workflows.versioning import PATCHES
 from tests.e2e.faults import progress, start_run, wait_activity_started
 from tests.e2e.leaks import all_histories, log_files, occurrences, payloads_in
 from tests.s3_fixtures import new_bucket_name, seaweed, store_for  # noqa: F401  (fixture)
@@ -51,20 +49,6 @@ pytestmark = pytest.mark.e2e
 
 PAYLOAD_KEY = base64.b64encode(os.urandom(32)).decode()
 RUN = "s3-run"
-
-
-def workflow_patch_ids() -> tuple[str, ...]:
-    """Every `workflow.patched(<id>)` id: the `*_PATCH` constants of the workflows package."""
-    import workflows
-
-    ids = []
-    for info in pkgutil.walk_packages(workflows.__path__, "workflows."):
-        module = importlib.import_module(info.name)
-        ids += [v for k, v in vars(module).items() if k.endswith("_PATCH") and isinstance(v, str)]
-    return tuple(sorted(set(ids)))
-
-
-PATCH_IDS = workflow_patch_ids()
 
 
 @dataclass
@@ -162,7 +146,7 @@ def test_history_holds_only_ciphertext(s3_run: S3Run) -> None:
                 elif "search_attributes" in path:  # indexed by the server: plain by design
                     continue
                 elif "[patch-data]" in path:  # the SDK writes patch markers without the codec: a patch id
-                    assert len(p.data) < 100 and any(i.encode() in p.data for i in PATCH_IDS), p.data
+                    assert len(p.data) < 100 and any(i.encode() in p.data for i in PATCHES), p.data
                 else:
                     plaintext_paths.append(f"{name} {EventType.Name(e.event_type)} {path}")
     assert encrypted > 50 and plaintext_paths == []

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from tests.recorded_histories import record
 from tests.e2e.faults import progress, run_to_end
 from tests.stack import Stack, tiny_config
 from workers.common import connect
@@ -24,7 +24,6 @@ from workflows.run_state import RunProgress, RunSummary
 from workflows.training_run import RUN_WORKFLOWS
 
 pytestmark = pytest.mark.e2e
-HISTORY_DIR = Path(__file__).resolve().parents[1] / "histories"
 SFT_STEPS, ROWS_PER_STEP = 4, 32
 
 
@@ -81,10 +80,8 @@ def test_sft_mode_run(sd_stack: Stack, store: Path, sft_run: tuple[RunSummary, R
         assert step.events[0].workflow_execution_started_event_attributes.workflow_type.name == "SFTStep"
         await replayer.replay_workflow(step)
         await replayer.replay_workflow(run)
-        if os.environ.get("MILESTONE_RECORD_HISTORY"):  # refresh tests/histories/ after a workflow change
-            (HISTORY_DIR / "sft_step.json").write_text(step.to_json())  # step 2: with its checkpoint
-            (HISTORY_DIR / "training_run_sft.json").write_text(run.to_json())
-            # rl_step_sft.json (an SFT step run as RLStep, before SFTStep) is kept as it was recorded
+        record("sft_step", step)  # step 2: with its checkpoint (tests/recorded_histories.py)
+        record("training_run_sft", run)
 
     asyncio.run(replay())
 

@@ -31,7 +31,7 @@ def registered() -> dict[QueueKind, list[Callable]]:
 
 def stand_ins() -> dict[QueueKind, list[Callable]]:
     cluster = Cluster()
-    return {QueueKind.CONTROL: [cluster.prepare_data, cluster.compute_rewards, cluster.assemble_batch],
+    return {QueueKind.CONTROL: [cluster.prepare_data],
             QueueKind.POOL: [cluster.claim_node], QueueKind.NODE: cluster.nodes[0].activities()}
 
 

@@ -126,30 +126,26 @@ def test_apply_sets_reads_yaml_values() -> None:
 
 
 def test_cursor_after_a_dynamic_sampling_step_counts_every_round(tmp_path: Path) -> None:
-    """A step with dynamic sampling trains its kept groups (a selection of its rounds; stored
-    before selections, a ``batch/`` copy) but drew every round's prompts: the fork's cursor
-    moves past all of them, as the run's did."""
+    """A step with dynamic sampling trains its kept groups (a selection of its rounds) but drew
+    every round's prompts: the fork's cursor moves past all of them, as the run's did."""
     store = LocalStore(tmp_path / "store")
 
     def rewards(key: str, n: int) -> None:
         rs = [art.SampleReward(sample_id=f"s{i}", reward=0.0, correct=False) for i in range(n * GROUP)]
         art.put_model(store, key, art.StepRewards(run_id="d", step=1, rewards=rs))
 
-    rewards(art.rewards_key("d", 1, 0), 6)  # two rounds of 6 prompts, 4 groups trained
-    rewards(art.rewards_key("d", 1, 1), 6)
-    rewards(art.batch_rewards_key("d", 1), 4)
-    art.put_json(store, art.step_batch_key("d", 1), {
-        "step": 1, "policy_version": 0, "chunk_keys": [], "rewards_key": art.batch_rewards_key("d", 1),
-        "group_size": GROUP, "hparams": TrainSpec().model_dump(mode="json"),
-    })
+    def step(k: int, prompts: int, groups: list[list[int]]) -> None:
+        """Step ``k``: two rounds of ``prompts`` prompts, ``groups`` trained; nothing is copied."""
+        rewards(art.rewards_key("d", k, 0), prompts)
+        rewards(art.rewards_key("d", k, 1), prompts)
+        art.put_json(store, art.step_batch_key("d", k), {
+            "step": k, "policy_version": k - 1, "chunk_keys": [], "rewards_key": "", "group_size": GROUP,
+            "hparams": TrainSpec().model_dump(mode="json"),
+            "selection": {"rounds": [{"chunk_keys": [], "rewards_key": art.rewards_key("d", k, r)} for r in (0, 1)],
+                          "groups": groups},
+        })
+
+    step(1, 6, [[0, 0], [0, 1], [1, 2], [1, 3]])
     assert cursor_after(store, [("d", 1)], 1) == 12
-    # step 2, since selections: the rounds are named in its batch (3 prompts each), nothing is copied
-    rewards(art.rewards_key("d", 2, 0), 3)
-    rewards(art.rewards_key("d", 2, 1), 3)
-    art.put_json(store, art.step_batch_key("d", 2), {
-        "step": 2, "policy_version": 1, "chunk_keys": [], "rewards_key": "", "group_size": GROUP,
-        "hparams": TrainSpec().model_dump(mode="json"),
-        "selection": {"rounds": [{"chunk_keys": [], "rewards_key": art.rewards_key("d", 2, r)} for r in (0, 1)],
-                      "groups": [[0, 0], [1, 2]]},
-    })
+    step(2, 3, [[0, 0], [1, 2]])
     assert cursor_after(store, [("d", 2)], 2) == 12 + 6

@@ -39,24 +39,19 @@ def run(steps: int, state: RunState | None = None) -> RunState:
 
 
 def test_commit_moves_the_cursor_and_the_version_and_leaves_the_old_state_as_it_was() -> None:
-    before = RunState(prefetched=batch(0, 0), events=[RunEvent(at="t", kind="placed")])
+    before = RunState(buffer=[batch(0, 0)], events=[RunEvent(at="t", kind="placed")])
     cell = CellInfo(node="n", generation=1, placement="spread", ray_address="local", ranks=[])
     ahead = [batch(1, 8)]
     after = before.commit(step(1, cell=cell, next_buffer=ahead), NOW, SPEC)
     assert (after.next_step, after.policy_version, after.data_cursor) == (2, 1, PROMPTS)
-    assert (after.buffer, after.prefetched, after.cells) == (ahead, None, [cell])
+    assert (after.buffer, after.cells) == (ahead, [cell])  # the buffer replaced, not appended to
     assert [e.kind for e in after.events] == ["placed", "e1"] and after.engines == [EngineSlotInfo(slot=0, state="healthy")]
     assert after.first_rewards == [0.1]
     # the history keeps the step without what the state carries elsewhere
     kept = after.history[0]
     assert (kept.events, kept.engines, kept.cell, kept.next_buffer, kept.dp) == ([], [], None, [], None)
     assert kept.weights_key == "w1" and kept.reward_mean == 0.1
-    assert before == RunState(prefetched=batch(0, 0), events=[RunEvent(at="t", kind="placed")])  # pure
-
-
-def test_a_step_recorded_before_the_buffer_carries_its_next_batch_as_next_sampled() -> None:
-    after = RunState().commit(step(1, next_sampled=batch(1, 4)), NOW, SPEC)
-    assert after.buffer == [batch(1, 4)]
+    assert before == RunState(buffer=[batch(0, 0)], events=[RunEvent(at="t", kind="placed")])  # pure
 
 
 def test_history_events_and_first_rewards_are_bounded() -> None:

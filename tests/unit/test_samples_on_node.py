@@ -1,9 +1,9 @@
 """Samples don't make a round trip: the node agent scores the chunks its rollout left in
 memory (reading the store only for chunks it does not hold), a judge reward retried on the
 node asks only for the samples it has no record of, and the trainer takes a dynamic-sampling
-step's kept groups from the rounds' chunks, reading each once: the samples, in the order,
-that ``assemble_batch`` used to copy. Real local store, the real node activity and control
-activities in Temporal's activity environment; reads counted by a store wrapper."""
+step's kept groups from the rounds' chunks, reading each once, in the workflow's order. Real
+local store, the real node activity in Temporal's activity environment; reads counted by a
+store wrapper."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 import activities.node
-from activities.control import assemble_batch, compute_rewards
 from activities.node import NodeActivities
 from activities.translate import step_batch
 from gpu_runtime.node.runtime import NodeRuntime
@@ -32,7 +31,7 @@ from spec.reward import RewardSpec
 from spec.train import TrainSpec
 from spec.trainer_rpc import BatchSelection, SampledRound, StepBatch
 from workflows.contracts.placement import DatasetInfo
-from workflows.contracts.sampling import AssembleBatchInput, RewardInput, SamplingStats
+from workflows.contracts.sampling import RewardInput
 from workflows.contracts.training import TrainStepInput
 from workflows.failures import Failure
 
@@ -113,11 +112,14 @@ def test_the_node_scores_the_chunks_it_holds_without_reading_them(
     store_uri: str, dataset: DatasetInfo, rollout: dict[str, art.RolloutChunk],
     node: tuple[NodeActivities, list[CountingStore]],
 ) -> None:
-    """Same rewards, same stored bytes as the control worker's compute_rewards (which reads
-    the chunks); no read of the chunks the rollout left on the node, which it then releases."""
+    """Same rewards, same stored bytes as a node that holds none of them (and reads them from
+    the store); no read of the chunks the rollout left on the node, which it then releases."""
     acts, opened = node
     inp = reward_input(store_uri, dataset, list(rollout))
-    on_control = ActivityEnvironment().run(compute_rewards, inp)
+    elsewhere = NodeActivities(NodeRuntime("node1", "boot", Path(store_uri.removeprefix("file://")).parent / "node1"))
+    on_control = ActivityEnvironment().run(elsewhere.compute_rewards_on_node, inp)
+    assert chunk_reads(opened) == Counter({k: 1 for k in rollout})
+    opened.clear()
     stored = open_store(store_uri).get_bytes(on_control.rewards_key)
     open_store(store_uri).delete(on_control.rewards_key)
 
@@ -215,7 +217,7 @@ def train_input(selection: BatchSelection | None = None, chunk_keys: list[str] |
 GROUPS = [(1, 3), (0, 0), (1, 1), (0, 2)]  # (round, group) in training order, across chunks and rounds
 
 
-def test_the_trainer_reads_each_chunk_of_a_selection_once_and_trains_what_assemble_batch_copied(
+def test_the_trainer_reads_each_chunk_of_a_selection_once_and_trains_the_groups_in_order(
     store_uri: str,
 ) -> None:
     store = open_store(store_uri)
@@ -224,38 +226,9 @@ def test_the_trainer_reads_each_chunk_of_a_selection_once_and_trains_what_assemb
     batch = StepBatch.model_validate_json(step_batch(train_input(BatchSelection(rounds=rounds, groups=GROUPS))).model_dump_json())
     samples, rewards = step_samples(counting, batch)
     assert counting.reads == Counter({k: 1 for r in rounds for k in [*r.chunk_keys, r.rewards_key]})
-
-    # the old path: assemble_batch's batch/ copy of the same groups, read as the trainer read it
-    stats = SamplingStats(rounds=2, prompts_drawn=8, groups_generated=8, groups_kept=8, groups_filtered_all_correct=0,
-                          groups_filtered_all_wrong=0, groups_filtered_other=0, groups_trained=4, trained_reward_mean=0)
-    copied = ActivityEnvironment().run(assemble_batch, AssembleBatchInput(
-        run_id="run", step=2, store_uri=store_uri, rounds=rounds, groups=GROUPS, group_size=GROUP, chunk_size=4,
-        sampling=stats))
-    old = step_batch(train_input(chunk_keys=copied.chunk_keys, rewards_key=copied.rewards_key))
-    assert (samples, rewards) == step_samples(store, old)
     assert [s.sample_id for s in samples] == ["s2-r1-p3-g0", "s2-r1-p3-g1", "s2-p0-g0", "s2-p0-g1",
                                               "s2-r1-p1-g0", "s2-r1-p1-g1", "s2-p2-g0", "s2-p2-g1"]
+    assert [r.sample_id for r in rewards] == [s.sample_id for s in samples]  # each sample with its own reward
 
     with pytest.raises(ValueError, match="step 2: group \\(1, 4\\): round 1 has 4 groups"):
         step_samples(store, batch.model_copy(update={"selection": batch.selection.model_copy(update={"groups": [(1, 4)]})}))
-
-
-def test_a_step_batch_stored_before_selections_still_replays(store_uri: str) -> None:
-    """A dynamic-sampling step stored by the previous version names its ``batch/`` copy as
-    chunks and rewards and has no ``selection`` field: replay reads it as it was."""
-    store = open_store(store_uri)
-    rounds = two_rounds(store)
-    stats = SamplingStats(rounds=2, prompts_drawn=8, groups_generated=8, groups_kept=8, groups_filtered_all_correct=0,
-                          groups_filtered_all_wrong=0, groups_filtered_other=0, groups_trained=4, trained_reward_mean=0)
-    copied = ActivityEnvironment().run(assemble_batch, AssembleBatchInput(
-        run_id="run", step=2, store_uri=store_uri, rounds=rounds, groups=GROUPS, group_size=GROUP, chunk_size=4,
-        sampling=stats))
-    raw = json.loads(step_batch(train_input(chunk_keys=copied.chunk_keys, rewards_key=copied.rewards_key))
-                     .model_dump_json())
-    del raw["selection"]  # as the previous version stored it
-    old = StepBatch.model_validate_json(json.dumps(raw))
-    assert old.selection is None and old.chunk_keys == copied.chunk_keys
-    counting = CountingStore(store)
-    samples, rewards = step_samples(counting, old)
-    assert set(counting.reads) == {*copied.chunk_keys, copied.rewards_key}  # the copy, not the rounds
-    assert (samples, rewards) == step_samples(store, step_batch(train_input(BatchSelection(rounds=rounds, groups=GROUPS))))

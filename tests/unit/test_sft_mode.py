@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
-from temporalio import workflow
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -21,8 +20,8 @@ from spec.train import HParamUpdate
 from tests.unit.test_lora import LORA
 from tests.unit.test_policy_trainer import ROWS, TOK, base, hparams
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
-from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS, ROLLOUT, TRAIN_STEP
-from workflows.training_run import SFT_STEP_PATCH, TrainingRun
+from workflows.stubs import CHECKPOINT, COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP
+from workflows.training_run import TrainingRun
 
 SFT = {"mode": "sft", "sft": {"steps": 0, "batch_size": 5}}
 
@@ -86,14 +85,8 @@ def test_sft_step_with_lora_trains_only_the_adapters() -> None:
 
 
 # ---- the workflow --------------------------------------------------------------------------
-@pytest.mark.parametrize("step_workflow", ["SFTStep", "RLStep"])
-def test_sft_mode_steps_train_on_rows_without_rollout_or_reward(monkeypatch: pytest.MonkeyPatch,
-                                                                step_workflow: str) -> None:
-    """New runs make SFTStep children; runs started before it (the sft-step-workflow patch
-    absent from their history) keep making RLStep children, which train the same way."""
-    if step_workflow == "RLStep":
-        patched = workflow.patched
-        monkeypatch.setattr(workflow, "patched", lambda patch_id: patch_id != SFT_STEP_PATCH and patched(patch_id))
+def test_sft_mode_steps_train_on_rows_without_rollout_or_reward() -> None:
+    """An SFT run makes SFTStep children, which train on the dataset's rows: no rollout, no reward."""
     cluster = Cluster()
     held = cluster.gate(TRAIN_STEP, 2)
 
@@ -106,7 +99,7 @@ def test_sft_mode_steps_train_on_rows_without_rollout_or_reward(monkeypatch: pyt
         held.release.set()
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 15)
-        assert not cluster.served(ROLLOUT) and not cluster.served(COMPUTE_REWARDS)
+        assert not cluster.served(ROLLOUT) and not cluster.served(COMPUTE_REWARDS_ON_NODE)
         assert [(t.step, t.policy_version, t.chunk_keys, t.sft_rows.data_cursor, t.sft_rows.n_rows)
                 for t in cluster.train_inputs if t.sft_rows] == [(1, 0, [], 0, 5), (2, 1, [], 5, 5), (3, 2, [], 10, 5)]
         assert [c.step for c in cluster.served(CHECKPOINT)] == [2, 3]  # checkpoints, evals: as in RL
@@ -115,6 +108,6 @@ def test_sft_mode_steps_train_on_rows_without_rollout_or_reward(monkeypatch: pyt
         assert [s.rollout_version for s in p.steps] == [0, 1, 2] and all(s.reward_mean == 0.0 for s in p.steps)
         for step in (1, 2, 3):
             child = await env.client.get_workflow_handle(f"{handle.id}/step-{step}").describe()
-            assert child.workflow_type == step_workflow
+            assert child.workflow_type == "SFTStep"
 
     scenario(cluster, body)

@@ -19,33 +19,11 @@ from spec.trainer_rpc import SFTRows, StepBatch, TrainResult
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The knobs added after runs were first stored, with the value that reproduces the trainer
-# from before each existed. A step batch or checkpoint an older version stored lacks them and
-# reads them as TrainSpec's defaults: changing one of these defaults would change how such a
-# record replays, so the test pins them.
-KNOBS_ADDED_LATER: dict[str, object] = {
-    "estimator": "grpo", "dual_clip_c": None, "loss_agg": "token_mean", "loss_agg_norm_len": None,
-    "kl_estimator": "k3", "kl_in_reward": False, "entropy_coef": 0.0, "tis_cap": None,
-    "gamma": 1.0, "lam": 0.95, "vf_coef": 1.0, "value_clip": 0.5, "critic_lr": None, "critic_warmup_steps": 0,
-    "precision": "fp32",
-}
-
-
-def test_knobs_added_later_default_to_the_old_trainer() -> None:
-    assert set(KNOBS_ADDED_LATER) < set(TrainSpec.model_fields)
-    assert {k: getattr(TrainSpec(), k) for k in KNOBS_ADDED_LATER} == KNOBS_ADDED_LATER
-
-
-def test_a_step_batch_as_an_old_version_stored_it_reads() -> None:
-    """Before the later knobs (and before SFT mode: no ``sft``), as ``service`` reads it back for replay."""
-    old = {"step": 3, "policy_version": 2, "chunk_keys": ["runs/r/steps/000003/chunks/0000.json"],
-           "rewards_key": "runs/r/steps/000003/rewards.json", "group_size": 4,
-           "hparams": {"lr": 2e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "warmup_steps": 0,
-                       "grad_clip": 1.0, "clip_eps": 0.2, "clip_eps_high": None, "kl_coef": 0.0,
-                       "scale_adv_by_std": True, "ppo_epochs": 1, "micro_batch_size": 128}}
-    batch = StepBatch.model_validate_json(json.dumps(old))
-    assert batch.sft is None and batch.hparams == TrainSpec(lr=2e-5)
-    assert StepBatch.model_validate_json(batch.model_dump_json()) == batch
+def test_a_step_batch_round_trips() -> None:
+    """As ``service`` stores it before a step trains and reads it back for replay."""
+    batch = StepBatch(step=3, policy_version=2, chunk_keys=["runs/r/steps/000003/chunks/0000.json"],
+                      rewards_key="runs/r/steps/000003/rewards.json", group_size=4, hparams=TrainSpec(lr=2e-5))
+    assert batch.sft is None and StepBatch.model_validate_json(batch.model_dump_json()) == batch
     sft = batch.model_copy(update={"sft": SFTRows(data_cursor=64, n_rows=32)})
     assert StepBatch.model_validate_json(sft.model_dump_json()).sft == SFTRows(data_cursor=64, n_rows=32)
 

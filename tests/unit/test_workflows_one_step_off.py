@@ -13,6 +13,7 @@ from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from tests.recorded_histories import record
 from tests.unit.workflow_harness import (
     PROMPTS_PER_STEP, WAIT_S, Cluster, finish, lose_node_a, progress, rollout_section, run_config, scenario, start_run,
     step_of,
@@ -32,7 +33,7 @@ def test_next_rollout_runs_during_train_step_one_version_behind() -> None:
     gate = cluster.gate(TRAIN_STEP, 2)
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
-        handle = await start_run(env, one_step_off())
+        handle = await start_run(env, one_step_off(), run_id="osf-run")
         await gate.wait_reached()
         # train_step 2 is held: step 3's rollout still runs, on the weights step 2 sampled with (v0)
         async def step3_sampled() -> None:
@@ -56,7 +57,9 @@ def test_next_rollout_runs_during_train_step_one_version_behind() -> None:
             assert order.index((ROLLOUT.name, n + 1, n - 1)) < order.index((UPDATE_WEIGHTS.name, None, n)), order
         p = await progress(handle)
         assert [s.rollout_version for s in p.steps] == [0, 0, 1, 2]
-        assert all(s.next_sampled is None for s in p.steps)  # the state carries the batch, not the history
+        assert all(not s.next_buffer for s in p.steps)  # the state carries the batch, not the history
+        record("training_run_one_step_off", await handle.fetch_history())
+        record("rl_step_one_step_off", await env.client.get_workflow_handle(f"{handle.id}/step-2").fetch_history())
 
     scenario(cluster, body)
 

@@ -19,9 +19,8 @@ from tests.unit.workflow_harness import (
 )
 from workflows.contracts.sampling import RewardResult
 from workflows.failures import Failure, failure_in
-from workflows.queues import CONTROL_QUEUE
-from workflows.sampling import SAMPLES_PATCH, choose_groups, more_rounds, pooled, trained_reward_mean
-from workflows.stubs import ASSEMBLE_BATCH, COMPUTE_REWARDS, COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP
+from workflows.sampling import choose_groups, more_rounds, pooled, trained_reward_mean
+from workflows.stubs import COMPUTE_REWARDS_ON_NODE, ROLLOUT, TRAIN_STEP
 from workflows.training_run import RUN_WORKFLOWS
 
 GROUP = 2  # the group size of rollout_section
@@ -98,7 +97,6 @@ def test_rounds_until_enough_groups_vary_then_the_kept_groups_train() -> None:
         assert [(i.round, i.group_size) for i in cluster.reward_inputs if i.step == 1] == [(0, GROUP), (1, GROUP)]
         # scored on the node that generated the samples; nothing assembled: the trainer gets the selection
         assert {c.queue for c in cluster.served(COMPUTE_REWARDS_ON_NODE)} == {cluster.queues[0]}
-        assert not cluster.served(COMPUTE_REWARDS) and not cluster.served(ASSEMBLE_BATCH)
         train = cluster.train_inputs[0]
         assert (train.step, train.chunk_keys, train.rewards_key) == (1, [], "")
         assert train.selection is not None and train.selection.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
@@ -210,39 +208,11 @@ def test_without_the_filter_the_step_is_unchanged() -> None:
         await finish(handle)
         assert [(i.round, i.n_prompts, i.data_cursor) for i in cluster.rollout_inputs] == [(0, None, 0)]
         assert [i.group_size for i in cluster.reward_inputs] == [0]
-        assert cluster.assemble_inputs == []
         (train,) = cluster.train_inputs  # the rollout's chunks and their rewards, as they are
         assert train.selection is None and train.chunk_keys == cluster.reward_inputs[0].chunk_keys
         assert train.rewards_key == "runs/" + train.run_id + "/steps/1/r0/rewards.json"
         p = await progress(handle)
         assert p.steps[0].sampling is None and p.steps[0].data_cursor == 4
-
-    scenario(cluster, body)
-
-
-def test_steps_recorded_before_the_patch_score_on_control_and_assemble_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without ``samples-on-node`` (a step recorded before it, forced here) the rewards are the
-    control worker's and ``assemble_batch`` writes the kept groups, which the trainer gets as
-    its chunks: the path in-flight runs of an older version finish on."""
-    from temporalio import workflow
-
-    real = workflow.patched
-    monkeypatch.setattr(workflow, "patched", lambda patch_id: patch_id != SAMPLES_PATCH and real(patch_id))
-    cluster = Cluster()
-    cluster.varied = varied_0_2_then_odd
-
-    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
-        handle = await start_run(env, run_config(steps=1, rollout=filtered()))
-        await finish(handle)
-        assert {c.queue for c in cluster.served(COMPUTE_REWARDS)} == {CONTROL_QUEUE}
-        assert not cluster.served(COMPUTE_REWARDS_ON_NODE)
-        (batch,) = cluster.assemble_inputs
-        assert batch.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
-        (train,) = cluster.train_inputs
-        assert train.selection is None and train.chunk_keys == [f"runs/{train.run_id}/steps/1/batch/chunk-0"]
-        p = await progress(handle)
-        assert p.steps[0].sampling.trained_reward_mean == 0.5  # the stand-in assemble_batch's
-        assert "assemble" in p.steps[0].phase_seconds
 
     scenario(cluster, body)
 

@@ -42,7 +42,7 @@ from workflows.contracts.placement import (
 )
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.contracts.sampling import (
-    AssembleBatchInput, BatchResult, RewardInput, RewardResult, RolloutInput, RolloutResult,
+    RewardInput, RewardResult, RolloutInput, RolloutResult,
 )
 from workflows.contracts.training import (
     CheckpointInput, CheckpointResult, EvalInput, EvalResult, TrainStepInput, TrainStepResult, UpdateWeightsInput,
@@ -51,10 +51,8 @@ from workflows.contracts.training import (
 from workflows.queues import CONTROL_QUEUE, POOL_QUEUE
 from workflows.failures import Failure, failure
 from workflows.stubs import (
-    ASSEMBLE_BATCH,
     CHECKPOINT,
     CLAIM_NODE,
-    COMPUTE_REWARDS,
     COMPUTE_REWARDS_ON_NODE,
     EVALUATE,
     INIT_POLICY,
@@ -168,7 +166,6 @@ class Cluster:
         self.varied: Callable[[int, int, int], list[int]] = lambda step, round_, groups: list(range(groups))
         self.rollout_inputs: list[RolloutInput] = []
         self.reward_inputs: list[RewardInput] = []
-        self.assemble_inputs: list[AssembleBatchInput] = []
         self.checkpoint_inputs: list[CheckpointInput] = []
         self.nodes = [StandInNode(self, q) for q in self.queues]
 
@@ -213,13 +210,8 @@ class Cluster:
             info = info.model_copy(update={"eval_key": f"runs/{inp.run_id}/data/eval.jsonl", "n_eval": inp.eval.n})
         return info
 
-    @activity.defn(name=COMPUTE_REWARDS.name)
-    async def compute_rewards(self, inp: RewardInput) -> RewardResult:
-        """Steps recorded before the samples-on-node patch (a test that turns it off)."""
-        return await self.rewards(CONTROL_QUEUE, COMPUTE_REWARDS.name, inp)
-
     async def rewards(self, queue: str, name: str, inp: RewardInput) -> RewardResult:
-        """A reward activity's stand-in, on the control queue or a node's."""
+        """The reward activity's stand-in, on a node's queue."""
         self.reward_inputs.append(inp)  # before the hook, which may look at it
         await self.record(queue, name, inp.step, None)
         r = reward_of(inp.step)
@@ -240,16 +232,6 @@ class Cluster:
             "groups_all_wrong": sum(1 for g in rest if g % 2 == 1),
             "group_means": [group_mean(inp.round, g) for g in range(groups)],
         })
-
-    @activity.defn(name=ASSEMBLE_BATCH.name)
-    async def assemble_batch(self, inp: AssembleBatchInput) -> BatchResult:
-        await self.record(CONTROL_QUEUE, ASSEMBLE_BATCH.name, inp.step, None)
-        self.assemble_inputs.append(inp)
-        return BatchResult(
-            chunk_keys=[f"runs/{inp.run_id}/steps/{inp.step}/batch/chunk-0"],
-            rewards_key=f"runs/{inp.run_id}/steps/{inp.step}/batch/rewards.json",
-            n_samples=len(inp.groups) * inp.group_size, reward_mean=0.5, accuracy=0.5, seconds=0.05,
-        )
 
     # ---- pool queue ---------------------------------------------------------------
     @activity.defn(name=CLAIM_NODE.name)
@@ -382,7 +364,7 @@ async def running(env: WorkflowEnvironment, cluster: Cluster) -> AsyncIterator[d
     client = env.client
     workers = [
         Worker(client, task_queue=CONTROL_QUEUE, workflows=RUN_WORKFLOWS,
-               activities=[cluster.prepare_data, cluster.compute_rewards, cluster.assemble_batch]),
+               activities=[cluster.prepare_data]),
         Worker(client, task_queue=POOL_QUEUE, activities=[cluster.claim_node]),
     ]
     nodes = {
@@ -407,9 +389,10 @@ def scenario(cluster: Cluster, body: Callable[[WorkflowEnvironment, dict[str, Wo
     asyncio.run(main())
 
 
-async def start_run(env: WorkflowEnvironment, cfg: RunConfig) -> WorkflowHandle:
+async def start_run(env: WorkflowEnvironment, cfg: RunConfig, run_id: str | None = None) -> WorkflowHandle:
+    """Start a run (``run_id``: a fixed id, for a recorded history; default: a fresh one)."""
     return await env.client.start_workflow(
-        TrainingRun.run, TrainingRunInput(config=cfg), id=f"wf-run-{uuid.uuid4().hex[:8]}",
+        TrainingRun.run, TrainingRunInput(config=cfg), id=run_id or f"wf-run-{uuid.uuid4().hex[:8]}",
         task_queue=CONTROL_QUEUE, result_type=RunSummary,
     )
 

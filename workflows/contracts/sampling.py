@@ -8,7 +8,7 @@ from pydantic import BaseModel
 from spec.reward import RewardSpec
 from spec.rollout import RolloutSpec
 from spec.status import RunEvent
-from spec.trainer_rpc import BatchSelection, SampledRound
+from spec.trainer_rpc import BatchSelection
 from workflows.contracts.placement import DatasetInfo
 
 
@@ -107,28 +107,3 @@ class Sampled(BaseModel):
     data_cursor: int = 0  # the cursor its prompts were drawn from
     agent: dict[str, float] | None = None  # rollout.agent: episode metrics (docs/agents.md)
     selection: BatchSelection | None = None  # dynamic sampling: the kept groups of the rounds' chunks
-
-
-class AssembleBatchInput(BaseModel):
-    """``assemble_batch`` (steps recorded before the ``samples-on-node`` patch)."""
-
-    run_id: str
-    step: int
-    store_uri: str
-    rounds: list[SampledRound]
-    groups: list[tuple[int, int]]  # (round, group index) of each trained group, in training order
-    group_size: int
-    chunk_size: int
-    sampling: SamplingStats  # the step's counts, exported as metrics by the control worker
-    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
-
-
-class BatchResult(BaseModel):
-    """The trained batch of a step with dynamic sampling (written by ``assemble_batch``)."""
-
-    chunk_keys: list[str]
-    rewards_key: str
-    n_samples: int
-    reward_mean: float
-    accuracy: float
-    seconds: float

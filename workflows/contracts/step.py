@@ -25,7 +25,6 @@ class RLStepInput(BaseModel):
     # fully_async; empty: the step samples its own). The step's own batch is for step ``step``, the
     # next for ``step + 1``, and so on.
     buffer: list[Sampled] = []
-    prefetched: Sampled | None = None  # the one-batch buffer as recorded before ``buffer`` existed (read only)
     restart_cells: list[int] = []  # lost DP cells whose restart is due: restarted before this step trains
 
 
@@ -66,7 +65,6 @@ class StepSummary(BaseModel):
     overlap_seconds: float = 0.0  # sampling seconds of later steps' batches that ran during this train_step
     buffer_depth: int = 0  # batches sampled ahead when the step ended (one_step_off: 1, fully_async: up to K)
     next_buffer: list[Sampled] = []  # those batches, oldest first (TrainingRun moves them to its state)
-    next_sampled: Sampled | None = None  # one_step_off's next batch as recorded before ``next_buffer`` (read only)
 
     @property
     def staleness(self) -> int:

@@ -3,8 +3,7 @@
 A ``StepBatch`` names them one of two ways: the chunks and the rewards of one rollout
 (``chunk_keys``, ``rewards_key``), or, with dynamic sampling, a ``selection``: the rounds'
 chunks and rewards and the (round, group) pairs trained, in order. A selection's chunks
-are each read once and the kept groups taken in memory, so the samples are exactly the
-ones (in the same order) that ``assemble_batch`` used to copy to ``batch/``.
+are each read once and the kept groups taken in memory, in the workflow's order.
 """
 
 from __future__ import annotations
