@@ -25,11 +25,11 @@ with workflow.unsafe.imports_passed_through():
     from spec.run import RunConfig
     from spec.status import RunEvent
     from spec.strict import format_validation_error
-    from spec.train import HParamUpdate, TrainSpec, mode_conflicts
-    from spec.trainer import megatron_train_conflicts
+    from spec.train import HParamUpdate
     from spec.trainer_rpc import ForkPoint
     from workflows import cell_heal
     from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, PrepareDataInput
+    from workflows.run_details import hparam_update_refused, run_details
     from workflows.run_state import RunProgress, RunState, RunSummary, TrainingRunInput
     from workflows.contracts.step import RLStepInput, StepSummary
     from workflows.contracts.training import EvalResult, UpdateWeightsInput
@@ -279,31 +279,7 @@ class TrainingRun:
                 *([SA_REWARD.value_set(last.reward_mean)] if last else []),
             ]
         )
-        lines = [
-            f"**{self.status}** — step {st.next_step - 1}/{self.cfg.steps if self.cfg else '?'}, "
-            f"policy v{st.policy_version}, data cursor {st.data_cursor}",
-        ]
-        if last:
-            lines.append(
-                f"last step: reward {last.reward_mean:.3f} (acc {last.accuracy:.2f}), loss {last.loss:.4f}, "
-                f"{last.step_seconds:.1f}s"
-            )
-        evaluated = st.last_evaluated()
-        if evaluated:
-            lines.append(
-                f"held-out eval after step {evaluated.step}: greedy {evaluated.eval_greedy:.3f}, "
-                f"pass@{evaluated.eval_k} {evaluated.eval_pass_at_k:.3f} ({evaluated.eval_n} prompts)"
-            )
-        if st.node:
-            lines.append(f"node: `{st.node.task_queue}`")
-        if st.dp is not None:  # trainer.cells > 1
-            alive = sum(c.state == "alive" for c in st.dp.cells)
-            lost = ", ".join(f"cell {i} restarts after {h.failures} failed restart(s)" if h.failures else f"cell {i} lost"
-                             for i, h in sorted(st.cell_heal.items()))
-            lines.append(f"DP cells: {alive}/{len(st.dp.cells)} alive" + (f" ({lost})" if lost else ""))
-        if self.lineage:
-            lines.append(f"forked from `{self.lineage[-1].run_id}` at step {self.lineage[-1].step}")
-        workflow.set_current_details("\n\n".join(lines))
+        workflow.set_current_details(run_details(self.status, st, self.cfg.steps if self.cfg else None, self.lineage))
 
     # ---- control -----------------------------------------------------------------
     @workflow.query
@@ -364,21 +340,9 @@ class TrainingRun:
 
     @set_hparams.validator
     def _validate_hparams(self, update: HParamUpdate) -> None:
-        if not update.given():
-            raise ValueError(f"set_hparams: no field given (any of {', '.join(TrainSpec.model_fields)})")
-        if update.kl_coef and self.cfg is not None and self.cfg.train.kl_coef == 0:
-            raise ValueError("set_hparams: kl_coef: the run started with kl_coef 0 and keeps no reference model")
         assert self.st.train is not None
-        try:
-            train = update.apply(self.st.train)
-        except ValidationError as err:
-            raise ValueError(f"set_hparams: {err}") from None
-        bad = mode_conflicts(self.cfg.mode, train) if self.cfg is not None else []
-        if bad:
-            raise ValueError(f"set_hparams: {', '.join(bad)}: RL loss knobs, unused in mode {self.cfg.mode}")
-        if self.cfg is not None and self.cfg.trainer.backend == "megatron" and (bad := megatron_train_conflicts(train)):
-            raise ValueError(f"set_hparams: trainer.backend megatron does not support {'; '.join(bad)}")
-
+        if why := hparam_update_refused(self.cfg, self.st.train, update):
+            raise ValueError(f"set_hparams: {why}")
 
 
 RUN_WORKFLOWS = [TrainingRun, RLStep, SFTStep]  # a run and its step children: what the control worker runs
