@@ -4,11 +4,22 @@ process imports this module, so it stays light: no torch, nothing from the test 
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 
 def length_reward(prompt: str, response: str, row: dict) -> float:
     return float(len(response)) + (0.5 if prompt.endswith("=") else 0.0)
+
+
+def odd_answers_vary_reward(prompt: str, response: str, row: dict) -> float:
+    """Which groups vary is a property of the data, not of the model's numerics: 0 for every
+    sample of a prompt whose answer is even (the group is filtered), a hash of the response
+    otherwise (four sampled responses differ, so the group varies). Dynamic sampling's rounds
+    are then the same on every CPU, for a given seed's prompt order."""
+    if int(str(row["answer"]).rpartition("#### ")[2]) % 2 == 0:
+        return 0.0
+    return 1.0 + zlib.crc32(response.encode()) % 1000
 
 
 def constant_reward(prompt: str, response: str, row: dict) -> float:

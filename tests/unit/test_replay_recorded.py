@@ -19,7 +19,7 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
+from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 from temporalio.workflow import NondeterminismError
 
 import workflows
@@ -35,8 +35,12 @@ def history(name: str) -> WorkflowHistory:
     return WorkflowHistory.from_json(RECORDINGS[name][0], (HISTORY_DIR / f"{name}.json").read_text())
 
 
-def replay(h: WorkflowHistory) -> None:
-    asyncio.run(Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter).replay_workflow(h))
+def replay(h: WorkflowHistory, *, sandboxed: bool = True) -> None:
+    """Replay ``h`` on the current code (``sandboxed`` False: outside the workflow sandbox, so a
+    monkeypatched workflow module is the code that replays)."""
+    runner = {} if sandboxed else {"workflow_runner": UnsandboxedWorkflowRunner()}
+    replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter, **runner)
+    asyncio.run(replayer.replay_workflow(h))
 
 
 def patched_ids_in_code() -> set[str]:
@@ -80,9 +84,10 @@ def test_a_changed_step_does_not_replay(monkeypatch: pytest.MonkeyPatch) -> None
     async def never(*_: object) -> None:
         return None
 
+    replay(history("rl_step_eval"), sandboxed=False)  # as recorded: replays outside the sandbox too
     monkeypatch.setattr(workflows.rl_step, "checkpoint_if_due", never)
     with pytest.raises(NondeterminismError):
-        replay(history("rl_step_eval"))
+        replay(history("rl_step_eval"), sandboxed=False)
 
 
 def test_every_patch_in_the_code_is_declared() -> None:
