@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from spec.status import DPCells, RunEvent
+from workflows.contracts.placement import Placed
 
 
 class CellHeal(BaseModel):
@@ -17,11 +18,8 @@ class CellHeal(BaseModel):
     failures: int = 0
 
 
-class RestartCellsInput(BaseModel):
-    run_id: str
-    store_uri: str
+class RestartCellsInput(Placed):
     cells: list[int]
-    epoch: int = 0
 
 
 class RestartCellsResult(BaseModel):

@@ -17,11 +17,21 @@ from spec.trainer import TrainerSpec
 from spec.trainer_rpc import ForkPoint
 
 
+class Placed(BaseModel):
+    """The placement context of a node activity's work: the run, its store, and the placement
+    epoch it runs under. Every write goes to the store at that epoch, so a step of a placement
+    the run has left behind writes nothing (the store refuses older epochs; 0: unfenced)."""
+
+    run_id: str
+    store_uri: str
+    epoch: int = 0
+
+
 class NodeClaim(BaseModel):
     node_id: str
     boot_id: str
     task_queue: str
-    epoch: int = 0  # this placement's epoch (gpu_runtime/store/fence.py); 0: a claim from before fencing
+    epoch: int = 0  # this placement's epoch (gpu_runtime/store/fence.py); 0: unfenced (a claim without a store)
 
 
 class ClaimNodeInput(BaseModel):
@@ -53,9 +63,7 @@ class DatasetInfo(BaseModel):
     n_eval: int = 0
 
 
-class InitPolicyInput(BaseModel):
-    run_id: str
-    store_uri: str
+class InitPolicyInput(Placed):
     seed: int
     model: ModelSpec
     sft: SFTSpec
@@ -66,7 +74,6 @@ class InitPolicyInput(BaseModel):
     policy_version: int = 0  # bring the trainer to this version (0 on a fresh run: SFT warm-up)
     distill: DistillSpec | None = None  # on-policy distillation: the trainer loads the teacher
     lineage: list[ForkPoint] = []  # a fork: where the steps before its own live (oldest first)
-    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
     trainer: TrainerSpec = TrainerSpec()  # single process, or a fsdp2 cell of ranks
 
 

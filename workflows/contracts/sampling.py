@@ -9,13 +9,11 @@ from spec.reward import RewardSpec
 from spec.rollout import RolloutSpec
 from spec.status import RunEvent
 from spec.trainer_rpc import BatchSelection
-from workflows.contracts.placement import DatasetInfo
+from workflows.contracts.placement import DatasetInfo, Placed
 
 
-class RolloutInput(BaseModel):
-    run_id: str
+class RolloutInput(Placed):
     step: int
-    store_uri: str
     seed: int
     policy_version: int
     data_cursor: int  # the first prompt position this rollout draws
@@ -23,7 +21,6 @@ class RolloutInput(BaseModel):
     rollout: RolloutSpec
     round: int = 0  # dynamic sampling: the step's round (keys, seeds and sample ids of round > 0 differ)
     n_prompts: int | None = None  # prompts to draw (None: rollout.prompts_per_step)
-    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class RolloutResult(BaseModel):
@@ -39,16 +36,13 @@ class RolloutResult(BaseModel):
     agent: dict[str, float] | None = None  # rollout.agent: episode metrics (docs/agents.md); None: single-turn
 
 
-class RewardInput(BaseModel):
-    run_id: str
+class RewardInput(Placed):
     step: int
-    store_uri: str
     chunk_keys: list[str]
     dataset: DatasetInfo
     reward: RewardSpec
     round: int = 0  # dynamic sampling: the round whose chunks these are
     group_size: int = 0  # > 0: also report which groups' rewards vary (dynamic sampling)
-    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
 
 
 class RewardResult(BaseModel):

@@ -8,20 +8,18 @@ from spec.engine import EngineSpec
 from spec.status import EngineSlotInfo, RunEvent
 from spec.train import TrainSpec
 from spec.trainer_rpc import BatchSelection, SFTRows, TrainedStep
+from workflows.contracts.placement import Placed
 from workflows.contracts.sampling import SamplingStats
 
 
-class TrainStepInput(BaseModel):
-    run_id: str
+class TrainStepInput(Placed):
     step: int
-    store_uri: str
     policy_version: int  # version the trainer must hold before this step
     chunk_keys: list[str]
     rewards_key: str
     group_size: int
     train: TrainSpec
     sft_rows: SFTRows | None = None  # mode sft: train on these rows' labels (no chunks, no rewards)
-    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
     selection: BatchSelection | None = None  # dynamic sampling: train these groups of the rounds' chunks
     sampling: SamplingStats | None = None  # dynamic sampling's counts, exported as metrics by the node
     temperature: float = 1.0  # rollout.temperature: the trainer trains the policy that sampled (StepBatch)
@@ -50,12 +48,9 @@ class UpdateWeightsResult(BaseModel):
     node_events: list[RunEvent] = []
 
 
-class CheckpointInput(BaseModel):
-    run_id: str
+class CheckpointInput(Placed):
     step: int  # = the policy version to save
-    store_uri: str
     data_cursor: int
-    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
     # wait until it is durable (the run's last step: the run ends with its final checkpoint and
     # model folder in the store); any other checkpoint is written and uploaded in the background
     durable: bool = False
@@ -69,10 +64,8 @@ class CheckpointResult(BaseModel):
     node_events: list[RunEvent] = []
 
 
-class EvalInput(BaseModel):
-    run_id: str
+class EvalInput(Placed):
     step: int
-    store_uri: str
     seed: int
     policy_version: int  # the version the engines serve (= step): a sample from another fails the eval
     eval_key: str
@@ -80,7 +73,6 @@ class EvalInput(BaseModel):
     temperature: float
     max_new_tokens: int
     chunk_size: int
-    epoch: int = 0  # the run's placement epoch: the store refuses writes of older ones (0: unfenced)
     stop: list[str] = []  # rollout.stop / stop_token_ids: answers end as the rollout's do
     stop_token_ids: list[int] = []
 
