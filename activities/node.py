@@ -322,7 +322,7 @@ class NodeActivities:
             raise failure(Failure.INVALID_INPUT, f"engines.backend 'sglang': {why}")
         health = HealthConfig(
             interval_s=e.health_check_interval_s, timeout_s=e.health_check_timeout_s,
-            first_wait_s=e.health_check_first_wait_s or 120.0, failure_threshold=e.health_check_failure_threshold,
+            first_wait_s=e.health_check_first_wait_s, failure_threshold=e.health_check_failure_threshold,
         )
         try:
             restarted = with_heartbeat(lambda: self.rt.ensure_engines(

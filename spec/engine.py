@@ -53,10 +53,7 @@ class EngineSpec(Strict):
     )
     health_check_interval_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(5.0, gt=0)
-    # ge=0, not gt=0: runs recorded with 0 must still decode (0 = the 120 s default)
-    health_check_first_wait_s: float = Field(
-        120.0, ge=0, description="a starting engine must be healthy within this (0: 120 s)"
-    )
+    health_check_first_wait_s: float = Field(120.0, gt=0, description="a starting engine must be healthy within this")
     health_check_failure_threshold: int = Field(1, ge=1)
     host: str = Field(
         "127.0.0.1",

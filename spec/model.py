@@ -86,8 +86,7 @@ class ModelSpec(Strict):
     @model_validator(mode="before")
     @classmethod
     def _flat_init(cls, v: Any) -> Any:
-        """``model: {hidden_size: ..}`` (the form before ``init`` existed, and in recorded
-        histories) is shorthand for ``model: {init: {hidden_size: ..}}``."""
+        """``model: {hidden_size: ..}`` is shorthand for ``model: {init: {hidden_size: ..}}``."""
         if isinstance(v, dict) and set(v) & set(ModelInitSpec.model_fields) and "init" not in v:
             flat = {k: x for k, x in v.items() if k in ModelInitSpec.model_fields}
             return {**{k: x for k, x in v.items() if k not in flat}, "init": flat}

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import json
 import random
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from gpu_runtime.store.artifacts import derive_seed
 if TYPE_CHECKING:  # the tokenizer pulls in transformers: not needed to read data
     from gpu_runtime.models.tokenizer import Tokenizer
 
-_LEGACY_QUESTION = re.compile(r"^What is (-?\d+)\s*([+\-*])\s*(-?\d+)\?$")
 
 __all__ = [
     "encode_prompt", "final_answer", "generate_arithmetic", "load_jsonl", "prompt_messages", "prompt_order",
@@ -47,17 +45,6 @@ def write_jsonl(rows: Iterable[dict], path: str | Path) -> int:
     return n
 
 
-def _legacy_row(obj: dict) -> dict:
-    """A row of a run prepared before normalized rows (``{"id", "question",
-    "answer"}``), converted with that version's prompt rule so a resumed run
-    sees the same prompts: ``"What is 23+45?"`` -> ``"23+45="``, other
-    questions -> question + ``"\\nAnswer: "``."""
-    q = obj["question"]
-    m = _LEGACY_QUESTION.match(q.strip()) if isinstance(q, str) else None
-    prompt = f"{m.group(1)}{m.group(2)}{m.group(3)}=" if m else (q.rstrip() + "\nAnswer: " if isinstance(q, str) else q)
-    return {"id": obj.get("id"), "prompt": prompt, "messages": None, "answer": obj.get("answer"), "metadata": {}}
-
-
 def load_jsonl(path: str | Path) -> list[dict]:
     """Read the run's dataset file (normalized rows, as ``prepare_data`` writes
     it); a bad row is a ValueError naming ``path:LINE`` and the field. Blank
@@ -75,8 +62,6 @@ def load_jsonl(path: str | Path) -> list[dict]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-            if isinstance(obj, dict) and "question" in obj and "prompt" not in obj and "messages" not in obj:
-                obj = _legacy_row(obj)
             try:
                 row = DataRow.model_validate(obj).model_dump()
             except ValidationError as err:

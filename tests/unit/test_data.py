@@ -86,18 +86,6 @@ def test_dataset_file_round_trip(tmp_path: Path) -> None:
     assert load_jsonl(path) == rows
 
 
-def test_dataset_file_of_an_older_run_reads_with_its_old_prompts(tmp_path: Path) -> None:
-    """A run prepared before normalized rows can still be resumed: same prompts and targets."""
-    path = tmp_path / "train.jsonl"
-    old = [{"id": rid, "question": q, "answer": a} for rid, q, _, _, a in OLD_SEED7_OPS]
-    old.append({"id": "g1", "question": "Tom has 3 apples and buys 2. How many? ", "answer": "3+2=5\n#### 5"})
-    write_jsonl(old, path)
-    rows = load_jsonl(path)
-    assert [(prompt_text(r), sft_target(r)) for r in rows[:-1]] == [(p, t) for _, _, p, t, _ in OLD_SEED7_OPS]
-    assert prompt_text(rows[-1]) == "Tom has 3 apples and buys 2. How many?\nAnswer: "
-    assert sft_target(rows[-1]) == "3+2=5\n#### 5"
-
-
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
