@@ -301,7 +301,7 @@ class Check:
     def _broadcaster(self, trainer: Any, version: int, checksum: str) -> Any:
         """The in-process trainer as rank 0 of each push's group (a node's trainer process
         does the same through its ``broadcast_weights`` RPC)."""
-        from gpu_runtime.engine.distributed_push import Broadcaster
+        from gpu_runtime.weight_sync.distributed_push import Broadcaster
         from gpu_runtime.weight_sync.distributed import WeightGroup
 
         def send(spec: Any, manifest: Any, _version: str, _checksum: str) -> None:

@@ -58,8 +58,8 @@ async def run(args: argparse.Namespace) -> None:
     await asyncio.to_thread(runtime.start)
     client = await connect(args.address, args.namespace)
     acts = NodeActivities(runtime, report=run_reporter(client, asyncio.get_running_loop()))
-    reclaimer = RunReclaimer(client, runtime, acts.live_runs)  # closed runs' files leave the node
-    acts.on_run_left = reclaimer.run_left
+    reclaimer = RunReclaimer(client, runtime, acts.placement.live_runs)  # closed runs' files leave the node
+    acts.placement.on_run_left = reclaimer.run_left
     stop = asyncio.Event()
     install_shutdown(stop)
     sweeps = asyncio.create_task(reclaimer.run_forever())

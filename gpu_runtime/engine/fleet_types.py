@@ -45,7 +45,7 @@ class WeightMismatch(FleetError):
 
 
 @dataclass
-class _Slot:
+class Slot:
     index: int
     url: str
     port: int

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
-from gpu_runtime.engine.fleet_types import HealthConfig, _Slot
+from gpu_runtime.engine.fleet_types import HealthConfig, Slot
 from gpu_runtime.proc.processes import free_port, port_free
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class SlotProcesses:
         self._lock = lock
         self._stopping = stopping
 
-    def spawn(self, s: _Slot, model_path: str, version: str | None) -> None:
+    def spawn(self, s: Slot, model_path: str, version: str | None) -> None:
         # another process listens there since the fleet chose it: move the slot (the engine
         # binds with SO_REUSEADDR, so its own predecessor's TIME_WAIT is no reason to move)
         if not port_free(s.port, reuse_address=True):
@@ -56,17 +56,17 @@ class SlotProcesses:
             s.weight_version, s.checksum, s.launched = None, None, (model_path, version)
         log.info("slot %d: started pid=%d %s", s.index, proc.pid, " ".join(cmd))
 
-    def _move(self, s: _Slot) -> None:
+    def _move(self, s: Slot) -> None:
         s.port = free_port()
         s.url = f"http://{self.host}:{s.port}"
 
-    def wait_all_healthy(self, slots: list[_Slot]) -> list[bool]:
+    def wait_all_healthy(self, slots: list[Slot]) -> list[bool]:
         if not slots:
             return []
         with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="fleet-start") as pool:
             return list(pool.map(self.wait_healthy, slots))
 
-    def wait_healthy(self, s: _Slot) -> bool:
+    def wait_healthy(self, s: Slot) -> bool:
         """Wait until a starting engine answers /health_generate; fills version and checksum."""
         deadline = time.monotonic() + self.health.first_wait_s
         probe = self.backend.client(s.url, self.health.timeout_s)
@@ -104,7 +104,7 @@ class SlotProcesses:
         finally:
             probe.close()
 
-    def _lost_its_port(self, s: _Slot) -> bool:
+    def _lost_its_port(self, s: Slot) -> bool:
         """Whether the slot's engine exited because its port was in use (the end of its log)."""
         try:
             with open(self.log_dir / f"engine-{s.index}.log", "rb") as f:
@@ -125,7 +125,7 @@ class SlotProcesses:
             log.warning("could not read weights info from %s: %s", c.base_url, e)
             return None, None
 
-    def kill(self, s: _Slot) -> None:
+    def kill(self, s: Slot) -> None:
         proc = s.proc
         s.proc = None
         if proc is None:

@@ -9,7 +9,7 @@ Under a node agent's ``--work-dir`` a run ``R`` keeps
   engines' copies (hard links) and a checkpoint's version on its way to the store;
 - ``weights/R/``: where the engines' versions were kept before they moved there;
 - ``data/runs_R_data_<split>.jsonl``: the dataset splits the rollouts read
-  (``NodeRuntime.rows``: the store key with ``/`` as ``_``).
+  (``DatasetRows.rows``: the store key with ``/`` as ``_``).
 
 Everything else there (``logs/``, ``children.json``) belongs to the node, not to a run.
 Whether a run has closed is the caller's question (``workers.node_reclaim`` asks
@@ -31,7 +31,7 @@ from gpu_runtime.trainer.work_dir import is_temp_dir, run_folder, run_versions, 
 
 log = logging.getLogger(__name__)
 TRASH_PREFIX = ".reclaim-"
-# NodeRuntime.rows: the key runs/<run>/data/<split>.jsonl with "/" as "_" (a split has no "_")
+# DatasetRows.rows: the key runs/<run>/data/<split>.jsonl with "/" as "_" (a split has no "_")
 DATA_FILE = re.compile(r"runs_(?P<run>.+)_data_(?P<split>[^_/]+)\.jsonl")
 
 

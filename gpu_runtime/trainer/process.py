@@ -38,7 +38,7 @@ from spec.trainer_rpc import (
     WeightsBroadcast,
 )
 
-from gpu_runtime.engine.distributed_push import Broadcaster
+from gpu_runtime.weight_sync.distributed_push import Broadcaster
 from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S, GroupSpec, Manifest, group_backend
 
 log = logging.getLogger(__name__)

@@ -182,8 +182,8 @@ def test_sampled_weight_probe_for_engines_without_a_checksum(model_dirs, tmp_pat
         # an engine that silently kept other weights is caught by the probe
         slot = fleet.slots[0]
         EngineClient(slot.url).update_weights_from_disk(str(model_dirs["v1"]), 2)
-        assert fleet._probe_mismatch(slot, str(model_dirs["v2"]))
-        assert not fleet._probe_mismatch(fleet.slots[1], str(model_dirs["v2"]))
+        assert fleet.supervisor.gate.probe_mismatch(slot, str(model_dirs["v2"]))
+        assert not fleet.supervisor.gate.probe_mismatch(fleet.slots[1], str(model_dirs["v2"]))
         # a passing engine stands for the folder's checksum (update_weights compares it with the
         # trainer's); a restarted one is probed too before it rejoins
         fleet.kill_slot(0)

@@ -18,7 +18,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.node import NodeActivities
+from activities.node_engines import EngineActivities
 from gpu_runtime.engine.backends import SGLangEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.fleet import EngineFleet
@@ -93,11 +93,11 @@ def make_fleet(tmp_path: Path) -> Iterator:
 def _update_weights(fleet: SGLangFleet, folder: Path, checksum: str, monkeypatch: pytest.MonkeyPatch):
     """The node's ``update_weights`` activity with the runtime reduced to this fleet."""
     monkeypatch.setattr(SGLangEngineBackend, "available", staticmethod(lambda: True))
-    acts = NodeActivities.__new__(NodeActivities)
-    acts.rt = SimpleNamespace(
-        local_weights=lambda *a, **k: folder, fleet=fleet.fleet, drain_events=lambda: [],
-        ensure_engines=lambda *a, **k: (fleet.fleet.update_weights(folder, 2), [])[1],
+    rt = SimpleNamespace(
+        local_weights=SimpleNamespace(folder=lambda *a, **k: folder), engines=SimpleNamespace(fleet=fleet.fleet),
+        drain_events=lambda: [], ensure_engines=lambda *a, **k: (fleet.fleet.update_weights(folder, 2), [])[1],
     )
+    acts = EngineActivities(rt, exporter=lambda run_id, version: lambda: None)  # type: ignore[arg-type]
     inp = UpdateWeightsInput(run_id="r", store_uri="file:///unused", policy_version=2, weights_key="k",
                              checksum=checksum, engines=EngineSpec(backend="sglang", num_engines=2))
     return ActivityEnvironment().run(acts.update_weights, inp)
@@ -233,8 +233,8 @@ def _check(requests: list, launch_args: list[str], tmp_path: Path) -> dict:
 
 
 def test_every_request_the_fleet_sends_matches_sglangs_own_classes(folders, make_fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from gpu_runtime.engine.distributed_push import GroupSpec, _receive
-    from gpu_runtime.weight_sync.distributed import folder_manifest
+    from gpu_runtime.engine.weight_push import receive_broadcast
+    from gpu_runtime.weight_sync.distributed import GroupSpec, folder_manifest
 
     f = make_fleet(folders["v1"], deterministic=True)
     f.fleet.update_weights(folders["v2"], 2)
@@ -245,7 +245,7 @@ def test_every_request_the_fleet_sends_matches_sglangs_own_classes(folders, make
     f.fleet.check_now()
     f.fleet.resume_memory()
     EngineClient(f.fakes[0].url).flush_cache()
-    _receive(f.fakes[0].url, 1, spec=GroupSpec("127.0.0.1", 1, 3, "g", "nccl"), manifest=folder_manifest(folders["v2"]),
+    receive_broadcast(f.fakes[0].url, 1, spec=GroupSpec("127.0.0.1", 1, 3, "g", "nccl"), manifest=folder_manifest(folders["v2"]),
              version="2", checksum=None, request_timeout_s=5.0, group_timeout_s=None)  # the push's SGLang settings
     backend = SGLangEngineBackend(gpus=(1,), extra_args=["--enable-memory-saver"], deterministic=True)
     cmd = backend.command(model_path="m", port=30000, weight_version=2) + backend.slot_args(0)

@@ -59,10 +59,10 @@ def test_fleet_pushes_through_shared_memory(model_dirs, tmp_path: Path) -> None:
         out = fleet.update_weights(model_dirs["v2"], 2, "shared_memory")
         assert out == {0: model_dirs["c2"], 1: model_dirs["c2"]}
         assert all(s.weight_version == 2 and s.checksum == model_dirs["c2"] for s in fleet.snapshot())
-        segs = list(fleet._segments.root.glob(f"milestone-weights-{fleet._segments.tag}-v*"))
+        segs = list(fleet.weights.shared_memory.segments.root.glob(f"milestone-weights-{fleet.weights.shared_memory.segments.tag}-v*"))
         assert [p.name.rsplit("-v", 1)[1] for p in segs] == ["2"]
         for s in fleet.snapshot():  # the engines loaded it from the segment, not the folder
             assert "updated weights from shared memory" in (tmp_path / "logs" / f"engine-{s.slot}.log").read_text()
     finally:
         fleet.stop()
-    assert not list(fleet._segments.root.glob(f"milestone-weights-{fleet._segments.tag}-v*"))
+    assert not list(fleet.weights.shared_memory.segments.root.glob(f"milestone-weights-{fleet.weights.shared_memory.segments.tag}-v*"))

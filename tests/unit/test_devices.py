@@ -83,9 +83,9 @@ def test_engine_backends_put_each_slot_on_its_device() -> None:
 def test_node_runtime_hands_the_placement_to_trainer_and_engines(tmp_path) -> None:
     rt = NodeRuntime("n", "b", tmp_path, placement=plan_placement("cuda", 3, trainer_gpu=0, engine_gpus=[1]))
     assert rt.trainer.device == "cuda:0" and rt.trainer.command()[-4:] == ["--device", "cuda:0", "--cell-gpus", "0,2"]
-    backend = rt._backend("torch")
+    backend = rt.engines._backend("torch")
     assert isinstance(backend, TorchEngineBackend) and backend.slot_args(0) == ["--device", "cuda:1"]
-    sg = rt._backend("sglang")
+    sg = rt.engines._backend("sglang")
     assert isinstance(sg, SGLangEngineBackend) and sg.gpus == (1,)
 
 

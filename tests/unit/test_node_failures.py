@@ -1,14 +1,13 @@
-"""How ``NodeActivities`` types failures: of generating work (the type decides whether
+"""How the node's activities type failures: of generating work (the type decides whether
 Temporal retries, ``workflows.failures.NON_RETRYABLE``) and of a claim on a busy node."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.node import NodeActivities
+from activities.node_placement import PlacementActivities
+from activities.node_rollout import RolloutActivities
 from gpu_runtime.rollout.agent.tools import load_tools
 from gpu_runtime.rollout.chunks import NonFiniteLogprobs
 from workflows.failures import Failure
@@ -21,7 +20,7 @@ def raising(err: BaseException):
 
 
 def test_an_agent_tool_the_node_cannot_import_is_invalid_input_not_retried() -> None:
-    acts = NodeActivities.__new__(NodeActivities)  # _generating reads no runtime state on these paths
+    acts = RolloutActivities.__new__(RolloutActivities)  # _generating reads no runtime state on these paths
 
     def rollout() -> None:
         load_tools(["no_such_pkg.tools:make"], 5.0)  # what the agent rollout does on the node
@@ -33,7 +32,7 @@ def test_an_agent_tool_the_node_cannot_import_is_invalid_input_not_retried() -> 
 
 
 def test_non_finite_logprobs_are_a_divergence() -> None:
-    acts = NodeActivities.__new__(NodeActivities)
+    acts = RolloutActivities.__new__(RolloutActivities)
     with pytest.raises(ApplicationError) as err:
         acts._generating("run", 1, "rollout step 1", raising(NonFiniteLogprobs("nan")))
     assert err.value.type == Failure.DIVERGENCE.value and err.value.non_retryable
@@ -52,9 +51,8 @@ def test_a_node_serving_a_live_run_refuses_another_runs_claim() -> None:
 
     from workflows.contracts.placement import ClaimNodeInput, NodeLivenessInput
 
-    acts = NodeActivities.__new__(NodeActivities)
-    acts.report, acts.watching, acts.claimed = None, Counter(), {}
-    acts.rt = SimpleNamespace(node_id="node0", boot_id="b", task_queue="gpu-node0", set_run=lambda run_id: None)
+    acts = PlacementActivities(SimpleNamespace(node_id="node0", boot_id="b", task_queue="gpu-node0",
+                                               set_run=lambda run_id: None))
 
     async def main() -> None:
         claim = ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="A", exclude_queues=[], store_uri=""))

@@ -17,7 +17,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-import activities.node
+import activities.node_rollout
 from activities.node import NodeActivities
 from activities.translate import step_batch
 from gpu_runtime.node.runtime import NodeRuntime
@@ -95,7 +95,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Node
         opened.append(CountingStore(open_store(uri)))
         return opened[-1]
 
-    monkeypatch.setattr(activities.node, "open_store", counting)
+    monkeypatch.setattr(activities.node_rollout, "open_store", counting)
     yield NodeActivities(NodeRuntime("node0", "boot", tmp_path / "node")), opened
 
 
@@ -117,19 +117,19 @@ def test_the_node_scores_the_chunks_it_holds_without_reading_them(
     acts, opened = node
     inp = reward_input(store_uri, dataset, list(rollout))
     elsewhere = NodeActivities(NodeRuntime("node1", "boot", Path(store_uri.removeprefix("file://")).parent / "node1"))
-    on_control = ActivityEnvironment().run(elsewhere.compute_rewards_on_node, inp)
+    on_control = ActivityEnvironment().run(elsewhere.rollout.compute_rewards_on_node, inp)
     assert chunk_reads(opened) == Counter({k: 1 for k in rollout})
     opened.clear()
     stored = open_store(store_uri).get_bytes(on_control.rewards_key)
     open_store(store_uri).delete(on_control.rewards_key)
 
-    acts.rt.held.keep((store_uri, 0), rollout)  # what the rollout activity does
-    on_node = ActivityEnvironment().run(acts.compute_rewards_on_node, inp)
+    acts.rollout.rt.held.keep((store_uri, 0), rollout)  # what the rollout activity does
+    on_node = ActivityEnvironment().run(acts.rollout.compute_rewards_on_node, inp)
     assert chunk_reads(opened) == Counter()
     assert on_node.model_dump(exclude={"seconds"}) == on_control.model_dump(exclude={"seconds"})
     assert open_store(store_uri).get_bytes(on_node.rewards_key) == stored
     assert on_node.groups == 4 and on_node.group_means == [0.5] * 4  # one of each pair right
-    assert len(acts.rt.held) == 0  # scored: released
+    assert len(acts.rollout.rt.held) == 0  # scored: released
 
 
 def test_chunks_the_node_does_not_hold_are_read_from_the_store(
@@ -140,12 +140,12 @@ def test_chunks_the_node_does_not_hold_are_read_from_the_store(
     once from the store; chunk 0 comes from memory. The rewards are the same."""
     acts, opened = node
     first, second = rollout
-    acts.rt.held.keep((store_uri, 3), {first: rollout[first]})
-    acts.rt.held.keep((store_uri, 2), {second: rollout[second]})  # an older placement's
-    got = ActivityEnvironment().run(acts.compute_rewards_on_node, reward_input(store_uri, dataset, list(rollout), 3))
+    acts.rollout.rt.held.keep((store_uri, 3), {first: rollout[first]})
+    acts.rollout.rt.held.keep((store_uri, 2), {second: rollout[second]})  # an older placement's
+    got = ActivityEnvironment().run(acts.rollout.compute_rewards_on_node, reward_input(store_uri, dataset, list(rollout), 3))
     assert chunk_reads(opened) == Counter({second: 1})
     assert got.n == 8 and got.accuracy == 0.5
-    assert len(acts.rt.held) == 1  # the older placement's chunk stays until evicted
+    assert len(acts.rollout.rt.held) == 1  # the older placement's chunk stays until evicted
 
 
 def test_held_chunks_are_evicted_oldest_first_past_the_limit() -> None:
@@ -173,14 +173,14 @@ def test_a_reward_retry_after_a_judge_failure_asks_only_for_the_unjudged_samples
     attempt fails retryably (RewardError), its chunks still held; the retry scores from memory
     and asks only for the samples without a durable record: each sample judged once."""
     acts, opened = node
-    acts.rt.held.keep((store_uri, 0), rollout)
+    acts.rollout.rt.held.keep((store_uri, 0), rollout)
     with reward_server(Behaviour(fail_once_after=3)) as judge:
         inp = reward_input(store_uri, dataset, list(rollout), kind="judge", url=judge.url, concurrency=1, max_retries=0)
         with pytest.raises(ApplicationError) as err:
-            ActivityEnvironment().run(acts.compute_rewards_on_node, inp)
+            ActivityEnvironment().run(acts.rollout.compute_rewards_on_node, inp)
         assert err.value.type == Failure.REWARD_ERROR.value and not err.value.non_retryable
-        assert len(acts.rt.held) == 2
-        got = ActivityEnvironment().run(acts.compute_rewards_on_node, inp)
+        assert len(acts.rollout.rt.held) == 2
+        got = ActivityEnvironment().run(acts.rollout.compute_rewards_on_node, inp)
     ids = [s.sample_id for c in rollout.values() for s in c.samples]
     assert judge.log.judged == {i: 1 for i in ids} and judge.log.failed == 1
     assert got.n == len(ids) and chunk_reads(opened) == Counter()

@@ -123,7 +123,7 @@ def test_group_backend_is_nccl_only_between_distinct_gpus() -> None:
 def test_a_push_the_trainer_cannot_serve_fails_every_engine_without_a_group(tmp_path: Path) -> None:
     """No engine is contacted (the urls do not exist) when the trainer holds another
     version or cannot be asked: the fleet loads every engine from disk instead."""
-    from gpu_runtime.engine.distributed_push import Broadcaster, push
+    from gpu_runtime.weight_sync.distributed_push import Broadcaster, push
 
     checksum = make_model_folder(tmp_path / "m", seed=1, weight_version=3)
 
@@ -134,7 +134,8 @@ def test_a_push_the_trainer_cannot_serve_fails_every_engine_without_a_group(tmp_
         raise ConnectionError("trainer pid 1 died during held_weights")
 
     urls = ["http://127.0.0.1:9/a", "http://127.0.0.1:9/b"]
-    stale = push(urls, tmp_path / "m", "3", checksum, Broadcaster("127.0.0.1", "gloo", lambda: (2, "x"), never))
+    stale = push(urls, tmp_path / "m", "3", checksum, Broadcaster("127.0.0.1", "gloo", lambda: (2, "x"), never),
+                 receive=never)
     assert stale.updated == [] and set(stale.failed) == set(urls) and "the trainer holds v2" in (stale.trainer_error or "")
-    gone = push(urls, tmp_path / "m", "3", checksum, Broadcaster("127.0.0.1", "gloo", dead, never))
+    gone = push(urls, tmp_path / "m", "3", checksum, Broadcaster("127.0.0.1", "gloo", dead, never), receive=never)
     assert gone.updated == [] and "trainer pid 1 died" in (gone.trainer_error or "")

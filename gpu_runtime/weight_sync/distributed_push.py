@@ -9,8 +9,10 @@ header, and, torch engines, the expected checksum: each one verifies what it rec
 before it loads it.
 
 The result names the engines that got the version; the fleet pushes the folder from
-disk to the others (``fleet.update_weights``) and records a ``weight_sync_fallback``
+disk to the others (``strategies.DistributedBroadcast``) and records a ``weight_sync_fallback``
 event. A dead or late member fails the join or the broadcast within ``timeout_s``.
+An engine's own side of the push (its three requests) is the fleet's ``receive``
+(``gpu_runtime.engine.weight_push.receive_broadcast``): this layer speaks to no engine.
 """
 
 from __future__ import annotations
@@ -23,12 +25,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.proc.processes import free_port
 from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S, GroupSpec, Manifest, folder_manifest
 
 log = logging.getLogger(__name__)
+
+
+class Receive(Protocol):
+    """One engine's side of a push (``gpu_runtime.engine.weight_push.receive_broadcast``): join
+    the group at ``rank``, receive the manifest's tensors, leave; raises when it did not get them."""
+
+    def __call__(
+        self, url: str, rank: int, *, spec: GroupSpec, manifest: Manifest, version: str, checksum: str | None,
+        request_timeout_s: float, group_timeout_s: float | None,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,7 @@ class PushResult:
 
 def push(
     urls: list[str], folder: str | Path, version: str, checksum: str | None, broadcaster: Broadcaster,
-    *, send_checksum: bool = True, request_timeout_s: float = 600.0, ranks_per_engine: int = 1,
+    *, receive: Receive, send_checksum: bool = True, request_timeout_s: float = 600.0, ranks_per_engine: int = 1,
     bucket_bytes: int = 0,
 ) -> PushResult:
     """Broadcast version ``version`` (the folder's weights, held by the trainer) to ``urls``.
@@ -73,13 +85,13 @@ def push(
     out.nbytes = manifest.nbytes
     spec = GroupSpec(broadcaster.address, free_port(), 1 + len(urls) * ranks_per_engine,
                      f"milestone-v{version}-{uuid.uuid4().hex[:8]}", broadcaster.backend)
-    receive = functools.partial(
-        _receive, spec=spec, manifest=manifest, version=version, checksum=checksum if send_checksum else None,
+    receive_one = functools.partial(
+        receive, spec=spec, manifest=manifest, version=version, checksum=checksum if send_checksum else None,
         request_timeout_s=request_timeout_s, group_timeout_s=broadcaster.timeout_s if send_checksum else None,
     )
     with ThreadPoolExecutor(max_workers=1 + len(urls), thread_name_prefix="weight-push") as pool:
         trainer = pool.submit(broadcaster.send, spec, manifest, version, checksum)
-        engines = [pool.submit(receive, u, 1 + i * ranks_per_engine) for i, u in enumerate(urls)]
+        engines = [pool.submit(receive_one, u, 1 + i * ranks_per_engine) for i, u in enumerate(urls)]
         for u, f in zip(urls, engines):
             err = f.exception()
             if err is None:
@@ -109,25 +121,3 @@ def _manifest_to_send(
         return f"the trainer holds v{held[0]} ({(held[1] or '')[:12]}), not v{version} ({(checksum or '')[:12]})"
     return manifest
 
-
-def _receive(
-    url: str, rank: int, *, spec: GroupSpec, manifest: Manifest, version: str, checksum: str | None,
-    request_timeout_s: float, group_timeout_s: float | None,
-) -> None:
-    """One engine's side of the push: join the group at ``rank``, receive the manifest's tensors, leave.
-    ``checksum`` and ``group_timeout_s`` are our extra fields (``None``: not sent, as to SGLang)."""
-    c = EngineClient(url, timeout_s=request_timeout_s)
-    try:
-        c.init_weights_update_group(master_address=spec.master_address, master_port=spec.master_port,
-                                    rank_offset=rank, world_size=spec.world_size, group_name=spec.group_name,
-                                    backend=spec.backend, timeout_s=group_timeout_s)
-        try:
-            c.update_weights_from_distributed(**manifest.as_request(), group_name=spec.group_name,
-                                              version=version, checksum=checksum)
-        finally:
-            try:
-                c.destroy_weights_update_group(spec.group_name)
-            except EngineError as err:
-                log.debug("%s: leaving %s failed: %s", url, spec.group_name, err)
-    finally:
-        c.close()

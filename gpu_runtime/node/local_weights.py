@@ -1,0 +1,78 @@
+"""A version's model folder on this node's disk, for its engines to load (``LocalWeights.folder``)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from gpu_runtime.models.model_folder import WEIGHTS_FILE, link_folder, prune_version_folders, read_meta, spares_for
+from gpu_runtime.store.uri import open_store
+from gpu_runtime.trainer.work_dir import engine_weights_folder, weights_folder
+
+log = logging.getLogger(__name__)
+
+
+class LocalWeights:
+    """``trainer_dir``: the node's trainer process's work dir (its exports, and the engines' folders)."""
+
+    def __init__(self, trainer_dir: Path) -> None:
+        self.trainer_dir = trainer_dir
+
+    def folder(
+        self, store_uri: str, run_id: str, version: int, weights_key: str, checksum: str | None = None,
+        export: Callable[[], None] | None = None,
+    ) -> Path:
+        """The version's model folder on local disk: hard links to this node's trainer export
+        when it is that version with ``checksum`` (same disk: no copy); else downloaded from the
+        store when it holds the version (a checkpoint's); else ``export`` has this node's trainer
+        export it again (restored from the last checkpoint and replayed when it moved on), then
+        linked. Once per version."""
+        folder = engine_weights_folder(self.trainer_dir, run_id, version)
+        if not (folder / WEIGHTS_FILE).exists():
+            tmp = folder.with_name(folder.name + ".download")
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not self._link_export(run_id, version, checksum, tmp):
+                self._fetch(store_uri, run_id, version, weights_key, checksum, export, tmp)
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
+        # an engines' folder's file is the trainer's export (hard links): once the trainer pruned
+        # it too, the trainer writes its next export over it
+        prune_version_folders(folder.parent, version,
+                              spares=spares_for(weights_folder(self.trainer_dir, run_id, version)))
+        return folder
+
+    def _fetch(self, store_uri: str, run_id: str, version: int, weights_key: str, checksum: str | None,
+               export: Callable[[], None] | None, dst: Path) -> None:
+        store = open_store(store_uri)
+        if store.exists(f"{weights_key}/{WEIGHTS_FILE}") or export is None:
+            for key in store.list(weights_key + "/"):  # nested files (a LoRA adapter/ folder) keep their place
+                store.get_file(key, dst / key.removeprefix(weights_key + "/"))
+            if not (dst / WEIGHTS_FILE).exists():
+                raise FileNotFoundError(f"weights v{version} of run {run_id}: no export on this node and none "
+                                        f"in the store at {weights_key}")
+            return
+        log.info("weights v%d: not exported here and not in the store: the trainer exports it again", version)
+        export()
+        if not self._link_export(run_id, version, checksum, dst):
+            raise RuntimeError(f"weights v{version} of run {run_id}: the trainer's export does not hold it "
+                               f"(checksum {checksum})")
+
+    def _link_export(self, run_id: str, version: int, checksum: str | None, dst: Path) -> bool:
+        """Hard-link the trainer's export of ``version`` into ``dst`` if its meta names that
+        version and ``checksum``. The trainer never rewrites a file in place (it writes a new
+        folder and renames it), so a link is as good as a copy; the engines' checksum gate
+        still checks what they load. False (nothing left in ``dst``) when it cannot."""
+        src = weights_folder(self.trainer_dir, run_id, version)
+        try:
+            meta = read_meta(src)
+            if checksum is None or meta.get("checksum") != checksum or meta.get("weight_version") != version:
+                return False
+            link_folder(src, dst)
+            if (dst / WEIGHTS_FILE).exists():
+                return True
+        except (OSError, ValueError) as err:  # pruned or replaced meanwhile, another disk: download instead
+            log.info("weights v%d: no link to the trainer export (%s): downloading", version, err)
+        shutil.rmtree(dst, ignore_errors=True)
+        return False
