@@ -32,7 +32,7 @@ from activities import translate
 from gpu_runtime.data.datasets import generate_arithmetic, write_jsonl
 from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
-from gpu_runtime.engine import fleet as fleet_module
+from gpu_runtime.engine import weight_push
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import HealthConfig
 from gpu_runtime.store import artifacts as art
@@ -124,7 +124,7 @@ def test_engine_killed_during_the_broadcast_falls_back_to_disk(  # type: ignore[
 ) -> None:
     proc, info = trainer
     if per_tensor:
-        monkeypatch.setattr(fleet_module, "DEFAULT_BUCKET_BYTES", 0)
+        monkeypatch.setattr(weight_push, "DEFAULT_BUCKET_BYTES", 0)
     fleet = _fleet(model_dirs, tmp_path)
     logs = tmp_path / "logs"
     try:
