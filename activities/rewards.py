@@ -1,7 +1,7 @@
 """Scoring a rollout's samples: the body of the reward activity, wherever it runs.
 
 The run's node agent scores the samples it just generated
-(``NodeActivities.compute_rewards_on_node``, from memory, reading from the store only the
+(``RolloutActivities.compute_rewards_on_node``, from memory, reading from the store only the
 chunks it does not hold) through ``score``.
 """
 

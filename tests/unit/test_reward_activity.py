@@ -36,7 +36,7 @@ def node(tmp_path: Path) -> NodeActivities:
 
 
 def compute_rewards(node: NodeActivities, inp: RewardInput) -> RewardResult:
-    return ActivityEnvironment().run(node.compute_rewards_on_node, inp)
+    return ActivityEnvironment().run(node.rollout.compute_rewards_on_node, inp)
 
 
 @pytest.fixture
