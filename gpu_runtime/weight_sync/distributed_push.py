@@ -82,6 +82,7 @@ def push(
         out.trainer_error = manifest
         out.failed = {u: manifest for u in urls}
         return out
+    assert checksum is not None  # _manifest_to_send refuses a push without one
     out.nbytes = manifest.nbytes
     spec = GroupSpec(broadcaster.address, free_port(), 1 + len(urls) * ranks_per_engine,
                      f"milestone-v{version}-{uuid.uuid4().hex[:8]}", broadcaster.backend)
