@@ -301,8 +301,8 @@ class Check:
     def _broadcaster(self, trainer: Any, version: int, checksum: str) -> Any:
         """The in-process trainer as rank 0 of each push's group (a node's trainer process
         does the same through its ``broadcast_weights`` RPC)."""
-        from gpu_runtime.weight_sync.distributed_push import Broadcaster
         from gpu_runtime.weight_sync.distributed import WeightGroup
+        from gpu_runtime.weight_sync.distributed_push import Broadcaster
 
         def send(spec: Any, manifest: Any, _version: str, _checksum: str) -> None:
             group = WeightGroup(spec, 0, timeout_s=120)
