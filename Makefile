@@ -1,7 +1,7 @@
 # Milestone: two commands on a fresh machine.
 #   make demo   install the CPU profile, start the stack, run the demo RL run to the end
-#   make test   install the same environment (and Debian's chromium) and run the whole test suite
-#               (less the long tests: `make test-long`, `make soak`; docs/testing.md)
+#   make test   install the same environment (and Debian's chromium), run the linters (`make lint`),
+#               then the whole test suite (less the long tests: `make test-long`, `make soak`; docs/testing.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +21,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 SGLANG_CONTRACT := .sglang_contract
 SGLANG_PIN := sglang==0.5.23 msgspec==0.23.0
 
-.PHONY: install install-vllm demo test test-vllm test-long soak up down status bench clean sglang-contract
+.PHONY: install install-vllm demo lint test test-vllm test-long soak up down status bench clean sglang-contract
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,9 +71,15 @@ demo: install
 # integration modules share the others (tests/scheduling.py, docs/testing.md)
 TEST_WORKERS ?= 3
 
+# ruff on every Python file (tests and bench included), mypy on the production packages
+# ([tool.ruff] and [tool.mypy] in pyproject.toml); any error fails the make, before the suite starts
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
 # .venv-vllm is installed alongside the tests (network and disk while they use the CPUs); the
 # vLLM modules (marker vllm, one unit of work) wait for it, and fail with its log if it failed
-test: install $(CHROMIUM) sglang-contract
+test: install lint $(CHROMIUM) sglang-contract
 	$(PY) -m infra.alongside --install '$(MAKE) --no-print-directory install-vllm' \
 	  --status $(VLLM_VENV).install.json -- $(PY) -m pytest -n $(TEST_WORKERS) -m 'not soak and not long'
 
