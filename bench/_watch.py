@@ -154,7 +154,7 @@ class Watch:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
-    def __enter__(self) -> "Watch":
+    def __enter__(self) -> Watch:
         self.sample()
         self._thread.start()
         return self

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import logging
 import os
-import shutil
 import statistics
 import sys
 import tempfile

@@ -53,7 +53,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._inproc import demo_config  # noqa: E402
-from bench._watch import Classify, Ledger, Watch  # noqa: E402
+from bench._watch import Ledger, Watch  # noqa: E402
 from bench.bench_rl_step import PHASES, cadence, mean, measure_plain, measure_temporal, with_mode  # noqa: E402
 from bench.gpu_check import FULL_SHAPE  # noqa: E402
 from gpu_runtime.models.model_folder import model_checksum, read_meta  # noqa: E402
@@ -327,8 +327,8 @@ def report(shape: str, cfg: RunConfig, runs: dict[str, dict]) -> None:
               f"overlap {r['overlap']:.2f}s/step; init incl. SFT {r['init_s']:.1f}s, stack start "
               f"{r['stack_start_s']:.1f}s; history payloads {r['history_bytes_per_step'] / 1e3:.1f} kB/step")
 
-    print(f"\nbytes written, GB (files under the store / node dir, by when each was written; per step = "
-          f"mean over the steps of that kind)")
+    print("\nbytes written, GB (files under the store / node dir, by when each was written; per step = "
+          "mean over the steps of that kind)")
     cols = [(r, m) for m in ["plain", *modes] for r in [runs[m]]]
     print(f"{'':<28}" + "".join(f"{m:>28}" for _, m in cols))
     print(f"{'kind/where':<28}" + "".join(f" {'init':>7} {'/step':>6} {'/ckpt':>6} {'after':>5}" for _ in cols))

@@ -342,7 +342,7 @@ async def drive(stack: Stack, steps: int, seed: int, timeout_s: float, run_id: s
     soak = Soak(stack, run_id, cfg)
     try:
         await asyncio.wait_for(_run(soak, schedule), timeout_s)
-    except (TimeoutError, asyncio.TimeoutError) as err:  # the whole run's (no message) or a wait's
+    except TimeoutError as err:  # the whole run's (no message) or a wait's
         res.failures.append(f"stuck: {err}" if str(err) else f"the run did not complete within {timeout_s:.0f} s")
     finally:
         left = soak.release()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 from workflows.run_state import RunProgress
 
@@ -56,7 +56,7 @@ def format_cells(p: RunProgress) -> list[str]:
             if c.state == "lost":
                 line += f": {c.why}"
             if heal is not None:
-                line += (f"; restart due {datetime.fromtimestamp(heal.due_at, timezone.utc).isoformat(timespec='seconds')}"
+                line += (f"; restart due {datetime.fromtimestamp(heal.due_at, UTC).isoformat(timespec='seconds')}"
                          f" (failed restarts: {heal.failures})")
             lines.append(line)
     return lines

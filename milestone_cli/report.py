@@ -77,7 +77,7 @@ def render_report(p: RunProgress, out: Path, window: int = 10) -> Path:
     return out
 
 
-def plot_gap(a: "matplotlib.axes.Axes", steps: list[int], summaries: list[StepSummary]) -> None:
+def plot_gap(a: matplotlib.axes.Axes, steps: list[int], summaries: list[StepSummary]) -> None:
     """The train-inference logprob gap per step (mean and max |engine - trainer| over the
     trained tokens), on a log scale: ~1e-7 when both sides compute the same distribution."""
     a.semilogy(steps, [max(s.rollout_logprob_abs_diff, 1e-12) for s in summaries], "g-", lw=1, label="logprob gap mean")
@@ -86,7 +86,7 @@ def plot_gap(a: "matplotlib.axes.Axes", steps: list[int], summaries: list[StepSu
     a.legend(loc="upper left", fontsize=7)
 
 
-def plot_eval(a: "matplotlib.axes.Axes", evals: list[StepSummary], steps: list[int], train_acc: list[float]) -> None:
+def plot_eval(a: matplotlib.axes.Axes, evals: list[StepSummary], steps: list[int], train_acc: list[float]) -> None:
     """Held-out greedy accuracy and pass@k per evaluated step, with the rollout accuracy for reference."""
     x = [s.step for s in evals]
     a.plot(x, [s.eval_greedy for s in evals], "o-", label="held-out greedy (pass@1)")

@@ -70,7 +70,7 @@ class AgentSpec(Strict):
         return v
 
     @model_validator(mode="after")
-    def _budget(self) -> "AgentSpec":
+    def _budget(self) -> AgentSpec:
         if not self.tools and self.environment is None:
             raise ValueError("give at least one tool, or an environment")
         if self.max_tokens_per_turn > self.max_episode_tokens:

@@ -60,7 +60,7 @@ class DataSpec(Strict):
         return v
 
     @model_validator(mode="after")
-    def _path(self) -> "DataSpec":
+    def _path(self) -> DataSpec:
         if self.kind != "reasoning_gym" and (self.dataset is not None or self.dataset_config):
             raise ValueError(f"dataset / dataset_config apply to kind reasoning_gym, not {self.kind!r} (remove them)")
         if self.kind == "reasoning_gym":
@@ -83,7 +83,7 @@ class DataSpec(Strict):
                 raise ValueError(f"{name} {value!r} must end with {' or '.join(suffixes)} for kind {self.kind!r}")
         return self
 
-    def eval_source(self) -> "DataSpec | None":
+    def eval_source(self) -> DataSpec | None:
         """The same mapping over ``eval_path`` (the held-out rows); None when there is none."""
         return self.model_copy(update={"path": self.eval_path}) if self.eval_path else None
 

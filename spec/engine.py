@@ -62,7 +62,7 @@ class EngineSpec(Strict):
     )
 
     @model_validator(mode="after")
-    def _weight_sync(self) -> "EngineSpec":
+    def _weight_sync(self) -> EngineSpec:
         if self.weight_sync == "shared_memory" and self.backend != "torch":
             raise ValueError("engines.weight_sync shared_memory needs engines.backend torch "
                              "(SGLang engines load from disk or their own tensor API)")

@@ -31,7 +31,7 @@ class ModelInitSpec(Strict):
     tie_word_embeddings: bool = True
 
     @model_validator(mode="after")
-    def _heads(self) -> "ModelInitSpec":
+    def _heads(self) -> ModelInitSpec:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -93,7 +93,7 @@ class ModelSpec(Strict):
         return v
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelSpec":
+    def _one_source(self) -> ModelSpec:
         if self.path is not None and self.init is not None:
             raise ValueError("give model.path or model.init, not both")
         if self.path is None and self.init is None:

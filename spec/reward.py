@@ -108,7 +108,7 @@ class _RewardFields(Strict):
         return v
 
     @model_validator(mode="after")
-    def _fn(self) -> "_RewardFields":
+    def _fn(self) -> _RewardFields:
         if self.kind == "custom" and not self.function:
             raise ValueError("function is required when kind is 'custom'")
         return self

@@ -77,7 +77,7 @@ class RolloutSpec(Strict):
         return v
 
     @model_validator(mode="after")
-    def _dynamic(self) -> "RolloutSpec":
+    def _dynamic(self) -> RolloutSpec:
         if self.dynamic_filter.enabled and self.group_size < 2:
             raise ValueError("dynamic_filter.enabled needs group_size >= 2 (a group of one never varies)")
         if self.oversample != 1.0 and not self.dynamic_filter.enabled:

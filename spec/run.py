@@ -70,7 +70,7 @@ class NodeSpec(Strict):
     liveness_interval_s: float = Field(0.5, gt=0, description="seconds between the node's liveness heartbeats")
 
     @model_validator(mode="after")
-    def _margin(self) -> "NodeSpec":
+    def _margin(self) -> NodeSpec:
         if self.liveness_timeout_s and self.liveness_interval_s * 3 > self.liveness_timeout_s:
             raise ValueError("liveness_interval_s must be at most a third of liveness_timeout_s")
         return self

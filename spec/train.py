@@ -114,7 +114,7 @@ class TrainSpec(Strict):
         return adam_betas(v)
 
     @model_validator(mode="after")
-    def _combinations(self) -> "TrainSpec":
+    def _combinations(self) -> TrainSpec:
         est = self.estimator
         if self.dual_clip_c is not None and est in ("gspo", "cispo"):
             raise ValueError(

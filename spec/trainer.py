@@ -51,7 +51,7 @@ class TrainerSpec(Strict):
     cell_restart_backoff_max_s: float = Field(300.0, gt=0, description="the cap of that backoff")
 
     @model_validator(mode="after")
-    def _ranks(self) -> "TrainerSpec":
+    def _ranks(self) -> TrainerSpec:
         if self.backend == "megatron":
             if self.ranks_per_cell != 1:
                 raise ValueError(f"ranks_per_cell {self.ranks_per_cell}: backend megatron runs one process "

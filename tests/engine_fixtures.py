@@ -104,8 +104,8 @@ def started_engine(procs: list[subprocess.Popen], model_path: Path, log_path: Pa
     return client
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen]]:
+@pytest.fixture(name="procs")
+def procs_fixture() -> Iterator[list[subprocess.Popen]]:
     """Append every Popen you start; all are stopped by pid at teardown, even on failure."""
     started: list[subprocess.Popen] = []
     yield started
@@ -113,8 +113,8 @@ def procs() -> Iterator[list[subprocess.Popen]]:
         stop_pid(p)
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+@pytest.fixture(scope="module", name="model_dirs")
+def model_dirs_fixture(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Two tiny model folders (v1, v2 with different weights) and their checksums."""
     root = tmp_path_factory.mktemp("models")
     v1, v2 = root / "v1", root / "v2"

@@ -2,7 +2,10 @@
 
 Import into a test module explicitly::
 
-    from tests.s3_fixtures import seaweed, s3_store, make_s3_store  # noqa: F401
+    from tests.s3_fixtures import make_s3_store_fixture, s3_store_fixture, seaweed_fixture  # noqa: F401
+
+(each fixture function is named ``<fixture>_fixture`` and registered under ``<fixture>``, so a test's
+parameter of that name does not shadow an import)
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ def store_for(server: SeaweedServer, bucket: str | None = None, prefix: str = ""
     )
 
 
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+@pytest.fixture(scope="session", name="seaweed")
+def seaweed_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """A session-wide SeaweedFS on free ports; stopped by pid at the end."""
     server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"), 0, ACCESS_KEY, SECRET_KEY)
     server.start()
@@ -55,8 +58,8 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
         server.stop()
 
 
-@pytest.fixture
-def make_s3_store(seaweed: SeaweedServer) -> Iterator[Callable[..., S3Store]]:
+@pytest.fixture(name="make_s3_store")
+def make_s3_store_fixture(seaweed: SeaweedServer) -> Iterator[Callable[..., S3Store]]:
     """Factory for S3Stores on fresh buckets of the session server; emptied afterwards."""
     made: list[S3Store] = []
 
@@ -74,13 +77,13 @@ def make_s3_store(seaweed: SeaweedServer) -> Iterator[Callable[..., S3Store]]:
             log.warning("cleanup of %s failed: %s", store.root_uri, e)
 
 
-@pytest.fixture
-def s3_store(make_s3_store: Callable[..., S3Store]) -> S3Store:
+@pytest.fixture(name="s3_store")
+def s3_store_fixture(make_s3_store: Callable[..., S3Store]) -> S3Store:
     return make_s3_store("ckpt-root")
 
 
-@pytest.fixture
-def own_seaweed(tmp_path: Path) -> Iterator[SeaweedServer]:
+@pytest.fixture(name="own_seaweed")
+def own_seaweed_fixture(tmp_path: Path) -> Iterator[SeaweedServer]:
     """A private SeaweedFS for tests that stop and restart it (outage tests)."""
     server = SeaweedServer(tmp_path / "seaweedfs", 0, ACCESS_KEY, SECRET_KEY)
     server.start()

@@ -120,7 +120,7 @@ class Stack:
     def env(self) -> dict[str, str]:
         return {"MILESTONE_TEMPORAL_ADDRESS": self.server.address, "PYTHONPATH": str(ROOT), **self.extra_env}
 
-    def start(self, gpu_nodes: tuple[str, ...] = ("node0",)) -> "Stack":
+    def start(self, gpu_nodes: tuple[str, ...] = ("node0",)) -> Stack:
         self.server.start()
         self.start_control()
         for node in gpu_nodes:

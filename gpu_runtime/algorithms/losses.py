@@ -176,7 +176,7 @@ class Aggregation:
     norm_len: int | None = None
 
     @classmethod
-    def over(cls, masks: Iterable[torch.Tensor], mode: LossAgg, norm_len: int | None = None) -> "Aggregation":
+    def over(cls, masks: Iterable[torch.Tensor], mode: LossAgg, norm_len: int | None = None) -> Aggregation:
         if mode not in LOSS_AGGS:
             raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGS)}, got {mode!r}")
         if mode == "seq_mean_token_sum_norm" and (norm_len is None or norm_len < 1):

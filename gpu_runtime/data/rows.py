@@ -85,7 +85,7 @@ class DataRow(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "DataRow":
+    def _one_prompt(self) -> DataRow:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of 'prompt' and 'messages' must be set")
         return self

@@ -35,7 +35,7 @@ class EngineClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "EngineClient":
+    def __enter__(self) -> EngineClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

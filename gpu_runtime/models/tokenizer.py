@@ -22,7 +22,7 @@ class Tokenizer:
         self.hf = hf
 
     @classmethod
-    def load(cls, folder: str | Path) -> "Tokenizer":
+    def load(cls, folder: str | Path) -> Tokenizer:
         folder = Path(folder)
         if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
             raise FileNotFoundError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json)")

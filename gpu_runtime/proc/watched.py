@@ -7,7 +7,6 @@ threads. Exits with CMD's code; SIGTERM is passed on to CMD."""
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys

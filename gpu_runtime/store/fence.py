@@ -50,7 +50,7 @@ class Fence:
     history: tuple[Placement, ...] = field(default_factory=tuple)
 
     @classmethod
-    def parse(cls, data: bytes | None) -> "Fence":
+    def parse(cls, data: bytes | None) -> Fence:
         if not data:
             return cls()
         doc = json.loads(data)

@@ -38,7 +38,7 @@ from infra.seaweedfs import SeaweedServer
 from workflows.versioning import PATCHES
 from tests.e2e.faults import progress, start_run, wait_activity_started
 from tests.e2e.leaks import all_histories, log_files, occurrences, payloads_in
-from tests.s3_fixtures import new_bucket_name, seaweed, store_for  # noqa: F401  (fixture)
+from tests.s3_fixtures import new_bucket_name, seaweed_fixture, store_for  # noqa: F401  (fixture)
 from tests.stack import ROOT, Stack, tiny_config
 from workers.payload_codec import ENCODING, EncryptionCodec
 from workers.temporal_connection import connect_with, data_converter, settings_from_env

@@ -20,7 +20,7 @@ from gpu_runtime.store.checkpoint_store import (
 from gpu_runtime.store.s3 import S3Store
 from gpu_runtime.store.object_store import ForwardingStore, LocalStore, ObjectStore
 from infra.seaweedfs import SeaweedServer
-from tests.s3_fixtures import make_s3_store, own_seaweed, seaweed, store_for, wait_until  # noqa: F401
+from tests.s3_fixtures import make_s3_store_fixture, own_seaweed_fixture, seaweed_fixture, store_for, wait_until  # noqa: F401
 
 PREFIX = "run-1/checkpoints"
 FAST = RetryPolicy(base_s=0.05, max_s=0.5, deadline_s=60.0)

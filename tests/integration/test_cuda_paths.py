@@ -18,7 +18,7 @@ from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.models.model_folder import load_model_folder, save_model_folder
 from gpu_runtime.weight_sync import shared_memory as shm
 from spec.train import TrainSpec
-from tests.engine_fixtures import REPO, free_port, model_dirs, procs, started_engine, tiny_model  # noqa: F401
+from tests.engine_fixtures import REPO, free_port, model_dirs_fixture, procs_fixture, started_engine, tiny_model  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11]]

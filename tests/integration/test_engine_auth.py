@@ -20,7 +20,7 @@ from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.router import RouterProcess
-from tests.engine_fixtures import REPO, free_port, model_dirs, stop_pid, wait_for  # noqa: F401
+from tests.engine_fixtures import REPO, free_port, model_dirs_fixture, stop_pid, wait_for  # noqa: F401
 
 TOKEN = "engine-token-5d1e9b37c2"
 BODY = {"input_ids": [[1, 5, 6, 7]], "sampling_params": {"max_new_tokens": 4, "sampling_seed": 3}}

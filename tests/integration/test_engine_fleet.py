@@ -19,7 +19,7 @@ from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.proc.processes import pid_alive
-from tests.engine_fixtures import free_port, free_port_block, model_dirs, wait_for  # noqa: F401
+from tests.engine_fixtures import free_port, free_port_block, model_dirs_fixture, wait_for  # noqa: F401
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=1.0, first_wait_s=60.0, failure_threshold=1)
 BATCH = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11], [1, 12, 13, 14]]

@@ -18,7 +18,7 @@ from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import HealthConfig
-from tests.engine_fixtures import free_port_block, model_dirs, procs, started_engine, wait_for  # noqa: F401
+from tests.engine_fixtures import free_port_block, model_dirs_fixture, procs_fixture, started_engine, wait_for  # noqa: F401
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11]]
 SP = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.9, "sampling_seed": 11}

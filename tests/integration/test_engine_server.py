@@ -15,7 +15,7 @@ from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.models.model_folder import load_model_folder
-from tests.engine_fixtures import free_port, model_dirs, procs, start_engine, started_engine, stop_pid, wait_for  # noqa: F401
+from tests.engine_fixtures import free_port, model_dirs_fixture, procs_fixture, start_engine, started_engine, stop_pid, wait_for  # noqa: F401
 
 BATCH = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11]]
 SP = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 0.95, "top_k": 40, "sampling_seed": 1234}

@@ -10,7 +10,7 @@ import torch
 from gpu_runtime.engine.memory_occupation import release_route, resume_route
 from gpu_runtime.engine.server import EngineState
 from gpu_runtime.trainer.common.offload import OptimizerOffload
-from tests.engine_fixtures import model_dirs, tiny_model  # noqa: F401
+from tests.engine_fixtures import model_dirs_fixture, tiny_model  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 BODY = {"input_ids": [[1, 5, 6, 7], [1, 9]], "sampling_params": {"max_new_tokens": 8, "temperature": 1.0,

@@ -14,7 +14,7 @@ from gpu_runtime.store.s3 import S3Store
 from gpu_runtime.store.object_store import StoreError
 from gpu_runtime.store.uri import open_store
 from infra.seaweedfs import SeaweedServer, free_port
-from tests.s3_fixtures import make_s3_store, new_bucket_name, s3_store, seaweed  # noqa: F401
+from tests.s3_fixtures import make_s3_store_fixture, new_bucket_name, s3_store_fixture, seaweed_fixture  # noqa: F401
 
 
 def test_basic_ops(s3_store: S3Store, tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ from spec.model import ModelSpec
 from spec.run import CheckpointSpec
 from spec.train import SFTSpec, TrainSpec
 from spec.trainer_rpc import VersionInfo
-from tests.engine_fixtures import free_port, free_port_block, model_dirs, procs, started_engine, wait_for  # noqa: F401
+from tests.engine_fixtures import free_port, free_port_block, model_dirs_fixture, procs_fixture, started_engine, wait_for  # noqa: F401
 from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=10.0, first_wait_s=120.0, failure_threshold=3)

@@ -16,7 +16,7 @@ from gpu_runtime.engine.fleet_types import HealthConfig
 from gpu_runtime.models.model_folder import load_model_folder
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.weight_sync import shared_memory as shm
-from tests.engine_fixtures import free_port_block, model_dirs, procs, started_engine  # noqa: F401
+from tests.engine_fixtures import free_port_block, model_dirs_fixture, procs_fixture, started_engine  # noqa: F401
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=5.0, first_wait_s=120.0, failure_threshold=2)
 PROMPTS = [[1, 5, 6, 7], [1, 9]]

@@ -36,7 +36,6 @@ def test_visible_gpus_indexes_an_outer_list_and_restores_it(monkeypatch: pytest.
 
 
 def test_ray_started_for_a_cell_hands_out_only_the_cell_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ray
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     rt = RayRuntime(num_cpus=2, gpu_ids=(1, 3)).start()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 from pydantic import ValidationError
@@ -13,7 +13,7 @@ from spec.trainer import TrainerSpec
 from tests.stack import tiny_config
 from workflows import cell_heal
 
-T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
 SPEC = TrainerSpec(cells=2)  # 5 s * 2^k, capped at 300 s
 
 
@@ -45,7 +45,7 @@ def test_failed_restarts_back_off_and_a_recovery_clears_the_cell() -> None:
     for _ in range(4):  # restarts that fail: 10, 20, 40, 80 s
         heal = cell_heal.after_step(heal, _dp("alive", "lost"), {"1": "failed: boom"}, t, SPEC)
         waits.append(heal["1"].due_at - t.timestamp())
-        t = datetime.fromtimestamp(heal["1"].due_at, timezone.utc)
+        t = datetime.fromtimestamp(heal["1"].due_at, UTC)
     assert waits == [10, 20, 40, 80] and heal["1"].failures == 4
     assert heal["1"].lost_at == T0.isoformat()  # when the run learnt of the loss, kept across retries
     assert cell_heal.after_step(heal, _dp("alive", "alive"), {"1": "restarted"}, t, SPEC) == {}

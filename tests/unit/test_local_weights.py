@@ -10,7 +10,6 @@ import pytest
 
 from gpu_runtime.models.model_folder import META_FILE, WEIGHTS_FILE
 from gpu_runtime.node.runtime import NodeRuntime
-from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.work_dir import weights_folder
 
 RUN = "run-a"

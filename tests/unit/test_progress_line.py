@@ -1,6 +1,7 @@
 """``milestone status``'s progress line (``milestone_cli.progress_view.format_progress``)."""
 
 from __future__ import annotations
+from datetime import UTC
 
 
 def test_the_progress_line_shows_staleness_and_overlap() -> None:
@@ -62,7 +63,7 @@ def test_status_lists_the_cell_and_its_ranks() -> None:
 def test_status_lists_the_dp_cells_and_when_a_lost_one_restarts() -> None:
     """trainer.cells: the DP cells as the trainer reported them (train_step result -> progress),
     with the run's restart schedule for the lost one, and the shrink step on the progress line."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from activities import translate
     from milestone_cli.progress_view import format_cells, format_progress
@@ -78,7 +79,7 @@ def test_status_lists_the_dp_cells_and_when_a_lost_one_restarts() -> None:
     out = translate.train_step_result(TrainResult(policy_version=3, checksum="c", weights_key="w",
                                                   metrics={"dp_cells": 1.0}, seconds=1.0, dp=dp), [], "node0")
     assert out.dp is not None and out.dp.node == "node0" and [c.state for c in out.dp.cells] == ["alive", "lost"]
-    due = datetime(2026, 12, 1, 12, 0, 5, tzinfo=timezone.utc).timestamp()
+    due = datetime(2026, 12, 1, 12, 0, 5, tzinfo=UTC).timestamp()
     step = StepSummary(step=3, policy_version=3, data_cursor=12, reward_mean=0.5, reward_std=0.1, accuracy=0.5,
                        loss=0.1, step_seconds=1.0, dp_cells=1)
     p = RunProgress(run_id="r", state="running", step=3, total_steps=4, policy_version=3, data_cursor=12,

@@ -3,7 +3,7 @@ from hand-made step summaries (no Temporal)."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 from spec.status import CellInfo, DPCellStatus, DPCells, EngineSlotInfo, RunEvent
 from spec.trainer import TrainerSpec
@@ -13,7 +13,7 @@ from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import StepSummary
 from workflows.contracts.training import EvalResult
 
-NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
 SPEC = TrainerSpec()
 PROMPTS = 4
 

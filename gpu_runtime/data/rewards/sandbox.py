@@ -55,7 +55,7 @@ class RewardSandbox:
         self.load_timeout_s = load_timeout_s
         self.kills = 0  # children killed for a timeout
 
-    def __enter__(self) -> "RewardSandbox":
+    def __enter__(self) -> RewardSandbox:
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:

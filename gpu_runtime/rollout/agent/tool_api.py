@@ -18,7 +18,7 @@ class ToolResult:
     reward: float | None = None  # a per-turn reward (an environment may give one)
 
     @classmethod
-    def failed(cls, message: str, output: str = "", *, timed_out: bool = False) -> "ToolResult":
+    def failed(cls, message: str, output: str = "", *, timed_out: bool = False) -> ToolResult:
         return cls(output=output, error=message or "failed", timed_out=timed_out)
 
     def observation(self) -> str:

@@ -64,7 +64,7 @@ class MicroBatch:
     tmask: torch.Tensor  # [B, T-1] bool: the target is a response token
 
     @classmethod
-    def of(cls, samples: list[Sample], pad_id: int) -> "MicroBatch":
+    def of(cls, samples: list[Sample], pad_id: int) -> MicroBatch:
         ids, mask = pad_batch([s.prompt_ids + s.response_ids for s in samples], pad_id)
         tmask = response_mask([len(s.prompt_ids) for s in samples],
                               [len(s.prompt_ids) + len(s.response_ids) for s in samples], ids.shape[1] - 1)

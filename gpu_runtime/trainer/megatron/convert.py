@@ -31,15 +31,15 @@ class Shape:
     tied: bool
 
     @classmethod
-    def of(cls, hf_config: object) -> "Shape":
+    def of(cls, hf_config: object) -> Shape:
         c = hf_config
-        heads = int(getattr(c, "num_attention_heads"))
+        heads = int(c.num_attention_heads)
         kv = int(getattr(c, "num_key_value_heads", None) or heads)
-        hidden = int(getattr(c, "hidden_size"))
+        hidden = int(c.hidden_size)
         head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
         if heads % kv:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-        return cls(int(getattr(c, "num_hidden_layers")), hidden, heads, kv, head_dim,
+        return cls(int(c.num_hidden_layers), hidden, heads, kv, head_dim,
                    bool(getattr(c, "tie_word_embeddings", False)))
 
 

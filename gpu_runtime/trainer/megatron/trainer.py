@@ -82,7 +82,7 @@ class MegatronTrainer(AdamWSteps):
     # ---------------------------------------------------------------- setup
     @classmethod
     def create(cls, base_folder: str | Path, hparams: TrainSpec, seed: int, *,
-               require_cuda: bool = True) -> "MegatronTrainer":
+               require_cuda: bool = True) -> MegatronTrainer:
         """A trainer over the weights and tokenizer of an HF folder (Qwen2 / Llama), converted to
         a GPTModel on torch's default device. ``require_cuda`` False builds one on CPU anyway
         (export and checkpoints work there; a forward does not): the CPU tests' way."""
@@ -93,7 +93,7 @@ class MegatronTrainer(AdamWSteps):
         return trainer
 
     @classmethod
-    def _empty(cls, folder: str | Path, hparams: TrainSpec, seed: int, require_cuda: bool) -> "MegatronTrainer":
+    def _empty(cls, folder: str | Path, hparams: TrainSpec, seed: int, require_cuda: bool) -> MegatronTrainer:
         """A trainer with the folder's architecture and tokenizer, its weights megatron-core's init."""
         if problem := runtime_problem(need_cuda=require_cuda):
             raise ValueError(problem)
@@ -173,7 +173,7 @@ class MegatronTrainer(AdamWSteps):
         })
 
     @classmethod
-    def from_state(cls, folder: str | Path, *, require_cuda: bool = True) -> "MegatronTrainer":
+    def from_state(cls, folder: str | Path, *, require_cuda: bool = True) -> MegatronTrainer:
         """Build a trainer from a folder written by ``save_state``."""
         meta = state_io.read_meta(Path(folder))
         trainer = cls._empty(folder, TrainSpec.model_validate(meta["hparams"]), int(meta["seed"]), require_cuda)
