@@ -84,7 +84,7 @@ def dp_run(cfg, setup, work: Path, kill_step: int, kill_after: float, restart_st
                 assert svc.layouts.dp_group is not None
                 pid = svc.layouts.dp_group.members[1].pid
                 assert pid is not None
-                killer = threading.Timer(kill_after, lambda: os.kill(pid, signal.SIGKILL))
+                killer = threading.Timer(kill_after, os.kill, (pid, signal.SIGKILL))
                 killer.start()
             res = svc.train_step(setup, step_batch(cfg, RUN_ID, step, keys, rkey))
             if killer is not None:

@@ -21,6 +21,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -71,10 +72,10 @@ def main() -> None:
     sft: dict[str, list[float]] = {pr: [] for pr in PRECISIONS}
     for b in batches:
         for pr in PRECISIONS:
-            rl[pr].append(timed(lambda: trainers[pr].train_step(*b, 4, hps[pr])))
+            rl[pr].append(timed(partial(trainers[pr].train_step, *b, 4, hps[pr])))
     for r in rows:
         for pr in PRECISIONS:
-            sft[pr].append(timed(lambda: trainers[pr].sft_step(r, hps[pr])))
+            sft[pr].append(timed(partial(trainers[pr].sft_step, r, hps[pr])))
     print(f"model: {n_params / 1e6:.2f} M params on {args.device}, {args.threads} thread(s); {args.steps} steps each")
     print(f"{'':10s} {'fp32 s/step':>12s} {'bf16 s/step':>12s} {'bf16/fp32':>10s}")
     for name, secs in (("RL step", rl), ("SFT step", sft)):

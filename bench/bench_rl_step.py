@@ -224,7 +224,7 @@ def main() -> None:
                 print(f"{name:<30} {a:>10.3f}s {b:>10.3f}s {ratio}")
 
         print()
-        print(f"{'per step (mean of steps 2..%d)' % cfg.steps:<30} {'temporal':>11} {'plain loop':>11} {'ratio':>7}")
+        print(f"{f'per step (mean of steps 2..{cfg.steps})':<30} {'temporal':>11} {'plain loop':>11} {'ratio':>7}")
         for p in PHASES:
             row(f"  {p}", mean([s.phase_seconds.get(p, 0.0) for s in ts]), mean([s["phases"][p] for s in ps]))
         act = mean([s.activity_seconds for s in ts])

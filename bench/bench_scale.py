@@ -288,7 +288,7 @@ def report(shape: str, cfg: RunConfig, runs: dict[str, dict]) -> None:
           f"{cfg.model.init.num_key_value_heads}), {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} "
           f"samples of {cfg.rollout.max_new_tokens} new tokens, {cfg.engines.num_engines} engine(s), {cfg.steps} "
           f"steps, checkpoint every {cfg.checkpoint.every} and after the last")
-    head = f"{'seconds (mean of steps 2..%d)' % cfg.steps:<34} {'plain':>9}"
+    head = f"{f'seconds (mean of steps 2..{cfg.steps})':<34} {'plain':>9}"
     print(head + "".join(f" {m:>13} {'x plain':>8}" for m in modes))
 
     def row(name: str, key: str, sub: str | None = None) -> None:

@@ -20,6 +20,7 @@ import resource
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ def main() -> None:
     batches = [rollout(s, n_prompts=4, group=4) for s in range(1, args.steps + 1)]  # 16 samples, 4 micro-batches
 
     single = PolicyTrainer.create(folder, hp, 7)
-    secs = [timed(lambda b=b: single.train_step(*b, 4, hp)) for b in batches]
+    secs = [timed(partial(single.train_step, *b, 4, hp)) for b in batches]
     base = statistics.median(secs[1:])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     n_params = sum(p.numel() for p in single.model.parameters())
@@ -63,13 +64,13 @@ def main() -> None:
         for n in args.ranks:
             cell = TrainerCell(n, folder, hp, 7)
             try:
-                secs = [timed(lambda b=b: cell.train_step(*b, 4, hp)) for b in batches]
+                secs = [timed(partial(cell.train_step, *b, 4, hp)) for b in batches]
                 med = statistics.median(secs[1:])
                 peaks = cell._all("peak_rss_mib")
                 print(f"fsdp2 x{n}     {med:.3f} s/step  {med / base:.2f}x  peak RSS per rank "
                       + ", ".join(f"{m:.0f}" for m in peaks) + " MiB")
                 c = cell._call("collective_seconds", 5)
-                t = timed(lambda: cell.published_state())  # gather on rank 0 + the Ray transfer to this process
+                t = timed(cell.published_state)  # gather on rank 0 + the Ray transfer to this process
                 per_step = 4 // n * hp.ppo_epochs  # micro-batches per rank: each forward + backward
                 print(f"  gloo, {c['param_mib']:.1f} MiB of float32 params: full state dict gather (publication) "
                       f"{c['gather_state_dict'] * 1e3:.1f} ms (+ to the driver {t * 1e3:.0f} ms); one all-gather "

@@ -29,6 +29,7 @@ import statistics
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -71,12 +72,14 @@ def measure(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate
     expected = model_checksum(trainer)
     for r in range(repeats):
         folder = work / f"v{r}"
-        rows["disk_write"].append(_timed(lambda: save_model_folder(trainer, tokenizer, folder, weight_version=r)))
-        rows["disk_read"].append(_timed(lambda: load_weights_into(engine, folder)))
-        rows["rehash"].append(_timed(lambda: model_checksum(engine)))
+        rows["disk_write"].append(_timed(partial(save_model_folder, trainer, tokenizer, folder, weight_version=r)))
+        rows["disk_read"].append(_timed(partial(load_weights_into, engine, folder)))
+        rows["rehash"].append(_timed(partial(model_checksum, engine)))
         box: dict = {}
-        rows["shm_write"].append(_timed(lambda: box.update(seg=shm.publish(sd, r, tag="bench", checksum=expected))))
-        rows["shm_read"].append(_timed(lambda: shm.load_into(engine, box["seg"].path, version=r, checksum=expected)))
+        rows["shm_write"].append(_timed(lambda box=box, r=r: box.update(seg=shm.publish(sd, r, tag="bench",
+                                                                                         checksum=expected))))
+        rows["shm_read"].append(_timed(lambda box=box, r=r: shm.load_into(engine, box["seg"].path, version=r,
+                                                                           checksum=expected)))
         assert model_checksum(engine) == expected
         shm.prune(shm.DEFAULT_ROOT, "bench", keep=set())
         for k, v in _distributed_push(sd, engine, expected, device, f"bench-{r}").items():

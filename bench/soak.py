@@ -191,7 +191,7 @@ class Soak:
     async def run_schedule(self, schedule: list[Planned]) -> None:
         for f in schedule:
             while True:
-                p = await self.until(lambda p: self.finished(p) or self.ready(f, p) is not None, READY_TIMEOUT_S,
+                p = await self.until(lambda p, f=f: self.finished(p) or self.ready(f, p) is not None, READY_TIMEOUT_S,
                                      f"{f.kind}'s target")
                 if self.finished(p):
                     print(f"[{self.now():7.1f}s] the run is at step {p.step} of {p.total_steps}: no more faults",

@@ -69,7 +69,7 @@ def request_model(io_struct: Path, name: str) -> type:
     ``typing``'s names) and their defaults (a field without one is required); extra keys ignored."""
     cls = next(n for n in ast.walk(ast.parse(io_struct.read_text())) if isinstance(n, ast.ClassDef) and n.name == name)
     ns = {k: getattr(typing, k) for k in dir(typing) if not k.startswith("_")}
-    fields: dict[str, Any] = {f: (typing.Optional[str], None) for f in BASE_FIELDS}
+    fields: dict[str, Any] = {f: (str | None, None) for f in BASE_FIELDS}
     for stmt in cls.body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
             tp = eval(ast.unparse(stmt.annotation), ns)  # noqa: S307 - SGLang's own annotation text

@@ -172,7 +172,7 @@ class Stack:
         return [p for p in candidates if p and pid_alive(p)]
 
     def stop(self) -> None:
-        for name, proc in list(self.procs.items()):
+        for proc in list(self.procs.values()):
             if proc.poll() is None:
                 stop_pid(proc.pid, proc, timeout_s=20)
         for node_dir in (self.workdir / "nodes").glob("*"):  # children of a SIGKILLed agent

@@ -51,7 +51,7 @@ def _row(name: str, index: int, entry: dict) -> dict:
     try:
         stored = json.loads(json.dumps(entry))
     except (TypeError, ValueError) as err:
-        raise ValueError(f"data.dataset {name!r}: entry {index} is not JSON ({err}); this generator is not supported")
+        raise ValueError(f"data.dataset {name!r}: entry {index} is not JSON ({err}); this generator is not supported") from None
     return {"id": f"rg-{name}-{index}", "prompt": str(entry["question"]), "messages": None,
             "answer": str(entry["answer"]), "metadata": {META_KEY: {"dataset": name, "entry": stored}}}
 

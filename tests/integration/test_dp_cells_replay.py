@@ -58,7 +58,7 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
                 kinds += [e.kind for e in restarted.events]
                 group = first.layouts.dp_group
                 assert group is not None
-                wait_for(lambda: group.members[1].state == "alive", 120, what="cell 1 restarted")
+                wait_for(lambda group=group: group.members[1].state == "alive", 120, what="cell 1 restarted")
             keys, rkey = _store_step_samples(store, cfg, folder, rows, step)
             killer = _kill_cell_1_in_v2(first) if step == 2 else None
             res = first.train_step(setup, step_batch(cfg, RUN, step, keys, rkey))

@@ -8,7 +8,7 @@ import errno
 from pathlib import Path
 
 import pytest
-from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -149,7 +149,7 @@ def test_another_final_failure_is_not_waited_on() -> None:
     cluster.hook(CHECKPOINT, 2, failing(1, Failure.INVALID_INPUT))
 
     async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
-        with pytest.raises(Exception):
+        with pytest.raises(WorkflowFailureError):
             await finish(await start_run(env, run_config(steps=3)))
         assert len(cluster.served(CHECKPOINT, 2)) == 1
 

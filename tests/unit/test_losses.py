@@ -55,6 +55,7 @@ def test_gspo_sequence_ratio_clip_and_gradient() -> None:
     lp = torch.tensor([[0.1, 0.3, 5.0], [-0.2, -0.4, -0.6]], requires_grad=True)
     mask = torch.tensor([[True, True, False], [True, True, True]])
     s0, s1 = math.exp(0.2), math.exp(-0.4)  # 1.2214028, 0.6703200
+    assert s1 < 0.8  # so seq 1 clips
     # A = -1 for both; clip .2: seq 0 -> max(s0, 1.2) = s0 (unclipped); seq 1 -> max(s1, .8) = .8 (clipped)
     t = gspo_per_token(lp, old, torch.tensor([-1.0, -1.0]), mask, clip_eps=0.2)
     assert approx(t.loss[0, :2], [s0, s0]) and approx(t.loss[1], [0.8, 0.8, 0.8])

@@ -69,7 +69,7 @@ def test_a_node_serving_a_live_run_refuses_another_runs_claim() -> None:
         claim = ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="A", exclude_queues=[], store_uri=""))
         assert claim.task_queue == "gpu-node0"
         watch_env.cancel()
-        with pytest.raises(BaseException):
+        with pytest.raises(asyncio.CancelledError):
             await watch
         assert acts.watching["A"] == 0
         claim = ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="B", exclude_queues=[], store_uri=""))
