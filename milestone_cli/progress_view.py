@@ -39,9 +39,10 @@ def format_progress(p: RunProgress) -> str:
 def format_cells(p: RunProgress) -> list[str]:
     """One line per fsdp2 cell and per rank (pid, Ray node, state), as the trainer last reported them."""
     lines = []
-    for c in p.cells:
-        lines.append(f"  cell {c.generation} on {c.node or '?'}: {len(c.ranks)} ranks, {c.placement}, ray {c.ray_address}")
-        lines += [f"    rank {r.rank}: pid {r.pid} node {r.node_ip} {r.state}" for r in c.ranks]
+    for cell in p.cells:
+        lines.append(f"  cell {cell.generation} on {cell.node or '?'}: {len(cell.ranks)} ranks, {cell.placement}, "
+                     f"ray {cell.ray_address}")
+        lines += [f"    rank {r.rank}: pid {r.pid} node {r.node_ip} {r.state}" for r in cell.ranks]
     if p.dp is not None:
         alive = sum(c.state == "alive" for c in p.dp.cells)
         lines.append(f"  DP cells on {p.dp.node or '?'}: {alive}/{len(p.dp.cells)} alive, torchft lighthouse pid "

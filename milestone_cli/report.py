@@ -4,6 +4,7 @@ train-inference logprob gap, time per phase, and held-out eval accuracy when the
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,12 +87,17 @@ def plot_gap(a: matplotlib.axes.Axes, steps: list[int], summaries: list[StepSumm
     a.legend(loc="upper left", fontsize=7)
 
 
+def _or_nan(v: float | None) -> float:
+    """A missing value as NaN, which matplotlib leaves out of a line (as it does None)."""
+    return math.nan if v is None else v
+
+
 def plot_eval(a: matplotlib.axes.Axes, evals: list[StepSummary], steps: list[int], train_acc: list[float]) -> None:
     """Held-out greedy accuracy and pass@k per evaluated step, with the rollout accuracy for reference."""
     x = [s.step for s in evals]
-    a.plot(x, [s.eval_greedy for s in evals], "o-", label="held-out greedy (pass@1)")
-    ks = sorted({s.eval_k for s in evals})
-    a.plot(x, [s.eval_pass_at_k for s in evals], "s-", label=f"held-out pass@{'/'.join(map(str, ks))}")
+    a.plot(x, [_or_nan(s.eval_greedy) for s in evals], "o-", label="held-out greedy (pass@1)")
+    ks = sorted({s.eval_k for s in evals if s.eval_k is not None})  # set with eval_greedy, on every evaluated step
+    a.plot(x, [_or_nan(s.eval_pass_at_k) for s in evals], "s-", label=f"held-out pass@{'/'.join(map(str, ks))}")
     a.plot(steps, train_acc, "-", lw=1, alpha=0.4, label="rollout accuracy")
     a.set_ylim(-0.02, 1.02)
     a.set_title(f"eval accuracy ({evals[-1].eval_n} held-out prompts)")

@@ -181,10 +181,11 @@ class _TrainUpdate(Strict):
 
 def _all_optional(model: type[BaseModel]) -> dict[str, Any]:
     """``model``'s fields, each optional with default None and its own constraints."""
-    return {
-        name: (f.annotation | None, FieldInfo.merge_field_infos(f, default=None))
-        for name, f in model.model_fields.items()
-    }
+    fields: dict[str, Any] = {}
+    for name, f in model.model_fields.items():
+        assert f.annotation is not None  # a pydantic model's field always has one
+        fields[name] = (f.annotation | None, FieldInfo.merge_field_infos(f, default=None))
+    return fields
 
 
 # the ``train`` fields whose value may be null (off / unset), which ``set_hparams`` can set back to null

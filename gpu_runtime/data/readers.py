@@ -165,7 +165,8 @@ def _normalize(
     raw_id = record.get(source.id_key) if source.id_key else None
     candidate["id"] = f"row-{index}" if raw_id is None else _as_text(raw_id)
     field, key = ("messages", source.messages_key) if source.messages_key else ("prompt", source.prompt_key)
-    required = [(field, key, f"data.{field}_key"), ("answer", source.label_key, "data.label_key")]
+    required: list[tuple[str | None, str, str]] = [(field, key, f"data.{field}_key"),
+                                                   ("answer", source.label_key, "data.label_key")]
     required += [(None, k, "data.metadata_keys") for k in source.metadata_keys]
     for target, name, what in required:
         if name not in record:

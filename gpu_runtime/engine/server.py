@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from gpu_runtime.proc.processes import exit_when_parent_dies
 from gpu_runtime.proc.rpc import send_json, serve_until_interrupted
-from gpu_runtime.models.causal_lm import load_exported_state_dict
+from gpu_runtime.models.causal_lm import load_exported_state_dict, to_device
 from gpu_runtime.models.model_folder import load_model_folder, load_weights_into, model_checksum, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.weight_sync import shared_memory
@@ -65,7 +65,7 @@ class EngineState:
         self.device = device
         self.model_path = str(Path(model_path).resolve())
         model, tok, meta = load_model_folder(self.model_path)
-        self.model: PreTrainedModel = model.to(device)  # float32 on every device (the checksum is of these bytes)
+        self.model: PreTrainedModel = to_device(model, device)  # float32 on every device (the checksum is of these bytes)
         self.tokenizer: Tokenizer = tok
         self.weight_version = str(weight_version if weight_version is not None else meta.get("weight_version", 0))
         self.checksum = model_checksum(model)

@@ -157,5 +157,7 @@ class VLLMEngineClient(EngineClient):
         version = self._request("GET", "/weight_info").get("weight_version")
         return str(sums[0]), str(version)
 
-    def flush_cache(self) -> None:
+    def flush_cache(self) -> str:
+        """vLLM's /reset_prefix_cache answers no body: an empty text where SGLang answers plain text."""
         self._post("/reset_prefix_cache")
+        return ""

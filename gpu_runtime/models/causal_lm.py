@@ -10,9 +10,8 @@ mask and explicit positions, so left-padded (generation) and right-padded
 from __future__ import annotations
 
 import inspect
-from functools import cache as memoize
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -35,8 +34,15 @@ def load_causal_lm(folder: str | Path) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=torch.float32, attn_implementation=ATTENTION, local_files_only=True
     )
-    model.to(torch.get_default_device())
+    to_device(model, torch.get_default_device())
     model.eval()
+    return model
+
+
+def to_device(model: PreTrainedModel, device: torch.device | str) -> PreTrainedModel:
+    """``model.to(device)``, in place, typed: transformers declares ``PreTrainedModel.to`` through
+    ``functools.wraps(nn.Module.to)``, which a type checker cannot bind to the instance."""
+    cast(torch.nn.Module, model).to(device)
     return model
 
 
@@ -59,10 +65,15 @@ def lm_logits(
     return out.logits.float()
 
 
-@memoize
-def _cache_arg(model_type: type) -> str:
-    """``cache`` in newer transformers, ``past_key_values`` before (and on older GPU images)."""
-    return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
+_CACHE_ARG: dict[type[torch.nn.Module], str] = {}
+
+
+def _cache_arg(model_type: type[torch.nn.Module]) -> str:
+    """``cache`` in newer transformers, ``past_key_values`` before (and on older GPU images); once per class."""
+    if model_type not in _CACHE_ARG:
+        _CACHE_ARG[model_type] = "cache" if "cache" in inspect.signature(model_type.forward).parameters \
+            else "past_key_values"
+    return _CACHE_ARG[model_type]
 
 
 def new_cache(model: PreTrainedModel) -> KVCache:

@@ -31,7 +31,8 @@ from typing import Any, Literal
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
+    AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
+    Qwen2Config,
 )
 
 ENDOFTEXT = "<|endoftext|>"
@@ -105,7 +106,7 @@ def train_bpe_tokenizer(
     )
 
 
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> None:
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> None:
     """``save_pretrained`` in a form transformers 4.x (e.g. SGLang's) and 5.x both
     load: the chat template inside tokenizer_config.json, ``tokenizer_class``
     ``PreTrainedTokenizerFast`` (5.x writes ``TokenizersBackend``, unknown to 4.x)
@@ -126,7 +127,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> No
 
 
 def _config(
-    arch: Arch, tokenizer: PreTrainedTokenizerFast, *, tie_word_embeddings: bool, **shape: int | float
+    arch: Arch, tokenizer: PreTrainedTokenizerFast, *, tie_word_embeddings: bool, **shape: Any
 ) -> Qwen2Config | LlamaConfig:
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}

@@ -34,7 +34,7 @@ _RANK = {d: i for i, d in enumerate(_DTYPES)}
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The tensor's bytes, uncopied (a CPU contiguous tensor, 0-dim included)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 def layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]]:

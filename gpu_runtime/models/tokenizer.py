@@ -9,6 +9,7 @@ template. EOS ends a response; PAD fills batches.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -52,11 +53,14 @@ class Tokenizer:
         """Token ids of ``messages`` rendered by the model's chat template."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat_template: messages prompts need one")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        # tokenize=True: the ids, or a BatchEncoding holding them (transformers' return type covers every mode)
+        out: Any = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special)
+        text = self.hf.decode(ids, skip_special_tokens=skip_special)
+        assert isinstance(text, str)  # one sequence's ids give one string
+        return text
 
     def save(self, folder: str | Path) -> None:
-        save_tokenizer(self.hf, folder)  # type: ignore[arg-type]
+        save_tokenizer(self.hf, folder)

@@ -3,6 +3,8 @@ generated as one batch (so on CPU its tokens do not depend on the engine that ra
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpu_runtime.data.datasets import encode_prompt
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.rollout.chunks import ChunkGenerator, ChunkPlan, generate_checked, sample_id
@@ -14,7 +16,7 @@ def generate_chunk(
     req: RolloutRequest, plan: ChunkPlan, rows: list[dict], tokenizer: Tokenizer, generate: ChunkGenerator
 ) -> art.RolloutChunk:
     prompts = [encode_prompt(tokenizer, rows[idx]) for idx, _ in plan.members]
-    params = {
+    params: dict[str, Any] = {
         "max_new_tokens": req.rollout.max_new_tokens,
         "temperature": req.rollout.temperature,
         "top_p": req.rollout.top_p,

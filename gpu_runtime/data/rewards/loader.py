@@ -36,4 +36,4 @@ def load_reward_function(path: str) -> RewardFn:
         raise RewardFunctionNotFound(
             f"reward function {path!r}: {mod_name}.{attr} is not callable ({type(fn).__name__})"
         )
-    return fn  # type: ignore[no-any-return]
+    return fn

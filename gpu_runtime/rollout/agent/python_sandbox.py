@@ -57,7 +57,7 @@ def net_isolation_prefix() -> tuple[str, ...]:
     unshare = shutil.which("unshare")
     if unshare is None:
         return ()
-    candidates = [(unshare, "--net")] if os.geteuid() == 0 else []
+    candidates: list[tuple[str, ...]] = [(unshare, "--net")] if os.geteuid() == 0 else []
     candidates.append((unshare, "--net", "--map-root-user"))
     for prefix in candidates:
         try:

@@ -31,7 +31,8 @@ class ToolResult:
 
 @runtime_checkable
 class Tool(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: a frozen dataclass's field or a plain attribute
 
     def __call__(self, arguments: str) -> ToolResult | str: ...
 

@@ -139,4 +139,4 @@ def load_environment_factory(spec: str) -> Callable[[dict], Environment]:
         raise ToolNotFound(f"agent.environment: cannot import {spec!r}: {type(e).__name__}: {e}") from e
     if not callable(factory):
         raise ToolNotFound(f"agent.environment: {spec!r} is not callable")
-    return factory  # type: ignore[no-any-return]
+    return factory

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors.torch import save_file
@@ -20,6 +21,10 @@ from transformers import PreTrainedModel
 from gpu_runtime.models.causal_lm import tied_embeddings
 from gpu_runtime.store.artifacts import derive_seed
 from spec.model import LoraSpec
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
 
 ADAPTER_NAME = "default"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -34,7 +39,9 @@ def apply_lora(model: PreTrainedModel, lora: LoraSpec, seed: int) -> PreTrainedM
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
+        # peft declares lora_alpha an int, but only ever divides it (scaling = alpha / r); model.lora.alpha is a float
+        r=lora.r, lora_alpha=lora.alpha,  # type: ignore[arg-type]
+        lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM",
         target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
     )
     with torch.random.fork_rng(devices=[]):
@@ -46,7 +53,12 @@ def apply_lora(model: PreTrainedModel, lora: LoraSpec, seed: int) -> PreTrainedM
             raise ValueError(
                 f"model.lora.target_modules {lora.target_modules!r}: {err} (the model's linear layers: {linear})"
             ) from None
-    return wrapped  # type: ignore[return-value]
+    return cast(PreTrainedModel, wrapped)  # a PeftModel, which forwards the wrapped model's attributes
+
+
+def _peft(model: torch.nn.Module) -> PeftModel:
+    """``model`` as the PeftModel ``apply_lora`` made (its holders type it as the model it wraps)."""
+    return cast("PeftModel", model)
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -58,23 +70,24 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def _lora_layers(model: torch.nn.Module) -> dict[str, LoraLayer]:
     """{plain module path: LoRA layer} over the wrapped model's base (``model.layers.0.self_attn.q_proj``)."""
-    base = model.get_base_model()  # type: ignore[operator]
-    return {name: m for name, m in base.named_modules() if hasattr(m, "lora_A") and ADAPTER_NAME in m.lora_A}
+    base = _peft(model).get_base_model()
+    return {name: cast("LoraLayer", m) for name, m in base.named_modules()
+            if hasattr(m, "lora_A") and ADAPTER_NAME in m.lora_A}
 
 
-def lora_delta(layer: torch.nn.Module) -> torch.Tensor:
+def lora_delta(layer: LoraLayer) -> torch.Tensor:
     """``B @ A * alpha / r`` of one LoRA linear layer (out x in)."""
-    a = layer.lora_A[ADAPTER_NAME].weight
-    b = layer.lora_B[ADAPTER_NAME].weight
+    a = cast(torch.nn.Linear, layer.lora_A[ADAPTER_NAME]).weight
+    b = cast(torch.nn.Linear, layer.lora_B[ADAPTER_NAME]).weight
     return (b @ a) * layer.scaling[ADAPTER_NAME]
 
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights of the model the adapters define, as a plain model's ``export_state_dict``
     (``save_pretrained`` names, contiguous copies, a tied ``lm_head`` left out)."""
-    base = model.get_base_model()  # type: ignore[operator]
+    base = cast(PreTrainedModel, _peft(model).get_base_model())
     layers = _lora_layers(model)
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -121,9 +134,9 @@ def save_adapter_folder(model: torch.nn.Module, folder: str | Path, base_model: 
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}  # type: ignore[arg-type]
+    sd = {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
     save_file(sd, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = model.peft_config[ADAPTER_NAME]  # type: ignore[index]
+    config = _peft(model).peft_config[ADAPTER_NAME]
     config.save_pretrained(str(folder))
     path = folder / ADAPTER_CONFIG
     saved = json.loads(path.read_text())

@@ -45,7 +45,7 @@ def check_supported(c: Any) -> None:
 
 def rope_theta(c: Any) -> float:
     params = _get(c, "rope_parameters") or {}
-    return float(params.get("rope_theta") if isinstance(params, dict) and "rope_theta" in params
+    return float(params["rope_theta"] if isinstance(params, dict) and "rope_theta" in params
                  else _get(c, "rope_theta", 10000.0))
 
 

@@ -17,6 +17,7 @@ megatron-core, and works on any device and dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +32,8 @@ class Shape:
     tied: bool
 
     @classmethod
-    def of(cls, hf_config: object) -> Shape:
+    def of(cls, hf_config: Any) -> Shape:
+        """From a Hugging Face model config (any architecture's ``PretrainedConfig``)."""
         c = hf_config
         heads = int(c.num_attention_heads)
         kv = int(getattr(c, "num_key_value_heads", None) or heads)
