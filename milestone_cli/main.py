@@ -138,7 +138,11 @@ async def cmd_fork(args: argparse.Namespace) -> int:
     if committed is not None and committed < args.from_step:
         raise CLIError(f"run {args.run} has committed steps up to {committed}, not {args.from_step}", 2)
     try:
-        cfg = check_config(args.config) if args.config else parent.config  # type: ignore[union-attr]
+        if args.config:
+            cfg = check_config(args.config)
+        else:
+            assert parent is not None  # refused above without --config
+            cfg = parent.config
         inp = fork_input(open_store(cfg.store), args.run, args.from_step, cfg, parent, args.set,
                          train_from_config=bool(args.config))
     except ForkError as err:

@@ -111,8 +111,8 @@ class RouterProcess:
                 preexec_fn=die_with_parent,  # the Rust router cannot watch our pid itself
             )
         finally:
-            if out is not subprocess.DEVNULL:
-                out.close()  # type: ignore[union-attr]
+            if not isinstance(out, int):  # the log file, not subprocess.DEVNULL
+                out.close()
         self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> None:

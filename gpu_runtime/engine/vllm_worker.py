@@ -39,7 +39,7 @@ def keep_cpu_linear_weights() -> bool:
     def keep(layer: torch.nn.Module, remove_weight: bool) -> None:
         dispatch(layer, remove_weight=False)
 
-    keep.keeps_weight = True  # type: ignore[attr-defined]
+    vars(keep)["keeps_weight"] = True  # the mark read above (a function's attribute, unknown to a type checker)
     utils.dispatch_cpu_unquantized_gemm = keep
     return True
 

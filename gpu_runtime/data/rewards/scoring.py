@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Literal
 
 from gpu_runtime.data import reasoning_gym
 from gpu_runtime.data.rewards import mathverify, remote, rules
@@ -177,8 +178,8 @@ def _reasoning_gym(term: RewardTerm, item: ScoreItem, sandbox: RewardSandbox) ->
                                           f"expected={item.row.get('answer')!r} score={value:g}")
 
 
-def _gsm8k(item: ScoreItem, mode: str, format_score: float) -> TermScore:
-    reward, correct, got = rules.gsm8k_reward(item.response, item.row, mode, format_score)  # type: ignore[arg-type]
+def _gsm8k(item: ScoreItem, mode: Literal["strict", "flexible"], format_score: float) -> TermScore:
+    reward, correct, got = rules.gsm8k_reward(item.response, item.row, mode, format_score)
     return TermScore(reward, correct, f"gsm8k {mode}={got!r} expected={rules.gsm8k_label(item.row)!r}")
 
 
