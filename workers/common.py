@@ -20,10 +20,6 @@ def temporal_address() -> str:
     return os.environ.get("MILESTONE_TEMPORAL_ADDRESS", DEFAULT_ADDRESS)
 
 
-def temporal_namespace() -> str:
-    return os.environ.get("MILESTONE_TEMPORAL_NAMESPACE", "default")
-
-
 async def connect(address: str | None = None, namespace: str | None = None) -> Client:
     """Connect with the pydantic converter and the settings of ``workers.temporal_connection``
     (TLS / mTLS / API key, payload encryption) read from the environment."""

@@ -207,25 +207,3 @@ def stop_string_hit(text: str, prev_len: int, stop: Sequence[str]) -> tuple[str 
         if text.find(s, max(0, prev_len - len(s) + 1)) != -1:
             return s, len(text)
     return None, len(text)
-
-
-@torch.no_grad()
-def greedy_full_recompute(
-    model: PreTrainedModel, prompt: list[int], *, max_new_tokens: int, eos_id: int | None = None
-) -> GenResult:
-    """Reference: greedy decoding of ONE prompt recomputing the whole sequence each
-    token (no cache, no padding). Used by tests to check the cached path."""
-    out = GenResult()
-    seq = list(prompt)
-    for _ in range(max_new_tokens):
-        ids = torch.tensor([seq], dtype=torch.long, device=model_device(model))
-        mask = torch.ones_like(ids, dtype=torch.bool)
-        logits = lm_logits(model, ids, mask, positions_from_mask(mask))[0, -1].cpu()
-        tok = int(torch.argmax(logits).item())
-        out.output_ids.append(tok)
-        out.logprobs.append(float(torch.log_softmax(logits, -1)[tok].item()))
-        seq.append(tok)
-        if eos_id is not None and tok == eos_id:
-            out.finish_reason = "stop"
-            break
-    return out

@@ -76,10 +76,6 @@ def checkpoints_prefix(run_id: str) -> str:
     return f"{_run(run_id)}/checkpoints"
 
 
-def events_key(run_id: str) -> str:
-    return f"{_run(run_id)}/events.jsonl"
-
-
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -160,7 +156,3 @@ def get_model(store: ObjectStore, key: str, cls: type[M]) -> M:
 
 def put_json(store: ObjectStore, key: str, obj: object) -> None:
     store.put_bytes(key, json.dumps(obj, sort_keys=True).encode())
-
-
-def get_json(store: ObjectStore, key: str) -> object:
-    return json.loads(store.get_bytes(key))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
-from gpu_runtime.engine.generate import generate_batch, greedy_full_recompute
+from gpu_runtime.engine.generate import GenResult, generate_batch, model_device
+from gpu_runtime.models.causal_lm import lm_logits, positions_from_mask
 from tests.engine_fixtures import _tokenizer, tiny_model
 
 TOK = _tokenizer()
@@ -17,6 +19,28 @@ def model(request: pytest.FixtureRequest) -> torch.nn.Module:
     """Both architectures through the same generation code (transformers implementations)."""
     torch.set_num_threads(1)
     return tiny_model(seed=3, arch=request.param)[0].eval()
+
+
+@torch.no_grad()
+def greedy_full_recompute(
+    model: PreTrainedModel, prompt: list[int], *, max_new_tokens: int, eos_id: int | None = None
+) -> GenResult:
+    """Reference: greedy decoding of ONE prompt recomputing the whole sequence each
+    token (no cache, no padding), to check the cached path against."""
+    out = GenResult()
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        ids = torch.tensor([seq], dtype=torch.long, device=model_device(model))
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        logits = lm_logits(model, ids, mask, positions_from_mask(mask))[0, -1].cpu()
+        tok = int(torch.argmax(logits).item())
+        out.output_ids.append(tok)
+        out.logprobs.append(float(torch.log_softmax(logits, -1)[tok].item()))
+        seq.append(tok)
+        if eos_id is not None and tok == eos_id:
+            out.finish_reason = "stop"
+            break
+    return out
 
 
 def _gen(model, prompts, **kw):  # type: ignore[no-untyped-def]

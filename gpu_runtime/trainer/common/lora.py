@@ -61,10 +61,6 @@ def _peft(model: torch.nn.Module) -> PeftModel:
     return cast("PeftModel", model)
 
 
-def is_lora(model: torch.nn.Module) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters the optimizer steps, in module order (all of them without LoRA)."""
     return [p for p in model.parameters() if p.requires_grad]

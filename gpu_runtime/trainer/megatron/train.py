@@ -33,10 +33,6 @@ def gpt_logprobs_and_logits(gpt: Any, ids: torch.Tensor, mask: torch.Tensor,
     return target_logprobs(logits, ids[:, 1:], temperature)
 
 
-def gpt_logprobs(gpt: Any, ids: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    return gpt_logprobs_and_logits(gpt, ids, mask, temperature)[0]
-
-
 def grpo_backward(gpt: Any, samples: list[Sample], rewards: list[float], group_size: int, hp: TrainSpec,
                   pad_id: int, temperature: float = 1.0) -> dict[str, float]:
     """Accumulate the step's policy gradient into ``gpt``'s ``.grad``s. Returns the step's
