@@ -5,7 +5,7 @@ supervised warm-up's, each declared once with its default and validation, and
 from __future__ import annotations
 
 import typing
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -193,7 +193,11 @@ NULLABLE_TRAIN_FIELDS = tuple(n for n, f in TrainSpec.model_fields.items() if ty
 
 # ``set_hparams``: any ``train`` field, changed between steps. Derived from TrainSpec
 # so a knob is declared once; ``apply`` re-validates the merged section.
-HParamUpdate = create_model(
-    "HParamUpdate", __base__=_TrainUpdate, __module__=__name__, **_all_optional(TrainSpec)
-)
+if TYPE_CHECKING:  # the fields are TrainSpec's, made at import: a type checker reads each as Any
+    class HParamUpdate(_TrainUpdate):
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    HParamUpdate = create_model(
+        "HParamUpdate", __base__=_TrainUpdate, __module__=__name__, **_all_optional(TrainSpec)
+    )
 
