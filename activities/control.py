@@ -43,8 +43,9 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
             d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
     elif d.kind == "reasoning_gym":
         assert d.dataset is not None
+        name = d.dataset
         _put_once(store, key, "data.dataset", lambda: reasoning_gym.generate_rows(
-            d.dataset, d.dataset_config, d.num_train, inp.seed))
+            name, d.dataset_config, d.num_train, inp.seed))
     else:
         require_int = inp.mode == "rl" and "math_answer" in inp.reward.kinds()
         _put_once(store, key, "data.path", lambda: iter_rows(d, require_int_answer=require_int))
@@ -60,8 +61,9 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
                 inp.eval.n, inp.seed, d.max_operand, d.ops, exclude=train_prompts, min_operand=d.min_operand))
         else:
             assert d.dataset is not None
+            name = d.dataset
             _put_once(store, eval_key, "data.dataset", lambda: reasoning_gym.generate_heldout(
-                d.dataset, d.dataset_config, inp.eval.n, inp.seed, exclude=train_prompts))
+                name, d.dataset_config, inp.eval.n, inp.seed, exclude=train_prompts))
     else:
         source = d.eval_source()
         if source is None:

@@ -49,7 +49,7 @@ def failure_in(err: BaseException | None) -> tuple[Failure | None, str]:
     (``(None, str(err))`` when the chain holds none)."""
     cause = err
     while cause is not None:
-        if isinstance(cause, ApplicationError) and cause.type in Failure._value2member_map_:
+        if isinstance(cause, ApplicationError) and cause.type is not None and cause.type in Failure._value2member_map_:
             return Failure(cause.type), cause.message
         cause = cause.__cause__
     return None, str(err)

@@ -92,7 +92,7 @@ class NodeWatch:
             pass
         self.handle = self.queue = None
         if isinstance(cause, TimeoutError):
-            why = f"no liveness heartbeat for {spec.liveness_timeout_s:g}s ({cause.type.name.lower()} timeout)"
+            why = f"no liveness heartbeat for {spec.liveness_timeout_s:g}s ({cause.type.name.lower() if cause.type else 'unknown'} timeout)"
         else:
             why = "its liveness watch ended" + (f": {type(cause).__name__}: {cause}" if cause else "")
         raise failure(Failure.NODE_LOST, f"node queue {queue}: {why}", queue)

@@ -129,7 +129,7 @@ PREPARE_DATA = ActivityStub(
 INIT_POLICY = on_node("init_policy", placement.InitPolicyInput, placement.PolicyInfo, timedelta(minutes=30), _retry(5))
 # heartbeats until cancelled (workflows/node_watch.py); its heartbeat and schedule-to-start timeouts are
 # the run's node.liveness_timeout_s (``with_timeouts``); a cancel completes when the node acknowledges it
-NODE_LIVENESS = ActivityStub(
+NODE_LIVENESS: ActivityStub[placement.NodeLivenessInput, None] = ActivityStub(
     name="node_liveness", input=placement.NodeLivenessInput, output=None, queue=QueueKind.NODE,
     start_to_close=WATCH_LIFETIME, retry=RetryPolicy(maximum_attempts=1),
     cancellation=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,

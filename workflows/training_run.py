@@ -237,14 +237,15 @@ class TrainingRun:
         """The claimed node's trainer to the committed version, its engines up."""
         cfg, st = self.cfg, self.st
         assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
+        node, dataset, train = st.node, st.dataset, st.train
         policy = await waiting_for_disk(lambda: INIT_POLICY.run(
             InitPolicyInput(
                 run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
-                train=st.train, dataset=st.dataset, checkpoint=cfg.checkpoint, config_hash=chash,
-                policy_version=st.policy_version, lineage=self.lineage, epoch=st.node.epoch, distill=cfg.distill,
+                train=train, dataset=dataset, checkpoint=cfg.checkpoint, config_hash=chash,
+                policy_version=st.policy_version, lineage=self.lineage, epoch=node.epoch, distill=cfg.distill,
                 trainer=cfg.trainer,
             ),
-            queue=st.node.task_queue,
+            queue=node.task_queue,
             summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
         ), "init policy")
         st.add_events(policy.node_events)
