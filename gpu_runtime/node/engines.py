@@ -10,7 +10,6 @@ not share a node with it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEn
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.memory_phases import MemoryPhases, resolve_release_memory
-from gpu_runtime.proc import metrics
+from gpu_runtime.proc import faults, metrics
 from gpu_runtime.proc.devices import Placement
 from gpu_runtime.proc.processes import free_port, free_port_block
 from gpu_runtime.weight_sync.distributed_push import Broadcaster
@@ -114,8 +113,7 @@ class NodeEngines:
         return TorchEngineBackend(
             threads=self.engine_threads,
             devices=self.placement.engines,
-            # fault-injection aid for tests: slows decoding so a kill lands mid-rollout
-            step_delay_ms=float(os.environ.get("MILESTONE_ENGINE_STEP_DELAY_MS", "0")),
+            step_delay_ms=faults.engine_step_delay_ms(),  # tests: slows decoding so a kill lands mid-rollout
         )
 
     def ensure(self, spec: EngineSpec, model_path: Path, version: int, run_id: str) -> list[int]:

@@ -8,9 +8,8 @@ its RPC (``gpu_runtime.trainer.server`` wraps every method with :func:`guarded`)
 node agent turns it into the ``DiskFull`` failure and a ``disk_full`` event, and the
 run waits for space (``workflows.disk_wait``).
 
-Fault injection for tests: ``MILESTONE_FAULT_ENOSPC=<phase>:<step>:<gate file>`` makes
-:func:`inject_enospc` raise a real ``OSError(ENOSPC)`` in that phase at that step while
-the gate file exists (the test removes it: space has returned).
+Tests make a checkpoint fail with a real ENOSPC through ``MILESTONE_FAULT_ENOSPC``
+(``gpu_runtime.proc.faults``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", f"os error {e
 # counts as a full disk when one of the writer's paths has less than this left
 TORCH_WRITER_TEXT = ("inline_container", "PytorchStreamWriter")
 LOW_SPACE_BYTES = 64 << 20
-FAULT_ENV = "MILESTONE_FAULT_ENOSPC"
 
 
 class DiskFull(OSError):
@@ -120,13 +118,3 @@ def guarded(fn: Callable[[A], R], paths: Callable[[], Iterable[Path]]) -> Callab
 
     return call
 
-
-def inject_enospc(phase: str, step: int) -> None:
-    """Tests: raise ``OSError(ENOSPC)`` when ``MILESTONE_FAULT_ENOSPC`` names this phase and
-    step and its gate file exists."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
-        return
-    want_phase, want_step, gate = spec.split(":", 2)
-    if want_phase == phase and int(want_step) == step and Path(gate).exists():
-        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAULT_ENV} while {gate} exists)")

@@ -12,7 +12,6 @@ checkpoint, which restore + replay start from (DESIGN §6).
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpu_runtime.models.model_folder import link_folder
+from gpu_runtime.proc import faults
 from gpu_runtime.proc.disk import is_no_space
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_handle import CheckpointHandle
@@ -34,23 +34,6 @@ from gpu_runtime.trainer.work_dir import upload_weights_folder, weights_folder
 from spec.trainer_rpc import CheckpointSaved, RunSetup
 
 log = logging.getLogger(__name__)
-
-
-def fault_injection_delay(phase: str, step: int | None = None) -> None:
-    """Tests set MILESTONE_FAULT_TRAIN_DELAY_S / MILESTONE_FAULT_CHECKPOINT_DELAY_S /
-    MILESTONE_FAULT_UPLOAD_DELAY_S so a SIGKILL lands inside train_step / checkpoint / a
-    checkpoint's background write (before its files exist); MILESTONE_FAULT_UPLOAD_GATE=
-    ``[<step>:]<file>`` holds the background write (of checkpoint ``step`` only, with one)
-    until that file exists (at most 10 minutes)."""
-    delay = float(os.environ.get(f"MILESTONE_FAULT_{phase.upper()}_DELAY_S", "0"))
-    if delay > 0:
-        time.sleep(delay)
-    at, _, gate = os.environ.get(f"MILESTONE_FAULT_{phase.upper()}_GATE", "").rpartition(":")
-    if not gate or (at and step is not None and int(at) != step):
-        return
-    deadline = time.monotonic() + 600
-    while not Path(gate).exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 class CheckpointSaver:
@@ -106,7 +89,7 @@ class CheckpointSaver:
             snap = trainer.state_snapshot(self.buffers, checksum)
 
             def write_snapshot(folder: Path) -> None:
-                fault_injection_delay("upload", step)
+                faults.delay("upload", step)
                 snap.write(folder)
             return write_snapshot
         written = Path(tempfile.mkdtemp(dir=self.work_dir, prefix="save-"))
@@ -117,7 +100,7 @@ class CheckpointSaver:
             raise
 
         def move(folder: Path) -> None:
-            fault_injection_delay("upload", step)
+            faults.delay("upload", step)
             for item in written.iterdir():
                 item.rename(folder / item.name)
             shutil.rmtree(written, ignore_errors=True)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpu_runtime.proc.disk import inject_enospc
+from gpu_runtime.proc import faults
 from gpu_runtime.store import artifacts as art, lineage
 from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
 from gpu_runtime.store.checkpoint_store import CheckpointStore
@@ -25,7 +25,7 @@ from gpu_runtime.store.fence import FencedStore, StaleEpoch, read_fence
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.work_dir import weights_folder
 from gpu_runtime.trainer import weight_broadcast
-from gpu_runtime.trainer.checkpoint_saver import CheckpointSaver, fault_injection_delay
+from gpu_runtime.trainer.checkpoint_saver import CheckpointSaver
 from gpu_runtime.trainer.base_model import DONE, base_model_folder
 from gpu_runtime.trainer.common.offload import OptimizerOffload
 from gpu_runtime.trainer.common.step_samples import step_samples
@@ -353,7 +353,7 @@ class TrainerService:
         if self.trainer is None or self.trainer.policy_version != batch.policy_version:
             before = self.ensure_version(setup, batch.policy_version)
         art.put_model(self.store, art.step_batch_key(setup.run_id, batch.step), batch)
-        fault_injection_delay("train")
+        faults.delay("train")
         try:
             metrics = self._train(batch)
         except FloatingPointError as err:
@@ -406,12 +406,12 @@ class TrainerService:
 
     def checkpoint(self, setup: RunSetup, request: CheckpointRequest) -> CheckpointSaved:
         """Save version ``request.step`` (restoring it first if this process lost it)."""
-        inject_enospc("checkpoint", request.step)  # tests: MILESTONE_FAULT_ENOSPC
+        faults.enospc("checkpoint", request.step)
         self._bind(setup)
         before: VersionInfo | None = None
         if self.trainer is None or self.trainer.policy_version != request.step:
             before = self.ensure_version(setup, request.step)
-        fault_injection_delay("checkpoint")
+        faults.delay("checkpoint")
         saved = self.save_checkpoint(request.step, data_cursor=request.data_cursor, sync=request.sync)
         return saved.model_copy(update={
             "rebuild": before.rebuild if before else None,

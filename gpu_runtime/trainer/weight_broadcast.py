@@ -12,24 +12,15 @@ then pushes the folder from disk.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
+from gpu_runtime.proc import faults
 from gpu_runtime.weight_sync.distributed import GroupSpec, Manifest, WeightGroup
 from spec.trainer_rpc import BroadcastWeightsCall, WeightsBroadcast
 
 log = logging.getLogger(__name__)
-
-
-def fault_injection_delay() -> None:
-    """Tests set MILESTONE_FAULT_WEIGHT_BROADCAST_DELAY_S so a SIGKILL lands after every
-    member joined the group and before the first tensor is sent."""
-    delay = float(os.environ.get("MILESTONE_FAULT_WEIGHT_BROADCAST_DELAY_S", "0"))
-    if delay > 0:
-        log.info("fault injection: waiting %.1fs before the broadcast", delay)
-        time.sleep(delay)
 
 
 def broadcast(state: dict[str, torch.Tensor], call: BroadcastWeightsCall) -> WeightsBroadcast:
@@ -40,7 +31,7 @@ def broadcast(state: dict[str, torch.Tensor], call: BroadcastWeightsCall) -> Wei
     group = WeightGroup(spec, 0, call.timeout_s)
     try:
         joined = time.perf_counter()
-        fault_injection_delay()
+        faults.delay("weight_broadcast")
         t1 = time.perf_counter()
         nbytes = group.send(state, manifest)
         if torch.cuda.is_available() and call.backend == "nccl":

@@ -14,7 +14,7 @@ from temporalio.worker import Worker
 
 from activities.disk import disk_full_failure
 from gpu_runtime.proc import disk
-from gpu_runtime.proc.disk import DiskFull, guarded, inject_enospc, is_no_space
+from gpu_runtime.proc.disk import DiskFull, guarded, is_no_space
 from gpu_runtime.proc.rpc import RemoteError
 from spec.status import RunEvent
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
@@ -59,22 +59,6 @@ def test_guarded_raises_disk_full_naming_paths_and_free_bytes(tmp_path: Path) ->
     with pytest.raises(ValueError):  # any other error passes as it came
         guarded(other, lambda: [tmp_path])(None)
     assert guarded(lambda a: a, lambda: [tmp_path])(3) == 3
-
-
-def test_injected_enospc_only_at_its_phase_and_step_while_the_gate_exists(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    gate = tmp_path / "gate"
-    monkeypatch.setenv(disk.FAULT_ENV, f"checkpoint:3:{gate}")
-    inject_enospc("checkpoint", 3)  # no gate: no fault
-    gate.touch()
-    inject_enospc("checkpoint", 2)
-    inject_enospc("train", 3)
-    with pytest.raises(OSError) as got:
-        inject_enospc("checkpoint", 3)
-    assert got.value.errno == errno.ENOSPC and is_no_space(got.value)
-    gate.unlink()
-    inject_enospc("checkpoint", 3)
 
 
 def test_the_agent_reports_disk_full_and_fails_the_call_as_final() -> None:

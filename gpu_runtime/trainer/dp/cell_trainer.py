@@ -27,15 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
-from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
 import httpx
 import torch
 
+from gpu_runtime.proc import faults
 from gpu_runtime.proc.http_client import http_client
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.common import lora as lora_lib
@@ -76,30 +75,6 @@ class StepNotCommitted(RuntimeError):
     """The step failed its commit vote ``MAX_ATTEMPTS`` times in a row."""
 
 
-def _fault_delay(index: int, version: int, where: str = "allreduce") -> None:
-    """Tests set MILESTONE_FAULT_CELL_DELAY="<cell>:<seconds>[:<version>[:<where>]]" (several,
-    comma-separated) so a fault lands while that cell is inside a step: ``allreduce`` (the
-    default) waits inside the step's quorum, before its allreduce; ``quorum`` waits before the
-    cell asks the lighthouse for the quorum (of every step, or only of the step that makes
-    ``version``; ``*`` for every step). The log line is what they wait for. With
-    MILESTONE_FAULT_CELL_GATE=<file> the delay ends as soon as that file exists (``seconds`` the
-    most it waits), so a test can hold the cell inside the step until what it interleaves has
-    happened, however slow the machine."""
-    for spec in filter(None, os.environ.get("MILESTONE_FAULT_CELL_DELAY", "").split(",")):
-        cell, seconds, *rest = spec.split(":")
-        only = rest[0] if rest else "*"
-        at = rest[1] if len(rest) > 1 else "allreduce"
-        if int(cell) == index and at == where and (only == "*" or int(only) == version):
-            log.warning("fault delay before the %s of v%d: %s s", where, version, seconds)
-            gate = os.environ.get("MILESTONE_FAULT_CELL_GATE")
-            if gate is None:
-                time.sleep(float(seconds))
-                continue
-            deadline = time.monotonic() + float(seconds)
-            while not Path(gate).exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-
-
 class DPCellTrainer(PolicyTrainer):
     """``PolicyTrainer`` of one DP cell; ``attach`` gives it its torchft manager."""
 
@@ -132,7 +107,7 @@ class DPCellTrainer(PolicyTrainer):
         for attempt in range(1, MAX_ATTEMPTS + 1):
             before = self.policy_version
             if attempt == 1:
-                _fault_delay(self.index, before + 1, "quorum")
+                faults.cell_delay(self.index, before + 1, "quorum")
             self._wait_until_peers_heard()
             try:
                 self.manager.start_quorum()  # synchronous: a healing cell has its peer's state after this
@@ -213,7 +188,7 @@ class DPCellTrainer(PolicyTrainer):
     def take_optimizer_step(self, hp: TrainSpec, what: str) -> float:
         from torch.distributed import ReduceOp
 
-        _fault_delay(self.index, self.policy_version + 1)
+        faults.cell_delay(self.index, self.policy_version + 1)
         params = list(lora_lib.trainable_parameters(self.model))
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
