@@ -17,8 +17,8 @@ from gpu_runtime.engine.generate import generate_batch
 from gpu_runtime.models.causal_lm import export_state_dict
 from gpu_runtime.models.model_folder import load_model_folder, save_model_folder
 from gpu_runtime.weight_sync import shared_memory as shm
-from spec.train import TrainSpec
 from tests.engine_fixtures import REPO, free_port, model_dirs_fixture, procs_fixture, started_engine, tiny_model  # noqa: F401
+from tests.scripts.fsdp2_rank import cell_hparams, cell_samples
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11]]
@@ -99,26 +99,8 @@ def test_cuda_engine_receives_a_broadcast(backend: str, model_dirs, procs, tmp_p
     assert c.weights_checksum() == (model_dirs["c2"], "2")
 
 
-_TRAIN = """
-import sys, torch
-from gpu_runtime.trainer.common.device import use_device
-use_device(sys.argv[2])
-torch.use_deterministic_algorithms(True)
-from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from spec.train import TrainSpec
-hp = TrainSpec(lr=1e-3, micro_batch_size=2)
-t = PolicyTrainer.create(sys.argv[1], hp, 0)
-assert next(t.model.parameters()).device.type == sys.argv[2].split(":")[0]
-samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6], response_ids=[7, 8, 9 + g],
-                  logprobs=[-1.0] * 3, weight_version=0, finish_reason="length") for g in range(4)]
-m = t.train_step(samples, [1.0, 0.0, 0.5, 0.0], 4, hp)
-print(t.checksum(), repr(m["grad_norm"]))
-"""
-
-
 def test_cuda_trainer_is_bitwise_repeatable_and_close_to_cpu(model_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    cmd = [sys.executable, "-c", _TRAIN, str(model_dirs["v1"])]
+    cmd = [sys.executable, "-m", "tests.scripts.cuda_train_step", str(model_dirs["v1"])]
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     runs = [subprocess.run([*cmd, dev], capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
             for dev in ("cuda:0", "cuda:0", "cpu")]
@@ -132,53 +114,10 @@ def test_cuda_trainer_is_bitwise_repeatable_and_close_to_cpu(model_dirs, tmp_pat
 def test_megatron_forward_matches_hf_on_cuda(tmp_path: Path) -> None:
     model, tok = tiny_model(6)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
-    script = f"""
-import torch
-from gpu_runtime.models.causal_lm import load_causal_lm
-from gpu_runtime.trainer.megatron import model as mm
-mm.init_single_process()
-gpt, cfg = mm.from_folder({str(tmp_path / "m")!r})
-gpt = gpt.cuda().float()
-hf = load_causal_lm({str(tmp_path / "m")!r}).cuda()
-ids = torch.tensor([[1, 5, 6, 7, 8, 9]], device="cuda")
-pos = torch.arange(6, device="cuda")[None]
-with torch.no_grad():
-    a = gpt(input_ids=ids, position_ids=pos, attention_mask=None).float()
-    b = hf(input_ids=ids).logits.float()
-print(float((a - b).abs().max()))
-"""
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = subprocess.run([sys.executable, "-m", "tests.scripts.megatron_forward_cuda", str(tmp_path / "m")],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     assert float(r.stdout.split()[-1]) < 1e-3
-
-
-_MEGATRON_STEP = """
-import sys, torch
-from gpu_runtime.trainer.common.device import use_device
-use_device("cuda:0")
-from gpu_runtime.models.model_folder import weights_checksum
-from gpu_runtime.store.artifacts import Sample
-from gpu_runtime.trainer.megatron import model as mm
-from gpu_runtime.trainer.megatron.train import grpo_step
-from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from spec.train import TrainSpec
-hp = TrainSpec(lr=1e-4, micro_batch_size=4)
-samples = [Sample(sample_id=f"s1-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6],
-                  response_ids=[7, 8, 9 + g][: 1 + g % 3], logprobs=[-1.0] * (1 + g % 3), weight_version=0,
-                  finish_reason="length") for g in range(4)]
-rewards = [1.0, 0.0, 0.5, 0.0]
-ref = PolicyTrainer.create(sys.argv[1], hp, 0)
-want = ref.train_step(samples, rewards, 4, hp)
-mm.init_single_process()
-gpt, cfg = mm.from_folder(sys.argv[1])
-gpt = gpt.cuda().float()
-opt = torch.optim.AdamW(gpt.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay, foreach=False)
-got = grpo_step(gpt, opt, samples, rewards, 4, hp, ref.tokenizer.pad_token_id)
-after = mm.export_hf_weights(gpt, cfg)
-mine = ref.published_state()
-diff = max(float((after[k].float() - mine[k].float()).abs().max()) for k in mine)
-print(want["grad_norm"], got["grad_norm"], want["loss"], got["loss"], diff)
-"""
 
 
 def test_megatron_grpo_step_matches_the_single_trainer_on_cuda(tmp_path: Path) -> None:
@@ -187,8 +126,8 @@ def test_megatron_grpo_step_matches_the_single_trainer_on_cuda(tmp_path: Path) -
     updated weights (converted back to HF names) are within an AdamW step's size."""
     model, tok = tiny_model(8)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
-    r = subprocess.run([sys.executable, "-c", _MEGATRON_STEP, str(tmp_path / "m")], capture_output=True, text=True,
-                       timeout=600, cwd=REPO, env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    r = subprocess.run([sys.executable, "-m", "tests.scripts.megatron_step_cuda", str(tmp_path / "m")], capture_output=True,
+                       text=True, timeout=600, cwd=REPO, env={**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     assert r.returncode == 0, r.stderr[-3000:]
     g_want, g_got, l_want, l_got, diff = (float(x) for x in r.stdout.split()[-5:])
     assert g_got == pytest.approx(g_want, rel=1e-3) and l_got == pytest.approx(l_want, rel=1e-3, abs=1e-6)
@@ -197,45 +136,8 @@ def test_megatron_grpo_step_matches_the_single_trainer_on_cuda(tmp_path: Path) -
 
 # ---- fsdp2 cells on CUDA: one GPU per rank, NCCL (gpu_runtime.trainer.fsdp2.device) ----------
 # A rank launched torchrun-style (RANK / LOCAL_RANK / MASTER_*), no Ray: the GPU image has
-# none. The same CellRankTrainer, placement and determinism settings as a Ray actor rank.
-_CELL_RANK = """
-import os, sys, torch
-import torch.distributed as dist
-from gpu_runtime.trainer.fsdp2.device import prepare_rank, this_rank
-folder, kind, precision, out = sys.argv[1:5]
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-placement = this_rank(kind, rank)
-prepare_rank(placement, 1)
-dist.init_process_group(placement.backend, rank=rank, world_size=world)
-from gpu_runtime.trainer.fsdp2.rank import CellRankTrainer
-from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from tests.integration.test_cuda_paths import cell_hparams, cell_samples
-hp = cell_hparams(precision)
-t = PolicyTrainer.create(folder, hp, 0) if os.environ.get("SINGLE") else CellRankTrainer.create_rank(folder, hp, 0)
-assert next(t.model.parameters()).device.type == kind
-metrics = [t.train_step(*cell_samples(step), 4, hp) for step in (1, 2)]
-state = t.published_state()
-if rank == 0:
-    torch.save({"weights": {k: v.detach().cpu() for k, v in state.items()}, "metrics": metrics}, out)
-dist.destroy_process_group()
-"""
-
-
-def cell_hparams(precision: str) -> TrainSpec:
-    return TrainSpec(lr=1e-3, micro_batch_size=2, precision=precision)  # 2 micro-batches
-
-
-def cell_samples(step: int) -> tuple[list, list[float]]:
-    """One group of 4 samples of different lengths, and their rewards."""
-    from gpu_runtime.store.artifacts import Sample
-
-    lens = [1 + (g + step) % 3 for g in range(4)]
-    samples = [Sample(sample_id=f"s{step}-p0-g{g}", prompt_index=0, group_index=g, prompt_ids=[1, 5, 6],
-                      response_ids=[7, 8, 9 + g + step][: lens[g]], logprobs=[-1.0] * lens[g], weight_version=0,
-                      finish_reason="length") for g in range(4)]
-    return samples, [[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 0.25, 1.0]][step - 1]
-
-
+# none. The same CellRankTrainer, placement and determinism settings as a Ray actor rank
+# (tests/scripts/fsdp2_rank.py).
 def run_ranks(folder: Path, kind: str, world: int, precision: str, out: Path, single: bool = False) -> dict:
     """``world`` rank processes of a cell (``single``: one process, PolicyTrainer) on ``kind``;
     rank 0's weights and metrics after two GRPO steps."""
@@ -245,7 +147,8 @@ def run_ranks(folder: Path, kind: str, world: int, precision: str, out: Path, si
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(REPO),
                **({"SINGLE": "1"} if single else {})}
-        procs_.append(subprocess.Popen([sys.executable, "-c", _CELL_RANK, str(folder), kind, precision, str(out)],
+        procs_.append(subprocess.Popen([sys.executable, "-m", "tests.scripts.fsdp2_rank", str(folder), kind, precision,
+                                        str(out)],
                                        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         for p in procs_:

@@ -276,9 +276,8 @@ def test_a_lighthouse_ends_with_the_trainer_that_started_it(tmp_path: Path) -> N
     import subprocess
     import sys
 
-    code = ("import sys, time; from pathlib import Path; from gpu_runtime.trainer.dp.lighthouse import Lighthouse; "
-            f"l = Lighthouse(Path({str(tmp_path / 'lh.log')!r})); l.start(); print(l.pid, flush=True); time.sleep(600)")
-    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    owner = subprocess.Popen([sys.executable, "-m", "tests.scripts.lighthouse_owner", str(tmp_path / "lh.log")],
+                             stdout=subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
     try:
         assert owner.stdout is not None
         pid = int(owner.stdout.readline())

@@ -7,7 +7,7 @@ the same seed twice gives the same weights bitwise after three steps, a checkpoi
 step 1 restored in a fresh trainer and replayed to step 3 gives them too, and the
 published HF folder ``transformers`` loads is the trainer's weights bitwise.
 
-The script (``tests.megatron_fixtures.STEPS_SCRIPT``) runs in a subprocess: megatron-core's
+The program (``tests/scripts/megatron_steps.py``) runs in a subprocess: megatron-core's
 world of one and the process's default CUDA device (as ``trainer.server --device cuda:0``
 sets it) stay out of pytest's process. Its CPU rehearsal (megatron-core's CUDA-only bits
 shimmed) is ``tests/unit/test_megatron_trainer.py``."""

@@ -14,20 +14,17 @@ from pathlib import Path
 from gpu_runtime.proc.processes import pid_alive
 from tests.stack import wait_for
 
-PY = shlex.quote(sys.executable)
+
+def _program(*args: str) -> list[str]:
+    """``python -m tests.scripts.alongside_programs <args>``: an install or a command."""
+    return [sys.executable, "-m", "tests.scripts.alongside_programs", *args]
 
 
-def _script(tmp: Path, name: str, code: str) -> str:
-    """``python <file>`` as a shell line (the install command is one)."""
-    f = tmp / f"{name}.py"
-    f.write_text(code)
-    return f"{PY} {shlex.quote(str(f))}"
-
-
-def _run(tmp: Path, install: str, command: str) -> tuple[int, dict, str]:
+def _run(tmp: Path, install: list[str], command: list[str]) -> tuple[int, dict, str]:
+    """``command`` run under ``infra.alongside`` while ``install`` (a shell line there) runs."""
     status = tmp / "install.json"
-    p = subprocess.Popen([sys.executable, "-m", "infra.alongside", "--install", install, "--status", str(status),
-                          "--", sys.executable, "-c", command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    p = subprocess.Popen([sys.executable, "-m", "infra.alongside", "--install", shlex.join(install), "--status",
+                          str(status), "--", *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, cwd=Path(__file__).resolve().parents[2], start_new_session=True)
     try:
         out, _ = p.communicate(timeout=120)
@@ -41,18 +38,13 @@ def _run(tmp: Path, install: str, command: str) -> tuple[int, dict, str]:
 def test_the_command_sees_the_install_finish(tmp_path: Path) -> None:
     """The command reads the status file from $MILESTONE_INSTALL_STATUS and waits for rc 0."""
     marker = tmp_path / "made"
-    waits = ("import json, os, time\n"
-             "p = os.environ['MILESTONE_INSTALL_STATUS']\n"
-             "while 'rc' not in json.load(open(p)): time.sleep(0.05)\n"
-             f"assert json.load(open(p))['rc'] == 0 and os.path.exists({str(marker)!r})\n")
-    rc, status, out = _run(tmp_path, _script(tmp_path, "install", f"import pathlib; pathlib.Path({str(marker)!r}).touch()"),
-                           waits)
+    rc, status, out = _run(tmp_path, _program("touch", str(marker)), _program("await_install", str(marker)))
     assert rc == 0, out
     assert status["rc"] == 0 and Path(status["log"]).exists()
 
 
 def test_a_failed_install_fails_a_passing_command(tmp_path: Path) -> None:
-    rc, status, out = _run(tmp_path, _script(tmp_path, "install", "import sys; print('no space'); sys.exit(3)"), "pass")
+    rc, status, out = _run(tmp_path, _program("fail", "no space", "3"), [sys.executable, "-c", "pass"])
     assert rc == 3 and status["rc"] == 3, out
     assert "no space" in Path(status["log"]).read_text()
 
@@ -60,10 +52,8 @@ def test_a_failed_install_fails_a_passing_command(tmp_path: Path) -> None:
 def test_a_failed_command_stops_the_running_install_by_its_pid(tmp_path: Path) -> None:
     """The install (and what it started: its process group) ends with the failed command."""
     child = tmp_path / "child.pid"
-    install = _script(tmp_path, "install", "import subprocess, sys, time\n"
-                      "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-                      f"open({str(child)!r}, 'w').write(str(c.pid))\ntime.sleep(600)\n")
-    command = f"import os, time\nwhile not os.path.exists({str(child)!r}): time.sleep(0.05)\nraise SystemExit(7)"
+    install = _program("spawn_and_sleep", str(child))
+    command = _program("exit_when", str(child), "7")
     rc, status, out = _run(tmp_path, install, command)
     assert rc == 7, out
     assert status["rc"] != 0

@@ -39,24 +39,12 @@ def _tokenizer_json_sha(tokenizer: transformers.PreTrainedTokenizerFast, folder:
     return hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
 
 
-_CHILD = """
-import hashlib, sys, tempfile
-from pathlib import Path
-sys.path.insert(0, {root!r})
-from tests.unit.test_hf_factory import TEXTS
-from gpu_runtime.models.hf_factory import save_tokenizer, train_bpe_tokenizer
-with tempfile.TemporaryDirectory() as d:
-    save_tokenizer(train_bpe_tokenizer(TEXTS, vocab_size=300), Path(d))
-    print(hashlib.sha256((Path(d) / "tokenizer.json").read_bytes()).hexdigest())
-"""
-
-
 def test_tokenizer_is_deterministic_across_processes(tok, tmp_path: Path) -> None:
     here = _tokenizer_json_sha(tok, tmp_path / "a")
     again = _tokenizer_json_sha(train_bpe_tokenizer(TEXTS, vocab_size=300), tmp_path / "b")
     # a fresh process has a fresh hash seed: that is where an unordered merge tie would show
-    child = subprocess.run([sys.executable, "-c", _CHILD.format(root=str(ROOT))], capture_output=True, text=True,
-                           check=True, timeout=120).stdout.split()[-1]
+    child = subprocess.run([sys.executable, "-m", "tests.scripts.tokenizer_sha"], capture_output=True, text=True,
+                           check=True, timeout=120, cwd=ROOT).stdout.split()[-1]
     assert here == again == child
     other = _tokenizer_json_sha(train_bpe_tokenizer(TEXTS, vocab_size=280), tmp_path / "c")
     assert other != here

@@ -100,31 +100,14 @@ def test_config_mapping_refuses_what_it_would_get_wrong(field: str, value: objec
         mconfig.transformer_config_kwargs(d)
 
 
-_BUILD = """
-import sys, torch, warnings
-warnings.filterwarnings("ignore")
-from safetensors.torch import load_file
-from gpu_runtime.trainer.megatron import model as mm
-mm.init_single_process()
-gpt, cfg = mm.from_folder(sys.argv[1], cpu_init=True)
-assert gpt.config.num_query_groups == cfg.num_key_value_heads
-back = mm.export_hf_weights(gpt, cfg)
-ref = load_file(sys.argv[1] + "/model.safetensors")
-assert set(back) == set(ref), (sorted(set(back) ^ set(ref)))
-bad = [k for k in ref if not torch.equal(back[k], ref[k])]
-assert not bad, bad
-print("OK", len(ref))
-"""
-
-
 @pytest.mark.parametrize("arch,tie", [("qwen2", True), ("llama", False)])
 def test_a_real_gpt_model_takes_the_weights_and_gives_them_back(arch: str, tie: bool, tmp_path: Path) -> None:
     """A megatron-core GPTModel (local spec, built on CPU in its own process: a world of
     one) accepts the converted weights strictly and exports them back bitwise."""
     model, tok = tiny_model(6, arch=arch, tie=tie)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
-    out = subprocess.run([sys.executable, "-c", _BUILD, str(tmp_path / "m")], capture_output=True, text=True,
-                         timeout=300, cwd=REPO)
+    out = subprocess.run([sys.executable, "-m", "tests.scripts.megatron_round_trip", str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr[-3000:]
 
 

@@ -122,85 +122,13 @@ def test_the_trainer_refuses_a_megatron_run_when_it_binds(tmp_path: Path) -> Non
     assert svc.setup is None and not store.exists()
 
 
-_REAL = r"""
-import json, sys, torch, warnings
-warnings.filterwarnings("ignore")
-from pathlib import Path
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
-from gpu_runtime.models.causal_lm import export_state_dict
-from gpu_runtime.models.model_folder import weights_checksum
-from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
-from gpu_runtime.trainer.policy.trainer import PolicyTrainer
-from spec.train import TrainSpec
-
-src, work = Path(sys.argv[1]), Path(sys.argv[2])
-out = {}
-hp = TrainSpec(lr=1e-3, warmup_steps=2)
-try:
-    MegatronTrainer.create(src, hp, 0)
-except ValueError as e:
-    out["cpu_refused"] = str(e)
-t = MegatronTrainer.create(src, hp, 0, require_cuda=False)
-ref = load_file(str(src / "model.safetensors"))
-
-def same(a, b):
-    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in b)
-
-def loaded(folder):
-    return export_state_dict(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32))
-
-ck = t.export_model_folder(work / "v0")
-out["files"] = sorted(p.name for p in (work / "v0").iterdir())
-out["meta"] = json.loads((work / "v0" / "milestone.json").read_text())
-out["export_bitwise"] = same(loaded(work / "v0"), ref)
-out["checksums"] = [ck == weights_checksum(ref), t.checksum() == ck]
-
-def step(tr, k):
-    # megatron-core has no CPU forward: fixed grads, then the trainer's own clipped AdamW step
-    g = torch.Generator().manual_seed(100 + k)
-    tr.start_optimizer_step(hp)
-    for p in tr.model.parameters():
-        p.grad = torch.randn(p.shape, generator=g)
-    tr.take_optimizer_step(hp, "test")
-    tr.policy_version += 1
-
-step(t, 1); step(t, 2)
-out["moved"] = t.checksum() != ck
-import random
-rng, py = torch.get_rng_state(), random.getstate()
-t.save_state(work / "ck")
-torch.manual_seed(1); random.seed(1)
-r = MegatronTrainer.from_state(work / "ck", require_cuda=False)
-out["restored"] = [r.checksum() == t.checksum(), r.policy_version, r.opt_steps, r.seed]
-a, b = t.optimizer.state_dict(), r.optimizer.state_dict()
-out["optimizer_bitwise"] = a["state"].keys() == b["state"].keys() and all(
-    torch.equal(a["state"][i][n], b["state"][i][n]) for i in a["state"] for n in a["state"][i])
-out["rng_restored"] = torch.equal(torch.get_rng_state(), rng) and random.getstate() == py
-step(t, 3); step(r, 3)
-out["replay_bitwise"] = r.checksum() == t.checksum()
-t.export_model_folder(work / "v3")
-out["trained_export_bitwise"] = same(loaded(work / "v3"), t.published_state())
-try:
-    PolicyTrainer.from_state(work / "ck")
-except ValueError as e:
-    out["hf_refuses"] = str(e)
-PolicyTrainer.create(src, hp, 0).save_state(work / "hfck")
-try:
-    r.load_state(work / "hfck")
-except ValueError as e:
-    out["megatron_refuses"] = str(e)
-print("RESULT " + json.dumps(out))
-"""
-
-
 @pytest.mark.parametrize("arch,tie", [("qwen2", True), ("llama", False)])
 def test_a_real_gpt_model_exports_and_checkpoints_bitwise(arch: str, tie: bool, tmp_path: Path) -> None:
     model, tok = tiny_model(6, arch=arch, tie=tie)
     save_model_folder(model, tok, tmp_path / "m", weight_version=0)
     (tmp_path / "w").mkdir()
-    proc = subprocess.run([sys.executable, "-c", _REAL, str(tmp_path / "m"), str(tmp_path / "w")], capture_output=True,
-                          text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.megatron_real_model", str(tmp_path / "m"),
+                           str(tmp_path / "w")], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert "needs the node's trainer on CUDA" in out["cpu_refused"]
