@@ -79,7 +79,7 @@ class EngineFleet:
         self.monitor.stop()
         self.supervisor.stop()
 
-    def __enter__(self) -> "EngineFleet":
+    def __enter__(self) -> EngineFleet:
         self.start()
         return self
 

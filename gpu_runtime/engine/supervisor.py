@@ -101,7 +101,7 @@ class SlotSupervisor:
         with self.lock:
             return [
                 EngineSlotInfo(slot=s.index, pid=s.proc.pid if s.proc else None, url=s.url, state=s.state,
-                               weight_version=int(s.weight_version) if (s.weight_version or "").isdigit() else None,
+                               weight_version=int(s.weight_version) if s.weight_version and s.weight_version.isdigit() else None,
                                checksum=s.checksum, restart_count=s.restart_count)
                 for s in self.slots
             ]

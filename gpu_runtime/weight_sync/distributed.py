@@ -69,7 +69,7 @@ class Manifest:
     shapes: list[list[int]]
     bucket_bytes: int = 0
 
-    def with_buckets(self, bucket_bytes: int) -> "Manifest":
+    def with_buckets(self, bucket_bytes: int) -> Manifest:
         return Manifest(self.names, self.dtypes, self.shapes, bucket_bytes)
 
     def sizes(self) -> list[int]:
@@ -212,7 +212,7 @@ class WeightGroup:
         timeout = timedelta(seconds=timeout_s)
         t0 = time.perf_counter()
         try:
-            self._store = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, rank == 0,
+            self._store: dist.TCPStore | None = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, rank == 0,
                                         timeout=timeout, wait_for_workers=False)
             prefixed = dist.PrefixStore(spec.group_name + "/", dist.PrefixStore(spec.group_name, self._store))
             if spec.backend == "nccl":

@@ -23,11 +23,15 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gpu_runtime.models.causal_lm import load_exported_state_dict
 from gpu_runtime.models.model_folder import weights_checksum
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 from gpu_runtime.models.safetensors_file import tensor_bytes
 from gpu_runtime.proc.processes import pid_alive
 
@@ -66,7 +70,8 @@ def publish(state_dict: dict[str, torch.Tensor], version: int | str, *, tag: str
             root: Path = DEFAULT_ROOT, checksum: str | None = None) -> Segment:
     """Write ``state_dict`` (``export_state_dict`` naming, any device) as version ``version``."""
     checksum = checksum or weights_checksum(state_dict)
-    entries, offset = [], 0
+    entries: list[dict[str, Any]] = []
+    offset = 0
     tensors = []
     for name in sorted(state_dict):
         t = state_dict[name].detach().contiguous().cpu()
@@ -139,7 +144,7 @@ def read(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], mmap.mmap]:
     return header, out, mm
 
 
-def load_into(model: torch.nn.Module, path: str | Path, *, version: int | str | None = None,
+def load_into(model: PreTrainedModel, path: str | Path, *, version: int | str | None = None,
               checksum: str | None = None) -> Segment:
     """Verify the segment (its version, and its bytes against its header's checksum),
     then copy it into ``model`` in place (any device). A refused segment leaves the model
