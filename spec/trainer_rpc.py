@@ -1,4 +1,7 @@
-"""The trainer process's RPC: every message that crosses it, built on the run-config sections.
+"""The trainer process's RPC: every message that crosses it, built on the run-config sections,
+and its methods (``TRAINER_RPC``: name, argument, result), which the node agent's client
+(``gpu_runtime.trainer.process``) calls and the trainer's server (``gpu_runtime.trainer.server``)
+registers one handler for each.
 
 A message carries the sections themselves (``RunSetup.hparams`` is the run's ``TrainSpec``,
 ``RunSetup.model`` its ``ModelSpec``, ...), so a knob is declared once, with its default and
@@ -13,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from spec.model import DistillSpec, ModelSpec
+from spec.rpc import MethodTable, RpcMethod
 from spec.status import CellInfo, DPCells, RunEvent
 from spec.train import SFTSpec, TrainSpec
 from spec.trainer import TrainerSpec
@@ -235,3 +239,18 @@ class WeightsBroadcast(Message):
     nbytes: int
     join_seconds: float
     broadcast_seconds: float
+
+
+# ---- the methods ---------------------------------------------------------------------
+# the names are the wire's (``POST /call/<name>``)
+ENSURE_VERSION = RpcMethod("ensure_version", EnsureVersionCall, VersionInfo)
+TRAIN_STEP = RpcMethod("train_step", TrainStepCall, TrainResult)
+CHECKPOINT = RpcMethod("checkpoint", CheckpointCall, CheckpointSaved)
+RESTART_CELLS = RpcMethod("restart_cells", RestartCellsCall, CellsRestarted)
+HELD_WEIGHTS = RpcMethod("held_weights", HeldWeightsCall, HeldWeights)
+BROADCAST_WEIGHTS = RpcMethod("broadcast_weights", BroadcastWeightsCall, WeightsBroadcast)
+FORGET_RUN = RpcMethod("forget_run", ForgetRunCall, RunForgotten)
+
+TRAINER_RPC = MethodTable(
+    "trainer RPC", ENSURE_VERSION, TRAIN_STEP, CHECKPOINT, RESTART_CELLS, HELD_WEIGHTS, BROADCAST_WEIGHTS, FORGET_RUN,
+)

@@ -1,9 +1,11 @@
-"""A minimal typed JSON-over-HTTP RPC between a node agent and its trainer process.
+"""A minimal typed JSON-over-HTTP RPC between a process and its children (the node agent
+and its trainer, the trainer and its DP cells).
 
 ``POST /call/<method>`` with the argument model's JSON -> ``{"result": <result model>}``
-or HTTP 500 with ``{"error_type", "message"}``. Both ends speak pydantic models: the
-server validates the argument into the method's model, the client parses the result
-with ``model_validate``. One call at a time (the trainer is single-threaded).
+or HTTP 500 with ``{"error_type", "message"}`` (404 ``UnknownMethod`` for a name the
+server does not serve). Both ends go through the methods' declarations (``spec.rpc``):
+the server validates the argument into the method's model, the client parses the result
+into its result model. One call at a time (the trainer is single-threaded).
 """
 
 from __future__ import annotations
@@ -14,32 +16,20 @@ import os
 import re
 import subprocess
 import threading
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel
 
 from gpu_runtime.proc.http_client import http_client
 from gpu_runtime.proc.processes import spawn, stop_pid
+from spec.rpc import Handler, RpcMethod
 
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
-
-
-@dataclass(frozen=True)
-class Method(Generic[A, R]):
-    """One RPC method: its argument model and the function that serves it."""
-
-    arg_type: type[A]
-    fn: Callable[[A], R]
-
-    def serve(self, body: bytes) -> dict:
-        return self.fn(self.arg_type.model_validate_json(body or b"{}")).model_dump(mode="json")
 
 
 class RemoteError(RuntimeError):
@@ -72,7 +62,9 @@ def serve_until_interrupted(server: ThreadingHTTPServer, url: str) -> None:
 
 
 class RPCServer:
-    def __init__(self, host: str, port: int, methods: dict[str, Method]) -> None:
+    """Serves the handlers of one ``MethodTable`` (``table.serve(...)``: one per method)."""
+
+    def __init__(self, host: str, port: int, methods: dict[str, Handler]) -> None:
         self.methods = methods
         self.lock = threading.Lock()
         server = self
@@ -94,7 +86,8 @@ class RPCServer:
                 name = self.path.removeprefix("/call/")
                 fn = server.methods.get(name)
                 if fn is None:
-                    self._send(404, {"error_type": "NotFound", "message": name})
+                    self._send(404, {"error_type": "UnknownMethod",
+                                     "message": f"{name!r} (this server serves {sorted(server.methods)})"})
                     return
                 n = int(self.headers.get("Content-Length", "0"))
                 try:
@@ -160,18 +153,21 @@ class RPCClient:
     def close(self) -> None:
         self._http.close()
 
-    def call(self, method: str, arg: BaseModel, result_type: type[R], timeout_s: float | None = None) -> R:
+    def call(self, method: RpcMethod[A, R], arg: A, timeout_s: float | None = None) -> R:
+        """``method`` on the server: its answer as the method's result model."""
+        if not isinstance(arg, method.arg):
+            raise TypeError(f"{method.name} takes a {method.arg.__name__}, not a {type(arg).__name__}")
         try:
             resp = self._http.post(
-                f"{self.base_url}/call/{method}", content=arg.model_dump_json(),
+                f"{self.base_url}/call/{method.name}", content=arg.model_dump_json(),
                 headers={"Content-Type": "application/json"}, timeout=timeout_s or self.timeout_s,
             )
         except httpx.HTTPError as err:
-            raise ConnectionError(f"{self.base_url}: {method}: {err}") from err
+            raise ConnectionError(f"{self.base_url}: {method.name}: {err}") from err
         data = resp.json()
         if resp.status_code != 200:
             raise RemoteError(data.get("error_type", "Error"), data.get("message", resp.text))
-        return result_type.model_validate(data["result"])
+        return method.result.model_validate(data["result"])
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         try:

@@ -17,8 +17,16 @@ from gpu_runtime.proc.metrics import TRAINER_RESTARTS
 from gpu_runtime.proc.devices import child_env, gpu_list
 from gpu_runtime.proc.processes import stop_pid
 from gpu_runtime.proc.rpc import RPCClient, ServerDidNotStart, start_rpc_process
+from spec.rpc import RpcMethod
 from spec.status import RunEvent
 from spec.trainer_rpc import (
+    BROADCAST_WEIGHTS,
+    CHECKPOINT,
+    ENSURE_VERSION,
+    FORGET_RUN,
+    HELD_WEIGHTS,
+    RESTART_CELLS,
+    TRAIN_STEP,
     BroadcastWeightsCall,
     CellsRestarted,
     CheckpointCall,
@@ -42,6 +50,7 @@ from gpu_runtime.weight_sync.distributed_push import Broadcaster
 from gpu_runtime.weight_sync.distributed import DEFAULT_TIMEOUT_S, GroupSpec, Manifest, group_backend
 
 log = logging.getLogger(__name__)
+A = TypeVar("A", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
 
 
@@ -69,29 +78,29 @@ class TrainerProcess:
     # ---- the typed API ------------------------------------------------------------
     def ensure_version(self, setup: RunSetup, target: int) -> VersionInfo:
         """Bring the trainer to policy version ``target`` (keep, restore + replay, or SFT)."""
-        return self._call("ensure_version", EnsureVersionCall(setup=setup, target=target), VersionInfo)
+        return self._call(ENSURE_VERSION, EnsureVersionCall(setup=setup, target=target))
 
     def train_step(self, setup: RunSetup, batch: StepBatch) -> TrainResult:
-        return self._call("train_step", TrainStepCall(setup=setup, batch=batch), TrainResult)
+        return self._call(TRAIN_STEP, TrainStepCall(setup=setup, batch=batch))
 
     def checkpoint(self, setup: RunSetup, request: CheckpointRequest) -> CheckpointSaved:
-        return self._call("checkpoint", CheckpointCall(setup=setup, request=request), CheckpointSaved)
+        return self._call(CHECKPOINT, CheckpointCall(setup=setup, request=request))
 
     def restart_cells(self, setup: RunSetup, cells: list[int]) -> CellsRestarted:
         """Start lost DP cells again (``trainer.cells``); they heal from a peer at the next step."""
-        return self._call("restart_cells", RestartCellsCall(setup=setup, cells=cells), CellsRestarted)
+        return self._call(RESTART_CELLS, RestartCellsCall(setup=setup, cells=cells))
 
     def forget_run(self, run_id: str) -> RunForgotten:
         """A closed run: the trainer drops what it holds for it (its model, optimizer, checkpoint store)."""
-        return self._call("forget_run", ForgetRunCall(run_id=run_id), RunForgotten)
+        return self._call(FORGET_RUN, ForgetRunCall(run_id=run_id))
 
     def held_weights(self, run_id: str) -> HeldWeights:
         """The published version the trainer holds in memory (``engines.weight_sync`` distributed)."""
-        return self._call("held_weights", HeldWeightsCall(run_id=run_id), HeldWeights)
+        return self._call(HELD_WEIGHTS, HeldWeightsCall(run_id=run_id))
 
     def broadcast_weights(self, call: BroadcastWeightsCall) -> WeightsBroadcast:
         """Join the push's weight-update group as rank 0 and broadcast the held version."""
-        return self._call("broadcast_weights", call, WeightsBroadcast)
+        return self._call(BROADCAST_WEIGHTS, call)
 
     def broadcaster(self, run_id: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                     engine_devices: tuple[str, ...] = ("cpu",)) -> Broadcaster:
@@ -112,14 +121,14 @@ class TrainerProcess:
         backend = group_backend(self.device, engine_devices)
         return Broadcaster(address="127.0.0.1", backend=backend, held=held, send=send, timeout_s=timeout_s)
 
-    def _call(self, method: str, arg: BaseModel, result_type: type[R]) -> R:
+    def _call(self, method: RpcMethod[A, R], arg: A) -> R:
         self.ensure_running()
         assert self.client is not None
         try:
-            return self.client.call(method, arg, result_type)
+            return self.client.call(method, arg)
         except ConnectionError as err:
             if not self.alive():
-                raise TrainerDied(f"trainer pid {self.pid} died during {method}") from err
+                raise TrainerDied(f"trainer pid {self.pid} died during {method.name}") from err
             raise
 
     # ---- the process --------------------------------------------------------------

@@ -17,35 +17,41 @@ import torch
 from gpu_runtime.proc.devices import parse_gpu_list
 from gpu_runtime.proc.disk import guarded
 from gpu_runtime.proc.processes import exit_when_parent_dies
-from gpu_runtime.proc.rpc import Method, RPCServer
+from gpu_runtime.proc.rpc import RPCServer
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.common.device import use_device
 from gpu_runtime.trainer.service import TrainerService
 from gpu_runtime.trainer.work_dir import remove_temp_dirs
+from spec.rpc import Handler
 from spec.trainer_rpc import (
-    BroadcastWeightsCall,
-    CheckpointCall,
-    EnsureVersionCall,
-    ForgetRunCall,
-    HeldWeightsCall,
-    RestartCellsCall,
-    TrainStepCall,
+    BROADCAST_WEIGHTS,
+    CHECKPOINT,
+    ENSURE_VERSION,
+    FORGET_RUN,
+    HELD_WEIGHTS,
+    RESTART_CELLS,
+    TRAIN_STEP,
+    TRAINER_RPC,
 )
 
 
-def build_methods(svc: TrainerService) -> dict[str, Method]:
-    """The trainer's RPC methods; ``TrainerProcess`` is their typed client. A write that fails
-    for lack of space reaches the caller as ``DiskFull`` (``gpu_runtime.proc.disk``)."""
-    methods = {
-        "ensure_version": Method(EnsureVersionCall, lambda a: svc.ensure_version(a.setup, a.target)),
-        "train_step": Method(TrainStepCall, lambda a: svc.train_step(a.setup, a.batch)),
-        "checkpoint": Method(CheckpointCall, lambda a: svc.checkpoint(a.setup, a.request)),
-        "restart_cells": Method(RestartCellsCall, lambda a: svc.restart_cells(a.setup, a.cells)),
-        "held_weights": Method(HeldWeightsCall, lambda a: svc.held_weights(a.run_id)),
-        "broadcast_weights": Method(BroadcastWeightsCall, svc.broadcast_weights),
-        "forget_run": Method(ForgetRunCall, lambda a: svc.forget_run(a.run_id)),
-    }
-    return {name: Method(m.arg_type, guarded(m.fn, lambda: write_paths(svc))) for name, m in methods.items()}
+def handlers(svc: TrainerService) -> list[Handler]:
+    """One handler per method of ``TRAINER_RPC``, each a call of the service."""
+    return [
+        Handler(ENSURE_VERSION, lambda a: svc.ensure_version(a.setup, a.target)),
+        Handler(TRAIN_STEP, lambda a: svc.train_step(a.setup, a.batch)),
+        Handler(CHECKPOINT, lambda a: svc.checkpoint(a.setup, a.request)),
+        Handler(RESTART_CELLS, lambda a: svc.restart_cells(a.setup, a.cells)),
+        Handler(HELD_WEIGHTS, lambda a: svc.held_weights(a.run_id)),
+        Handler(BROADCAST_WEIGHTS, svc.broadcast_weights),
+        Handler(FORGET_RUN, lambda a: svc.forget_run(a.run_id)),
+    ]
+
+
+def build_methods(svc: TrainerService) -> dict[str, Handler]:
+    """What the trainer's server serves: ``TRAINER_RPC``, whose typed client is ``TrainerProcess``.
+    A write that fails for lack of space reaches the caller as ``DiskFull`` (``gpu_runtime.proc.disk``)."""
+    return TRAINER_RPC.serve(*(Handler(h.method, guarded(h.fn, lambda: write_paths(svc))) for h in handlers(svc)))
 
 
 def write_paths(svc: TrainerService) -> list[Path]:

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from gpu_runtime.proc.processes import stop_pid
 from gpu_runtime.proc.rpc import RPCClient
-from gpu_runtime.trainer.dp.cell_server import CellReport
+from gpu_runtime.trainer.dp.cell_rpc import CellReport
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """One DP cell's process: ``python -m gpu_runtime.trainer.dp.cell_server --index K
 --lighthouse URL --work-dir D``. Prints ``READY port=<p> pid=<pid>`` once it serves the RPC
-(``gpu_runtime.proc.rpc``) its group (``gpu_runtime.trainer.dp.group``) calls; ``build``
+(``dp.cell_rpc``'s ``CELL_RPC``) its group (``gpu_runtime.trainer.dp.group``) calls; ``build``
 creates the cell's trainer and ``join`` its torchft manager (``build`` does both unless told
 not to: a restarted cell joins at the start of its first step). One call at a time."""
 
@@ -14,60 +14,15 @@ import sys
 import time
 
 import torch
-from pydantic import BaseModel
 
 from gpu_runtime.proc.processes import exit_when_parent_dies
-from gpu_runtime.proc.rpc import Method, RPCServer
-from gpu_runtime.store.artifacts import Sample
+from gpu_runtime.proc.rpc import RPCServer
+from gpu_runtime.trainer.dp import cell_rpc
+from gpu_runtime.trainer.dp.cell_rpc import BuildCall, CellReport, Empty, PathCall, StepInput, Text, TrainCall
 from gpu_runtime.trainer.dp.cell_trainer import DPCellTrainer, new_manager
-from spec.train import TrainSpec
+from spec.rpc import Handler
 
 log = logging.getLogger(__name__)
-
-
-class BuildCall(BaseModel):
-    folder: str  # the HF model folder every cell starts from (a restarted one heals from a peer)
-    hparams: TrainSpec
-    seed: int
-    join: bool = True  # create the torchft manager now (it heartbeats the lighthouse from then on)
-
-
-class PathCall(BaseModel):
-    path: str
-
-
-class Empty(BaseModel):
-    pass
-
-
-class StepInput(BaseModel):
-    """One step's samples and rewards, written once by the group for all its cells."""
-
-    samples: list[Sample]
-    rewards: list[float]
-    group_size: int
-    hparams: TrainSpec
-    temperature: float = 1.0  # rollout.temperature (``StepBatch.temperature``)
-
-
-class TrainCall(BaseModel):
-    input_path: str  # a ``StepInput`` JSON file
-    forced_participants: int | None = None  # replay of a step fewer cells committed
-    from_version: int | None = None  # the version every cell must hold (or heal to) before the step
-
-
-class CellReport(BaseModel):
-    index: int
-    pid: int
-    policy_version: int
-    state_checksum: str  # weights + AdamW + schedule + version
-    healed_from_step: int | None = None  # this call's quorum copied a peer's state (from this version)
-    metrics: dict[str, float] = {}
-    seconds: float = 0.0
-
-
-class Text(BaseModel):
-    text: str
 
 
 class CellService:
@@ -133,6 +88,19 @@ class CellService:
         return self.report()
 
 
+def handlers(svc: CellService) -> list[Handler]:
+    """One handler per method of ``cell_rpc.CELL_RPC``."""
+    return [
+        Handler(cell_rpc.BUILD, svc.build),
+        Handler(cell_rpc.JOIN, svc.join),
+        Handler(cell_rpc.LOAD_STATE, svc.load_state),
+        Handler(cell_rpc.TRAIN_STEP, svc.train_step),
+        Handler(cell_rpc.SAVE_STATE, svc.save_state),
+        Handler(cell_rpc.EXPORT_MODEL_FOLDER, svc.export_model_folder),
+        Handler(cell_rpc.INFO, svc.info),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--index", type=int, required=True)
@@ -148,15 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     svc = CellService(args.index, args.lighthouse, args.timeout_s)
-    server = RPCServer("127.0.0.1", 0, {
-        "build": Method(BuildCall, svc.build),
-        "join": Method(Empty, svc.join),
-        "load_state": Method(PathCall, svc.load_state),
-        "train_step": Method(TrainCall, svc.train_step),
-        "save_state": Method(PathCall, svc.save_state),
-        "export_model_folder": Method(PathCall, svc.export_model_folder),
-        "info": Method(Empty, svc.info),
-    })
+    server = RPCServer("127.0.0.1", 0, cell_rpc.CELL_RPC.serve(*handlers(svc)))
     signal.signal(signal.SIGTERM, lambda s, f: os._exit(128 + s))  # torchft's threads would hold a clean exit
     server.announce_ready()
     server.serve_forever()

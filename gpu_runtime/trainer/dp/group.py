@@ -40,13 +40,16 @@ from gpu_runtime.models.model_folder import WEIGHTS_FILE
 from gpu_runtime.proc.rpc import RemoteError, ServerDidNotStart, start_rpc_process
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.dp.cell_process import CellProcess, Silent, watched
-from gpu_runtime.trainer.dp.cell_server import BuildCall, CellReport, Empty, PathCall, StepInput, Text, TrainCall
+from gpu_runtime.trainer.dp import cell_rpc
+from gpu_runtime.trainer.dp.cell_rpc import BuildCall, CellReport, Empty, PathCall, StepInput, TrainCall
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse, LighthouseWatchdog
 from gpu_runtime.trainer.protocol import ALIVE, Dead, Health
+from spec.rpc import RpcMethod
 from spec.status import DPCellStatus, DPCells, RunEvent
 from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
+A = TypeVar("A", bound=BaseModel)
 M = TypeVar("M", bound=BaseModel)
 STRAGGLER_GRACE_S = 10.0
 START_TIMEOUT_S = 120.0
@@ -111,8 +114,8 @@ class DPGroup:
         if c.client is not None:
             c.client.close()
         c.client = client
-        c.report = c.client.call("build", BuildCall(folder=str(self.folder), hparams=self.hparams, seed=self.seed,
-                                                    join=not joining), CellReport, timeout_s=START_TIMEOUT_S)
+        c.report = c.client.call(cell_rpc.BUILD, BuildCall(folder=str(self.folder), hparams=self.hparams,
+                                                           seed=self.seed, join=not joining), timeout_s=START_TIMEOUT_S)
         with self._lock:  # a restarted cell is visible to steps only with its joining mark
             c.joining = joining
             c.state, c.why, c.healed_from_step = "alive", "", None
@@ -176,7 +179,7 @@ class DPGroup:
                                  hparams=hparams, temperature=temperature).model_dump_json())
         tmp.replace(path)
         call = TrainCall(input_path=str(path), forced_participants=forced_participants, from_version=self.version)
-        done = self._on_live("train_step", call, lead=[c for c in self.live() if c.joining], quorum=True)
+        done = self._on_live(cell_rpc.TRAIN_STEP, call, lead=[c for c in self.live() if c.joining], quorum=True)
         for c, r in done:
             c.joining = False
             if r.healed_from_step is not None:
@@ -189,18 +192,18 @@ class DPGroup:
         return {**first.metrics, "dp_cells_alive": float(len(self.live()))}
 
     def save_state(self, folder: str | Path) -> None:
-        self._one("save_state", PathCall(path=str(folder)), CellReport)
+        self._one(cell_rpc.SAVE_STATE, PathCall(path=str(folder)))
 
     def load_state(self, folder: str | Path) -> None:
-        done = self._on_live("load_state", PathCall(path=str(folder)))
+        done = self._on_live(cell_rpc.LOAD_STATE, PathCall(path=str(folder)))
         self._check_equal(done)
         self.version = done[0][1].policy_version
 
     def export_model_folder(self, folder: str | Path) -> str:
-        return self._one("export_model_folder", PathCall(path=str(folder)), Text).text
+        return self._one(cell_rpc.EXPORT_MODEL_FOLDER, PathCall(path=str(folder))).text
 
     def checksum(self) -> str:
-        return self._one("info", Empty(), CellReport).state_checksum
+        return self._one(cell_rpc.INFO, Empty()).state_checksum
 
     @property
     def policy_version(self) -> int:
@@ -218,21 +221,21 @@ class DPGroup:
         return load_file(str(exported / WEIGHTS_FILE))
 
     # ---- fan-out -----------------------------------------------------------------
-    def _one(self, method: str, arg: BaseModel, result: type[M]) -> M:
+    def _one(self, method: RpcMethod[A, M], arg: A) -> M:
         """``method`` on the first live cell (they are equal); a dead one is lost and the next
         asked, and so is a hung one (SIGSTOP), which would otherwise hold the call for its
         600 s timeout: its health check goes unanswered for ``timeout_s`` + a grace."""
         for c in self.live():
             try:
-                return self._watched_call(c, method, arg, result)
+                return self._watched_call(c, method, arg)
             except ConnectionError as err:
-                self._lose(c, f"died during {method}: {err}")
+                self._lose(c, f"died during {method.name}: {err}")
             except Silent:
-                self._lose(c, f"no answer to {method} nor to its health check within "
+                self._lose(c, f"no answer to {method.name} nor to its health check within "
                               f"{self.timeout_s + STRAGGLER_GRACE_S:.0f} s (hung or stopped)")
-        raise self._all_lost(method)
+        raise self._all_lost(method.name)
 
-    def _watched_call(self, c: CellProcess, method: str, arg: BaseModel, result: type[M]) -> M:
+    def _watched_call(self, c: CellProcess, method: RpcMethod[A, M], arg: A) -> M:
         """The call on a thread while this one checks the cell's /health each second (served
         by its own thread, so a long export answers it; a stopped process does not)."""
         client = c.client
@@ -248,9 +251,9 @@ class DPGroup:
             elif time.monotonic() - silent_since > self.timeout_s + STRAGGLER_GRACE_S:
                 raise Silent()
 
-        return watched(lambda: client.call(method, arg, result, timeout_s=max(self.timeout_s, 600.0)), check, 1.0)
+        return watched(lambda: client.call(method, arg, timeout_s=max(self.timeout_s, 600.0)), check, 1.0)
 
-    def _on_live(self, method: str, arg: BaseModel, lead: list[CellProcess] | None = None,
+    def _on_live(self, method: RpcMethod[A, CellReport], arg: A, lead: list[CellProcess] | None = None,
                  quorum: bool = False) -> list[tuple[CellProcess, CellReport]]:
         """``method`` on every live cell at once. A cell whose connection drops is lost; once one
         has answered, the others have ``timeout_s`` + a grace, then are killed and lost.
@@ -263,19 +266,19 @@ class DPGroup:
         lead = [c for c in (lead or []) if c in cells]
         cells = lead + [c for c in cells if c not in lead]
         if not cells:
-            raise self._all_lost(method)
+            raise self._all_lost(method.name)
         if lead:  # restarted cells create their torchft managers now (see ``cell_server.join``)
             lead = self._join(lead)
             cells = [c for c in cells if c.state == "alive"]  # still lead first
             if not cells:
-                raise self._all_lost(method)
+                raise self._all_lost(method.name)
         results, errors = self._fan_out(method, arg, cells, len(lead), quorum)
-        self._lose_silent(method, cells, results, errors)
+        self._lose_silent(method.name, cells, results, errors)
         if not results:
-            raise self._failed_everywhere(method, errors)
+            raise self._failed_everywhere(method.name, errors)
         return [(self.members[i], results[i]) for i in sorted(results)]
 
-    def _fan_out(self, method: str, arg: BaseModel, cells: list[CellProcess], n_lead: int,
+    def _fan_out(self, method: RpcMethod[A, CellReport], arg: A, cells: list[CellProcess], n_lead: int,
                  quorum: bool) -> tuple[dict[int, CellReport], dict[int, BaseException]]:
         """``method`` on ``cells`` (the first ``n_lead`` of them restarted ones), each on its
         own thread; the answers and errors by cell, once every cell answered or the
@@ -287,7 +290,7 @@ class DPGroup:
         def run(c: CellProcess) -> None:
             assert c.client is not None
             try:
-                r = c.client.call(method, arg, CellReport)
+                r = c.client.call(method, arg)
                 with cond:
                     results[c.index] = r
             except BaseException as err:  # noqa: BLE001 - sorted out by the caller
@@ -350,7 +353,7 @@ class DPGroup:
         for c in cells:
             assert c.client is not None
             try:
-                c.report = c.client.call("join", Empty(), CellReport, timeout_s=START_TIMEOUT_S)
+                c.report = c.client.call(cell_rpc.JOIN, Empty(), timeout_s=START_TIMEOUT_S)
                 joined.append(c)
             except (ConnectionError, RemoteError) as err:
                 self._lose(c, f"could not join torchft: {err}")
