@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._tiny_model import add_model_args, tiny_base_folder  # noqa: E402
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
-from gpu_runtime.trainer.fsdp2.cell import TrainerCell  # noqa: E402
+from gpu_runtime.trainer.fsdp2.cell import TrainerCell, _Rank  # noqa: E402
+from gpu_runtime.trainer.fsdp2.rank_methods import COLLECTIVE_SECONDS  # noqa: E402
 from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime  # noqa: E402
 from tests.unit.test_policy_trainer import hparams, rollout  # noqa: E402
 
@@ -66,10 +67,10 @@ def main() -> None:
             try:
                 secs = [timed(partial(cell.train_step, *b, 4, hp)) for b in batches]
                 med = statistics.median(secs[1:])
-                peaks = cell._all("peak_rss_mib")
+                peaks = cell._all(_Rank.peak_rss_mib)
                 print(f"fsdp2 x{n}     {med:.3f} s/step  {med / base:.2f}x  peak RSS per rank "
                       + ", ".join(f"{m:.0f}" for m in peaks) + " MiB")
-                c = cell._call("collective_seconds", 5)
+                c = cell._call(COLLECTIVE_SECONDS, 5)
                 t = timed(cell.published_state)  # gather on rank 0 + the Ray transfer to this process
                 per_step = 4 // n * hp.ppo_epochs  # micro-batches per rank: each forward + backward
                 print(f"  gloo, {c['param_mib']:.1f} MiB of float32 params: full state dict gather (publication) "

@@ -6,7 +6,8 @@ one ``_Rank`` actor per bundle, and the ranks join a ``torch.distributed`` group
 on 127.0.0.1: gloo on the CPU; on CUDA (the trainer process's ``--device``) each rank
 takes one GPU of the placement group and the group is NCCL (``fsdp2.device``). Every
 driver call runs the same method on all ranks at once (FSDP's collectives need every
-rank) and answers rank 0's result. Ray is imported lazily: the ``cells`` extra is optional.
+rank) and answers rank 0's result; the calls of the ranks' trainers are declared in
+``rank_methods``. Ray is imported lazily: the ``cells`` extra is optional.
 """
 
 from __future__ import annotations
@@ -14,23 +15,28 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from gpu_runtime.proc.processes import reachable
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.fsdp2.device import cell_kind, prepare_rank, rank_bundle, this_rank
+from gpu_runtime.trainer.fsdp2 import rank_methods
 from gpu_runtime.trainer.fsdp2.errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable
 from gpu_runtime.trainer.fsdp2.rank import CellRankTrainer
+from gpu_runtime.trainer.fsdp2.rank_methods import RankMethod
 from gpu_runtime.trainer.protocol import ALIVE, Alive, Dead, Health
 from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0  # a placement group not ready by then cannot be satisfied here
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _free_port() -> int:
@@ -81,11 +87,9 @@ class _Rank:
     def build(self, base_folder: str, hparams: TrainSpec, seed: int) -> None:
         self.trainer = CellRankTrainer.create_rank(base_folder, hparams, seed)
 
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.trainer, method)(*args)
-
-    def get(self, attr: str) -> Any:
-        return getattr(self.trainer, attr)
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A declared method of the rank's trainer (``rank_methods.RANK_METHODS``), by name."""
+        return rank_methods.serve(self.trainer, method, *args, **kwargs)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -150,20 +154,22 @@ class TrainerCell:
         ]
         try:
             master = ray.get(self.actors[0].rendezvous.remote(), timeout=placement_timeout_s)
-            self._all("join", master, ranks, collective_timeout_s)
-            self.where = self._all("where")
-            self._all("build", str(base_folder), hparams, seed)
+            self._all(_Rank.join, master, ranks, collective_timeout_s)
+            self.where = self._all(_Rank.where)
+            self._all(_Rank.build, str(base_folder), hparams, seed)
         except BaseException:
             self.close()
             raise
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        """``method`` on every rank. The first rank that fails ends the wait (its peers may be
-        blocked in a collective with it, and are killed when the cell is closed); once one
-        rank has answered, the others have ``collective_timeout_s`` plus a grace to follow."""
+    def _all(self, fn: Callable[Concatenate[_Rank, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """``fn`` (a method of ``_Rank``) on every rank. The first rank that fails ends the wait
+        (its peers may be blocked in a collective with it, and are killed when the cell is
+        closed); once one rank has answered, the others have ``collective_timeout_s`` plus a
+        grace to follow."""
         import ray
 
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        method = fn.__name__
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
         pending = list(refs)
         first_done = False
         while pending:
@@ -210,22 +216,23 @@ class TrainerCell:
                 "(the head stopped or restarted; the next call reconnects)"))
         return self._fail(CellRankDied(f"rank {rank} of the cell died during {method}: {err}"))
 
-    def _call(self, method: str, *args: Any) -> Any:
-        return self._all("call", method, *args)[0]
+    def _call(self, method: RankMethod[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """``method`` of every rank's trainer: rank 0's result."""
+        return self._all(_Rank.call, method.name, *args, **kwargs)[0]
 
     # ---- what the trainer service calls
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
                    hparams: TrainSpec, temperature: float = 1.0) -> dict[str, float]:
-        return self._call("train_step", samples, rewards, group_size, hparams, temperature)
+        return self._call(rank_methods.TRAIN_STEP, samples, rewards, group_size, hparams, temperature)
 
     def save_state(self, folder: str | Path) -> None:
-        self._call("save_state", str(folder))
+        self._call(rank_methods.SAVE_STATE, str(folder))
 
     def load_state(self, folder: str | Path) -> None:
-        self._call("load_state", str(folder))
+        self._call(rank_methods.LOAD_STATE, str(folder))
 
     def checksum(self) -> str:
-        return str(self._call("checksum"))
+        return str(self._call(rank_methods.CHECKSUM))
 
     def sft_step(self, rows: list[dict], hparams: TrainSpec) -> dict[str, float]:
         raise ValueError("trainer.backend fsdp2 does not support mode sft (the cell trains the RL step only)")
@@ -239,17 +246,18 @@ class TrainerCell:
 
     def published_state(self) -> dict[str, torch.Tensor]:
         """The full weights (gathered on rank 0 and sent here)."""
-        return self._call("published_state")
+        return self._call(rank_methods.PUBLISHED_STATE)
 
     def export_model_folder(self, folder: str | Path) -> str:
-        return str(self._call("export_model_folder", str(folder)))
+        return str(self._call(rank_methods.EXPORT_MODEL_FOLDER, str(folder)))
 
     @property
     def policy_version(self) -> int:
         import ray
 
         try:
-            return int(ray.get(self.actors[0].get.remote("policy_version"), timeout=self.collective_timeout_s))
+            return int(ray.get(self.actors[0].call.remote(rank_methods.POLICY_VERSION.name),
+                               timeout=self.collective_timeout_s))
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
             raise self._lost(0, "policy_version", err) from None
         except ray.exceptions.GetTimeoutError:
@@ -270,7 +278,7 @@ class TrainerCell:
             return
         try:
             if isinstance(self.health, Alive) and self.actors:
-                self._all("close")
+                self._all(_Rank.close)
         except Exception as err:  # noqa: BLE001 - a dead rank: the actors are killed below anyway
             log.warning("closing the cell: %s", err)
         finally:
