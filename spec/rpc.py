@@ -43,6 +43,15 @@ class Handler(Generic[A, R]):
         return self.fn(self.method.arg.model_validate_json(body or b"{}")).model_dump(mode="json")
 
 
+class TableMismatch(ValueError):
+    """A server's handlers and its table's methods differ (names of each kind)."""
+
+    def __init__(self, table: str, unknown: list[str], twice: list[str], missing: list[str]) -> None:
+        super().__init__(f"{table}: handlers do not match the table: unknown {unknown}, "
+                         f"served twice {twice}, unserved {missing}")
+        self.unknown, self.twice, self.missing = unknown, twice, missing
+
+
 class MethodTable:
     """The methods of one RPC (the trainer's, a DP cell's): the one list both ends name."""
 
@@ -66,9 +75,8 @@ class MethodTable:
         twice = sorted({n for n in served if served.count(n) > 1})
         missing = sorted(set(self.methods) - set(served))
         if unknown or twice or missing:
-            raise ValueError(f"{self.name}: handlers do not match the table: unknown {unknown}, "
-                             f"served twice {twice}, unserved {missing}")
+            raise TableMismatch(self.name, unknown, twice, missing)
         return {h.method.name: h for h in handlers}
 
 
-__all__ = ["Handler", "MethodTable", "RpcMethod"]
+__all__ = ["Handler", "MethodTable", "RpcMethod", "TableMismatch"]
