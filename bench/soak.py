@@ -50,7 +50,7 @@ from tests.e2e.faults import start_run  # noqa: E402
 from tests.stack import Stack, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
 from workflows.run_state import RunProgress  # noqa: E402
-from workflows.training_run import RUN_WORKFLOWS  # noqa: E402
+from workflows.training_run import RUN_WORKFLOWS, TrainingRun  # noqa: E402
 
 CELL_FAULTS = ("cell_kill", "cell_stop")
 KINDS = (*CELL_FAULTS, "engine_kill", "lighthouse_kill", "control_restart", "server_restart")
@@ -166,7 +166,7 @@ class Soak:
             if self.client is None:
                 self.client = await asyncio.wait_for(connect(self.stack.server.address), QUERY_TIMEOUT_S)
             handle = self.client.get_workflow_handle(self.run_id)
-            p = await asyncio.wait_for(handle.query("progress", result_type=RunProgress), QUERY_TIMEOUT_S)
+            p = await asyncio.wait_for(handle.query(TrainingRun.progress), QUERY_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a restarting server or worker: ask again
             self.client = None
             return None

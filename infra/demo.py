@@ -15,6 +15,7 @@ from milestone_cli.main import ui_link, watch
 from workers.common import connect
 from workflows.run_state import TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
+from workflows.training_run import TrainingRun
 
 
 async def run_demo(config_path: str) -> int:
@@ -22,7 +23,7 @@ async def run_demo(config_path: str) -> int:
     client = await connect()
     run_id = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     await client.start_workflow(
-        "TrainingRun", TrainingRunInput(config=cfg), id=run_id, task_queue=CONTROL_QUEUE,
+        TrainingRun.run, TrainingRunInput(config=cfg), id=run_id, task_queue=CONTROL_QUEUE,
         static_summary=f"{cfg.name}: {cfg.steps} RL steps",
     )
     print(f"run {run_id}: {cfg.steps} GRPO steps after a {cfg.sft.steps}-step SFT warm-up")

@@ -41,6 +41,7 @@ from workers.payload_codec import PayloadKeyError
 from workers.temporal_connection import TemporalSettingsError
 from workflows.run_state import RunProgress, RunSummary, TrainingRunInput
 from workflows.queues import CONTROL_QUEUE
+from workflows.training_run import TrainingRun
 
 UI_BASE = "http://localhost:8233"
 
@@ -54,7 +55,7 @@ QUERY_ERRORS = (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError, 
 
 
 async def _progress(handle: WorkflowHandle) -> RunProgress:
-    return await handle.query("progress", result_type=RunProgress, rpc_timeout=QUERY_TIMEOUT)
+    return await handle.query(TrainingRun.progress, rpc_timeout=QUERY_TIMEOUT)
 
 
 async def _failure(handle: WorkflowHandle) -> str | None:
@@ -101,7 +102,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
         raise still_running
     try:
         await client.start_workflow(
-            "TrainingRun",
+            TrainingRun.run,
             TrainingRunInput(config=cfg, state=state, lineage=lineage),
             id=run_id,
             task_queue=CONTROL_QUEUE,
@@ -152,7 +153,7 @@ async def cmd_fork(args: argparse.Namespace) -> int:
     assert inp.state is not None
     try:
         await client.start_workflow(
-            "TrainingRun", inp, id=args.run_id, task_queue=CONTROL_QUEUE,
+            TrainingRun.run, inp, id=args.run_id, task_queue=CONTROL_QUEUE,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             static_summary=f"{inp.config.name}: fork of {args.run} at step {args.from_step}, {inp.config.steps} RL steps",
         )
@@ -268,7 +269,8 @@ async def cmd_report(client: Client, args: argparse.Namespace) -> int:
 
 
 async def cmd_signal(client: Client, args: argparse.Namespace) -> int:
-    await client.get_workflow_handle(args.run).signal(args.command)
+    sent = {"pause": TrainingRun.pause, "resume": TrainingRun.resume}[args.command]
+    await client.get_workflow_handle(args.run).signal(sent)
     print(f"{args.command} sent to {args.run}")
     return 0
 
@@ -324,10 +326,12 @@ async def cmd_set(client: Client, args: argparse.Namespace) -> int:
     engines = [a for a in args.assignments if a.startswith(ENGINES_PREFIX)]
     train = [a for a in args.assignments if not a.startswith(ENGINES_PREFIX)]
     handle = client.get_workflow_handle(args.run)
-    updates = ([("set_hparams", parse_assignments(train))] if train else []) + \
-        ([("set_engines", parse_engine_assignments(engines))] if engines else [])
-    for name, update in updates:
-        print(json.dumps(await handle.execute_update(name, update)))
+    hparams = parse_assignments(train) if train else None  # both parsed before either is sent
+    engine_update = parse_engine_assignments(engines) if engines else None
+    if hparams is not None:
+        print(json.dumps(await handle.execute_update(TrainingRun.set_hparams, hparams)))
+    if engine_update is not None:
+        print(json.dumps(await handle.execute_update(TrainingRun.set_engines, engine_update)))
     return 0
 
 

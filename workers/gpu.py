@@ -29,6 +29,7 @@ from spec.status import RunEvent
 from workers.common import connect, install_shutdown, parse_worker_args, setup_logging
 from workers.node_reclaim import RunReclaimer
 from workflows.queues import POOL_QUEUE
+from workflows.training_run import TrainingRun
 
 log = logging.getLogger("workers.gpu")
 LIVENESS_THROTTLE = timedelta(seconds=0.5)
@@ -39,7 +40,7 @@ def run_reporter(client: Client, loop: asyncio.AbstractEventLoop) -> Callable[[s
     ``TrainingRun``): what a node has to say after the run stopped awaiting its results."""
 
     def report(run_id: str, event: RunEvent) -> None:
-        signal = client.get_workflow_handle(run_id).signal("node_event", event)
+        signal = client.get_workflow_handle(run_id).signal(TrainingRun.node_event, event)
         try:
             asyncio.run_coroutine_threadsafe(signal, loop).result(timeout=15)
         except Exception as err:  # the run may be over; the agent's log keeps the event

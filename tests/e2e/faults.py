@@ -62,7 +62,7 @@ async def wait_activity_started(client: Client, workflow_id: str, activity: str,
 
 
 async def progress(client: Client, run_id: str) -> RunProgress:
-    return await client.get_workflow_handle(run_id).query("progress", result_type=RunProgress)
+    return await client.get_workflow_handle(run_id).query(TrainingRun.progress)
 
 
 def run_progress(stack: Stack, run_id: str) -> RunProgress:

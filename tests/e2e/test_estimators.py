@@ -68,7 +68,7 @@ def test_estimator_family_trains(estimator_stack: Stack, family: str) -> None:
         )
         summary = await asyncio.wait_for(handle.result(), 300)
         assert summary.steps == STEPS and summary.policy_version == STEPS
-        return await handle.query("progress", result_type=RunProgress)
+        return await handle.query(TrainingRun.progress)
 
     progress = asyncio.run(main())
     assert [s.step for s in progress.steps] == list(range(1, STEPS + 1))

@@ -23,6 +23,7 @@ from tests.e2e.faults import (
 from tests.stack import Stack, async_wait_for, tiny_config
 from workers.common import connect
 from workflows.stubs import TRAIN_STEP
+from workflows.training_run import TrainingRun
 
 pytestmark = pytest.mark.e2e
 STEPS = 3
@@ -55,7 +56,7 @@ def test_partitioned_node_writes_nothing_the_run_uses(stack: Stack, store: Path,
                 return (await progress(client, run_id)).node_queue not in (lost, None)
 
             await async_wait_for(moved, 120, what="the run to move to the other node")
-            await handle.signal("pause")  # the run stops after step 2 (re-run on the other node)
+            await handle.signal(TrainingRun.pause)  # the run stops after step 2 (re-run on the other node)
 
             async def paused() -> bool:
                 p = await progress(client, run_id)
@@ -75,7 +76,7 @@ def test_partitioned_node_writes_nothing_the_run_uses(stack: Stack, store: Path,
         assert "the run is at epoch 2" in events[0].detail
         assert tree(store / "runs" / run_id) == before  # nothing it wrote landed
 
-        await handle.signal("resume")
+        await handle.signal(TrainingRun.resume)
         await asyncio.wait_for(handle.result(), 300)
         p = await progress(client, run_id)
         lost_events = [e.detail for e in p.events if e.kind == "node_lost"]

@@ -43,7 +43,7 @@ async def run(client: Client, run_id: str, cfg: dict) -> tuple[RunSummary, RunPr
         result_type=RunSummary,
     )
     summary = await asyncio.wait_for(handle.result(), 300)
-    return summary, await handle.query("progress", result_type=RunProgress)
+    return summary, await handle.query(TrainingRun.progress)
 
 
 def stored(store: Path, key: str, cls: type) -> object:

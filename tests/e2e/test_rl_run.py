@@ -109,7 +109,7 @@ def test_rl_run_end_to_end(stack: Stack, e2e_run: FinishedRun, tmp_path: Path) -
         assert summary.data_cursor == 3 * cfg["rollout"]["prompts_per_step"]
         assert summary.final_weights_key == "runs/e2e-run/weights/v000003"
 
-        progress = await client.get_workflow_handle("e2e-run").query("progress", result_type=RunProgress)
+        progress = await client.get_workflow_handle("e2e-run").query(TrainingRun.progress)
         assert [s.step for s in progress.steps] == [1, 2, 3]
         for s in progress.steps:
             for value in (s.reward_mean, s.loss, s.kl, s.grad_norm, s.step_seconds, *s.phase_seconds.values()):
@@ -186,7 +186,7 @@ def assert_bitwise_the_plain_loop(stack: Stack, run: FinishedRun, tmp_path: Path
 
     async def main() -> RunProgress:
         client = await connect(stack.server.address)
-        return await client.get_workflow_handle(run.run_id).query("progress", result_type=RunProgress)
+        return await client.get_workflow_handle(run.run_id).query(TrainingRun.progress)
 
     steps = asyncio.run(main()).steps
     assert [(s.loss, s.grad_norm) for s in steps] == [(m["loss"], m["grad_norm"]) for m in plain]
@@ -228,7 +228,7 @@ def test_temporal_ui_shows_the_run_in_chromium(stack: Stack, e2e_run: FinishedRu
     async def server_side() -> tuple[str, dict, float]:
         handle = (await connect(stack.server.address)).get_workflow_handle(run_id)
         desc = await handle.describe()
-        progress = await handle.query("progress", result_type=RunProgress)
+        progress = await handle.query(TrainingRun.progress)
         attrs = {p.key.name: p.value for p in desc.typed_search_attributes if p.key.name.startswith("Rl")}
         return desc.run_id, attrs, progress.steps[-1].reward_mean
 
@@ -317,7 +317,7 @@ def test_engine_settings_follow_the_run(stack: Stack, tmp_path: Path) -> None:
         client = await connect(stack.server.address)
         await run_to_end(client, "two-engines", tiny_config(store, steps=1))
         await run_to_end(client, "one-engine", tiny_config(store, steps=1, engines={"num_engines": 1}))
-        p = await client.get_workflow_handle("one-engine").query("progress", result_type=RunProgress)
+        p = await client.get_workflow_handle("one-engine").query(TrainingRun.progress)
         assert [e.slot for e in p.engines] == [0] and p.engines[0].state == "healthy"
 
     asyncio.run(main())

@@ -25,6 +25,7 @@ from tests.vllm_env import TEST_TIMEOUT_S, vllm_interpreter
 from workers.common import connect
 from workflows.run_state import RunProgress
 from workflows.stubs import TRAIN_STEP
+from workflows.training_run import TrainingRun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(TEST_TIMEOUT_S)]
 STEPS = 3
@@ -120,7 +121,7 @@ def test_fleet_resized_mid_run(vllm_stack: Stack) -> None:
         handle = await start_run(client, run_id, _cfg(store))
         for step, n in ((1, 1), (2, 2)):  # each train step waits 2 s first (MILESTONE_FAULT_TRAIN_DELAY_S)
             await wait_activity_started(client, f"{run_id}/step-{step}", TRAIN_STEP.name, timeout_s=600)
-            assert await handle.execute_update("set_engines", EngineUpdate(num_engines=n)) == {"num_engines": n}
+            assert await handle.execute_update(TrainingRun.set_engines, EngineUpdate(num_engines=n)) == {"num_engines": n}
         summary = await asyncio.wait_for(handle.result(), 900)
         assert summary.steps == STEPS and summary.policy_version == STEPS
         return await progress(client, run_id)

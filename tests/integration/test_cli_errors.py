@@ -25,6 +25,7 @@ from tests.stack import ROOT, Stack, async_wait_for, tiny_config
 from workers.common import connect
 from workflows.queues import CONTROL_QUEUE
 from workflows.failures import Failure
+from workflows.training_run import TrainingRun
 
 BAD_CONFIG = {"name": "bad", "steps": 2, "stepz": 1, "train": {"lr": -1}}
 
@@ -109,7 +110,7 @@ def test_bad_input_from_python_client_names_the_field(stack: Stack) -> None:
             ("bad-reward-path", {"config": cfg}, "config.reward.function: 'not a path' must look like 'pkg.module:fn'"),
             ("bad-not-a-dict", [1, 2], "Input should be a valid dictionary"),
         ]:
-            handle = await client.start_workflow("TrainingRun", arg, id=run_id, task_queue=CONTROL_QUEUE)
+            handle = await client.start_workflow(TrainingRun.run, arg, id=run_id, task_queue=CONTROL_QUEUE)
             with pytest.raises(WorkflowFailureError) as info:
                 await asyncio.wait_for(handle.result(), 30)
             assert isinstance(info.value.cause, ApplicationError)
