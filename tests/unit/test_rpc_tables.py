@@ -104,4 +104,4 @@ def test_calls_through_a_declaration(client: RPCClient) -> None:
         client.call(RpcMethod("nope", Ping, Pong), Ping(n=1))
     assert err.value.error_type == "UnknownMethod"
     with pytest.raises(TypeError):
-        client.call(PING, Pong(n=1))  # type: ignore[arg-type]
+        client.call(PING, Pong(n=1))  # type: ignore[misc]

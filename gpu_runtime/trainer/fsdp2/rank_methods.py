@@ -60,6 +60,16 @@ def serve(trainer: CellRankTrainer, name: str, *args: Any, **kwargs: Any) -> Any
 
 
 __all__ = [
-    "CHECKSUM", "COLLECTIVE_SECONDS", "EXPORT_MODEL_FOLDER", "LOAD_STATE", "POLICY_VERSION", "PUBLISHED_STATE",
-    "RANK_METHODS", "RankMethod", "SAVE_STATE", "TRAIN_STEP", "UnknownRankMethod", "serve",
+    "CHECKSUM",
+    "COLLECTIVE_SECONDS",
+    "EXPORT_MODEL_FOLDER",
+    "LOAD_STATE",
+    "POLICY_VERSION",
+    "PUBLISHED_STATE",
+    "RANK_METHODS",
+    "SAVE_STATE",
+    "TRAIN_STEP",
+    "RankMethod",
+    "UnknownRankMethod",
+    "serve",
 ]
