@@ -119,7 +119,7 @@ class ServerDidNotStart(RuntimeError):
 
 
 def start_rpc_process(cmd: list[str], log_path: Path, timeout_s: float, *,
-                      env: dict | None = None) -> tuple[subprocess.Popen, "RPCClient"]:
+                      env: dict | None = None) -> tuple[subprocess.Popen, RPCClient]:
     """Spawn an RPC server process (it prints ``READY port=<p>`` once it serves, everything
     else goes to ``log_path``) and a client for it. One that does not announce itself within
     ``timeout_s`` is stopped by pid: ``ServerDidNotStart`` with what it printed."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -70,7 +71,7 @@ class TrainerProcess:
         self.threads = threads
         self.start_timeout_s = start_timeout_s
         self.on_event = on_event
-        self.proc = None
+        self.proc: subprocess.Popen | None = None
         self.client: RPCClient | None = None
         self.restarts = 0
         self._lock = threading.Lock()
@@ -116,7 +117,7 @@ class TrainerProcess:
             self.broadcast_weights(BroadcastWeightsCall(
                 run_id=run_id, policy_version=int(version), checksum=checksum, master_address=spec.master_address,
                 master_port=spec.master_port, world_size=spec.world_size, group_name=spec.group_name,
-                backend=spec.backend, timeout_s=timeout_s, **manifest.as_request()))  # type: ignore[arg-type]
+                backend=spec.backend, timeout_s=timeout_s, **manifest.as_request()))
 
         backend = group_backend(self.device, engine_devices)
         return Broadcaster(address="127.0.0.1", backend=backend, held=held, send=send, timeout_s=timeout_s)

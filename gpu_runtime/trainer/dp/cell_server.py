@@ -39,7 +39,7 @@ class CellService:
     def report(self, **extra: object) -> CellReport:
         t = self._t()
         return CellReport(index=self.index, pid=os.getpid(), policy_version=t.policy_version,
-                          state_checksum=t.state_checksum(), **extra)  # type: ignore[arg-type]
+                          state_checksum=t.state_checksum(), **extra)
 
     def build(self, a: BuildCall) -> CellReport:
         if self.trainer is not None:

@@ -94,7 +94,7 @@ class CellHost:
         if getattr(err, "_noted", False):  # one event per failure, whichever caller sees it first
             return
         try:
-            setattr(err, "_noted", True)
+            setattr(err, "_noted", True)  # noqa: B010 - an attribute BaseException does not declare
         except AttributeError:
             pass
         kind = err.kind if isinstance(err, CellFailed) else "cell_failed"

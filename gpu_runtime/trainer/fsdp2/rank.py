@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,7 @@ class CellRankTrainer(PolicyTrainer):
     world: int = 1
 
     @classmethod
-    def create_rank(cls, base_folder: str | Path, hparams: TrainSpec, seed: int) -> "CellRankTrainer":
+    def create_rank(cls, base_folder: str | Path, hparams: TrainSpec, seed: int) -> CellRankTrainer:
         """The rank's trainer over the model folder (every rank loads the same weights, then
         keeps its shard). The KL reference, when there is one, is a full frozen copy per rank."""
         if not dist.is_initialized():
@@ -121,7 +122,7 @@ class CellRankTrainer(PolicyTrainer):
     def reduce_over_cell(self, sums: dict[str, float]) -> dict[str, float]:
         return cell_reduced(sums, self.rank, self.world, dist.all_reduce)
 
-    def sft_warmup(self, *args: object, **kwargs: object) -> dict[str, float]:  # type: ignore[override]
+    def sft_warmup(self, *args: object, **kwargs: object) -> dict[str, float]:
         raise NotImplementedError("trainer.backend fsdp2: the SFT warm-up runs before the cell (sft.steps: 0)")
 
     # ------------------------------------------------- weights, full and sharded
@@ -134,7 +135,7 @@ class CellRankTrainer(PolicyTrainer):
             return {}
         if tied_embeddings(self.model):
             full.pop("lm_head.weight", None)  # ``export_state_dict`` naming: a tied head is left out
-        return {k: v.contiguous() for k, v in full.items()}
+        return {k: cast(torch.Tensor, v).contiguous() for k, v in full.items()}  # a model's state: tensors
 
     def checksum(self) -> str:
         """The published weights' checksum, the same on every rank."""

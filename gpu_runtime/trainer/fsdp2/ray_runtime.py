@@ -71,7 +71,7 @@ class RayRuntime:
     _before: set[int] = field(default_factory=set)
     _owner: threading.Thread | None = None
 
-    def start(self) -> "RayRuntime":
+    def start(self) -> RayRuntime:
         """``ray.init`` on a thread of its own that lives until ``stop``: Ray starts GCS and
         raylet with PR_SET_PDEATHSIG, which kills them when the *thread* that started them
         ends, and the trainer serves each RPC connection on a short-lived thread."""
@@ -100,7 +100,7 @@ class RayRuntime:
                     with visible_gpus(self.gpu_ids):
                         ray.init(num_cpus=self.num_cpus, include_dashboard=False, _temp_dir=str(self.temp_dir),
                                  _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False,
-                                 **({"num_gpus": len(self.gpu_ids)} if self.gpu_ids else {}))
+                                 num_gpus=len(self.gpu_ids) if self.gpu_ids else None)  # None: Ray's default
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 failed.append(err)
             started.set()
