@@ -52,31 +52,31 @@ class TrainerActivities:
 
     @activity.defn(name=INIT_POLICY.name)
     def init_policy(self, inp: InitPolicyInput) -> PolicyInfo:
-        self.rt.set_run(inp.run_id)
-        if inp.epoch:  # before anything this placement writes: older placements' writes are refused from here on
+        run = inp.setup
+        self.rt.set_run(run.run_id)
+        if run.epoch:  # before anything this placement writes: older placements' writes are refused from here on
             try:
-                raise_fence(open_store(inp.store_uri), inp.run_id, inp.epoch, self.rt.node_id, inp.policy_version + 1)
+                raise_fence(open_store(run.store_uri), run.run_id, run.epoch, self.rt.node_id, inp.policy_version + 1)
             except StaleEpoch as err:
-                raise self.fence.stale(inp.run_id, inp.epoch, str(err)) from err
-        setup = self.rt.setups[inp.run_id] = translate.run_setup(inp, self.rt.node_id)
-        info = self._trainer_call(inp.run_id, inp.epoch, INIT_POLICY.name,
+                raise self.fence.stale(run.run_id, run.epoch, str(err)) from err
+        setup = self.rt.setups[run.run_id] = run.model_copy(update={"node_id": self.rt.node_id})
+        info = self._trainer_call(run.run_id, run.epoch, INIT_POLICY.name,
                                   lambda: self.rt.trainer.ensure_version(setup, inp.policy_version))
         return translate.policy_info(info, self.rt.drain_events(), self.rt.node_id)
 
     @activity.defn(name=TRAIN_STEP.name)
     def train_step(self, inp: TrainStepInput) -> TrainStepResult:
-        setup = self._setup(inp.run_id, inp.epoch)
-        batch = translate.step_batch(inp)
+        setup, batch = self._setup(inp.run_id, inp.epoch), inp.batch
         # engines.release_memory: the engines sleep while the trainer trains (update_weights wakes them)
         with_heartbeat(self.rt.engines.release)
-        res = self._trainer_call(inp.run_id, inp.epoch, f"train_step {inp.step}",
+        res = self._trainer_call(inp.run_id, inp.epoch, f"train_step {batch.step}",
                                  lambda: self.rt.trainer.train_step(setup, batch))
         bad = [k for k, v in res.metrics.items() if not math.isfinite(v)]
         if bad:
-            raise failure(Failure.DIVERGENCE, f"step {inp.step}: non-finite {bad}")
+            raise failure(Failure.DIVERGENCE, f"step {batch.step}: non-finite {bad}")
         result = translate.train_step_result(res, self.rt.drain_events(), self.rt.node_id)
         metrics.record_train(result.metrics, result.seconds, len(result.replayed_steps))
-        if inp.sampling is not None:  # dynamic sampling's counts (exported by assemble_batch before the selection)
+        if inp.sampling is not None:  # dynamic sampling's counts
             metrics.record_sampling(inp.sampling.model_dump())
         metrics.POLICY_VERSION.set(result.policy_version)
         _record_dp(result.dp, result.node_events)

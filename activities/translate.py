@@ -2,10 +2,11 @@
 
 Both sides speak ``spec``: the run-config sections, the trainer's wire messages and the
 status models are declared once there, so nothing here copies a field from one model
-into its twin. What is left: an activity input becomes the runtime request it implies
-(``InitPolicyInput`` -> ``RunSetup``, with the node and the dataset's key; ``TrainStepInput``
--> the ``StepBatch`` stored for replay), and a trainer result becomes the activity result
-the workflow records (the rebuild as an event, the node named on its cells).
+into its twin. What is left: an activity input becomes the runtime request it implies (a checkpoint's
+``durable`` is the trainer's ``sync``, a dynamic-sampling round's ``n_prompts`` its
+``prompts_per_step``), and a trainer result becomes the activity result the workflow records
+(the rebuild as an event, the node named on its cells). ``init_policy`` and ``train_step``
+carry the trainer's own ``RunSetup`` and ``StepBatch``: nothing to convert.
 """
 
 from __future__ import annotations
@@ -16,34 +17,17 @@ from gpu_runtime.rollout.evaluate import EvalRequest, EvalStats
 from gpu_runtime.rollout.request import RolloutRequest
 from spec.status import CellInfo, DPCells, RunEvent
 from spec.trainer_rpc import (
-    CellsRestarted, CheckpointRequest, CheckpointSaved, Rebuild, RunSetup, StepBatch, TrainResult, VersionInfo,
+    CellsRestarted, CheckpointRequest, CheckpointSaved, Rebuild, TrainResult, VersionInfo,
 )
 from workflows.contracts.cells import RestartCellsResult
-from workflows.contracts.placement import InitPolicyInput, PolicyInfo
+from workflows.contracts.placement import PolicyInfo
 from workflows.contracts.sampling import RolloutInput
 from workflows.contracts.training import (
-    CheckpointInput, CheckpointResult, EvalInput, EvalResult, TrainStepInput, TrainStepResult,
+    CheckpointInput, CheckpointResult, EvalInput, EvalResult, TrainStepResult,
 )
 
 
 # ---- workflow -> runtime -------------------------------------------------------------
-def run_setup(inp: InitPolicyInput, node_id: str = "") -> RunSetup:
-    return RunSetup(
-        run_id=inp.run_id, store_uri=inp.store_uri, seed=inp.seed, model=inp.model, sft=inp.sft, hparams=inp.train,
-        dataset_key=inp.dataset.key, keep_last=inp.checkpoint.keep_last, config_hash=inp.config_hash,
-        distill=inp.distill, lineage=inp.lineage, epoch=inp.epoch, node_id=node_id, trainer=inp.trainer,
-        keep_versions=inp.checkpoint.keep_versions,
-    )
-
-
-def step_batch(inp: TrainStepInput) -> StepBatch:
-    return StepBatch(
-        step=inp.step, policy_version=inp.policy_version, chunk_keys=inp.chunk_keys,
-        rewards_key=inp.rewards_key, group_size=inp.group_size, hparams=inp.train, sft=inp.sft_rows,
-        selection=inp.selection, temperature=inp.temperature,
-    )
-
-
 def checkpoint_request(inp: CheckpointInput) -> CheckpointRequest:
     return CheckpointRequest(step=inp.step, data_cursor=inp.data_cursor, sync=inp.durable)
 

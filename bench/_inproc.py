@@ -37,9 +37,8 @@ from gpu_runtime.trainer.policy.trainer import PolicyTrainer  # noqa: E402
 from milestone_cli.config_file import load_run_config  # noqa: E402
 from spec.run import RunConfig  # noqa: E402
 from spec.trainer_rpc import RunSetup, StepBatch  # noqa: E402
-from workflows.contracts.placement import DatasetInfo, InitPolicyInput  # noqa: E402
+from workflows.contracts.placement import DatasetInfo  # noqa: E402
 from workflows.contracts.sampling import RolloutInput  # noqa: E402
-from workflows.contracts.training import TrainStepInput  # noqa: E402
 
 DEMO_YAML = ROOT / "examples" / "demo.yaml"
 
@@ -61,20 +60,20 @@ def _dataset(cfg: RunConfig, run_id: str) -> DatasetInfo:
 
 
 def run_setup(cfg: RunConfig, run_id: str) -> RunSetup:
-    """What ``init_policy`` sends the trainer for this config (the activity's own translation)."""
-    return translate.run_setup(InitPolicyInput(
-        run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft, train=cfg.train,
-        dataset=_dataset(cfg, run_id), checkpoint=cfg.checkpoint, config_hash=run_id, trainer=cfg.trainer,
-    ))
+    """What ``init_policy`` sends the trainer for this config (as ``TrainingRun`` builds it)."""
+    return RunSetup(
+        run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft, hparams=cfg.train,
+        dataset_key=art.dataset_key(run_id, "train"), keep_last=cfg.checkpoint.keep_last,
+        keep_versions=cfg.checkpoint.keep_versions, config_hash=run_id, distill=cfg.distill, trainer=cfg.trainer,
+    )
 
 
 def step_batch(cfg: RunConfig, run_id: str, step: int, chunk_keys: list[str], rewards_key: str) -> StepBatch:
-    """What ``train_step`` sends the trainer for step ``step`` (the activity's own translation)."""
-    return translate.step_batch(TrainStepInput(
-        run_id=run_id, step=step, store_uri=cfg.store, policy_version=step - 1, chunk_keys=chunk_keys,
-        rewards_key=rewards_key, group_size=cfg.rollout.group_size, train=cfg.train,
-        temperature=cfg.rollout.temperature,
-    ))
+    """What ``train_step`` sends the trainer for step ``step`` (as ``RLStep`` builds it)."""
+    return StepBatch(
+        step=step, policy_version=step - 1, chunk_keys=chunk_keys, rewards_key=rewards_key,
+        group_size=cfg.rollout.group_size, hparams=cfg.train, temperature=cfg.rollout.temperature,
+    )
 
 
 def dataset_rows(cfg: RunConfig, path: Path) -> list[dict]:

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from spec.model import DistillSpec, ModelSpec
+from spec.placement import Placed
 from spec.rpc import MethodTable, RpcMethod
 from spec.status import CellInfo, DPCells, RunEvent
 from spec.train import SFTSpec, TrainSpec
@@ -44,12 +45,12 @@ class SFTRows(BaseModel):
     n_rows: int
 
 
-class RunSetup(Message):
+class RunSetup(Placed, Message):
     """What a trainer needs to serve a run; sent with every call, so a restarted
-    trainer can rebuild the run's state without a separate bind."""
+    trainer can rebuild the run's state without a separate bind. The workflow builds it
+    (``init_policy``'s input); the node agent fills in what only it knows (``node_id``,
+    ``offload_optimizer``). ``epoch``: the placement epoch every store write of a call carries."""
 
-    run_id: str
-    store_uri: str
     seed: int
     model: ModelSpec
     sft: SFTSpec
@@ -59,8 +60,7 @@ class RunSetup(Message):
     config_hash: str
     distill: DistillSpec | None
     lineage: list[ForkPoint] = []  # a fork: its ancestors, oldest first (gpu_runtime.store.lineage)
-    epoch: int = 0  # the placement epoch every store write of this call carries (0: unfenced)
-    node_id: str = ""  # the node the trainer runs on (named in refused writes)
+    node_id: str = ""  # the node the trainer runs on (named in refused writes): set by the node agent
     keep_versions: list[int] = []  # checkpoint.keep_versions: their model folders stay in the store
     trainer: TrainerSpec | None = None  # None: backend single
     # engines.release_memory resolved on: the optimizer state waits on the host between steps

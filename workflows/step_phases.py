@@ -16,7 +16,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from spec.status import RunEvent
-    from spec.trainer_rpc import SFTRows
+    from spec.trainer_rpc import SFTRows, StepBatch
     from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
     from workflows.contracts.sampling import Sampled
     from workflows.contracts.step import RLStepInput
@@ -71,11 +71,15 @@ async def train(inp: RLStepInput, sampled: Sampled | None, sft_rows: SFTRows | N
     groups of its rounds (dynamic sampling); or, in mode sft, on ``sft_rows``."""
     return await waiting_for_disk(lambda: TRAIN_STEP.run(
         TrainStepInput(
-            run_id=inp.run_id, step=inp.step, store_uri=inp.config.store, policy_version=inp.policy_version,
-            chunk_keys=sampled.chunk_keys if sampled else [], rewards_key=sampled.rewards_key if sampled else "",
-            group_size=inp.config.rollout.group_size, train=inp.train, sft_rows=sft_rows, epoch=inp.epoch,
-            selection=sampled.selection if sampled else None, sampling=sampled.sampling if sampled else None,
-            temperature=trained_temperature(inp) if sampled else 1.0,
+            run_id=inp.run_id, store_uri=inp.config.store, epoch=inp.epoch,
+            batch=StepBatch(
+                step=inp.step, policy_version=inp.policy_version,
+                chunk_keys=sampled.chunk_keys if sampled else [], rewards_key=sampled.rewards_key if sampled else "",
+                group_size=inp.config.rollout.group_size, hparams=inp.train, sft=sft_rows,
+                selection=sampled.selection if sampled else None,
+                temperature=trained_temperature(inp) if sampled else 1.0,
+            ),
+            sampling=sampled.sampling if sampled else None,
         ),
         queue=inp.node_queue, summary=f"train step {inp.step} -> v{inp.policy_version + 1}",
     ), f"train step {inp.step}")

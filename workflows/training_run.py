@@ -26,7 +26,7 @@ with workflow.unsafe.imports_passed_through():
     from spec.status import RunEvent
     from spec.strict import format_validation_error
     from spec.train import HParamUpdate
-    from spec.trainer_rpc import ForkPoint
+    from spec.trainer_rpc import ForkPoint, RunSetup
     from workflows import cell_heal
     from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, PrepareDataInput
     from workflows.run_details import hparam_update_refused, run_details
@@ -238,13 +238,14 @@ class TrainingRun:
         cfg, st = self.cfg, self.st
         assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
         node, dataset, train = st.node, st.dataset, st.train
+        setup = RunSetup(
+            run_id=run_id, store_uri=cfg.store, epoch=node.epoch, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
+            hparams=train, dataset_key=dataset.key, keep_last=cfg.checkpoint.keep_last,
+            keep_versions=cfg.checkpoint.keep_versions, config_hash=chash, distill=cfg.distill, lineage=self.lineage,
+            trainer=cfg.trainer,
+        )
         policy = await waiting_for_disk(lambda: INIT_POLICY.run(
-            InitPolicyInput(
-                run_id=run_id, store_uri=cfg.store, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
-                train=train, dataset=dataset, checkpoint=cfg.checkpoint, config_hash=chash,
-                policy_version=st.policy_version, lineage=self.lineage, epoch=node.epoch, distill=cfg.distill,
-                trainer=cfg.trainer,
-            ),
+            InitPolicyInput(setup=setup, policy_version=st.policy_version),
             queue=node.task_queue,
             summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
         ), "init policy")

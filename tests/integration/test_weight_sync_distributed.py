@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 
-from activities import translate
 from gpu_runtime.data.datasets import generate_arithmetic, write_jsonl
 from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
@@ -41,9 +40,9 @@ from gpu_runtime.weight_sync.distributed import folder_manifest
 from spec.model import ModelSpec
 from spec.run import CheckpointSpec
 from spec.train import SFTSpec, TrainSpec
-from spec.trainer_rpc import VersionInfo
+from spec.trainer import TrainerSpec
+from spec.trainer_rpc import RunSetup, VersionInfo
 from tests.engine_fixtures import free_port, free_port_block, model_dirs_fixture, procs_fixture, started_engine, wait_for  # noqa: F401
-from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=10.0, first_wait_s=120.0, failure_threshold=3)
 PROMPTS = [[1, 5, 6, 7], [1, 9], [3, 4, 5]]
@@ -62,11 +61,12 @@ def trainer(model_dirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     key = art.dataset_key(RUN, "train")
     (store / key).parent.mkdir(parents=True)
     n = write_jsonl(generate_arithmetic(16, 0, 9, "+"), store / key)
-    setup = translate.run_setup(InitPolicyInput(
+    assert n == 16
+    setup = RunSetup(
         run_id=RUN, store_uri=f"file://{store}", seed=3, model=ModelSpec(path=str(model_dirs["v1"])),
-        sft=SFTSpec(steps=1, batch_size=4, lr=1e-2), train=TrainSpec(), dataset=DatasetInfo(key=key, n_rows=n, sha256=""),
-        checkpoint=CheckpointSpec(), config_hash="dsync",
-    ))
+        sft=SFTSpec(steps=1, batch_size=4, lr=1e-2), hparams=TrainSpec(), dataset_key=key,
+        keep_last=CheckpointSpec().keep_last, config_hash="dsync", distill=None, trainer=TrainerSpec(),
+    )
     os.environ["MILESTONE_FAULT_WEIGHT_BROADCAST_DELAY_S"] = str(BROADCAST_DELAY_S)
     try:
         proc = TrainerProcess(root / "work", root / "trainer.log")

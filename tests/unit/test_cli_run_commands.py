@@ -31,7 +31,7 @@ def test_pause_set_resume_and_status_from_the_cli(capsys: pytest.CaptureFixture[
         await wait_progress(handle, lambda p: p.step == 1, "step 1 to commit")
         await cmd_signal(env.client, Namespace(run=handle.id, command="resume"))
         await finish(handle)
-        assert [(t.step, t.train.lr) for t in cluster.train_inputs] == [(1, 1e-4), (2, 1e-3)]
+        assert [(t.batch.step, t.batch.hparams.lr) for t in cluster.train_inputs] == [(1, 1e-4), (2, 1e-3)]
         assert [n for _, n in cluster.engine_counts] == [2, 2, 3]  # v0 and step 1, then step 2
         capsys.readouterr()
         await cmd_status(env.client, Namespace(run=handle.id, json=True))
@@ -55,6 +55,6 @@ def test_set_sends_nothing_when_an_assignment_is_bad(capsys: pytest.CaptureFixtu
             await cmd_set(env.client, Namespace(run=handle.id, assignments=["lr=1e-3", "engines.nope=3"]))
         held.release.set()
         await finish(handle)
-        assert [t.train.lr for t in cluster.train_inputs] == [1e-4, 1e-4]
+        assert [t.batch.hparams.lr for t in cluster.train_inputs] == [1e-4, 1e-4]
 
     scenario(cluster, body)

@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from activities import translate
 from gpu_runtime.models.model_folder import save_model_folder
 from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.megatron import trainer as mtrainer
@@ -42,9 +41,9 @@ from spec.model import ModelSpec
 from spec.run import CheckpointSpec
 from spec.train import SFTSpec, TrainSpec
 from spec.trainer import TrainerSpec
+from spec.trainer_rpc import RunSetup
 from tests.engine_fixtures import REPO, tiny_model
 from tests.megatron_fixtures import HFAsGPT, check_service, check_steps, run_service, run_steps
-from workflows.contracts.placement import DatasetInfo, InitPolicyInput
 from workflows.stubs import TRAIN_STEP
 
 def _batch(step: int) -> tuple[list[Sample], list[float]]:
@@ -111,14 +110,14 @@ def test_the_trainer_refuses_a_megatron_run_when_it_binds(tmp_path: Path) -> Non
     ValueError (the activity fails the run as invalid input, no retries), and nothing is
     written to the run's store."""
     store = tmp_path / "store"
-    inp = InitPolicyInput(
-        run_id="r", store_uri=f"file://{store}", seed=5, model=ModelSpec(), sft=SFTSpec(), train=TrainSpec(),
-        dataset=DatasetInfo(key="runs/r/data/train.jsonl", n_rows=10, sha256="x"), checkpoint=CheckpointSpec(),
-        config_hash="abc", trainer=TrainerSpec(backend="megatron"),
+    setup = RunSetup(
+        run_id="r", store_uri=f"file://{store}", seed=5, model=ModelSpec(), sft=SFTSpec(), hparams=TrainSpec(),
+        dataset_key="runs/r/data/train.jsonl", keep_last=CheckpointSpec().keep_last, config_hash="abc", distill=None,
+        trainer=TrainerSpec(backend="megatron"),
     )
     svc = TrainerService(tmp_path / "work")
     with pytest.raises(ValueError, match="trainer.backend megatron needs (megatron-core|the node's trainer on CUDA)"):
-        svc.ensure_version(translate.run_setup(inp), 0)
+        svc.ensure_version(setup, 0)
     assert svc.setup is None and not store.exists()
 
 
@@ -185,6 +184,6 @@ def test_set_hparams_refuses_what_megatron_does_not_implement_mid_run() -> None:
         assert train["lr"] == 1e-3 and train["entropy_coef"] == 0.0
         held.release.set()
         await finish(handle)
-        assert [t.train.entropy_coef for t in cluster.train_inputs] == [0.0, 0.0]
+        assert [t.batch.hparams.entropy_coef for t in cluster.train_inputs] == [0.0, 0.0]
 
     scenario(cluster, body)

@@ -19,7 +19,6 @@ from temporalio.testing import ActivityEnvironment
 
 import activities.node_rollout
 from activities.node import NodeActivities
-from activities.translate import step_batch
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.rollout.held import HeldChunks
 from gpu_runtime.store import artifacts as art
@@ -32,7 +31,6 @@ from spec.train import TrainSpec
 from spec.trainer_rpc import BatchSelection, SampledRound, StepBatch
 from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import RewardInput
-from workflows.contracts.training import TrainStepInput
 from workflows.failures import Failure
 
 ROWS = [{"id": f"r{i}", "prompt": f"{i}+1=", "messages": None, "answer": str(i + 1), "metadata": {}} for i in range(4)]
@@ -207,11 +205,9 @@ def two_rounds(store: ObjectStore) -> list[SampledRound]:
     return rounds
 
 
-def train_input(selection: BatchSelection | None = None, chunk_keys: list[str] | None = None,
-                rewards_key: str = "") -> TrainStepInput:
-    return TrainStepInput(run_id="run", step=2, store_uri="file:///unused", policy_version=1,
-                          chunk_keys=chunk_keys or [], rewards_key=rewards_key, group_size=GROUP,
-                          train=TrainSpec(lr=1e-4), selection=selection)
+def step_batch(selection: BatchSelection) -> StepBatch:
+    return StepBatch(step=2, policy_version=1, chunk_keys=[], rewards_key="", group_size=GROUP,
+                     hparams=TrainSpec(lr=1e-4), selection=selection)
 
 
 GROUPS = [(1, 3), (0, 0), (1, 1), (0, 2)]  # (round, group) in training order, across chunks and rounds
@@ -223,7 +219,7 @@ def test_the_trainer_reads_each_chunk_of_a_selection_once_and_trains_the_groups_
     store = open_store(store_uri)
     rounds = two_rounds(store)
     counting = CountingStore(store)
-    batch = StepBatch.model_validate_json(step_batch(train_input(BatchSelection(rounds=rounds, groups=GROUPS))).model_dump_json())
+    batch = StepBatch.model_validate_json(step_batch(BatchSelection(rounds=rounds, groups=GROUPS)).model_dump_json())
     samples, rewards = step_samples(counting, batch)
     assert counting.reads == Counter({k: 1 for r in rounds for k in [*r.chunk_keys, r.rewards_key]})
     assert [s.sample_id for s in samples] == ["s2-r1-p3-g0", "s2-r1-p3-g1", "s2-p0-g0", "s2-p0-g1",

@@ -100,8 +100,8 @@ def test_sft_mode_steps_train_on_rows_without_rollout_or_reward() -> None:
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version, summary.data_cursor) == (3, 3, 15)
         assert not cluster.served(ROLLOUT) and not cluster.served(COMPUTE_REWARDS_ON_NODE)
-        assert [(t.step, t.policy_version, t.chunk_keys, t.sft_rows.data_cursor, t.sft_rows.n_rows)
-                for t in cluster.train_inputs if t.sft_rows] == [(1, 0, [], 0, 5), (2, 1, [], 5, 5), (3, 2, [], 10, 5)]
+        assert [(t.batch.step, t.batch.policy_version, t.batch.chunk_keys, t.batch.sft.data_cursor, t.batch.sft.n_rows)
+                for t in cluster.train_inputs if t.batch.sft] == [(1, 0, [], 0, 5), (2, 1, [], 5, 5), (3, 2, [], 10, 5)]
         assert [c.step for c in cluster.served(CHECKPOINT)] == [2, 3]  # checkpoints, evals: as in RL
         p = await progress(handle)
         assert [s.data_cursor for s in p.steps] == [5, 10, 15] and [s.loss for s in p.steps] == [1.0, 0.5, 1 / 3]

@@ -1,6 +1,8 @@
 """The real conversions between workflow contracts and the node's runtime calls: each carries
 its input whole (the sections themselves, not copies) and turns trainer results into the
-activity results the workflow records."""
+activity results the workflow records. (``init_policy`` and ``train_step`` carry the trainer's
+``RunSetup`` and ``StepBatch`` themselves: tests/unit/test_workflows.py checks what the run
+sends.)"""
 
 from __future__ import annotations
 
@@ -8,16 +10,13 @@ import dataclasses
 
 from activities import translate
 from gpu_runtime.rollout.evaluate import EvalStats
-from spec.model import DistillSpec, LoraSpec, ModelInitSpec, ModelSpec
 from spec.rollout import RolloutSpec
-from spec.run import CheckpointSpec
 from spec.status import RunEvent
-from spec.train import SFTSpec, TrainSpec
-from spec.trainer import TrainerSpec
-from spec.trainer_rpc import CheckpointSaved, ForkPoint, Rebuild, SFTRows, TrainResult, VersionInfo
-from workflows.contracts.placement import DatasetInfo, InitPolicyInput
+from spec.train import TrainSpec
+from spec.trainer_rpc import CheckpointSaved, Rebuild, TrainResult, VersionInfo
+from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import RolloutInput
-from workflows.contracts.training import EvalInput, TrainStepInput
+from workflows.contracts.training import EvalInput
 
 # non-default values everywhere, so a dropped field shows
 TRAIN = TrainSpec(lr=1.5e-5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, warmup_steps=3, grad_clip=0.5,
@@ -25,49 +24,6 @@ TRAIN = TrainSpec(lr=1.5e-5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, war
                   loss_agg_norm_len=16, kl_coef=0.05, kl_estimator="k2", kl_in_reward=True, entropy_coef=0.01,
                   tis_cap=2.0, scale_adv_by_std=False, ppo_epochs=3, micro_batch_size=7, precision="bf16")
 DATASET = DatasetInfo(key="runs/r/data/train.jsonl", n_rows=10, sha256="x")
-
-
-def init_input(**kw: object) -> InitPolicyInput:
-    base: dict = dict(run_id="r", store_uri="file:///s", seed=5, model=ModelSpec(), sft=SFTSpec(), train=TRAIN,
-                      dataset=DATASET, checkpoint=CheckpointSpec(), config_hash="abc")
-    return InitPolicyInput(**(base | kw))
-
-
-def test_run_setup_carries_the_sections_themselves() -> None:
-    inp = init_input(
-        model=ModelSpec(init=ModelInitSpec(arch="llama", hidden_size=32, num_attention_heads=4, vocab_size=300)),
-        sft=SFTSpec(steps=7, batch_size=3, lr=2e-3, grad_clip=0.5), checkpoint=CheckpointSpec(every=2, keep_last=9),
-        lineage=[ForkPoint(run_id="parent", step=3)], epoch=4,
-    )
-    setup = translate.run_setup(inp, "node0")
-    assert (setup.model, setup.sft, setup.hparams, setup.trainer, setup.lineage) == (
-        inp.model, inp.sft, TRAIN, inp.trainer, inp.lineage)
-    assert (setup.keep_last, setup.config_hash, setup.dataset_key, setup.seed, setup.epoch, setup.node_id) == (
-        9, "abc", DATASET.key, 5, 4, "node0")
-    assert type(setup).model_validate_json(setup.model_dump_json()) == setup  # the RPC's JSON reads back whole
-
-
-def test_run_setup_carries_lora_distill_and_the_trainer_backend() -> None:
-    lora = LoraSpec(r=4, alpha=3.0, dropout=0.1, target_modules=["q_proj"], export="adapter")
-    trainer = TrainerSpec(backend="fsdp2", ranks_per_cell=4, placement="spread", ray_address="10.0.0.2:6379",
-                          collective_timeout_s=9)
-    inp = init_input(model=ModelSpec(path="/m", lora=lora), distill=DistillSpec(teacher_path="/t", coef=0.5),
-                     trainer=trainer)
-    setup = translate.run_setup(inp)
-    assert setup.model.lora == lora and setup.distill == DistillSpec(teacher_path="/t", coef=0.5)
-    assert setup.trainer == trainer
-    assert translate.run_setup(inp.model_copy(update={"distill": None})).distill is None
-
-
-def test_step_batch_carries_the_steps_own_train_settings() -> None:
-    step = TrainStepInput(run_id="r", step=3, store_uri="file:///s", policy_version=2, chunk_keys=["a", "b"],
-                          rewards_key="rw", group_size=4, train=TRAIN.model_copy(update={"lr": 9e-6}))
-    batch = translate.step_batch(step)
-    assert (batch.step, batch.policy_version, batch.chunk_keys, batch.rewards_key, batch.group_size, batch.sft) == (
-        3, 2, ["a", "b"], "rw", 4, None)
-    assert batch.hparams.lr == 9e-6  # the step's own settings (set_hparams), not the run's initial ones
-    sft = translate.step_batch(step.model_copy(update={"sft_rows": SFTRows(data_cursor=64, n_rows=32)}))
-    assert sft.sft == SFTRows(data_cursor=64, n_rows=32)
 
 
 def test_rollout_request() -> None:

@@ -33,7 +33,7 @@ def assert_committed_once(cluster: Cluster, steps: int, summary_steps: list[Step
     assert [s.policy_version for s in summary_steps] == list(range(1, steps + 1))
     assert [s.data_cursor for s in summary_steps] == [PROMPTS_PER_STEP * n for n in range(1, steps + 1)]
     # the trainer took one successful step per RL step, each from the version before it
-    assert [(t.step, t.policy_version) for t in cluster.train_inputs] == [(n, n - 1) for n in range(1, steps + 1)]
+    assert [(t.batch.step, t.batch.policy_version) for t in cluster.train_inputs] == [(n, n - 1) for n in range(1, steps + 1)]
 
 
 async def assert_replaced(handle: WorkflowHandle, cluster: Cluster, node_a: str, node_b: str, lost_at_step: int) -> None:
@@ -44,7 +44,7 @@ async def assert_replaced(handle: WorkflowHandle, cluster: Cluster, node_a: str,
     assert trained == [(node_a, n) for n in range(1, lost_at_step)] + [(node_b, n) for n in range(lost_at_step, 4)]
     assert [(q, i.policy_version) for q, i in cluster.init_inputs] == [(node_a, 0), (node_b, lost_at_step - 1)]
     # each placement has its epoch, and every step's node work carries the epoch it ran under
-    assert [i.epoch for _, i in cluster.init_inputs] == [1, 2]
+    assert [i.setup.epoch for _, i in cluster.init_inputs] == [1, 2]
     assert [t.epoch for t in cluster.train_inputs] == [1] * (lost_at_step - 1) + [2] * (4 - lost_at_step)
     assert len(cluster.served(CLAIM_NODE)) == 2
     p = await progress(handle)
@@ -181,7 +181,7 @@ def test_set_hparams_accepted_applies_to_next_step() -> None:
         held.release.set()
         await finish(handle)
         # step 1 was already sent with the old values; every later step carries the new ones
-        assert [(t.step, t.train.lr, t.train.clip_eps) for t in cluster.train_inputs] == [
+        assert [(t.batch.step, t.batch.hparams.lr, t.batch.hparams.clip_eps) for t in cluster.train_inputs] == [
             (1, 1e-4, 0.2), (2, 1e-3, 0.1), (3, 1e-3, 0.1)
         ]
         events = [e for e in (await progress(handle)).events if e.kind == "hparams_set"]
@@ -201,7 +201,7 @@ def test_set_hparams_null_turns_an_optional_knob_off_from_the_next_step() -> Non
         assert train["tis_cap"] is None and train["lr"] == 1e-4
         held.release.set()
         await finish(handle)
-        assert [(t.step, t.train.tis_cap) for t in cluster.train_inputs] == [(1, 2.0), (2, None)]
+        assert [(t.batch.step, t.batch.hparams.tis_cap) for t in cluster.train_inputs] == [(1, 2.0), (2, None)]
         events = [e for e in (await progress(handle)).events if e.kind == "hparams_set"]
         assert [e.detail for e in events] == ['{"tis_cap": null}']
 
@@ -251,7 +251,7 @@ def test_set_hparams_rejected_leaves_run_unaffected(update: HParamUpdate, messag
         held.release.set()
         summary = await finish(handle)
         assert summary.steps == 2
-        assert [t.train for t in cluster.train_inputs] == [cfg.train, cfg.train]
+        assert [t.batch.hparams for t in cluster.train_inputs] == [cfg.train, cfg.train]
         p = await progress(handle)
         assert p.state == "completed" and not [e for e in p.events if e.kind == "hparams_set"]
 
@@ -305,7 +305,7 @@ def test_divergence_pauses_then_resume_retries_the_step() -> None:
         summary = await finish(handle)
         assert (summary.steps, summary.policy_version) == (3, 3)
         assert len(cluster.served(ROLLOUT, 2)) == 2  # the step was re-run from its start
-        assert [(t.step, t.train.lr) for t in cluster.train_inputs] == [(1, 1e-4), (2, 5e-5), (3, 5e-5)]
+        assert [(t.batch.step, t.batch.hparams.lr) for t in cluster.train_inputs] == [(1, 1e-4), (2, 5e-5), (3, 5e-5)]
         assert_committed_once(cluster, 3, (await progress(handle)).steps)
 
     scenario(cluster, body)
@@ -334,5 +334,35 @@ def test_a_kept_version_is_checkpointed_after_its_step() -> None:
         assert summary.steps == 5
         assert [(c.step, c.durable) for c in cluster.checkpoint_inputs] == [
             (2, False), (3, False), (4, False), (5, True)]
+
+    scenario(cluster, body)
+
+
+def test_the_run_sends_the_trainer_its_setup_and_each_steps_batch_whole() -> None:
+    """``init_policy`` carries the trainer's ``RunSetup`` built from the config's own sections
+    (non-default values, so a dropped field shows) and ``train_step`` the ``StepBatch`` the
+    trainer stores for replay: no field is copied on the way (the node only adds its id)."""
+    cluster = Cluster()
+    cfg = run_config(
+        steps=2, seed=5, train={"lr": 1.5e-5, "clip_eps_high": 0.28, "kl_coef": 0.05, "ppo_epochs": 3},
+        sft={"steps": 7, "batch_size": 3, "lr": 2e-3},
+        model={"init": {"arch": "llama", "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 300},
+               "lora": {"r": 4, "alpha": 3.0, "target_modules": ["q_proj"]}},
+        distill={"teacher_path": "/t", "coef": 0.5},
+        checkpoint={"every": 2, "keep_last": 9, "keep_versions": [1]},
+    )
+
+    async def body(env: WorkflowEnvironment, nodes: dict[str, Worker]) -> None:
+        await finish(await start_run(env, cfg))
+        ((_, init),) = cluster.init_inputs
+        setup = init.setup
+        assert (setup.seed, setup.model, setup.sft, setup.hparams, setup.distill, setup.trainer) == (
+            5, cfg.model, cfg.sft, cfg.train, cfg.distill, cfg.trainer)
+        assert (setup.keep_last, setup.keep_versions, setup.epoch, setup.lineage) == (9, [1], 1, [])
+        assert setup.dataset_key.endswith("/data/train.jsonl") and setup.node_id == ""  # the node fills it in
+        assert type(setup).model_validate_json(setup.model_dump_json()) == setup  # the RPC's JSON reads back whole
+        batches = [t.batch for t in cluster.train_inputs]
+        assert [(b.step, b.policy_version, b.group_size, b.hparams) for b in batches] == [
+            (1, 0, cfg.rollout.group_size, cfg.train), (2, 1, cfg.rollout.group_size, cfg.train)]
 
     scenario(cluster, body)

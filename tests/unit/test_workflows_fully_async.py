@@ -136,10 +136,10 @@ def assert_k2_schedule(cluster: Cluster, steps: list) -> None:
     """What a fault-free K=2 run of STEPS steps did, whatever happened in between."""
     rollouts = [(i.step, i.policy_version, i.data_cursor) for i in cluster.rollout_inputs]
     assert sorted(set(rollouts)) == [(1, 0, 0), (2, 0, P), (3, 0, 2 * P), (4, 1, 3 * P), (5, 2, 4 * P)]
-    trained = [(t.step, t.policy_version) for t in cluster.train_inputs]
+    trained = [(t.batch.step, t.batch.policy_version) for t in cluster.train_inputs]
     assert sorted(set(trained)) == [(n, n - 1) for n in range(1, STEPS + 1)]
     for t in cluster.train_inputs:  # each step trained its own step's batch
-        assert {step_of(k) for k in t.chunk_keys} == {t.step}
+        assert {step_of(k) for k in t.batch.chunk_keys} == {t.batch.step}
     assert [s.rollout_version for s in steps] == [0, 0, 0, 1, 2]
     assert [s.staleness for s in steps] == [0, 1, 2, 2, 2]
     assert [s.buffer_depth for s in steps] == [2, 2, 2, 1, 0]
@@ -201,7 +201,7 @@ def test_lost_node_reruns_the_step_from_the_recorded_buffer(monkeypatch: pytest.
                             (node_b, 5, 2)]
         p = await progress(handle)
         assert_k2_schedule(cluster, p.steps)
-        trained3 = {tuple(t.chunk_keys) for t in cluster.train_inputs if t.step == 3}
+        trained3 = {tuple(t.batch.chunk_keys) for t in cluster.train_inputs if t.batch.step == 3}
         assert len(trained3) == 1  # step 3 (tried on A, re-run on B): the same recorded batch
 
     lose_node_a(monkeypatch, fully_async(), (ROLLOUT, 5), (TRAIN_STEP, UPDATE_WEIGHTS), check)
@@ -220,7 +220,7 @@ def test_dynamic_sampling_composes_each_batch_drawing_where_the_last_stopped() -
         assert [(i.step, i.round, i.policy_version, i.data_cursor) for i in cluster.rollout_inputs] == [
             (1, 0, 0, 0), (2, 0, 0, 4), (2, 1, 0, 8), (3, 0, 0, 12), (4, 0, 1, 16)]
         assert summary.data_cursor == 20
-        assert [t.step for t in cluster.train_inputs] == [1, 2, 3, 4]
+        assert [t.batch.step for t in cluster.train_inputs] == [1, 2, 3, 4]
 
     scenario(cluster, body)
 
@@ -289,7 +289,7 @@ def test_a_fork_mid_buffer_takes_the_parents_batches_and_keeps_its_schedule() ->
         summary = await finish(fork_handle)
         assert (summary.steps, summary.data_cursor) == (STEPS, STEPS * P)
         assert [(i.step, i.policy_version, i.data_cursor) for i in cluster.rollout_inputs] == [(5, 2, 4 * P)]
-        assert [(t.step, {step_of(k) for k in t.chunk_keys}) for t in cluster.train_inputs] == [
+        assert [(t.batch.step, {step_of(k) for k in t.batch.chunk_keys}) for t in cluster.train_inputs] == [
             (3, {3}), (4, {4}), (5, {5})]
         assert [s.rollout_version for s in (await progress(fork_handle)).steps] == [0, 1, 2]  # as the parent's
 

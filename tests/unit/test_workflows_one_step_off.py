@@ -48,8 +48,8 @@ def test_next_rollout_runs_during_train_step_one_version_behind() -> None:
         assert [(i.step, i.policy_version) for i in cluster.rollout_inputs] == [(1, 0), (2, 0), (3, 1), (4, 2)]
         assert [i.data_cursor for i in cluster.rollout_inputs] == [n * PROMPTS_PER_STEP for n in range(STEPS)]
         # each train step trained its own step's batch, once, from the version before it
-        assert [(t.step, t.policy_version) for t in cluster.train_inputs] == [(n, n - 1) for n in range(1, STEPS + 1)]
-        assert [{step_of(k) for k in t.chunk_keys} for t in cluster.train_inputs] == [{n} for n in range(1, STEPS + 1)]
+        assert [(t.batch.step, t.batch.policy_version) for t in cluster.train_inputs] == [(n, n - 1) for n in range(1, STEPS + 1)]
+        assert [{step_of(k) for k in t.batch.chunk_keys} for t in cluster.train_inputs] == [{n} for n in range(1, STEPS + 1)]
         assert len(cluster.served(ROLLOUT)) == STEPS  # no batch sampled twice
         # the push of v(n) comes after step n+1's rollout (the engines serve one version at a time)
         order = [(c.name, c.step, c.version) for c in cluster.calls if c.name in (ROLLOUT.name, UPDATE_WEIGHTS.name)]
@@ -88,7 +88,7 @@ def test_lost_node_reruns_the_step_with_its_prefetched_batch(monkeypatch: pytest
         assert rollouts[:4] == [(node_a, 1, 0), (node_a, 2, 0), (node_a, 3, 1), (node_a, 4, 2)]
         assert (node_b, 3, 1) not in rollouts  # step 3's batch was recorded: not sampled again
         assert rollouts[4:] == [(node_b, 4, 2)]
-        trained = [(t.step, t.policy_version, tuple(t.chunk_keys)) for t in cluster.train_inputs]
+        trained = [(t.batch.step, t.batch.policy_version, tuple(t.batch.chunk_keys)) for t in cluster.train_inputs]
         assert [(s, v) for s, v, _ in trained if s != 3] == [(1, 0), (2, 1), (4, 3)]
         assert len({k for s, _, k in trained if s == 3}) == 1  # step 3 (tried on A, re-run on B): the same batch
         p = await progress(handle)

@@ -98,9 +98,9 @@ def test_rounds_until_enough_groups_vary_then_the_kept_groups_train() -> None:
         # scored on the node that generated the samples; nothing assembled: the trainer gets the selection
         assert {c.queue for c in cluster.served(COMPUTE_REWARDS_ON_NODE)} == {cluster.queues[0]}
         train = cluster.train_inputs[0]
-        assert (train.step, train.chunk_keys, train.rewards_key) == (1, [], "")
-        assert train.selection is not None and train.selection.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
-        rounds = train.selection.rounds
+        assert (train.batch.step, train.batch.chunk_keys, train.batch.rewards_key) == (1, [], "")
+        assert train.batch.selection is not None and train.batch.selection.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
+        rounds = train.batch.selection.rounds
         assert [r.rewards_key.rpartition("/steps/1/")[2] for r in rounds] == ["r0/rewards.json", "r1/rewards.json"]
         assert all(k.startswith("runs/") and "/r1/" in k for k in rounds[1].chunk_keys)
         assert train.sampling is not None and train.sampling.groups_trained == 4  # exported by the node
@@ -127,7 +127,7 @@ def test_enough_in_the_first_round_draws_no_second() -> None:
         summary = await finish(await start_run(env, run_config(steps=2, rollout=filtered())))
         assert summary.data_cursor == 12  # 6 prompts a step
         assert [(i.step, i.round) for i in cluster.rollout_inputs] == [(1, 0), (2, 0)]
-        assert [t.selection.groups for t in cluster.train_inputs if t.selection] == [[(0, 0), (0, 1), (0, 2), (0, 3)]] * 2
+        assert [t.batch.selection.groups for t in cluster.train_inputs if t.batch.selection] == [[(0, 0), (0, 1), (0, 2), (0, 3)]] * 2
 
     scenario(cluster, body)
 
@@ -141,7 +141,7 @@ def test_shortfall_trains_on_what_was_kept_or_the_first_round_when_nothing() -> 
         handle = await start_run(env, run_config(steps=2, rollout=filtered(max_rounds=3)))
         summary = await finish(handle)
         assert summary.data_cursor == 2 * 3 * 6
-        assert [t.selection.groups for t in cluster.train_inputs if t.selection] == [[(0, 0), (1, 1), (2, 2)],
+        assert [t.batch.selection.groups for t in cluster.train_inputs if t.batch.selection] == [[(0, 0), (1, 1), (2, 2)],
                                                                                     [(0, 0), (0, 1), (0, 2), (0, 3)]]
         p = await progress(handle)
         assert [(s.sampling.groups_kept, s.sampling.groups_trained, s.sampling.fallback)
@@ -163,7 +163,7 @@ def test_shortfall_fails_the_run_under_on_shortfall_fail() -> None:
         kind, message = failure_in(err.value)
         assert kind == Failure.SAMPLING_SHORTFALL
         assert message.startswith("step 2: dynamic sampling kept 2 of 4 groups after 2 rounds of 6 prompts")
-        assert [t.step for t in cluster.train_inputs] == [1]  # step 2 never trained
+        assert [t.batch.step for t in cluster.train_inputs] == [1]  # step 2 never trained
         assert len([i for i in cluster.rollout_inputs if i.step == 2]) == 2
 
     scenario(cluster, body)
@@ -188,7 +188,7 @@ def test_a_retried_round_decides_the_same_and_the_history_replays() -> None:
         served = cluster.served(COMPUTE_REWARDS_ON_NODE, 1)
         assert [(c.attempt, i.round) for c, i in zip(served, cluster.reward_inputs)] == [(1, 0), (1, 1), (2, 1)]
         assert [i.round for i in cluster.rollout_inputs] == [0, 1]
-        assert cluster.train_inputs[0].selection.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
+        assert cluster.train_inputs[0].batch.selection.groups == [(0, 0), (0, 2), (1, 1), (1, 3)]
         history = await env.client.get_workflow_handle(f"{handle.id}/step-1").fetch_history()
         scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
                      if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
@@ -209,8 +209,8 @@ def test_without_the_filter_the_step_is_unchanged() -> None:
         assert [(i.round, i.n_prompts, i.data_cursor) for i in cluster.rollout_inputs] == [(0, None, 0)]
         assert [i.group_size for i in cluster.reward_inputs] == [0]
         (train,) = cluster.train_inputs  # the rollout's chunks and their rewards, as they are
-        assert train.selection is None and train.chunk_keys == cluster.reward_inputs[0].chunk_keys
-        assert train.rewards_key == "runs/" + train.run_id + "/steps/1/r0/rewards.json"
+        assert train.batch.selection is None and train.batch.chunk_keys == cluster.reward_inputs[0].chunk_keys
+        assert train.batch.rewards_key == "runs/" + train.run_id + "/steps/1/r0/rewards.json"
         p = await progress(handle)
         assert p.steps[0].sampling is None and p.steps[0].data_cursor == 4
 
@@ -228,6 +228,6 @@ def test_one_step_off_samples_the_next_step_with_its_rounds_one_version_behind()
         assert summary.data_cursor == 3 * 2 * 6  # two rounds of 6 prompts every step
         assert [(i.step, i.round, i.policy_version, i.data_cursor) for i in cluster.rollout_inputs] == [
             (1, 0, 0, 0), (1, 1, 0, 6), (2, 0, 0, 12), (2, 1, 0, 18), (3, 0, 1, 24), (3, 1, 1, 30)]
-        assert [t.step for t in cluster.train_inputs] == [1, 2, 3]
+        assert [t.batch.step for t in cluster.train_inputs] == [1, 2, 3]
 
     scenario(cluster, body)

@@ -269,7 +269,7 @@ class StandInNode:
         await self.cluster.record(self.queue, INIT_POLICY.name, None, inp.policy_version)
         self.cluster.init_inputs.append((self.queue, inp))
         self.cluster.trainer_version[self.queue] = v = inp.policy_version
-        return PolicyInfo(policy_version=v, checksum=f"sum-v{v}", weights_key=f"runs/{inp.run_id}/weights/v{v:06d}")
+        return PolicyInfo(policy_version=v, checksum=f"sum-v{v}", weights_key=f"runs/{inp.setup.run_id}/weights/v{v:06d}")
 
     @activity.defn(name=ROLLOUT.name)
     async def rollout(self, inp: RolloutInput) -> RolloutResult:
@@ -293,13 +293,14 @@ class StandInNode:
 
     @activity.defn(name=TRAIN_STEP.name)
     async def train_step(self, inp: TrainStepInput) -> TrainStepResult:
-        await self.cluster.record(self.queue, TRAIN_STEP.name, inp.step, inp.policy_version)
-        self._check_version(inp.policy_version, TRAIN_STEP.name, inp.step)
+        batch = inp.batch
+        await self.cluster.record(self.queue, TRAIN_STEP.name, batch.step, batch.policy_version)
+        self._check_version(batch.policy_version, TRAIN_STEP.name, batch.step)
         self.cluster.train_inputs.append(inp)
-        self.cluster.trainer_version[self.queue] = v = inp.policy_version + 1
+        self.cluster.trainer_version[self.queue] = v = batch.policy_version + 1
         return TrainStepResult(
             policy_version=v, checksum=f"sum-v{v}", weights_key=f"runs/{inp.run_id}/weights/v{v:06d}",
-            metrics={"loss": 1.0 / inp.step, "kl": 0.0, "grad_norm": 0.5}, seconds=0.2,
+            metrics={"loss": 1.0 / batch.step, "kl": 0.0, "grad_norm": 0.5}, seconds=0.2,
         )
 
     @activity.defn(name=UPDATE_WEIGHTS.name)

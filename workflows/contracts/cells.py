@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from spec.status import DPCells, RunEvent
-from workflows.contracts.placement import Placed
+from spec.placement import Placed
 
 
 class CellHeal(BaseModel):

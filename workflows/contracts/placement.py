@@ -8,23 +8,10 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from spec.data import DataSpec
-from spec.model import DistillSpec, ModelSpec
 from spec.reward import RewardSpec
-from spec.run import CheckpointSpec, EvalSpec
+from spec.run import EvalSpec
 from spec.status import CellInfo, DPCells, RunEvent
-from spec.train import SFTSpec, TrainSpec
-from spec.trainer import TrainerSpec
-from spec.trainer_rpc import ForkPoint
-
-
-class Placed(BaseModel):
-    """The placement context of a node activity's work: the run, its store, and the placement
-    epoch it runs under. Every write goes to the store at that epoch, so a step of a placement
-    the run has left behind writes nothing (the store refuses older epochs; 0: unfenced)."""
-
-    run_id: str
-    store_uri: str
-    epoch: int = 0
+from spec.trainer_rpc import RunSetup
 
 
 class NodeClaim(BaseModel):
@@ -63,18 +50,12 @@ class DatasetInfo(BaseModel):
     n_eval: int = 0
 
 
-class InitPolicyInput(Placed):
-    seed: int
-    model: ModelSpec
-    sft: SFTSpec
-    train: TrainSpec
-    dataset: DatasetInfo
-    checkpoint: CheckpointSpec
-    config_hash: str
-    policy_version: int = 0  # bring the trainer to this version (0 on a fresh run: SFT warm-up)
-    distill: DistillSpec | None = None  # on-policy distillation: the trainer loads the teacher
-    lineage: list[ForkPoint] = []  # a fork: where the steps before its own live (oldest first)
-    trainer: TrainerSpec = TrainerSpec()  # single process, or a fsdp2 cell of ranks
+class InitPolicyInput(BaseModel):
+    """Bring the node's trainer to ``policy_version`` of the run it is set up with (0 on a
+    fresh run: the SFT warm-up)."""
+
+    setup: RunSetup
+    policy_version: int = 0
 
 
 class PolicyInfo(BaseModel):

@@ -9,7 +9,8 @@ from spec.reward import RewardSpec
 from spec.rollout import RolloutSpec
 from spec.status import RunEvent
 from spec.trainer_rpc import BatchSelection
-from workflows.contracts.placement import DatasetInfo, Placed
+from spec.placement import Placed
+from workflows.contracts.placement import DatasetInfo
 
 
 class RolloutInput(Placed):

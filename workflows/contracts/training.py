@@ -5,24 +5,17 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from spec.engine import EngineSpec
+from spec.placement import Placed
 from spec.status import EngineSlotInfo, RunEvent
-from spec.train import TrainSpec
-from spec.trainer_rpc import BatchSelection, SFTRows, TrainedStep
-from workflows.contracts.placement import Placed
+from spec.trainer_rpc import StepBatch, TrainedStep
 from workflows.contracts.sampling import SamplingStats
 
 
 class TrainStepInput(Placed):
-    step: int
-    policy_version: int  # version the trainer must hold before this step
-    chunk_keys: list[str]
-    rewards_key: str
-    group_size: int
-    train: TrainSpec
-    sft_rows: SFTRows | None = None  # mode sft: train on these rows' labels (no chunks, no rewards)
-    selection: BatchSelection | None = None  # dynamic sampling: train these groups of the rounds' chunks
+    """Train ``batch`` (what the trainer stores before it trains, so a replay trains exactly it)."""
+
+    batch: StepBatch
     sampling: SamplingStats | None = None  # dynamic sampling's counts, exported as metrics by the node
-    temperature: float = 1.0  # rollout.temperature: the trainer trains the policy that sampled (StepBatch)
 
 
 class TrainStepResult(TrainedStep):
