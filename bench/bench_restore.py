@@ -38,6 +38,7 @@ from bench._inproc import demo_config, dataset_rows, generate_step, rollout_requ
 from gpu_runtime.store import artifacts as art  # noqa: E402
 from gpu_runtime.data.rewards import score_samples  # noqa: E402
 from gpu_runtime.store.object_store import LocalStore  # noqa: E402
+from gpu_runtime.trainer.run_binding import RunBinding  # noqa: E402
 from gpu_runtime.trainer.service import TrainerService  # noqa: E402
 from spec.trainer_rpc import Rebuild, RunSetup, VersionInfo  # noqa: E402
 
@@ -52,13 +53,14 @@ class IntervalTrainerService(TrainerService):
         super().__init__(work_dir)
         self.interval = interval
 
-    def _bind(self, setup: RunSetup) -> None:
-        super()._bind(setup)
-        ck = self.ckpts
-        if ck is not None and not getattr(ck, "_bench_interval", None):
+    def _bind(self, setup: RunSetup) -> RunBinding:
+        run = super()._bind(setup)
+        ck = run.ckpts
+        if not getattr(ck, "_bench_interval", None):
             every = ck.list_durable
             ck.list_durable = lambda: [c for c in every() if c.step % self.interval == 0]  # type: ignore[method-assign]
             ck._bench_interval = self.interval  # type: ignore[attr-defined]
+        return run
 
 
 def build_run(cfg, setup: RunSetup, work: Path) -> tuple[dict[int, str], TrainerService]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +27,6 @@ from gpu_runtime.store.checkpoint_manifest import CheckpointInfo
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.trainer.common.snapshot import SnapshotBuffers
-from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.protocol import Trainer
 from gpu_runtime.trainer.work_dir import upload_weights_folder, weights_folder
 from spec.trainer_rpc import CheckpointSaved, RunSetup
@@ -56,6 +54,8 @@ class CheckpointSaver:
              checksum: str | None = None) -> CheckpointSaved:
         """Checkpoint ``trainer`` (at version ``step``); ``sync``: durable before this returns.
         ``checksum``: the version's published checksum, when the caller holds it."""
+        if trainer.policy_version != step:
+            raise RuntimeError(f"checkpoint step {step} but trainer holds v{trainer.policy_version}")
         t0 = time.perf_counter()
         self.ckpts.wait_for_uploads()
         waited = time.perf_counter() - t0
@@ -80,31 +80,17 @@ class CheckpointSaver:
     def prepare(self, trainer: Trainer) -> None:
         """After a train step, while the trainer waits for the engines: the snapshot's buffers
         allocated in the background (once: the shapes stay), off the next checkpoint's stall."""
-        if isinstance(trainer, PolicyTrainer) and (self._warming is None or not self._warming.is_alive()):
-            self._warming = self.buffers.warm(self.buffers.missing(trainer.live_state()[0]))
+        if self._warming is None or not self._warming.is_alive():
+            self._warming = trainer.warm_snapshot(self.buffers)
 
     def _state_writer(self, trainer: Trainer, checksum: str | None, step: int) -> Callable[[Path], None]:
         """The trainer's state, taken now, as a writer for the upload thread."""
-        if isinstance(trainer, PolicyTrainer):
-            snap = trainer.state_snapshot(self.buffers, checksum)
+        write = trainer.state_writer(self.buffers, checksum, self.work_dir)
 
-            def write_snapshot(folder: Path) -> None:
-                faults.delay("upload", step)
-                snap.write(folder)
-            return write_snapshot
-        written = Path(tempfile.mkdtemp(dir=self.work_dir, prefix="save-"))
-        try:
-            trainer.save_state(written)
-        except BaseException:
-            shutil.rmtree(written, ignore_errors=True)
-            raise
-
-        def move(folder: Path) -> None:
+        def write_state(folder: Path) -> None:
             faults.delay("upload", step)
-            for item in written.iterdir():
-                item.rename(folder / item.name)
-            shutil.rmtree(written, ignore_errors=True)
-        return move
+            write(folder)
+        return write_state
 
     def _version_folder_copy(self, step: int) -> tuple[str, Path] | None:
         """Hard links to version ``step``'s exported model folder (pruning the version folders

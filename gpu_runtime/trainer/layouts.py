@@ -22,6 +22,7 @@ import torch
 from gpu_runtime.trainer.dp.group import DPGroup
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse
 from gpu_runtime.trainer.fsdp2.host import CellHost
+from gpu_runtime.trainer.megatron import trainer as megatron_trainer
 from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.protocol import Dead, Trainer
@@ -51,6 +52,15 @@ class TrainerLayouts:
         self._dp_events: list[RunEvent] = []  # of closed groups, reported with the next result
 
     # ---- building ----------------------------------------------------------------
+    @staticmethod
+    def refuse_unservable(setup: RunSetup) -> None:
+        """Refuse a run this trainer process cannot serve before it touches the run's store:
+        ``trainer.backend megatron`` needs megatron-core and a CUDA trainer (a ValueError: the
+        run fails as invalid input instead of retrying on the same node)."""
+        if setup.trainer is not None and setup.trainer.backend == "megatron":
+            if problem := megatron_trainer.runtime_problem():
+                raise ValueError(problem)
+
     def new(self, setup: RunSetup, folder: Path) -> Trainer:
         """The run's trainer over the model folder ``folder``."""
         kind = layout(setup)

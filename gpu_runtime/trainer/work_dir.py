@@ -3,9 +3,9 @@
 ``<work_dir>/<run_id>/``: everything of one run (exported versions, local checkpoints,
 the dataset, the base model folder, a fork's ancestors' checkpoints); the node reclaims
 it when the run has closed (``gpu_runtime.node.reclaim``). Beside the runs' folders,
-``TrainerService`` saves and restores checkpoints through temporary folders
-(``TEMP_NAME``), removed when the call ends, and at the next process start when the
-process was killed inside one.
+the trainer process saves and restores checkpoints through temporary folders
+(``TEMP_NAME``: ``TrainerDefaults.state_writer``'s, ``VersionBuilder``'s), removed when
+the call ends, and at the next process start when the process was killed inside one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-# TrainerService's tempfile.mkdtemp folders: its prefix (restore-, save-) and tempfile's 8 characters
+# the trainer process's tempfile.mkdtemp folders: its prefix (restore-, save-) and tempfile's 8 characters
 TEMP_NAME = re.compile(r"(restore|save)-[a-z0-9_]{8}")
 RUN_ENTRIES = ("checkpoints", "weights", "dataset.jsonl")  # a run's folder has one of these; a temporary one none
 VERSIONS_ENV = "MILESTONE_VERSIONS_DIR"

@@ -23,6 +23,7 @@ from gpu_runtime.data.rewards import score_samples
 from gpu_runtime.proc.processes import pid_alive
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
+from gpu_runtime.trainer.dp.group import DPGroup
 from gpu_runtime.trainer.service import TrainerService
 from spec.run import RunConfig
 from spec.trainer_rpc import RunSetup, VersionInfo
@@ -82,7 +83,7 @@ def test_replay_after_a_shrink_step_is_bitwise(tmp_path: Path, monkeypatch: pyte
     assert info.checksum == checksum  # bitwise, the shrink step included
 
     # the split is what makes it exact: step 2 replayed over both cells is a different float sum
-    monkeypatch.setattr(TrainerService, "_recorded_cells", lambda self, step: None)
+    monkeypatch.setattr(DPGroup, "committed_cells", staticmethod(lambda metrics: None))
     assert _rebuilt(tmp_path / "third", setup).checksum != checksum
 
 

@@ -29,7 +29,7 @@ from gpu_runtime.trainer.fsdp2 import rank_methods
 from gpu_runtime.trainer.fsdp2.errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable
 from gpu_runtime.trainer.fsdp2.rank import CellRankTrainer
 from gpu_runtime.trainer.fsdp2.rank_methods import RankMethod
-from gpu_runtime.trainer.protocol import ALIVE, Alive, Dead, Health
+from gpu_runtime.trainer.protocol import ALIVE, Alive, Dead, Health, TrainerDefaults
 from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ STRATEGIES = {"strict_pack": "STRICT_PACK", "spread": "SPREAD"}  # trainer.place
 STRAGGLER_GRACE_S = 30.0  # after the first rank answers, the others get the collective timeout plus this
 
 
-class TrainerCell:
+class TrainerCell(TrainerDefaults):
     """N FSDP2 ranks as Ray actors in one placement group; the calls ``TrainerService`` makes
     of a ``PolicyTrainer`` (train_step, save_state, load_state, checksum, export) on all ranks.
     ``ray.init`` must have run in this process (``RayRuntime``).

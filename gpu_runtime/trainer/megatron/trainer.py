@@ -38,7 +38,7 @@ from gpu_runtime.trainer.megatron import checkpoint, model as mm
 from gpu_runtime.trainer.megatron.convert import Shape, megatron_to_hf
 from gpu_runtime.trainer.megatron.model import load_hf_weights
 from gpu_runtime.trainer.megatron.train import grpo_backward
-from gpu_runtime.trainer.protocol import ALIVE, Health
+from gpu_runtime.trainer.protocol import ALIVE, Health, TrainerDefaults
 from spec.train import TrainSpec
 from spec.trainer import megatron_train_conflicts
 
@@ -63,7 +63,7 @@ def _refuse_hparams(hp: TrainSpec) -> None:
         raise ValueError(f"trainer.backend megatron does not support {'; '.join(bad)}")
 
 
-class MegatronTrainer(AdamWSteps):
+class MegatronTrainer(AdamWSteps, TrainerDefaults):
     lora = None  # full fine-tuning only (the run config refuses model.lora)
     health: Health = ALIVE  # in the trainer process itself: a failure ends the process (``protocol``)
 

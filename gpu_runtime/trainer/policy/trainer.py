@@ -14,54 +14,38 @@ model stays float32.
 
 from __future__ import annotations
 
-import copy
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from gpu_runtime.data.datasets import encode_prompt, final_answer
 from gpu_runtime.data.rewards import extract_answer
 from gpu_runtime.engine.generate import generate_batch
-from gpu_runtime.models.causal_lm import (
-    ATTENTION,
-    export_state_dict,
-    exported_tensors,
-    load_causal_lm,
-    load_exported_state_dict,
-    shape_summary,
-)
+from gpu_runtime.models.causal_lm import export_state_dict, exported_tensors, load_causal_lm, load_exported_state_dict
 from gpu_runtime.models.model_folder import save_model_folder, weights_checksum
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import Sample, derive_seed
-from gpu_runtime.trainer.common import lora as lora_lib, state_io
+from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.common.batches import check_groups, step_metrics
+from gpu_runtime.trainer.common.offload import OptimizerOffload
 from gpu_runtime.trainer.common.optim import AdamWSteps
 from gpu_runtime.trainer.common.snapshot import SnapshotBuffers, StateSnapshot
-from gpu_runtime.trainer.policy import critic as critic_lib, distill as distill_lib, sft as sft_lib
+from gpu_runtime.trainer.policy import critic as critic_lib, distill as distill_lib, sft as sft_lib, state
+from gpu_runtime.trainer.policy.state import REF_FILE, frozen_copy
 from gpu_runtime.trainer.policy.step import micro_batch_backward, plan_step
-from gpu_runtime.trainer.protocol import ALIVE, Health
+from gpu_runtime.trainer.protocol import ALIVE, Health, StateWriter, TrainerDefaults
 from spec.model import DistillSpec, LoraSpec
 from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
-REF_FILE = "reference.safetensors"  # the KL reference's weights (beside ``state_io``'s files)
 
 
-def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
-    """A frozen copy of ``model`` in eval mode (the KL reference)."""
-    ref = copy.deepcopy(model)
-    ref.eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
-class PolicyTrainer(AdamWSteps):
+class PolicyTrainer(AdamWSteps, TrainerDefaults):
     model: PreTrainedModel
     health: Health = ALIVE  # in the trainer process itself: a failure ends the process (``protocol``)
 
@@ -86,6 +70,7 @@ class PolicyTrainer(AdamWSteps):
         self.optimizer = self.new_optimizer(hparams)
         self.opt_steps = 0  # LR-schedule position (optimizer steps taken in RL)
         self.critic: critic_lib.Critic | None = None  # estimator ppo: created at its first step (``policy.critic``)
+        self.offload: OptimizerOffload | None = None  # engines.release_memory: AdamW parked between steps
 
     # ---------------------------------------------------------------- setup
     @classmethod
@@ -147,7 +132,7 @@ class PolicyTrainer(AdamWSteps):
     def ensure_critic(self, hp: TrainSpec) -> critic_lib.Critic:
         """The PPO critic, created from the current policy weights at its first step."""
         if self.critic is None:
-            self.critic = critic_lib.Critic(critic_lib.new_value_model(self._config(), self.published_state(),
+            self.critic = critic_lib.Critic(critic_lib.new_value_model(self.policy_config(), self.published_state(),
                                                                        self.seed), hp)
         return self.critic
 
@@ -219,7 +204,7 @@ class PolicyTrainer(AdamWSteps):
         return sums
 
     # --------------------------------------------------------------- weights
-    def _config(self) -> PretrainedConfig:
+    def policy_config(self) -> PretrainedConfig:
         """The policy's architecture (the base model's under LoRA)."""
         return (self.model.get_base_model() if self.lora else self.model).config
 
@@ -291,85 +276,42 @@ class PolicyTrainer(AdamWSteps):
         them (the snapshot stays valid while the trainer trains on); without, the snapshot
         holds the live tensors and must be written before the next step. ``checksum``: this
         version's published-weights checksum when the caller knows it (else computed)."""
-        live, groups = self.live_state()
-        files = {name: buffers.copy(name, sd) if buffers is not None else {k: v.contiguous() for k, v in sd.items()}
-                 for name, sd in live.items()}
-        critic_meta = None
-        if self.critic is not None:
-            critic_files, critic_meta = self.critic.parts()  # copies already
-            files.update(critic_files)
-        files[state_io.RNG_FILE] = {"torch_cpu": torch.get_rng_state()}
-        meta = {
-            "policy_version": self.policy_version, "opt_steps": self.opt_steps, "seed": self.seed,
-            "model_config": shape_summary(self.model), "hparams": self.hparams.model_dump(mode="json"),
-            "has_reference": self.ref_model is not None,
-            "lora": self.lora.model_dump(mode="json") if self.lora else None,
-            "optimizer_param_groups": copy.deepcopy(groups), "critic": critic_meta,
-            "checksum": checksum or self.checksum(), "python_random": state_io.python_rng_state(),
-        }
-        config, tokenizer = self.model.config, self.tokenizer
-
-        def write_static(folder: Path) -> None:
-            config.save_pretrained(str(folder))  # architecture, so ``from_state`` can rebuild
-            tokenizer.save(folder)
-
-        return StateSnapshot(files, meta, write_static)
+        return state.state_snapshot(self, buffers, checksum)
 
     def live_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
         """The tensor files of ``save_state`` that a snapshot copies, as live views (the trained
         weights, the reference's, AdamW's state), and AdamW's param groups."""
-        files = {state_io.WEIGHTS_FILE: self._model_tensors(self.model)}
-        if self.ref_model is not None:
-            files[REF_FILE] = self._model_tensors(self.ref_model)
-        optim, groups = state_io.optimizer_views(self.optimizer)
-        files[state_io.OPTIM_FILE] = optim
-        return files, groups
-
-    def _model_tensors(self, model: PreTrainedModel) -> dict[str, torch.Tensor]:
-        """``_model_state`` without its copy: the live weights (detached views), or the adapters."""
-        return lora_lib.adapter_state_dict(model) if self.lora else exported_tensors(model)
+        return state.live_state(self)
 
     @classmethod
     def from_state(cls, folder: str | Path) -> "PolicyTrainer":
         """Build a trainer from a folder written by ``save_state`` (full fine-tuning only)."""
-        meta = state_io.read_meta(Path(folder))
-        if meta.get("lora"):
-            raise ValueError(f"{folder}: a LoRA checkpoint holds adapters only: build the trainer from its base model")
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
-        ref = frozen_copy(model) if meta["has_reference"] else None
-        trainer = cls(model, Tokenizer.load(folder), TrainSpec.model_validate(meta["hparams"]), int(meta["seed"]), ref)
-        trainer.load_state(folder)
-        return trainer
+        return state.from_state(cls, folder)
 
     def load_state(self, folder: str | Path) -> None:
         """Restore weights, reference, optimizer, schedule, critic, RNG and version from ``folder``."""
-        folder = Path(folder)
-        meta = state_io.read_meta(folder)
-        self._check_compatible(folder / state_io.META_FILE, meta)
-        self.load_trained_state(load_file(str(folder / state_io.WEIGHTS_FILE)))
-        self.load_reference_state(load_file(str(folder / REF_FILE)) if meta["has_reference"] else None)
-        self.hparams = TrainSpec.model_validate(meta["hparams"])
-        self.load_optimizer_state(self.hparams, load_file(str(folder / state_io.OPTIM_FILE)),
-                                  meta["optimizer_param_groups"])
-        # None when the checkpoint has no critic: a PPO run's first step creates it
-        critic = meta.get("critic")
-        self.critic = None if critic is None else critic_lib.Critic.restore(folder, critic, self._config(), self.hparams)
-        torch.set_rng_state(load_file(str(folder / state_io.RNG_FILE))["torch_cpu"])
-        state_io.restore_progress(self, meta, folder / state_io.WEIGHTS_FILE)
-        self.model.train()
+        state.load_state(self, folder)
 
-    def _check_compatible(self, where: Path, meta: dict) -> None:
-        """A checkpoint of this backend, this model and this LoRA setting, or ValueError."""
-        if meta.get("backend", "single") == "megatron":  # gpu_runtime.trainer.megatron.trainer
-            raise ValueError(f"{where}: field 'backend' is 'megatron': a checkpoint of trainer.backend "
-                             "megatron (its optimizer state is in the GPTModel's parameter order); restore it with "
-                             "trainer.backend megatron")
-        if shape_summary(self.model) != meta["model_config"]:
-            raise ValueError(f"{where}: field 'model_config' does not match this trainer's model")
-        mine = self.lora.model_dump(mode="json") if self.lora else None
-        if meta.get("lora") != mine:
-            raise ValueError(f"{where}: field 'lora' is {meta.get('lora')}, the run's model.lora is {mine}")
+    # ------------------------------------- what the trainer process asks (``protocol``)
+    def state_writer(self, buffers: SnapshotBuffers, checksum: str | None, scratch: Path) -> StateWriter:
+        """A checkpoint's state: a snapshot copied into ``buffers`` now (the step waits only for
+        the copy), its files written by the upload thread."""
+        return self.state_snapshot(buffers, checksum).write
+
+    def warm_snapshot(self, buffers: SnapshotBuffers) -> threading.Thread | None:
+        return buffers.warm(buffers.missing(self.live_state()[0]))
+
+    def release_optimizer(self) -> None:
+        """AdamW's (and the critic's) state to the host, the grads freed (``common.offload``)."""
+        if self.offload is None:  # its host buffers, reused by every later offload
+            self.offload = OptimizerOffload()
+        opts = [self.optimizer] + ([self.critic.optimizer] if self.critic is not None else [])
+        moved = self.offload.offload(opts)
+        log.info("optimizer state offloaded: %.1f MB in %.1f ms", moved / 1e6, self.offload.last_offload_s * 1e3)
+
+    def reclaim_optimizer(self) -> None:
+        if self.offload is not None:
+            self.offload.onload()
 
     # ---------------------------------------------------------------- eval
     def evaluate_greedy(self, rows: list[dict], limit: int = 200, max_new_tokens: int = 8, batch_size: int = 128) -> float:
