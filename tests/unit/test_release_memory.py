@@ -91,22 +91,23 @@ def test_offload_round_trip_is_bitwise_and_never_aliases() -> None:
 
 
 def test_training_with_offload_between_steps_is_bitwise_a_plain_run(tmp_path: Path) -> None:
-    """Three steps, the state parked on the host after each (as between train steps in a
-    run) and a checkpoint written while parked: weights, optimizer, metrics and the
-    checkpoint's optimizer file equal those of a trainer that never offloads."""
+    """Three steps, the state parked on the host after each (as the trainer service parks it
+    between train steps: ``release_optimizer`` / ``reclaim_optimizer``) and a checkpoint
+    written while parked: weights, optimizer, metrics and the checkpoint's optimizer file
+    equal those of a trainer that never offloads."""
     plain, parked = new_trainer(), new_trainer()
-    off = OptimizerOffload()
     for step in range(3):
         batch = rollout(step)
         m_plain = plain.train_step(*batch, group_size=4, hparams=plain.hparams)
-        off.onload()
+        parked.reclaim_optimizer()
         m_parked = parked.train_step(*batch, group_size=4, hparams=parked.hparams)
-        off.offload([parked.optimizer])
+        parked.release_optimizer()
+        assert parked.offload is not None and parked.offload.offloaded
         timed = ("tokens_per_s", "step_seconds")  # wall-clock numbers differ; nothing else may
         assert {k: v for k, v in m_parked.items() if k not in timed} == {k: v for k, v in m_plain.items() if k not in timed}
     parked.save_state(tmp_path / "parked")
     plain.save_state(tmp_path / "plain")
     assert (tmp_path / "parked" / OPTIM_FILE).read_bytes() == (tmp_path / "plain" / OPTIM_FILE).read_bytes()
-    off.onload()
+    parked.reclaim_optimizer()
     assert_same_state(parked, plain)
     assert parked.checksum() == plain.checksum()
