@@ -214,7 +214,8 @@ class TrainerService:
                               checksum=self.publisher.checksum(run.run_id, step))
 
     def wait_for_uploads(self, timeout_s: float) -> bool:
-        return True if self.run is None else self.run.ckpts.wait_for_uploads(timeout_s)
+        """Whether the bound run's checkpoints are all durable within ``timeout_s``."""
+        return True if self.run is None else self.run.saver.wait(timeout_s)
 
     # ---- reports -------------------------------------------------------------------
     def dp_state(self) -> DPCells | None:
