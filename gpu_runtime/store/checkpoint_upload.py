@@ -17,6 +17,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -98,11 +99,11 @@ class CheckpointUploader:
                     prev = base.files.get(rel) if base else None
                     if prev and prev.sha256 == sha and prev.size == size and prev.stored_in != name:
                         prev_key = self.keys.key(prev.stored_in, rel)
-                        if self._with_retry(h, deadline, f"check {prev_key}", lambda k=prev_key: self.store.exists(k)):
+                        if self._with_retry(h, deadline, f"check {prev_key}", partial(self.store.exists, prev_key)):
                             entries[rel] = {"sha256": sha, "size": size, "stored_in": prev.stored_in}
                             h.skipped.append(rel)
                             continue
-                    self._with_retry(h, deadline, f"upload {rel}", lambda r=rel, s=sha, n=size: self._put_verified(name, h, r, s, n))
+                    self._with_retry(h, deadline, f"upload {rel}", partial(self._put_verified, name, h, rel, sha, size))
                     entries[rel] = {"sha256": sha, "size": size, "stored_in": name}
                     h.uploaded.append(rel)
                 if h.extra is not None:
@@ -154,9 +155,8 @@ class CheckpointUploader:
         prefix, folder = h.extra
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):
             key = f"{prefix}/{path.relative_to(folder).as_posix()}"
-            sha, size = self._with_retry(h, deadline, f"hash {path}", lambda p=path: file_hash(p))
-            self._with_retry(h, deadline, f"upload {key}",
-                             lambda k=key, p=path, s=sha, n=size: self._put_checked(k, p, s, n))
+            sha, size = self._with_retry(h, deadline, f"hash {path}", partial(file_hash, path))
+            self._with_retry(h, deadline, f"upload {key}", partial(self._put_checked, key, path, sha, size))
 
     def _drop_local(self, h: CheckpointHandle) -> None:
         """With ``keep_local=False``: the local copy goes once the checkpoint ended (durable or

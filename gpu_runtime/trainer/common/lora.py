@@ -61,6 +61,11 @@ def _peft(model: torch.nn.Module) -> PeftModel:
     return cast("PeftModel", model)
 
 
+def base_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The plain model ``apply_lora`` wrapped (its linear layers carry the adapters)."""
+    return cast(PreTrainedModel, _peft(model).get_base_model())
+
+
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters the optimizer steps, in module order (all of them without LoRA)."""
     return [p for p in model.parameters() if p.requires_grad]

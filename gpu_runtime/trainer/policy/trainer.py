@@ -77,7 +77,7 @@ class PolicyTrainer(AdamWSteps, TrainerDefaults):
     def create(
         cls, base_folder: str | Path, hparams: TrainSpec, seed: int, lora: LoraSpec | None = None,
         distill: DistillSpec | None = None,
-    ) -> "PolicyTrainer":
+    ) -> PolicyTrainer:
         """A trainer over the model and tokenizer of a Hugging Face folder (the run's base model),
         with fresh LoRA adapters (seeded) when ``lora`` is given, and the frozen teacher of
         ``distill``."""
@@ -206,7 +206,7 @@ class PolicyTrainer(AdamWSteps, TrainerDefaults):
     # --------------------------------------------------------------- weights
     def policy_config(self) -> PretrainedConfig:
         """The policy's architecture (the base model's under LoRA)."""
-        return (self.model.get_base_model() if self.lora else self.model).config
+        return (lora_lib.base_model(self.model) if self.lora else self.model).config
 
     def published_state(self) -> dict[str, torch.Tensor]:
         """The weights engines load for this version (merged with the adapters under LoRA)."""
@@ -222,7 +222,7 @@ class PolicyTrainer(AdamWSteps, TrainerDefaults):
 
     def export_model_folder(self, folder: str | Path) -> str:
         """This version as a plain model folder (merged weights under LoRA)."""
-        plain = self.model.get_base_model() if self.lora else self.model
+        plain = lora_lib.base_model(self.model) if self.lora else self.model
         return save_model_folder(plain, self.tokenizer, folder, weight_version=self.policy_version,
                                  weights=self.published_state() if self.lora else None)
 
@@ -284,7 +284,7 @@ class PolicyTrainer(AdamWSteps, TrainerDefaults):
         return state.live_state(self)
 
     @classmethod
-    def from_state(cls, folder: str | Path) -> "PolicyTrainer":
+    def from_state(cls, folder: str | Path) -> PolicyTrainer:
         """Build a trainer from a folder written by ``save_state`` (full fine-tuning only)."""
         return state.from_state(cls, folder)
 
