@@ -108,7 +108,7 @@ class Critic:
         return {CRITIC_WEIGHTS: sd, CRITIC_OPTIM: tensors}, meta
 
     @classmethod
-    def restore(cls, folder: Path, meta: dict, config: PretrainedConfig, hp: TrainSpec) -> "Critic":
+    def restore(cls, folder: Path, meta: dict, config: PretrainedConfig, hp: TrainSpec) -> Critic:
         """The critic ``save`` wrote into ``folder`` (``meta``: what it returned), for a policy
         of architecture ``config``; its weights must have the recorded checksum."""
         critic = cls(ValueModel(config), hp)

@@ -42,7 +42,7 @@ class CriticPass:
     def start(
         cls, critic: Critic, batches: list[MicroBatch], rewards: torch.Tensor, hp: TrainSpec,
         reward_kl: list[torch.Tensor] | None,
-    ) -> "CriticPass":
+    ) -> CriticPass:
         """Old values, token rewards, GAE advantages and returns of the whole batch."""
         with torch.no_grad():
             old = [critic.model(b.ids, b.mask) * b.tmask for b in batches]

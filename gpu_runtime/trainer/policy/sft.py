@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -26,6 +27,15 @@ from gpu_runtime.trainer.common import lora as lora_lib
 from gpu_runtime.trainer.common.batches import micro_batches, pad_batch, response_mask
 from gpu_runtime.trainer.common.optim import AdamWSteps
 from spec.train import TrainSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def hf_model(policy: AdamWSteps) -> PreTrainedModel:
+    """The policy's model as the Hugging Face causal LM it is here: SFT trains ``PolicyTrainer``'s
+    (``AdamWSteps`` also serves megatron's GPTModel, which has SFT steps of its own)."""
+    return cast("PreTrainedModel", policy.model)
 
 
 @dataclass(frozen=True)
@@ -58,7 +68,7 @@ def warmup(policy: AdamWSteps, tokenizer: Tokenizer, rows: list[dict], w: Warmup
         batch = [encoded[rng.randrange(len(encoded))] for _ in range(w.batch_size)]
         ids, mask = pad_batch([p + c for p, c in batch], tokenizer.pad_token_id)
         tmask = response_mask([len(p) for p, _ in batch], [len(p) + len(c) for p, c in batch], ids.shape[1] - 1)
-        lp, _ = logprobs_and_logits(policy.model, ids, mask, hp.precision)
+        lp, _ = logprobs_and_logits(hf_model(policy), ids, mask, hp.precision)
         loss = -masked_mean(lp, tmask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -117,7 +127,7 @@ def sft_update(policy: AdamWSteps, samples: list[Sample], hp: TrainSpec, pad_id:
         lr = policy.start_optimizer_step(hp)
         loss = 0.0
         for b in batches:
-            lp, _ = logprobs_and_logits(policy.model, b.ids, b.mask, hp.precision)
+            lp, _ = logprobs_and_logits(hf_model(policy), b.ids, b.mask, hp.precision)
             nll = agg.value(-lp, b.tmask)
             w = agg.weight(b.tmask)
             (nll * w).backward()
