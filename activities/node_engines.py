@@ -57,8 +57,8 @@ class EngineActivities:
             check_exposure(e.host, engine_token(), "engines")
         except ValueError as err:
             raise failure(Failure.INVALID_INPUT, f"engines.host: {err}") from err
-        folder = self.rt.local_weights.folder(inp.store_uri, inp.run_id, inp.policy_version, inp.weights_key,
-                                              inp.checksum, export=self.exporter(inp.run_id, inp.policy_version))
+        folder = self.rt.local_weights.folder(inp.store_uri, inp.run_id, inp.policy_version, inp.checksum,
+                                              export=self.exporter(inp.run_id, inp.policy_version))
         if e.backend == "sglang" and (why := unverifiable_reason(folder)) is not None:
             raise failure(Failure.INVALID_INPUT, f"engines.backend 'sglang': {why}")
         try:

@@ -87,7 +87,7 @@ def cells_restarted(res: CellsRestarted, node_events: list[RunEvent], node: str 
 
 def policy_info(info: VersionInfo, node_events: list[RunEvent], node: str = "") -> PolicyInfo:
     return PolicyInfo(
-        policy_version=info.policy_version, checksum=info.checksum, weights_key=info.weights_key,
+        policy_version=info.policy_version, checksum=info.checksum,
         sft_metrics=info.sft_metrics, seconds=info.seconds, cell=on_node(info.cell, node), dp=on_node(info.dp, node),
         **_trainer_state(info.rebuild, info.policy_version, [*node_events, *info.events]),
     )
@@ -95,7 +95,7 @@ def policy_info(info: VersionInfo, node_events: list[RunEvent], node: str = "") 
 
 def train_step_result(res: TrainResult, node_events: list[RunEvent], node: str = "") -> TrainStepResult:
     return TrainStepResult(
-        policy_version=res.policy_version, checksum=res.checksum, weights_key=res.weights_key,
+        policy_version=res.policy_version, checksum=res.checksum,
         metrics=res.metrics, seconds=res.seconds, cell=on_node(res.cell, node), dp=on_node(res.dp, node),
         **_trainer_state(res.rebuild, res.policy_version - 1, [*node_events, *res.events]),
     )
@@ -103,7 +103,7 @@ def train_step_result(res: TrainResult, node_events: list[RunEvent], node: str =
 
 def checkpoint_result(saved: CheckpointSaved, seconds: float, node_events: list[RunEvent]) -> CheckpointResult:
     return CheckpointResult(
-        step=saved.step, key=saved.key, durable=saved.durable, seconds=seconds,
+        step=saved.step, key=saved.key, weights_key=saved.weights_key, durable=saved.durable, seconds=seconds,
         node_events=[*node_events, *saved.events, *rebuild_event(saved.rebuild, saved.step)],
     )
 

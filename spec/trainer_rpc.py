@@ -126,8 +126,7 @@ class VersionInfo(Message):
 
     policy_version: int
     checksum: str
-    weights_key: str
-    model_path: str
+    model_path: str  # its model folder on the trainer's node (in the store only once checkpointed)
     sft_metrics: dict[str, float] = {}
     rebuild: Rebuild | None = None
     seconds: float = 0.0
@@ -142,7 +141,6 @@ class TrainedStep(BaseModel):
 
     policy_version: int
     checksum: str
-    weights_key: str
     metrics: dict[str, float]
     seconds: float
     cell: CellInfo | None = None  # backend fsdp2: the cell that trained the step
@@ -165,6 +163,7 @@ class CheckpointRequest(Message):
 class CheckpointSaved(Message):
     step: int
     key: str
+    weights_key: str  # the version's model folder, stored beside the checkpoint (the only store copy of it)
     durable: bool
     rebuild: Rebuild | None = None
     events: list[RunEvent] = []

@@ -97,7 +97,7 @@ async def update_weights(inp: RLStepInput, trained: TrainStepResult) -> UpdateWe
     return await UPDATE_WEIGHTS.run(
         UpdateWeightsInput(
             run_id=inp.run_id, store_uri=inp.config.store, policy_version=trained.policy_version,
-            weights_key=trained.weights_key, checksum=trained.checksum, engines=inp.config.engines,
+            checksum=trained.checksum, engines=inp.config.engines,
         ),
         queue=inp.node_queue, summary=f"update weights v{trained.policy_version}",
     )

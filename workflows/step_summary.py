@@ -47,7 +47,7 @@ def summarize(r: StepResults) -> StepSummary:
         phase_seconds=phases,
         activity_seconds=sum(phases.values()),
         checkpointed=r.checkpoint is not None,
-        weights_key=trained.weights_key,
+        weights_key=r.checkpoint.weights_key if r.checkpoint else "",
         restored_from_step=trained.restored_from_step,
         replayed_steps=trained.replayed_steps,
         cell=trained.cell,

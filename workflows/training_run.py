@@ -257,7 +257,7 @@ class TrainingRun:
         synced = await UPDATE_WEIGHTS.run(
             UpdateWeightsInput(
                 run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
-                weights_key=policy.weights_key, checksum=policy.checksum, engines=self._engines(),
+                checksum=policy.checksum, engines=self._engines(),
             ),
             queue=st.node.task_queue,
             summary=f"start engines @ v{policy.policy_version}",

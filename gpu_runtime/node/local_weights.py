@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpu_runtime.models.model_folder import WEIGHTS_FILE, link_folder, prune_version_folders, read_meta, spares_for
+from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.work_dir import engine_weights_folder, weights_folder
 
@@ -21,12 +22,12 @@ class LocalWeights:
         self.trainer_dir = trainer_dir
 
     def folder(
-        self, store_uri: str, run_id: str, version: int, weights_key: str, checksum: str | None = None,
+        self, store_uri: str, run_id: str, version: int, checksum: str | None = None,
         export: Callable[[], None] | None = None,
     ) -> Path:
         """The version's model folder on local disk: hard links to this node's trainer export
         when it is that version with ``checksum`` (same disk: no copy); else downloaded from the
-        store when it holds the version (a checkpoint's); else ``export`` has this node's trainer
+        store when it holds the version (a checkpoint's, under ``weights/v<N>``); else ``export`` has this node's trainer
         export it again (restored from the last checkpoint and replayed when it moved on), then
         linked. Once per version."""
         folder = engine_weights_folder(self.trainer_dir, run_id, version)
@@ -34,7 +35,7 @@ class LocalWeights:
             tmp = folder.with_name(folder.name + ".download")
             shutil.rmtree(tmp, ignore_errors=True)
             if not self._link_export(run_id, version, checksum, tmp):
-                self._fetch(store_uri, run_id, version, weights_key, checksum, export, tmp)
+                self._fetch(store_uri, run_id, version, checksum, export, tmp)
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
         # an engines' folder's file is the trainer's export (hard links): once the trainer pruned
@@ -43,9 +44,10 @@ class LocalWeights:
                               spares=spares_for(weights_folder(self.trainer_dir, run_id, version)))
         return folder
 
-    def _fetch(self, store_uri: str, run_id: str, version: int, weights_key: str, checksum: str | None,
+    def _fetch(self, store_uri: str, run_id: str, version: int, checksum: str | None,
                export: Callable[[], None] | None, dst: Path) -> None:
         store = open_store(store_uri)
+        weights_key = art.weights_prefix(run_id, version)
         if store.exists(f"{weights_key}/{WEIGHTS_FILE}") or export is None:
             for key in store.list(weights_key + "/"):  # nested files (a LoRA adapter/ folder) keep their place
                 store.get_file(key, dst / key.removeprefix(weights_key + "/"))

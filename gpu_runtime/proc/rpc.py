@@ -135,7 +135,10 @@ def start_rpc_process(cmd: list[str], log_path: Path, timeout_s: float, *,
 def read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
     """The process's next stdout line, or None after ``timeout_s``."""
     out: list[str] = []
-    t = threading.Thread(target=lambda: out.append(proc.stdout.readline().decode()), daemon=True)  # type: ignore[union-attr]
+    stdout = proc.stdout
+    if stdout is None:
+        raise ValueError("read_line needs a process started with stdout=PIPE")
+    t = threading.Thread(target=lambda: out.append(stdout.readline().decode()), daemon=True)
     t.start()
     t.join(timeout_s)
     return out[0].strip() if out else None

@@ -75,7 +75,8 @@ class CheckpointSaver:
         log.info("checkpoint step %d: %.2fs waiting for the previous one, %.2fs to snapshot%s", step, waited,
                  time.perf_counter() - t0 - waited, "" if sync else "; uploading")
         return CheckpointSaved(step=step, durable=bool(handle.durable),
-                               key=f"{art.checkpoints_prefix(self.run_id)}/step-{step:06d}")
+                               key=f"{art.checkpoints_prefix(self.run_id)}/step-{step:06d}",
+                               weights_key=art.weights_prefix(self.run_id, step))
 
     def prepare(self, trainer: Trainer) -> None:
         """After a train step, while the trainer waits for the engines: the snapshot's buffers

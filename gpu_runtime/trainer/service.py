@@ -155,7 +155,6 @@ class TrainerService:
         result = TrainResult(
             policy_version=info.policy_version,
             checksum=info.checksum,
-            weights_key=info.weights_key,
             metrics=metrics,
             rebuild=before.rebuild if before else None,
             seconds=time.perf_counter() - t0,

@@ -36,10 +36,9 @@ class VersionPublisher:
         v = trainer.policy_version
         folder = run.weights_dir(v)
         held = self.checksum(run.run_id, v)
-        weights_key = art.weights_prefix(run.run_id, v)
         if held is not None and self._published_by is trainer and read_meta(folder).get("checksum") == held:
             # this trainer exported it already
-            return VersionInfo(policy_version=v, checksum=held, weights_key=weights_key, model_path=str(folder))
+            return VersionInfo(policy_version=v, checksum=held, model_path=str(folder))
         checksum = trainer.export_model_folder(folder)
         lora = run.setup.model.lora
         if lora is not None and lora.export == "adapter":
@@ -47,7 +46,7 @@ class VersionPublisher:
         # engines on this node only need the newest two versions locally
         prune_version_folders(folder.parent, v)
         self._published, self._published_by = (run.run_id, v, checksum), trainer
-        return VersionInfo(policy_version=v, checksum=checksum, weights_key=weights_key, model_path=str(folder))
+        return VersionInfo(policy_version=v, checksum=checksum, model_path=str(folder))
 
     def checksum(self, run_id: str, version: int) -> str | None:
         """The checksum of the last export when it is ``version`` of ``run_id``."""

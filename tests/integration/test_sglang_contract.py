@@ -97,7 +97,7 @@ def _update_weights(fleet: SGLangFleet, folder: Path, checksum: str, monkeypatch
         drain_events=lambda: [], ensure_engines=lambda *a, **k: (fleet.fleet.update_weights(folder, 2), [])[1],
     )
     acts = EngineActivities(rt, exporter=lambda run_id, version: lambda: None)  # type: ignore[arg-type]
-    inp = UpdateWeightsInput(run_id="r", store_uri="file:///unused", policy_version=2, weights_key="k",
+    inp = UpdateWeightsInput(run_id="r", store_uri="file:///unused", policy_version=2,
                              checksum=checksum, engines=EngineSpec(backend="sglang", num_engines=2))
     return ActivityEnvironment().run(acts.update_weights, inp)
 

@@ -35,7 +35,7 @@ def test_the_trainers_export_is_linked_not_copied(node: tuple[NodeRuntime, str])
     rt, uri = node
     export = weights_folder(rt.trainer.work_dir, RUN, 3)
     _folder(export, 3, "sum-3", b"exported by the trainer")
-    got = rt.local_weights.folder(uri, RUN, 3, KEY, "sum-3")
+    got = rt.local_weights.folder(uri, RUN, 3, "sum-3")
     assert (got / WEIGHTS_FILE).read_bytes() == b"exported by the trainer"
     assert (got / WEIGHTS_FILE).stat().st_ino == (export / WEIGHTS_FILE).stat().st_ino
     assert (got / "adapter" / "adapter_config.json").exists()  # nested files keep their place
@@ -47,25 +47,24 @@ def test_the_trainers_export_is_linked_not_copied(node: tuple[NodeRuntime, str])
 def test_another_export_is_downloaded(node: tuple[NodeRuntime, str], meta: tuple[int, str]) -> None:
     rt, uri = node
     _folder(weights_folder(rt.trainer.work_dir, RUN, 3), *meta, b"exported by the trainer")
-    got = rt.local_weights.folder(uri, RUN, 3, KEY, "sum-3")
+    got = rt.local_weights.folder(uri, RUN, 3, "sum-3")
     assert (got / WEIGHTS_FILE).read_bytes() == b"from the store"
     assert not got.with_name(got.name + ".download").exists()
 
 
 def test_no_export_or_no_checksum_downloads(node: tuple[NodeRuntime, str]) -> None:
     rt, uri = node
-    assert (rt.local_weights.folder(uri, RUN, 3, KEY, "sum-3") / WEIGHTS_FILE).read_bytes() == b"from the store"
+    assert (rt.local_weights.folder(uri, RUN, 3, "sum-3") / WEIGHTS_FILE).read_bytes() == b"from the store"
     _folder(weights_folder(rt.trainer.work_dir, RUN, 4), 4, "sum-4", b"exported by the trainer")
     key4 = KEY.replace("v000003", "v000004")
     _folder(Path(uri.removeprefix("file://")) / key4, 4, "sum-4", b"v4 from the store")
-    assert (rt.local_weights.folder(uri, RUN, 4, key4) / WEIGHTS_FILE).read_bytes() == b"v4 from the store"
+    assert (rt.local_weights.folder(uri, RUN, 4) / WEIGHTS_FILE).read_bytes() == b"v4 from the store"
 
 
 def test_a_version_the_store_does_not_hold_is_exported_again(node: tuple[NodeRuntime, str]) -> None:
     """Only checkpoint versions are stored: any other comes from this node's trainer, which
     exports it again (restore + replay) when its export is gone, and is then linked."""
     rt, uri = node
-    key5 = KEY.replace("v000003", "v000005")
     export = weights_folder(rt.trainer.work_dir, RUN, 5)
     asked: list[int] = []
 
@@ -73,10 +72,10 @@ def test_a_version_the_store_does_not_hold_is_exported_again(node: tuple[NodeRun
         asked.append(5)
         _folder(export, 5, "sum-5", b"exported again")
 
-    got = rt.local_weights.folder(uri, RUN, 5, key5, "sum-5", export=export_again)
+    got = rt.local_weights.folder(uri, RUN, 5, "sum-5", export=export_again)
     assert asked == [5] and (got / WEIGHTS_FILE).read_bytes() == b"exported again"
     assert (got / WEIGHTS_FILE).stat().st_ino == (export / WEIGHTS_FILE).stat().st_ino
     with pytest.raises(FileNotFoundError, match="none in the store"):  # nothing can give v6
-        rt.local_weights.folder(uri, RUN, 6, KEY.replace("v000003", "v000006"), "sum-6")
+        rt.local_weights.folder(uri, RUN, 6, "sum-6")
     with pytest.raises(RuntimeError, match="does not hold it"):  # the export is another version
-        rt.local_weights.folder(uri, RUN, 7, KEY.replace("v000003", "v000007"), "sum-7", export=lambda: None)
+        rt.local_weights.folder(uri, RUN, 7, "sum-7", export=lambda: None)

@@ -219,5 +219,5 @@ def test_sft_with_zero_steps_keeps_the_folder_weights_and_reports_finite_numbers
     m = tr.sft_warmup(ROWS, steps=0, batch_size=8, lr=1e-3, seed=1, betas=(0.9, 0.95))
     assert tr.checksum() == before and tr.policy_version == 0
     assert all(math.isfinite(v) for v in m.values()) and "sft_loss_first" not in m
-    info = VersionInfo(policy_version=0, checksum=before, weights_key="w", model_path="p", sft_metrics=m)
+    info = VersionInfo(policy_version=0, checksum=before, model_path="p", sft_metrics=m)
     assert VersionInfo.model_validate_json(info.model_dump_json()) == info

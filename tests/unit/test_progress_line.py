@@ -46,7 +46,7 @@ def test_status_lists_the_cell_and_its_ranks() -> None:
 
     cell = CellInfo(generation=2, placement="strict_pack", ray_address="local", ranks=[
         CellRankInfo(rank=r, pid=100 + r, node_ip="127.0.0.1", node_id=f"n{r}", state="alive") for r in range(2)])
-    res = TrainResult(policy_version=3, checksum="c", weights_key="w", metrics={}, seconds=1.0, cell=cell)
+    res = TrainResult(policy_version=3, checksum="c", metrics={}, seconds=1.0, cell=cell)
     out = translate.train_step_result(res, [], "node0")
     assert out.cell is not None and out.cell.node == "node0" and [r.pid for r in out.cell.ranks] == [100, 101]
     assert translate.train_step_result(res.model_copy(update={"cell": None}), []).cell is None  # backend single
@@ -76,7 +76,7 @@ def test_status_lists_the_dp_cells_and_when_a_lost_one_restarts() -> None:
     dp = DPCells(lighthouse_pid=7, cells=[
         DPCellStatus(index=0, pid=100, state="alive", policy_version=3, state_checksum="abc"),
         DPCellStatus(index=1, pid=101, state="lost", why="died during train_step", policy_version=2)])
-    out = translate.train_step_result(TrainResult(policy_version=3, checksum="c", weights_key="w",
+    out = translate.train_step_result(TrainResult(policy_version=3, checksum="c",
                                                   metrics={"dp_cells": 1.0}, seconds=1.0, dp=dp), [], "node0")
     assert out.dp is not None and out.dp.node == "node0" and [c.state for c in out.dp.cells] == ["alive", "lost"]
     due = datetime(2026, 12, 1, 12, 0, 5, tzinfo=UTC).timestamp()

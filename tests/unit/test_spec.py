@@ -69,7 +69,7 @@ def test_an_event_carries_its_time_as_iso_utc() -> None:
 def test_a_train_result_as_an_old_version_stored_it_reads() -> None:
     """``train_result.json`` (read back on a retry and on replay) from before one status model per
     thing: events with a unix ``at``, a cell without its node."""
-    old = {"policy_version": 3, "checksum": "c", "weights_key": "w", "metrics": {"dp_cells": 1.0}, "rebuild": None,
+    old = {"policy_version": 3, "checksum": "c", "metrics": {"dp_cells": 1.0}, "rebuild": None,
            "seconds": 1.5, "events": [{"at": 86400.5, "kind": "cell_started", "detail": "generation 1"}],
            "cell": {"generation": 1, "placement": "strict_pack", "ray_address": "local", "ranks": [
                {"rank": 0, "pid": 7, "node_ip": "127.0.0.1", "node_id": "n0", "state": "alive"}]},

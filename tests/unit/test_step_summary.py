@@ -27,7 +27,7 @@ def batch(version: int, cursor: int, seconds: float = 1.0, **kw: object) -> Samp
     return Sampled(**(fields | kw))
 
 
-TRAINED = TrainStepResult(policy_version=3, checksum="s3", weights_key="w3", seconds=2.0, replayed_steps=[2],
+TRAINED = TrainStepResult(policy_version=3, checksum="s3", seconds=2.0, replayed_steps=[2],
                           restored_from_step=1, node_events=[ev("trained")],
                           metrics={"loss": 0.4, "kl": 0.01, "grad_norm": 0.9, "dp_cells": 1.0},
                           dp=DPCells(node="n", lighthouse_pid=1, cells=[DPCellStatus(index=0, pid=5, state="alive")]))
@@ -43,7 +43,7 @@ def test_an_rl_step_with_every_phase() -> None:
     later = [batch(1, 12), batch(2, 16, seconds=3.0)]
     s = summarize(StepResults(
         inp=INP, seconds=9.0, cursor=12, sampled=sampled, trained=TRAINED, synced=SYNCED,
-        checkpoint=CheckpointResult(step=3, key="ck3", seconds=0.5, durable=True, node_events=[ev("saved")]),
+        checkpoint=CheckpointResult(step=3, key="ck3", weights_key="w3", seconds=0.5, durable=True, node_events=[ev("saved")]),
         evaluated=EvalResult(step=3, policy_version=3, greedy_accuracy=0.5, pass_at_k=0.75, k=4, n=8, seconds=1.5,
                              node_events=[ev("evaluated")]),
         eval_events=[ev("eval_note")],
@@ -72,6 +72,7 @@ def test_an_sft_step_sampled_nothing() -> None:
     assert (s.reward_mean, s.reward_std, s.accuracy, s.reward_errors, s.response_len_mean) == (0.0, 0.0, 0.0, 0, 0.0)
     assert s.phase_seconds == {"train": 2.0, "update_weights": 0.25, "checkpoint": 0.0}
     assert (s.checkpointed, s.eval_greedy, s.sampling, s.agent, s.cell_restarts) == (False, None, None, None, {})
+    assert s.weights_key == ""  # not checkpointed: the store holds no folder of this version
     assert (s.rollout_version, s.staleness) == (2, 0)  # its rows are read at the version it trains from
     assert (s.overlap_seconds, s.buffer_depth, s.next_buffer) == (0.0, 0, [])
     assert [e.kind for e in s.events] == ["trained", "synced"]

@@ -55,11 +55,11 @@ def test_eval_request_and_result() -> None:
 
 
 def test_results_carry_rebuild_and_events() -> None:
-    res = TrainResult(policy_version=6, checksum="c", weights_key="w", metrics={"loss": 0.5}, seconds=1.25,
+    res = TrainResult(policy_version=6, checksum="c", metrics={"loss": 0.5}, seconds=1.25,
                       rebuild=Rebuild(restored_from_step=4, replayed_steps=[5]),
                       events=[RunEvent.at_time(1.0, "checkpoint_corrupt", "step=5")])
     out = translate.train_step_result(res, [EVENT])
-    assert (out.policy_version, out.checksum, out.weights_key, out.metrics, out.seconds) == (6, "c", "w", {"loss": 0.5}, 1.25)
+    assert (out.policy_version, out.checksum, out.metrics, out.seconds) == (6, "c", {"loss": 0.5}, 1.25)
     assert (out.restored_from_step, out.replayed_steps) == (4, [5])
     assert [e.kind for e in out.node_events] == ["engine_dead", "checkpoint_corrupt", "trainer_restored"]
     assert out.node_events[0] == RunEvent(at="1970-01-01T00:00:00+00:00", kind="engine_dead", detail="slot 1: killed")
@@ -67,7 +67,7 @@ def test_results_carry_rebuild_and_events() -> None:
 
 
 def test_first_sft_is_not_a_restore_but_a_rebuild_from_sft_is() -> None:
-    first = VersionInfo(policy_version=0, checksum="c", weights_key="w", model_path="p", sft_metrics={"sft_steps": 3},
+    first = VersionInfo(policy_version=0, checksum="c", model_path="p", sft_metrics={"sft_steps": 3},
                         rebuild=Rebuild(restored_from_step=None, replayed_steps=[]))
     info = translate.policy_info(first, [])
     assert info.node_events == [] and info.restored_from_step is None and info.sft_metrics == {"sft_steps": 3}
@@ -77,7 +77,7 @@ def test_first_sft_is_not_a_restore_but_a_rebuild_from_sft_is() -> None:
 
 
 def test_checkpoint_after_a_trainer_restart_reports_the_restore() -> None:
-    saved = CheckpointSaved(step=4, key="k", durable=True, rebuild=Rebuild(restored_from_step=2, replayed_steps=[3, 4]))
+    saved = CheckpointSaved(step=4, key="k", weights_key="w", durable=True, rebuild=Rebuild(restored_from_step=2, replayed_steps=[3, 4]))
     out = translate.checkpoint_result(saved, 0.5, [RunEvent.at_time(2.0, "trainer_restarted", "pid 1")])
     assert (out.step, out.key, out.durable, out.seconds) == (4, "k", True, 0.5)
     assert [e.kind for e in out.node_events] == ["trainer_restarted", "trainer_restored"]

@@ -269,7 +269,7 @@ class StandInNode:
         await self.cluster.record(self.queue, INIT_POLICY.name, None, inp.policy_version)
         self.cluster.init_inputs.append((self.queue, inp))
         self.cluster.trainer_version[self.queue] = v = inp.policy_version
-        return PolicyInfo(policy_version=v, checksum=f"sum-v{v}", weights_key=f"runs/{inp.setup.run_id}/weights/v{v:06d}")
+        return PolicyInfo(policy_version=v, checksum=f"sum-v{v}")
 
     @activity.defn(name=ROLLOUT.name)
     async def rollout(self, inp: RolloutInput) -> RolloutResult:
@@ -299,7 +299,7 @@ class StandInNode:
         self.cluster.train_inputs.append(inp)
         self.cluster.trainer_version[self.queue] = v = batch.policy_version + 1
         return TrainStepResult(
-            policy_version=v, checksum=f"sum-v{v}", weights_key=f"runs/{inp.run_id}/weights/v{v:06d}",
+            policy_version=v, checksum=f"sum-v{v}",
             metrics={"loss": 1.0 / batch.step, "kl": 0.0, "grad_norm": 0.5}, seconds=0.2,
         )
 
@@ -318,7 +318,8 @@ class StandInNode:
     async def checkpoint(self, inp: CheckpointInput) -> CheckpointResult:
         await self.cluster.record(self.queue, CHECKPOINT.name, inp.step, inp.step)  # a checkpoint saves version = step
         self.cluster.checkpoint_inputs.append(inp)
-        return CheckpointResult(step=inp.step, key=f"runs/{inp.run_id}/checkpoints/{inp.step}", seconds=0.3, durable=True)
+        return CheckpointResult(step=inp.step, key=f"runs/{inp.run_id}/checkpoints/{inp.step}",
+                                weights_key=f"runs/{inp.run_id}/weights/v{inp.step:06d}", seconds=0.3, durable=True)
 
     @activity.defn(name=EVALUATE.name)
     async def evaluate(self, inp: EvalInput) -> EvalResult:

@@ -61,7 +61,6 @@ class InitPolicyInput(BaseModel):
 class PolicyInfo(BaseModel):
     policy_version: int
     checksum: str
-    weights_key: str
     sft_metrics: dict[str, float] = {}
     seconds: float = 0.0
     restored_from_step: int | None = None

@@ -49,7 +49,7 @@ class StepSummary(BaseModel):
     phase_seconds: dict[str, float] = {}
     activity_seconds: float = 0.0  # sum of the activities' own times; the rest is orchestration
     checkpointed: bool = False
-    weights_key: str = ""  # the new version as a Hugging Face model folder in the store
+    weights_key: str = ""  # a checkpointed step: the new version's Hugging Face model folder in the store ("": none)
     restored_from_step: int | None = None  # the trainer was rebuilt from this checkpoint ...
     replayed_steps: list[int] = []  # ... and these steps were replayed from stored artifacts
     events: list[RunEvent] = []

@@ -27,8 +27,7 @@ class TrainStepResult(TrainedStep):
 class UpdateWeightsInput(BaseModel):
     run_id: str
     store_uri: str
-    policy_version: int
-    weights_key: str
+    policy_version: int  # the node finds its model folder: the trainer's export, or the store's copy
     checksum: str
     engines: EngineSpec
 
@@ -52,6 +51,7 @@ class CheckpointInput(Placed):
 class CheckpointResult(BaseModel):
     step: int
     key: str
+    weights_key: str  # the version's model folder in the store
     seconds: float
     durable: bool
     node_events: list[RunEvent] = []

@@ -24,22 +24,23 @@ class Silent(Exception):
 def watched(fn: Callable[[], T], check: Callable[[], None], every_s: float) -> T:
     """``fn()`` on a thread while ``check()`` runs on this one every ``every_s`` until it
     returns; ``check`` may raise to stop waiting (``fn``'s thread is then left to end)."""
-    box: dict[str, object] = {}
+    results: list[T] = []
+    errors: list[BaseException] = []
     done = threading.Event()
 
     def run() -> None:
         try:
-            box["result"] = fn()
+            results.append(fn())
         except BaseException as err:  # noqa: BLE001 - raised below, on the caller's thread
-            box["error"] = err
+            errors.append(err)
         done.set()
 
     threading.Thread(target=run, daemon=True).start()
     while not done.wait(every_s):
         check()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["result"]  # type: ignore[return-value]
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
 @dataclass

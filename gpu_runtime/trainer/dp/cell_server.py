@@ -44,7 +44,7 @@ class CellService:
     def build(self, a: BuildCall) -> CellReport:
         if self.trainer is not None:
             raise RuntimeError(f"cell {self.index}: already built (a cell is built once; the group restarts it)")
-        self.trainer = DPCellTrainer.create(a.folder, a.hparams, a.seed)  # type: ignore[assignment]
+        self.trainer = DPCellTrainer.create(a.folder, a.hparams, a.seed)
         log.info("cell %d built (pid %d)", self.index, os.getpid())
         return self.join(Empty()) if a.join else self.report()
 

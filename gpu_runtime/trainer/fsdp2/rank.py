@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -167,12 +168,12 @@ class CellRankTrainer(PolicyTrainer):
         full = torch.zeros(n * self.world, dtype=torch.float32)
         local = torch.ones(n, dtype=torch.float32)
 
-        def timed(fn: object) -> float:
+        def timed(fn: Callable[[], object]) -> float:
             out = []
             for _ in range(reps):
                 dist.barrier()
                 t0 = time.perf_counter()
-                fn()  # type: ignore[operator]
+                fn()
                 out.append(time.perf_counter() - t0)
             return statistics.median(out)
 
@@ -185,10 +186,10 @@ class CellRankTrainer(PolicyTrainer):
         }
 
     # ------------------------------------------------------------- state
-    def _state(self, with_optimizer: bool) -> dict[str, object]:
+    def _state(self, with_optimizer: bool) -> dict[str, Any]:
         """The sharded state. A fresh optimizer (no step taken yet) is left out: reading its
         state dict would initialise it (a zero step that shifts AdamW's bias correction)."""
-        out: dict[str, object] = {"model": get_model_state_dict(self.model)}
+        out: dict[str, Any] = {"model": get_model_state_dict(self.model)}  # dcp.load fills it in place
         if with_optimizer:
             out["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
         return out
@@ -231,9 +232,9 @@ class CellRankTrainer(PolicyTrainer):
         self.optimizer = self.new_optimizer(self.hparams)
         state = self._state(bool(meta["optimizer_state"]))
         dcp.load(state, checkpoint_id=str(folder / "shards"))
-        set_model_state_dict(self.model, state["model"])  # type: ignore[arg-type]
+        set_model_state_dict(self.model, state["model"])
         if "optim" in state:  # else: saved before the first step, the fresh optimizer is the state
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])  # type: ignore[arg-type]
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if meta["has_reference"]:
             if self.ref_model is None:
                 raise ValueError(f"{path}: the checkpoint has a KL reference, this cell was built without one")

@@ -19,6 +19,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -77,7 +78,7 @@ class PolicyTrainer(AdamWSteps, TrainerDefaults):
     def create(
         cls, base_folder: str | Path, hparams: TrainSpec, seed: int, lora: LoraSpec | None = None,
         distill: DistillSpec | None = None,
-    ) -> PolicyTrainer:
+    ) -> Self:
         """A trainer over the model and tokenizer of a Hugging Face folder (the run's base model),
         with fresh LoRA adapters (seeded) when ``lora`` is given, and the frozen teacher of
         ``distill``."""
