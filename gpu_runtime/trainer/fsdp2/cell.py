@@ -99,6 +99,7 @@ class _Rank:
 
 
 STRATEGIES = {"strict_pack": "STRICT_PACK", "spread": "SPREAD"}  # trainer.placement -> Ray's strategy
+PEER_DEATH_GRACE_S = 10.0  # after a rank raised, how long Ray gets to report a peer's death (see _lost_peer)
 STRAGGLER_GRACE_S = 30.0  # after the first rank answers, the others get the collective timeout plus this
 
 
@@ -191,8 +192,12 @@ class TrainerCell(TrainerDefaults):
                 raise self._lost(refs.index(done[0]), method, err) from None
             except ray.exceptions.RayTaskError as err:
                 self.health = Dead()  # a rank raised: its peers may wait in a collective forever
+                timed_out = _collective_timed_out(err)
+                lost = None if timed_out else self._lost_peer(refs, pending, method)
+                if lost is not None:  # its error was a dead peer's connection, seen first
+                    raise lost from None
                 cause = err.as_instanceof_cause()
-                if _collective_timed_out(err):
+                if timed_out:
                     raise self._fail(CellRankHung(
                         f"rank {refs.index(done[0])} of the cell: a collective timed out after "
                         f"{self.collective_timeout_s:.0f} s during {method} (trainer.collective_timeout_s: a peer "
@@ -200,6 +205,25 @@ class TrainerCell(TrainerDefaults):
                     )) from None
                 raise cause from None
         return ray.get(refs)
+
+    def _lost_peer(self, refs: list[Any], pending: list[Any], method: str) -> CellFailed | None:
+        """When a rank raised, whether a peer rank died (None: none did within a short grace).
+        A SIGKILLed rank's peers blocked in a collective with it fail at once with gloo's
+        "Connection reset by peer", often before Ray has noticed the actor's death; the
+        cell's failure is then the lost rank (``CellRankDied``), not its peer's error."""
+        import ray
+
+        if not pending:
+            return None
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_DEATH_GRACE_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as err:
+                return self._lost(refs.index(ref), method, err)
+            except Exception:  # noqa: BLE001 - another rank's own error: the first one is reported
+                continue
+        return None
 
     def _fail(self, err: CellFailed) -> CellFailed:
         """The cell cannot take another step: remember why (``CellHost`` reports it)."""
