@@ -12,7 +12,8 @@ from temporalio.exceptions import ApplicationError
 
 from gpu_runtime.proc.disk import DiskFull
 from gpu_runtime.proc.rpc import RemoteError
-from spec.status import RunEvent
+from spec.event_text import event_text
+from spec.events import DiskFull as DiskFullEvent, RunEvent, utc_now
 from workflows.failures import Failure, failure
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,8 @@ def disk_full_failure(
     if not (isinstance(err, RemoteError) and err.error_type == DiskFull.__name__) and not isinstance(err, DiskFull):
         return None
     message = err.message if isinstance(err, RemoteError) else str(err)
-    event = RunEvent.now("disk_full", f"node {node_id}: {what}: {message}; the run waits for space")
-    log.warning("run %s: %s", run_id, event.detail)
+    event = DiskFullEvent(at=utc_now(), node=node_id, what=what, error=message)
+    log.warning("run %s: %s", run_id, event_text(event))
     if report is not None:
         report(run_id, event)
     return failure(Failure.DISK_FULL, f"{what} on node {node_id}: {message}")

@@ -11,7 +11,8 @@ from temporalio.exceptions import ApplicationError
 
 from gpu_runtime.store.fence import FencedStore
 from gpu_runtime.store.uri import open_store
-from spec.status import RunEvent
+from spec.event_text import event_text
+from spec.events import RunEvent, StaleWriteRefused, utc_now
 from workflows.failures import Failure, failure
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,8 @@ class RunFence:
     def stale(self, run_id: str, epoch: int, message: str) -> ApplicationError:
         """A write of this node refused by the run's fence: the run has moved on (or moves now,
         when the refusal reaches a workflow that still waits). Reported to the run, then NodeLost."""
-        event = RunEvent.now("stale_write_refused", f"node {self.node.node_id} epoch {epoch}: {message}")
-        log.warning("run %s: %s", run_id, event.detail)
+        event = StaleWriteRefused(at=utc_now(), node=self.node.node_id, epoch=epoch, error=message)
+        log.warning("run %s: %s", run_id, event_text(event))
         if self.report is not None:
             self.report(run_id, event)
-        return failure(Failure.NODE_LOST, f"stale placement: {event.detail}", self.node.task_queue)
+        return failure(Failure.NODE_LOST, f"stale placement: {event_text(event)}", self.node.task_queue)

@@ -16,7 +16,7 @@ from activities.node_placement import PlacementActivities
 from activities.node_rollout import RolloutActivities
 from activities.node_trainer import TrainerActivities
 from gpu_runtime.node.runtime import NodeRuntime
-from spec.status import RunEvent
+from spec.events import RunEvent
 
 
 class NodeActivities:

@@ -17,6 +17,7 @@ from gpu_runtime.engine.fleet_types import NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.weight_probe import unverifiable_reason
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
+from spec.status import SlotState
 from workflows.contracts.training import UpdateWeightsInput, UpdateWeightsResult
 from workflows.failures import Failure, failure
 from workflows.stubs import UPDATE_WEIGHTS
@@ -71,17 +72,17 @@ class EngineActivities:
         assert fleet is not None
         # an engine without a hash of its own (SGLang) reports the checksum of the folder whose
         # sampled parameters it was verified to hold (WeightGate.probe_verified), else none
-        checksums = {s.checksum for s in fleet.snapshot() if s.state == "healthy"}
+        checksums = {s.checksum for s in fleet.snapshot() if s.state == SlotState.HEALTHY}
         if checksums != {inp.checksum}:
             raise failure(
                 Failure.WEIGHT_MISMATCH,
                 f"engines report checksums {sorted(c or '' for c in checksums)}, trainer {inp.checksum}",
             )
         snapshot = fleet.snapshot()
-        metrics.ENGINES_HEALTHY.set(sum(1 for s in snapshot if s.state == "healthy"))
+        metrics.ENGINES_HEALTHY.set(sum(1 for s in snapshot if s.state == SlotState.HEALTHY))
         metrics.PHASE_SECONDS.labels("update_weights").observe(time.perf_counter() - t0)
         weights_bytes = (folder / "model.safetensors").stat().st_size
-        metrics.WEIGHT_SYNC_BYTES.inc(weights_bytes * sum(1 for s in snapshot if s.state == "healthy"))
+        metrics.WEIGHT_SYNC_BYTES.inc(weights_bytes * sum(1 for s in snapshot if s.state == SlotState.HEALTHY))
         return UpdateWeightsResult(
             policy_version=inp.policy_version,
             restarted_slots=restarted,

@@ -22,7 +22,8 @@ from gpu_runtime.proc.rpc import RemoteError
 from gpu_runtime.store.fence import StaleEpoch, raise_fence
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.process import TrainerDied
-from spec.status import DPCells, RunEvent
+from spec.events import RunEvent
+from spec.status import CellState, DPCells
 from spec.trainer_rpc import RunSetup
 from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
 from workflows.contracts.placement import InitPolicyInput, PolicyInfo
@@ -143,4 +144,4 @@ class TrainerActivities:
 
 def _record_dp(dp: DPCells | None, events: list[RunEvent]) -> None:
     if dp is not None:
-        metrics.record_dp(sum(c.state == "alive" for c in dp.cells), [e.kind for e in events])
+        metrics.record_dp(sum(c.state == CellState.ALIVE for c in dp.cells), [e.kind for e in events])

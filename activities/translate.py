@@ -15,7 +15,8 @@ from typing import TypeVar
 
 from gpu_runtime.rollout.evaluate import EvalRequest, EvalStats
 from gpu_runtime.rollout.request import RolloutRequest
-from spec.status import CellInfo, DPCells, RunEvent
+from spec.events import RunEvent, TrainerRestored, utc_now
+from spec.status import CellInfo, DPCells
 from spec.trainer_rpc import (
     CellsRestarted, CheckpointRequest, CheckpointSaved, Rebuild, TrainResult, VersionInfo,
 )
@@ -55,12 +56,8 @@ def rebuild_event(rebuild: Rebuild | None, policy_version: int) -> list[RunEvent
     (none for the first SFT warm-up of a run)."""
     if rebuild is None or (rebuild.restored_from_step is None and not rebuild.replayed_steps):
         return []
-    source = (
-        f"checkpoint step {rebuild.restored_from_step}" if rebuild.restored_from_step is not None
-        else "no usable checkpoint: SFT warm-up"
-    )
-    replayed = f", replayed steps {rebuild.replayed_steps}" if rebuild.replayed_steps else ""
-    return [RunEvent.now("trainer_restored", f"{source}{replayed} -> v{policy_version}")]
+    return [TrainerRestored(at=utc_now(), restored_from_step=rebuild.restored_from_step,
+                            replayed_steps=rebuild.replayed_steps, version=policy_version)]
 
 
 def _trainer_state(rebuild: Rebuild | None, version: int, events: list[RunEvent]) -> dict:

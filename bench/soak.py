@@ -45,7 +45,7 @@ from temporalio.worker import Replayer  # noqa: E402
 
 from bench.soak_checks import cells_whole, trained_exactly_once  # noqa: E402
 from gpu_runtime.proc.processes import pid_alive  # noqa: E402
-from spec.status import RunEvent  # noqa: E402
+from spec.events import CellHealed, CellLost, RunEvent  # noqa: E402
 from tests.e2e.faults import start_run  # noqa: E402
 from tests.stack import Stack, running_stack, tiny_config  # noqa: E402
 from workers.common import connect  # noqa: E402
@@ -122,7 +122,7 @@ class SoakResult:
 
     def unplanned_losses(self) -> int:
         hit = {f.pid for f in self.faults if f.kind in CELL_FAULTS}
-        return sum(e.kind == "cell_lost" and not any(f"(pid {pid})" in e.detail for pid in hit) for e in self.events)
+        return sum(isinstance(e, CellLost) and e.pid not in hit for e in self.events)
 
     @property
     def ok(self) -> bool:
@@ -138,7 +138,8 @@ class SoakResult:
             "faults: " + ", ".join(f"{k} {kinds[k]}" for k in KINDS),
             f"heals (cell_healed): {self.heals}; events: " + ", ".join(
                 f"{k} {ev[k]}" for k in ("cell_lost", "cell_restarted", "cell_healed", "lighthouse_restarted",
-                                         "engine_dead", "engine_restarted", "trainer_restarted", "checksum_mismatch")),
+                                         "engine_dead", "engine_restarted", "trainer_restarted", "checksum_mismatch",
+                                         "cells_diverged")),
             f"cells lost without a cell fault (a side effect of another fault): {self.unplanned_losses()}",
             f"step seconds: mean {statistics.fmean(xs):.2f}, median {statistics.median(xs):.2f}, "
             f"p90 {xs[int(0.9 * (len(xs) - 1))]:.2f}, max {xs[-1]:.2f}",
@@ -155,7 +156,7 @@ class Soak:
         self.stack, self.run_id, self.cfg = stack, run_id, cfg
         self.client: Client | None = None
         self.t0 = time.monotonic()
-        self.events: dict[tuple[str, str, str], RunEvent] = {}
+        self.events: dict[str, RunEvent] = {}  # by the event's JSON: each once
         self.faults: list[Fault] = []
         self.last: RunProgress | None = None
         self.stopped: list[int] = []  # SIGSTOPped cells
@@ -171,7 +172,7 @@ class Soak:
             self.client = None
             return None
         for e in p.events:
-            self.events.setdefault((e.at, e.kind, e.detail), e)
+            self.events.setdefault(e.model_dump_json(), e)
         self.last = p
         return p
 
@@ -279,13 +280,14 @@ def fault_checks(faults: list[Fault], events: list[RunEvent]) -> list[str]:
     fault_pids = {f.pid for f in faults if f.kind in CELL_FAULTS}
     for f in faults:
         if f.kind in CELL_FAULTS:
-            at = next((k for k, e in enumerate(events) if e.kind == "cell_lost" and f"(pid {f.pid})" in e.detail),
-                      None)
+            at = next((k for k, e in enumerate(events) if isinstance(e, CellLost) and e.pid == f.pid), None)
             if at is None:
                 out.append(f"{f.kind} of pid {f.pid} at step {f.step}: no cell_lost event names it")
                 continue
-            if f.kind == "cell_stop" and "hung or stopped" not in events[at].detail:
-                out.append(f"stopped cell pid {f.pid}: lost for another reason: {events[at].detail}")
+            lost = events[at]
+            assert isinstance(lost, CellLost)
+            if f.kind == "cell_stop" and "hung or stopped" not in lost.why:
+                out.append(f"stopped cell pid {f.pid}: lost for another reason: {lost.why}")
             if _runs(f.pid, "gpu_runtime.trainer.dp.cell_server"):
                 out.append(f"{f.kind} of pid {f.pid}: the process is still there (not killed by its group)")
             if not _healed_after(events, at, fault_pids):
@@ -307,12 +309,12 @@ def fault_checks(faults: list[Fault], events: list[RunEvent]) -> list[str]:
 def _healed_after(events: list[RunEvent], at: int, fault_pids: set[int]) -> bool:
     """Whether the cell lost at ``events[at]`` has a ``cell_healed`` later, or is hit by
     another fault before one."""
-    cell = events[at].detail.split(" (pid", 1)[0]  # "cell 1"
+    lost = events[at]
+    assert isinstance(lost, CellLost)
     for e in events[at + 1:]:
-        if e.kind == "cell_healed" and e.detail.startswith(cell + " "):
+        if isinstance(e, CellHealed) and e.cell == lost.cell:
             return True
-        if e.kind == "cell_lost" and e.detail.startswith(cell + " ") and any(f"(pid {p})" in e.detail
-                                                                            for p in fault_pids):
+        if isinstance(e, CellLost) and e.cell == lost.cell and e.pid in fault_pids:
             return True
     return False
 
@@ -361,8 +363,8 @@ async def drive(stack: Stack, steps: int, seed: int, timeout_s: float, run_id: s
     res.failures += fault_checks(res.faults, res.events)
     res.failures += trained_exactly_once(store, run_id, cfg, p)
     res.failures += cells_whole(p)
-    if "checksum_mismatch" in {e.kind for e in res.events}:
-        res.failures.append("the cells diverged (checksum_mismatch)")
+    if "cells_diverged" in {e.kind for e in res.events}:
+        res.failures.append("the cells diverged (cells_diverged)")
     res.failures += await replay(await connect(stack.server.address), run_id, steps)
     return res
 

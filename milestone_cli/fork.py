@@ -29,7 +29,7 @@ from gpu_runtime.store.object_store import ObjectStore
 from milestone_cli.resume import ResumeError, stored_dataset
 from spec.rollout import OFF_POLICY_MODES, rl_sampling_conflicts
 from spec.run import RunConfig
-from spec.status import RunEvent
+from spec.events import Forked, utc_now
 from spec.strict import format_validation_error
 from spec.train import TrainSpec
 from spec.trainer_rpc import ForkPoint
@@ -164,7 +164,7 @@ def fork_input(
         dataset = stored_dataset(store, lineage[0][0], cfg)
     except ResumeError as err:
         raise ForkError(str(err)) from None
-    forked = RunEvent.now("forked", f"from {parent_id} at step {step}")
+    forked = Forked(at=utc_now(), parent=parent_id, step=step)
     state = RunState(
         next_step=step + 1, policy_version=step, data_cursor=cursor_after(store, lineage, step),
         initialized=True, dataset=dataset, train=train, events=[forked],

@@ -33,6 +33,7 @@ from milestone_cli.preflight import PreflightError, check_config, check_new_run_
 from milestone_cli.progress_view import format_cells, format_eval, format_gap, format_progress
 from milestone_cli.resume import NothingToResume, ResumeError, parse_target, resume_state
 from gpu_runtime.store.uri import open_store
+from spec.event_text import event_text
 from spec.strict import format_validation_error
 from spec.engine import EngineUpdate
 from spec.train import HParamUpdate
@@ -252,7 +253,7 @@ async def cmd_status(client: Client, args: argparse.Namespace) -> int:
         for line in rest:
             print(f"    {line}")
     for e in (p.events[-10:] if p else []):
-        print(f"  {e.at} {e.kind}: {e.detail}")
+        print(f"  {e.at} {e.kind}: {event_text(e)}")
     return 0
 
 

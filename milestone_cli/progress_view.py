@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, UTC
 
+from spec.status import CellState
 from workflows.run_state import RunProgress
 
 
@@ -44,7 +45,7 @@ def format_cells(p: RunProgress) -> list[str]:
                      f"ray {cell.ray_address}")
         lines += [f"    rank {r.rank}: pid {r.pid} node {r.node_ip} {r.state}" for r in cell.ranks]
     if p.dp is not None:
-        alive = sum(c.state == "alive" for c in p.dp.cells)
+        alive = sum(c.state == CellState.ALIVE for c in p.dp.cells)
         lines.append(f"  DP cells on {p.dp.node or '?'}: {alive}/{len(p.dp.cells)} alive, torchft lighthouse pid "
                      f"{p.dp.lighthouse_pid}" + (f" (restarted {p.dp.lighthouse_restarts}x)" if p.dp.lighthouse_restarts else ""))
         for c in p.dp.cells:
@@ -54,7 +55,7 @@ def format_cells(p: RunProgress) -> list[str]:
             if c.restarts:
                 line += f", restarted {c.restarts}x"
             heal = p.cell_heal.get(str(c.index))
-            if c.state == "lost":
+            if c.state == CellState.LOST:
                 line += f": {c.why}"
             if heal is not None:
                 line += (f"; restart due {datetime.fromtimestamp(heal.due_at, UTC).isoformat(timespec='seconds')}"

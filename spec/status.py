@@ -4,43 +4,40 @@ One model per thing, used by the node agent and the trainer that produce it and 
 workflow contracts that carry it into history (``milestone status`` shows it). These
 models are decoded again from every recorded history, so they keep pydantic's default
 (unknown keys ignored): a field may be added with a default, never removed or renamed.
+The events themselves are ``spec.events`` (``RunEvent`` is imported here with the rest).
 """
 
 from __future__ import annotations
 
-import time
-from datetime import datetime, timezone
-from typing import Literal
+from enum import StrEnum
 
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel
 
-SlotState = Literal["starting", "healthy", "dead", "empty"]
+from spec.events import RunEvent
 
 
-class RunEvent(BaseModel):
-    """Something that happened to the run: an engine died, a trainer was restored, a cell healed, ..."""
+class SlotState(StrEnum):
+    """An engine slot: its engine starting, serving, being torn down, or none running (recovery starts one)."""
 
-    at: str  # ISO 8601 time in UTC
-    kind: str  # engine_dead, engine_hung, engine_restarted, engine_recovered, checksum_ok, node_lost, ...
-    detail: str = ""
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    DEAD = "dead"
+    EMPTY = "empty"
 
-    @field_validator("at", mode="before")
-    @classmethod
-    def _iso(cls, v: object) -> object:
-        """Unix seconds become the ISO time: the one place a process's clock is converted (and
-        how a trainer result stored with a unix ``at`` by an older version reads)."""
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return datetime.fromtimestamp(v, timezone.utc).isoformat()
-        return v
 
-    @classmethod
-    def at_time(cls, unix_s: float, kind: str, detail: str = "") -> "RunEvent":
-        """The event at ``unix_s`` seconds since the epoch."""
-        return cls.model_validate({"at": unix_s, "kind": kind, "detail": detail})
+class RankState(StrEnum):
+    """A fsdp2 cell's rank: a call on the cell failed and the next call rebuilds it, or not."""
 
-    @classmethod
-    def now(cls, kind: str, detail: str = "") -> "RunEvent":
-        return cls.at_time(time.time(), kind, detail)
+    ALIVE = "alive"
+    FAILED = "failed"
+
+
+class CellState(StrEnum):
+    """A DP cell: training, lost (a restart is due), or restarting (it joins the next step)."""
+
+    ALIVE = "alive"
+    LOST = "lost"
+    STARTING = "starting"
 
 
 class EngineSlotInfo(BaseModel):
@@ -62,7 +59,7 @@ class CellRankInfo(BaseModel):
     pid: int
     node_ip: str  # the Ray node the rank runs on
     node_id: str  # Ray's node id
-    state: str  # alive | failed (a call on the cell failed; the next call rebuilds it)
+    state: RankState
 
 
 class CellInfo(BaseModel):
@@ -80,7 +77,7 @@ class DPCellStatus(BaseModel):
 
     index: int
     pid: int
-    state: str  # alive | lost | starting
+    state: CellState
     why: str = ""  # why it was lost
     restarts: int = 0
     policy_version: int = 0
@@ -95,3 +92,7 @@ class DPCells(BaseModel):
     lighthouse_pid: int
     lighthouse_restarts: int = 0
     cells: list[DPCellStatus]
+
+
+__all__ = ["CellInfo", "CellRankInfo", "CellState", "DPCellStatus", "DPCells", "EngineSlotInfo", "RankState",
+           "RunEvent", "SlotState"]

@@ -16,9 +16,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from spec.model import DistillSpec, ModelSpec
+from spec.events import RunEvent
 from spec.placement import Placed
 from spec.rpc import MethodTable, RpcMethod
-from spec.status import CellInfo, DPCells, RunEvent
+from spec.status import CellInfo, DPCells
 from spec.train import SFTSpec, TrainSpec
 from spec.trainer import TrainerSpec
 

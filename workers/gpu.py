@@ -25,7 +25,7 @@ from activities.node import NodeActivities
 from gpu_runtime.proc.devices import cuda_device_count, parse_gpu_list, plan_placement
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
-from spec.status import RunEvent
+from spec.events import RunEvent
 from workers.common import connect, install_shutdown, parse_worker_args, setup_logging
 from workers.node_reclaim import RunReclaimer
 from workflows.queues import POOL_QUEUE

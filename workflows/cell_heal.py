@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from spec.status import DPCells
+from spec.status import CellState, DPCells
 from spec.trainer import TrainerSpec
 from workflows.contracts.cells import CellHeal
 
@@ -49,7 +49,7 @@ def after_step(heal: dict[str, CellHeal], dp: DPCells | None, restarts: dict[str
                               failures=failures)
     for c in (dp.cells if dp else []):
         i = str(c.index)
-        if c.state != "lost" or i in out:
+        if c.state != CellState.LOST or i in out:
             continue
         failures = failed_again.get(i, 0)
         out[i] = CellHeal(lost_at=now.isoformat(), due_at=t + backoff_s(failures, spec), failures=failures)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from spec.event_text import event_text
 from spec.run import RunConfig
+from spec.status import CellState
 from spec.train import HParamUpdate, TrainSpec, mode_conflicts
 from spec.trainer import megatron_train_conflicts
 from spec.trainer_rpc import ForkPoint
@@ -14,7 +16,7 @@ from workflows.run_state import RunState
 
 def run_details(status: str, st: RunState, total_steps: int | None, lineage: list[ForkPoint]) -> str:
     """The run's current details (markdown) for the Temporal UI: status, progress, the last
-    step and eval, the node, the DP cells and the fork it came from."""
+    step and eval, the node, the DP cells, the fork it came from and the last event."""
     last = st.history[-1] if st.history else None
     lines = [
         f"**{status}** — step {st.next_step - 1}/{total_steps if total_steps is not None else '?'}, "
@@ -34,12 +36,15 @@ def run_details(status: str, st: RunState, total_steps: int | None, lineage: lis
     if st.node:
         lines.append(f"node: `{st.node.task_queue}`")
     if st.dp is not None:  # trainer.cells > 1
-        alive = sum(c.state == "alive" for c in st.dp.cells)
+        alive = sum(c.state == CellState.ALIVE for c in st.dp.cells)
         lost = ", ".join(f"cell {i} restarts after {h.failures} failed restart(s)" if h.failures else f"cell {i} lost"
                          for i, h in sorted(st.cell_heal.items()))
         lines.append(f"DP cells: {alive}/{len(st.dp.cells)} alive" + (f" ({lost})" if lost else ""))
     if lineage:
         lines.append(f"forked from `{lineage[-1].run_id}` at step {lineage[-1].step}")
+    if st.events:
+        ev = st.events[-1]
+        lines.append(f"last event: {ev.at[:19]} {ev.kind}: {event_text(ev)}")
     return "\n\n".join(lines)
 
 

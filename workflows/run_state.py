@@ -8,7 +8,8 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 from spec.run import RunConfig
-from spec.status import CellInfo, DPCells, EngineSlotInfo, RunEvent
+from spec.events import RunEvent
+from spec.status import CellInfo, DPCells, EngineSlotInfo
 from spec.train import TrainSpec
 from spec.trainer import TrainerSpec
 from spec.trainer_rpc import ForkPoint

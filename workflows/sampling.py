@@ -25,7 +25,7 @@ import math
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from spec.status import RunEvent
+    from spec.events import DynamicFilterEmpty
     from spec.trainer_rpc import SampledRound
     from workflows.contracts.sampling import (
         BatchSelection,
@@ -202,11 +202,8 @@ def pooled_batch(inp: RLStepInput, rounds: list[Round], stats: SamplingStats, se
     mean, std, accuracy = pooled(rewards)
     events = [e for got in rollouts for e in got.node_events]
     if stats.fallback:
-        events.append(RunEvent(
-            at=workflow.now().isoformat(), kind="dynamic_filter_empty",
-            detail=f"step {inp.step}: no group's rewards varied in {len(rounds)} rounds: trained on the first "
-                   f"round's first {stats.groups_trained} groups as they were",
-        ))
+        events.append(DynamicFilterEmpty(at=workflow.now().isoformat(), step=inp.step, rounds=len(rounds),
+                                         groups_trained=stats.groups_trained))
     samples = sum(rw.n for rw in rewards)
     phases = {"rollout": sum(got.seconds for got in rollouts), "reward": sum(rw.seconds for rw in rewards)}
     return Sampled(

@@ -15,7 +15,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from spec.status import RunEvent
+    from spec.events import EvalFailed, RunEvent
     from spec.trainer_rpc import SFTRows, StepBatch
     from workflows.contracts.cells import RestartCellsInput, RestartCellsResult
     from workflows.contracts.sampling import Sampled
@@ -155,4 +155,4 @@ async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, l
                 cause = cause.__cause__
             message = f"{getattr(cause, 'type', None) or type(cause).__name__}: {cause}"
         workflow.logger.warning("eval of step %d failed: %s", inp.step, message)
-        return None, [RunEvent(at=workflow.now().isoformat(), kind="eval_failed", detail=f"step {inp.step}: {message}")]
+        return None, [EvalFailed(at=workflow.now().isoformat(), step=inp.step, message=message)]

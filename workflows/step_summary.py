@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spec.status import RunEvent
+from spec.events import RunEvent
 from workflows.contracts.cells import RestartCellsResult
 from workflows.contracts.sampling import Sampled
 from workflows.contracts.step import RLStepInput, StepSummary

@@ -10,7 +10,6 @@ as a child (re-placed when its node is lost, paused on a divergence), commit.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 from temporalio import workflow
@@ -23,7 +22,10 @@ with workflow.unsafe.imports_passed_through():
     from spec.rollout import rl_sampling_conflicts
     from spec.engine import EngineSpec, EngineUpdate
     from spec.run import RunConfig
-    from spec.status import RunEvent
+    from spec.event_text import event_text
+    from spec.events import (
+        Divergence, EnginesSet, EvalFailed, EvalSkipped, HParamsSet, NodeClaimed, NodeLost, RunEvent,
+    )
     from spec.strict import format_validation_error
     from spec.train import HParamUpdate
     from spec.trainer_rpc import ForkPoint, RunSetup
@@ -51,6 +53,11 @@ MAX_NODE_REPLACEMENTS = 10
 
 def config_hash(cfg: RunConfig) -> str:
     return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
+
+
+def _now() -> str:
+    """An event's ``at``: the workflow's clock, the same on replay."""
+    return workflow.now().isoformat()
 
 
 @workflow.defn(name="TrainingRun")
@@ -112,7 +119,7 @@ class TrainingRun:
         if cfg.eval.enabled and st.dataset.eval_key is None:
             arithmetic = cfg.data.kind in ("arithmetic", "reasoning_gym")  # generated
             why = "every prompt is in the train set" if arithmetic else "data.eval_path is not set"
-            self._event("eval_skipped", f"no held-out split ({why}): the run is not evaluated")
+            self._event(EvalSkipped(at=_now(), why=why))
         await self._place_on_node(run_id, chash, init=True)
         st.initialized = True
         if cfg.eval.enabled and st.dataset.eval_key:
@@ -154,8 +161,7 @@ class TrainingRun:
         try:
             result, events = await evaluate(inp, 0)
         except (ActivityError, ApplicationError) as err:
-            result, events = None, [RunEvent(at=workflow.now().isoformat(), kind="eval_failed",
-                                             detail=f"step 0: {failure_in(err)[1]}")]
+            result, events = None, [EvalFailed(at=_now(), step=0, message=failure_in(err)[1])]
         st.add_events(events)
         return result
 
@@ -199,7 +205,7 @@ class TrainingRun:
             except (ChildWorkflowError, ApplicationError) as err:  # ApplicationError: NodeLost from the watch
                 kind, message = failure_in(err)
                 if kind == Failure.DIVERGENCE:
-                    self._event("divergence", f"step {st.next_step}: {message}; paused (fix with `milestone set`, then resume)")
+                    self._event(Divergence(at=_now(), step=st.next_step, message=message))
                     st.paused = True
                     self.status = "paused"
                     self._publish()
@@ -209,7 +215,7 @@ class TrainingRun:
                 if kind != Failure.NODE_LOST:
                     raise
                 replacements += 1
-                self._event("node_lost", f"{st.node.task_queue} during step {st.next_step}: {message}")
+                self._event(NodeLost(at=_now(), queue=st.node.task_queue, step=st.next_step, message=message))
                 if replacements > MAX_NODE_REPLACEMENTS:
                     raise failure(Failure.NODE_LOST, f"gave up after {MAX_NODE_REPLACEMENTS} node replacements") from err
                 await self._place_on_node(run_id, chash, init=False)
@@ -223,7 +229,7 @@ class TrainingRun:
             st.node = await CLAIM_NODE.run(
                 ClaimNodeInput(run_id=run_id, exclude_queues=exclude, store_uri=cfg.store), summary="claim a node",
             )
-            self._event("node_claimed", st.node.task_queue)
+            self._event(NodeClaimed(at=_now(), queue=st.node.task_queue))
             try:
                 await self.watch.on_live_node(run_id, st.node.task_queue, cfg.node, self._init_node(run_id, chash, init))
                 return
@@ -231,7 +237,7 @@ class TrainingRun:
                 if failure_in(err)[0] != Failure.NODE_LOST:
                     raise
                 exclude = [st.node.task_queue]
-                self._event("node_lost", f"{st.node.task_queue}: {failure_in(err)[1]}")
+                self._event(NodeLost(at=_now(), queue=st.node.task_queue, message=failure_in(err)[1]))
 
     async def _init_node(self, run_id: str, chash: str, init: bool) -> None:
         """The claimed node's trainer to the committed version, its engines up."""
@@ -266,9 +272,9 @@ class TrainingRun:
         st.engines = synced.engines
 
     # ---- observability -----------------------------------------------------------
-    def _event(self, kind: str, detail: str) -> None:
-        self.st.add_events([RunEvent(at=workflow.now().isoformat(), kind=kind, detail=detail)])
-        workflow.logger.info("run event %s: %s", kind, detail)
+    def _event(self, event: RunEvent) -> None:
+        self.st.add_events([event])
+        workflow.logger.info("run event %s: %s", event.kind, event_text(event))
 
     def _publish(self) -> None:
         st = self.st
@@ -310,7 +316,7 @@ class TrainingRun:
         """An event a node reports outside any activity result (``stale_write_refused``
         from a node the run has left behind: its results are no longer awaited)."""
         self.st.add_events([event])
-        workflow.logger.warning("node event %s: %s", event.kind, event.detail)
+        workflow.logger.warning("node event %s: %s", event.kind, event_text(event))
 
     @workflow.signal
     def pause(self) -> None:
@@ -324,7 +330,7 @@ class TrainingRun:
     def set_hparams(self, update: HParamUpdate) -> dict:
         assert self.st.train is not None
         self.st.train = update.apply(self.st.train)
-        self._event("hparams_set", json.dumps(update.given()))
+        self._event(HParamsSet(at=_now(), values=update.given()))
         return self.st.train.model_dump()
 
     @workflow.update
@@ -332,7 +338,7 @@ class TrainingRun:
         """The node's engine count from the next step on (the fleet grows or shrinks then)."""
         before = self._engines().num_engines
         self.st.num_engines = update.num_engines
-        self._event("engines_set", f"num_engines {before} -> {update.num_engines} from the next step")
+        self._event(EnginesSet(at=_now(), before=before, after=update.num_engines))
         return {"num_engines": update.num_engines}
 
     @set_engines.validator

@@ -28,12 +28,13 @@ from gpu_runtime.engine.auth import check_exposure, engine_token
 from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine.dispatch import RequestDispatch
 from gpu_runtime.engine.fleet_memory import EngineMemory
-from gpu_runtime.engine.fleet_types import FleetError, FleetEvent, HealthConfig, Slot
+from gpu_runtime.engine.fleet_types import FleetError, HealthConfig, Slot
 from gpu_runtime.engine.health import HealthMonitor
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.engine.supervisor import SlotSupervisor
 from gpu_runtime.engine.weight_push import WeightPush
 from gpu_runtime.weight_sync.distributed_push import Broadcaster, PushResult
+from spec.events import EngineEvent
 from spec.status import EngineSlotInfo
 
 
@@ -49,7 +50,7 @@ class EngineFleet:
         health: HealthConfig | None = None,
         *,
         weight_version: int | str | None = None,
-        on_event: Callable[[FleetEvent], None] | None = None,
+        on_event: Callable[[EngineEvent], None] | None = None,
         generate_timeout_s: float = 600.0,
         host: str = "127.0.0.1",
     ) -> None:
@@ -92,7 +93,7 @@ class EngineFleet:
         return self.supervisor.slots
 
     @property
-    def events(self) -> list[FleetEvent]:
+    def events(self) -> list[EngineEvent]:
         return self.supervisor.events
 
     @property
@@ -104,11 +105,11 @@ class EngineFleet:
         self.supervisor.router = router
 
     @property
-    def on_event(self) -> Callable[[FleetEvent], None] | None:
+    def on_event(self) -> Callable[[EngineEvent], None] | None:
         return self.supervisor.on_event
 
     @on_event.setter
-    def on_event(self, on_event: Callable[[FleetEvent], None] | None) -> None:
+    def on_event(self, on_event: Callable[[EngineEvent], None] | None) -> None:
         self.supervisor.on_event = on_event
 
     @property

@@ -16,6 +16,7 @@ from typing import Any
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.fleet_types import Slot
 from gpu_runtime.engine.supervisor import SlotSupervisor
+from spec.status import SlotState
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class EngineMemory:
                 self._push_served()
 
     def _on_each_healthy(self, what: str, call: Callable[[EngineClient], Any]) -> list[int]:
-        targets = [s for s in self.slots.slots if s.state == "healthy"]
+        targets = [s for s in self.slots.slots if s.state == SlotState.HEALTHY]
 
         def one(s: Slot) -> str | None:
             try:

@@ -1,19 +1,14 @@
-"""Types of the engine fleet: slot states, events, health settings, errors."""
+"""Types of the engine fleet: its slots, health settings, errors (its events are ``spec.events``
+``EngineEvent``)."""
 
 from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass
-from typing import Literal
 
 from pydantic import BaseModel
 
 from spec.status import SlotState
-
-EventKind = Literal[
-    "engine_dead", "engine_restarted", "engine_recovered", "checksum_ok", "checksum_mismatch", "engine_hung",
-    "weight_sync_fallback", "engine_added", "engine_removed",
-]
 
 
 class HealthConfig(BaseModel):
@@ -21,13 +16,6 @@ class HealthConfig(BaseModel):
     timeout_s: float = 5.0  # one /health_generate probe
     first_wait_s: float = 120.0  # a starting engine must be healthy within this; probes begin after
     failure_threshold: int = 1  # failed probes in a row before the engine is declared dead
-
-
-class FleetEvent(BaseModel):
-    kind: EventKind
-    slot: int
-    at: float  # unix time
-    detail: str = ""
 
 
 class FleetError(RuntimeError):
@@ -49,7 +37,7 @@ class Slot:
     index: int
     url: str
     port: int
-    state: SlotState = "empty"
+    state: SlotState = SlotState.EMPTY
     proc: subprocess.Popen | None = None
     weight_version: str | None = None
     checksum: str | None = None

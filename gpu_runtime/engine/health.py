@@ -15,6 +15,7 @@ from gpu_runtime.engine.client import EngineError
 from gpu_runtime.engine.fleet_memory import EngineMemory
 from gpu_runtime.engine.fleet_types import Slot
 from gpu_runtime.engine.supervisor import SlotSupervisor
+from spec.status import SlotState
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,9 @@ class HealthMonitor:
     def _sweep(self) -> None:
         for s in list(self.slots.slots):
             proc = s.proc
-            if s.state == "healthy" and proc is not None and proc.poll() is not None:
+            if s.state == SlotState.HEALTHY and proc is not None and proc.poll() is not None:
                 self.slots.declare_dead(s, f"process exited rc={proc.returncode}", hung=False)
-        targets = [s for s in self.slots.slots if s.state == "healthy"]
+        targets = [s for s in self.slots.slots if s.state == SlotState.HEALTHY]
         for s, ok, timed_out, detail in self.slots.pool.map(self.probe, targets):
             if ok:
                 s.failures = 0

@@ -17,6 +17,7 @@ from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.fleet_types import HealthConfig, Slot
 from gpu_runtime.proc.processes import free_port, port_free
+from spec.status import SlotState
 
 log = logging.getLogger(__name__)
 PORT_MOVES = 3  # a starting engine whose port another process took moves this many times at most
@@ -52,7 +53,7 @@ class SlotProcesses:
         finally:
             logf.close()
         with self._lock:
-            s.proc, s.state, s.failures = proc, "starting", 0
+            s.proc, s.state, s.failures = proc, SlotState.STARTING, 0
             s.weight_version, s.checksum, s.launched = None, None, (model_path, version)
         log.info("slot %d: started pid=%d %s", s.index, proc.pid, " ".join(cmd))
 
@@ -96,7 +97,7 @@ class SlotProcesses:
                     self.backend.started(probe, s.launched[1] if s.launched else None)
                     version, checksum = self.read_weights(probe)
                     with self._lock:
-                        s.state, s.weight_version, s.checksum, s.failures = "healthy", version, checksum, 0
+                        s.state, s.weight_version, s.checksum, s.failures = SlotState.HEALTHY, version, checksum, 0
                     log.info("slot %d: healthy pid=%d version=%s", s.index, proc.pid, version)
                     return True
                 time.sleep(0.1)

@@ -5,26 +5,30 @@ declared dead (by the ``HealthMonitor``, a failed request, a failed weight load)
 SIGKILLed by pid (this also ends a SIGSTOPped engine), removed from the router at once, and
 its slot becomes ``empty``. Empty slots are refilled only by ``restart_empty_slots`` (the
 *gated recovery* that precedes a weight update), which loads the newest weights, passes the
-checksum gate and re-adds the engine to the router. Every change is a ``FleetEvent``.
+checksum gate and re-adds the engine to the router. Every change is an event (``spec.events.EngineEvent``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine.client import EngineClient
-from gpu_runtime.engine.fleet_types import EventKind, FleetEvent, HealthConfig, Slot
+from gpu_runtime.engine.fleet_types import HealthConfig, Slot
 from gpu_runtime.engine.router import RouterError, RouterProcess
 from gpu_runtime.engine.slots import SlotProcesses
 from gpu_runtime.engine.weight_gate import WeightGate
 from gpu_runtime.proc.processes import free_port
-from spec.status import EngineSlotInfo
+from spec.event_text import event_text
+from spec.events import (
+    EngineAdded, EngineChecksum, EngineDead, EngineEvent, EngineHung, EngineRecovered, EngineRemoved, EngineRestarted,
+    utc_now,
+)
+from spec.status import EngineSlotInfo, SlotState
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ class SlotSupervisor:
     def __init__(
         self, backend: EngineBackend, num_slots: int, model_path: str, weight_version: str | None, base_port: int,
         log_dir: Path, host: str, health: HealthConfig, router: RouterProcess | None,
-        on_event: Callable[[FleetEvent], None] | None, generate_timeout_s: float,
+        on_event: Callable[[EngineEvent], None] | None, generate_timeout_s: float,
     ) -> None:
         self.backend = backend
         self.model_path = model_path
@@ -49,7 +53,7 @@ class SlotSupervisor:
         self.on_event = on_event
         self.generate_timeout_s = generate_timeout_s
         self.slots = [Slot(i, f"http://{host}:{base_port + i}", base_port + i) for i in range(num_slots)]
-        self.events: list[FleetEvent] = []
+        self.events: list[EngineEvent] = []
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self.pool = ThreadPoolExecutor(max_workers=max(4, num_slots), thread_name_prefix="fleet")
@@ -80,7 +84,7 @@ class SlotSupervisor:
         """Kill every engine, stop the router when it is ours, close the clients."""
         for s in self.slots:
             self._procs.kill(s)
-            s.state = "empty"
+            s.state = SlotState.EMPTY
         if self.router is not None and self._owns_router:
             self.router.stop()
             self._owns_router = False
@@ -90,11 +94,11 @@ class SlotSupervisor:
 
     # ---- queries ---------------------------------------------------------------------
     def healthy(self) -> list[Slot]:
-        return [s for s in self.slots if s.state == "healthy"]
+        return [s for s in self.slots if s.state == SlotState.HEALTHY]
 
     def healthy_urls(self) -> list[str]:
         with self.lock:
-            return [s.url for s in self.slots if s.state == "healthy"]
+            return [s.url for s in self.slots if s.state == SlotState.HEALTHY]
 
     def snapshot(self) -> list[EngineSlotInfo]:
         """Every slot as the run's status shows it (a version that is no number: None)."""
@@ -123,13 +127,13 @@ class SlotSupervisor:
 
     def declare_dead(self, s: Slot, detail: str, *, hung: bool) -> None:
         with self.lock:
-            if s.state not in ("healthy", "starting"):
+            if s.state not in (SlotState.HEALTHY, SlotState.STARTING):
                 return
-            s.state = "dead"
+            s.state = SlotState.DEAD
             pid = s.proc.pid if s.proc else None
         try:
             if hung:
-                self.emit("engine_hung", s.index, detail)
+                self.emit(EngineHung(at=utc_now(), slot=s.index, reason=detail))
             self._procs.kill(s)
             if self.router is not None:
                 try:
@@ -138,15 +142,14 @@ class SlotSupervisor:
                     log.warning("slot %d: could not remove %s from router: %s", s.index, s.url, e)
         finally:  # a slot left "dead" would never be restarted (recovery restarts "empty" slots)
             with self.lock:
-                s.state, s.weight_version, s.checksum, s.failures = "empty", None, None, 0
+                s.state, s.weight_version, s.checksum, s.failures = SlotState.EMPTY, None, None, 0
         # emitted once the engine is killed, reaped and out of the router
-        self.emit("engine_dead", s.index, f"pid={pid}: {detail}")
+        self.emit(EngineDead(at=utc_now(), slot=s.index, pid=pid, reason=detail))
 
-    def emit(self, kind: EventKind, slot: int, detail: str = "") -> None:
-        ev = FleetEvent(kind=kind, slot=slot, at=time.time(), detail=detail)
+    def emit(self, ev: EngineEvent) -> None:
         with self.lock:
             self.events.append(ev)
-        log.info("fleet event %s slot=%d %s", kind, slot, detail)
+        log.info("fleet event %s %s", ev.kind, event_text(ev))
         if self.on_event is not None:
             try:
                 self.on_event(ev)
@@ -170,11 +173,11 @@ class SlotSupervisor:
             if self.router is not None:
                 self.router.remove_worker(s.url)
             self._procs.kill(s)
-            s.state = "empty"
-            self.emit("engine_removed", s.index, f"num_engines {n}")
+            s.state = SlotState.EMPTY
+            self.emit(EngineRemoved(at=utc_now(), slot=s.index, num_engines=n))
         for s in self.slots:
             if s.added:
-                self.emit("engine_added", s.index, f"num_engines {n}: port {s.port}")
+                self.emit(EngineAdded(at=utc_now(), slot=s.index, num_engines=n, port=s.port))
         if n > self.pool._max_workers:  # one thread per slot for a chunk fan-out
             old, self.pool = self.pool, ThreadPoolExecutor(max_workers=n, thread_name_prefix="fleet")
             old.shutdown(wait=False)
@@ -186,14 +189,15 @@ class SlotSupervisor:
         if model_path is not None:
             self.model_path = str(model_path)
             self.weight_version = None if version is None else str(version)
-        empty = [s for s in self.slots if s.state == "empty"]
+        empty = [s for s in self.slots if s.state == SlotState.EMPTY]
         for s in empty:
             with self.lock:
                 s.restart_count += not s.added
                 added, s.added = s.added, False
             self._procs.spawn(s, self.model_path, self.weight_version)
             if not added:
-                self.emit("engine_restarted", s.index, f"pid={s.proc.pid if s.proc else None} {self.model_path}")
+                self.emit(EngineRestarted(at=utc_now(), slot=s.index, pid=s.proc.pid if s.proc else None,
+                                          model_path=self.model_path))
         ok = self._procs.wait_all_healthy(empty)
         expected = self.gate.expected_checksum(self.model_path)
         recovered: list[int] = []
@@ -201,18 +205,20 @@ class SlotSupervisor:
             if not good:
                 self.declare_dead(s, "did not become healthy after restart", hung=False)
                 continue
+            wrong: list[str] = []  # the sampled parameters that differ
             if not self.backend.supports_checksum:  # no hash (SGLang): the sampled-parameter probe
-                s.checksum, got = self.gate.probe_verified(s, self.model_path)
+                s.checksum, wrong = self.gate.probe_verified(s, self.model_path)
                 bad = s.checksum is None
             else:
-                got, bad = f"got {s.checksum} want {expected}", expected is not None and s.checksum != expected
+                bad = expected is not None and s.checksum != expected
             if bad:
-                self.emit("checksum_mismatch", s.index, got)
+                self.emit(EngineChecksum(at=utc_now(), kind="checksum_mismatch", slot=s.index, checksum=s.checksum,
+                                         expected=expected, mismatched=wrong))
                 self.declare_dead(s, "checksum mismatch after restart", hung=False)
                 continue
             if self.router is not None:
                 self.router.remove_worker(s.url)  # a stale entry would sit behind the circuit breaker
                 self.router.add_worker(s.url)
-            self.emit("engine_recovered", s.index, f"version={s.weight_version}")
+            self.emit(EngineRecovered(at=utc_now(), slot=s.index, version=s.weight_version))
             recovered.append(s.index)
         return recovered

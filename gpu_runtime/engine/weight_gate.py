@@ -44,11 +44,8 @@ class WeightGate:
                 log.warning("slot %d: get_weights_by_name(%s) failed: %s", s.index, name, e)
         return mismatched(expected, got)
 
-    def probe_verified(self, s: Slot, model_path: str) -> tuple[str | None, str]:
+    def probe_verified(self, s: Slot, model_path: str) -> tuple[str | None, list[str]]:
         """(the folder's checksum, which a verified engine stands for since its sampled
-        parameters are the folder's; or None) and what the event says."""
+        parameters are the folder's; or None) and the sampled parameters that differ."""
         wrong = self.probe_mismatch(s, model_path)
-        if wrong:
-            return None, f"probe mismatch: {', '.join(wrong)}"
-        checksum = read_meta(model_path).get("checksum")
-        return checksum, f"{checksum} (folder's; sampled parameters verified)"
+        return (None if wrong else read_meta(model_path).get("checksum")), wrong

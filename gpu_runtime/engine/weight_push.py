@@ -31,6 +31,8 @@ from gpu_runtime.weight_sync.strategies import (
     WeightReceiver,
     WeightSync,
 )
+from spec.events import EngineChecksum, WeightSyncFallback, utc_now
+from spec.status import SlotState
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class WeightPush:
             if isinstance(strategy, DistributedBroadcast) and strategy.result is not None:
                 self.last_push = strategy.result
         self.slots.model_path, self.slots.weight_version = path, ver
-        return self._verify([s for s in targets if s.state == "healthy"], path, ver)
+        return self._verify([s for s in targets if s.state == SlotState.HEALTHY], path, ver)
 
     # ---- the strategies' Engines ----------------------------------------------------
     def load_each(self, urls: list[str], load: Callable[[WeightReceiver], object]) -> None:
@@ -99,8 +101,9 @@ class WeightPush:
             if err is not None:
                 self.slots.declare_dead(s, f"weight update failed: {err}", hung=False)
 
-    def fell_back(self, url: str, detail: str) -> None:
-        self.slots.emit("weight_sync_fallback", self._slot(url).index, detail)
+    def fell_back(self, url: str, version: str, error: str | None, trainer_error: str) -> None:
+        self.slots.emit(WeightSyncFallback(at=utc_now(), slot=self._slot(url).index, version=version, error=error,
+                                           trainer_error=trainer_error))
 
     @property
     def receive(self) -> Receive:
@@ -122,13 +125,16 @@ class WeightPush:
         out: dict[int, str] = {}
         for s, (got_ver, got_sum) in zip(targets, reports):
             good = got_ver == ver and (expected is None or got_sum == expected)
-            detail = got_sum
-            if good and not sup.backend.supports_checksum:  # no full hash: spot-check sampled parameters
-                got_sum, detail = gate.probe_verified(s, path)
+            probed = good and not sup.backend.supports_checksum
+            wrong: list[str] = []  # the sampled parameters that differ
+            if probed:  # no full hash: spot-check sampled parameters
+                got_sum, wrong = gate.probe_verified(s, path)
                 good = got_sum is not None
             with sup.lock:
                 s.weight_version, s.checksum = got_ver, got_sum
-            sup.emit("checksum_ok" if good else "checksum_mismatch", s.index, f"version={got_ver} checksum={detail}")
+            sup.emit(EngineChecksum(at=utc_now(), kind="checksum_ok" if good else "checksum_mismatch", slot=s.index,
+                                    version=got_ver, checksum=got_sum, probed=probed, mismatched=wrong,
+                                    expected=None if good else expected))
             if not good:
                 bad.append(s.index)
             out[s.index] = got_sum or ""

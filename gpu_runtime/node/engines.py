@@ -22,7 +22,7 @@ from gpu_runtime.engine.backends import (
     vllm_python,
 )
 from gpu_runtime.engine.fleet import EngineFleet
-from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine
+from gpu_runtime.engine.fleet_types import HealthConfig, NoHealthyEngine
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.node.memory_phases import MemoryPhases, resolve_release_memory
@@ -31,7 +31,7 @@ from gpu_runtime.proc.devices import Placement
 from gpu_runtime.proc.processes import free_port, free_port_block
 from gpu_runtime.weight_sync.distributed_push import Broadcaster
 from spec.engine import EngineSpec
-from spec.status import RunEvent
+from spec.events import EngineEvent, RunEvent
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,11 @@ class NodeEngines:
         return (self.router.pid if self.router else None,
                 [s.pid for s in self.fleet.snapshot()] if self.fleet else [])
 
-    def _on_fleet_event(self, ev: FleetEvent) -> None:
+    def _on_fleet_event(self, ev: EngineEvent) -> None:
         with self._deaths_lock:
             self.engine_deaths += ev.kind == "engine_dead"
-        self._on_event(RunEvent.at_time(ev.at, ev.kind, f"slot {ev.slot}: {ev.detail}"))
+        self._on_event(ev)
         metrics.ENGINE_EVENTS.labels(ev.kind).inc()
-        log.info("fleet event %s slot %s %s", ev.kind, ev.slot, ev.detail)
 
     def recover(self) -> list[int]:
         """Restart empty slots with the weights the fleet last served (no engine alive)."""

@@ -22,7 +22,7 @@ from gpu_runtime.rollout.held import HeldChunks
 from gpu_runtime.trainer.process import TrainerProcess
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from spec.engine import EngineSpec
-from spec.status import RunEvent
+from spec.events import RunEvent
 from spec.trainer_rpc import RunSetup
 
 log = logging.getLogger(__name__)

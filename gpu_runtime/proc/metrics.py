@@ -36,8 +36,8 @@ TRAINER_RESTARTS = Counter("milestone_trainer_restarts_total", "trainer process 
 RECLAIMED_BYTES = Counter("milestone_node_reclaimed_bytes_total", "bytes of closed runs' files removed from this node")
 DP_CELLS_ALIVE = Gauge("milestone_dp_cells_alive", "live DP cells of this node's trainer (trainer.cells)")
 DP_CELL_EVENTS = Counter("milestone_dp_cell_events_total", "DP cell events (cell_lost, cell_restarted, cell_healed, "
-                         "checksum_mismatch, lighthouse_restarted)", ["kind"])
-DP_CELL_KINDS = ("cell_lost", "cell_restarted", "cell_restart_failed", "cell_healed", "checksum_mismatch",
+                         "cells_diverged, lighthouse_restarted)", ["kind"])
+DP_CELL_KINDS = ("cell_lost", "cell_restarted", "cell_restart_failed", "cell_healed", "cells_diverged",
                  "lighthouse_restarted", "lighthouse_restart_failed")
 REPLAYED_STEPS = Counter("milestone_replayed_steps_total", "steps replayed to rebuild trainer state")
 

@@ -13,7 +13,6 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gpu_runtime.store.checkpoint_manifest import (
     _STEP_DIR,
@@ -24,6 +23,7 @@ from gpu_runtime.store.checkpoint_manifest import (
     step_name,
 )
 from gpu_runtime.store.object_store import ObjectStore, file_sha256
+from spec.events import CheckpointCorrupt, RunEvent, utc_now
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class CheckpointKeys:
 
 
 class CheckpointReader:
-    def __init__(self, store: ObjectStore, keys: CheckpointKeys, events: list[dict[str, Any]],
+    def __init__(self, store: ObjectStore, keys: CheckpointKeys, events: list[RunEvent],
                  accept: Callable[[CheckpointInfo], bool] | None = None) -> None:
         self.store = store
         self.keys = keys
@@ -130,9 +130,8 @@ class CheckpointReader:
             except KeyError:
                 actual = "missing"
             if actual != e.sha256:
-                event = {"kind": "checkpoint_corrupt", "step": info.step, "file": rel, "stored_in": e.stored_in,
-                         "expected": e.sha256, "actual": actual}
-                self.events.append(event)
+                self.events.append(CheckpointCorrupt(at=utc_now(), step=info.step, file=rel, stored_in=e.stored_in,
+                                                     expected=e.sha256, actual=actual))
                 log.error("checkpoint %s corrupt: %s (in %s) sha256 expected %s, got %s; trying the previous one",
                           info.name, rel, e.stored_in, e.sha256, actual)
                 return False

@@ -49,6 +49,7 @@ from gpu_runtime.store.checkpoint_restore import CheckpointKeys, CheckpointReade
 from gpu_runtime.store.checkpoint_retention import apply_retention
 from gpu_runtime.store.checkpoint_upload import CheckpointUploader
 from gpu_runtime.store.object_store import ObjectStore
+from spec.events import RunEvent
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class CheckpointStore:
         self.keys = CheckpointKeys(self.prefix)
         self.local_dir = Path(local_dir)
         self.keep_last = keep_last
-        self.events: list[dict[str, Any]] = []
+        self.events: list[RunEvent] = []
         self.reader = CheckpointReader(store, self.keys, self.events, accept)
         self._closing = threading.Event()
         self.uploader = CheckpointUploader(

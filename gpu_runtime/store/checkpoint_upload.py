@@ -26,6 +26,7 @@ from gpu_runtime.store.checkpoint_handle import CheckpointHandle, file_hash, has
 from gpu_runtime.store.checkpoint_manifest import FORMAT, MANIFEST, CheckpointUploadError, RetryPolicy, step_name
 from gpu_runtime.store.checkpoint_restore import CheckpointKeys, CheckpointReader
 from gpu_runtime.store.object_store import ObjectStore, StoreError
+from spec.events import CheckpointUploadFailed, DiskFull, RunEvent, utc_now
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,7 +39,7 @@ class CheckpointUploader:
         reader: CheckpointReader,
         local_dir: Path,
         retry: RetryPolicy,
-        events: list[dict[str, Any]],
+        events: list[RunEvent],
         closing: threading.Event,
         *,
         keep_local: bool,
@@ -114,7 +115,7 @@ class CheckpointUploader:
             except Exception as e:  # CheckpointUploadError after the deadline, or not retryable
                 log.log(logging.ERROR, "checkpoint %s not durable (the previous durable one stays): %s", name, e,
                         exc_info=not isinstance(e, CheckpointUploadError))
-                self.events.append({"kind": "checkpoint_upload_failed", "step": h.step, "error": str(e)})
+                self.events.append(CheckpointUploadFailed(at=utc_now(), step=h.step, error=str(e)))
                 self._drop_local(h)
                 h._finish(e)
                 return
@@ -170,8 +171,7 @@ class CheckpointUploader:
         """One ``disk_full`` event per failing write (it is retried with the rest)."""
         self._disk_full_reported.add((h.step, what))
         free = free_bytes(self.local_dir)
-        self.events.append({"kind": "disk_full", "step": h.step, "what": what, "free_bytes": free,
-                            "error": str(err)})
+        self.events.append(DiskFull(at=utc_now(), step=h.step, what=what, free_bytes=free, error=str(err)))
         log.warning("checkpoint %s: %s: disk full (%d bytes free): retrying until space returns",
                     step_name(h.step), what, free)
 

@@ -26,7 +26,8 @@ from gpu_runtime.trainer.megatron import trainer as megatron_trainer
 from gpu_runtime.trainer.megatron.trainer import MegatronTrainer
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.protocol import Dead, Trainer
-from spec.status import CellInfo, DPCells, RunEvent
+from spec.events import RunEvent
+from spec.status import CellInfo, DPCells
 from spec.trainer_rpc import RunSetup
 
 log = logging.getLogger(__name__)

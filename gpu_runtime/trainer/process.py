@@ -18,8 +18,9 @@ from gpu_runtime.proc.metrics import TRAINER_RESTARTS
 from gpu_runtime.proc.devices import child_env, gpu_list
 from gpu_runtime.proc.processes import stop_pid
 from gpu_runtime.proc.rpc import RPCClient, ServerDidNotStart, start_rpc_process
+from spec.event_text import event_text
+from spec.events import RunEvent, TrainerRestarted, utc_now
 from spec.rpc import RpcMethod
-from spec.status import RunEvent
 from spec.trainer_rpc import (
     BROADCAST_WEIGHTS,
     CHECKPOINT,
@@ -167,10 +168,10 @@ class TrainerProcess:
             if old is not None:
                 self.restarts += 1
                 TRAINER_RESTARTS.inc()
-                detail = f"pid {old.pid} exited with {old.returncode}; new pid {self.pid}"
-                log.warning("trainer restarted: %s", detail)
+                event = TrainerRestarted(at=utc_now(), old_pid=old.pid, returncode=old.returncode, pid=self.pid)
+                log.warning("trainer restarted: %s", event_text(event))
                 if self.on_event is not None:
-                    self.on_event(RunEvent.now("trainer_restarted", detail))
+                    self.on_event(event)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

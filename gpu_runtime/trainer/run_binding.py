@@ -9,10 +9,8 @@ the same run moves it to that call's placement (``rebind``); another run's call 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from gpu_runtime.data.datasets import load_jsonl
 from gpu_runtime.store import artifacts as art, lineage
@@ -24,7 +22,7 @@ from gpu_runtime.trainer.base_model import base_model_folder
 from gpu_runtime.trainer.checkpoint_saver import CheckpointSaver
 from gpu_runtime.trainer.protocol import Trainer
 from gpu_runtime.trainer.work_dir import weights_folder
-from spec.status import RunEvent
+from spec.events import RunEvent, StaleWriteRefused, utc_now
 from spec.trainer_rpc import RunSetup, TrainResult
 
 
@@ -33,7 +31,7 @@ class RunBinding:
         self.setup = setup
         self.work_dir = work_dir
         self.trainer: Trainer | None = None  # None: built by restore + replay (or SFT) at the next call
-        self._refused: list[dict[str, Any]] = []  # writes the run's fence refused (reported with the checkpoint events)
+        self._refused: list[RunEvent] = []  # writes the run's fence refused (reported with the checkpoint events)
         self._events_seen = 0  # of the checkpoint store's events
         # writes only under the run's own prefix, refused once the run's fence is past this call's epoch
         self.store = FencedStore(open_store(setup.store_uri), setup.run_id, setup.epoch, setup.node_id,
@@ -68,8 +66,7 @@ class RunBinding:
         return accept
 
     def _on_refused(self, err: StaleEpoch) -> None:
-        self._refused.append({"kind": "stale_write_refused", "node": self.store.node,
-                              "epoch": err.epoch, "error": str(err)})
+        self._refused.append(StaleWriteRefused(at=utc_now(), node=self.store.node, epoch=err.epoch, error=str(err)))
 
     # ---- the run's data ------------------------------------------------------------
     def owner(self, step: int) -> str:
@@ -120,11 +117,7 @@ class RunBinding:
         events = self.ckpts.events[self._events_seen :]
         self._events_seen += len(events)
         events, self._refused = [*events, *self._refused], []
-        now = time.time()
-        return [*cells, *(
-            RunEvent.at_time(now, str(e["kind"]), ", ".join(f"{k}={v}" for k, v in e.items() if k != "kind"))
-            for e in events
-        )]
+        return [*cells, *events]
 
 
 __all__ = ["RunBinding"]

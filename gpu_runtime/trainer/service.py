@@ -24,7 +24,8 @@ from gpu_runtime.trainer.protocol import Dead, Trainer
 from gpu_runtime.trainer.run_binding import RunBinding
 from gpu_runtime.trainer.version_builder import VersionBuilder, train
 from gpu_runtime.trainer.version_publisher import VersionPublisher
-from spec.status import CellInfo, DPCells, RunEvent
+from spec.events import RunEvent
+from spec.status import CellInfo, DPCells
 from spec.trainer_rpc import (
     BroadcastWeightsCall,
     CellsRestarted,

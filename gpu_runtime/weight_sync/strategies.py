@@ -39,8 +39,9 @@ class Engines(Protocol):
     def load_each(self, urls: list[str], load: Callable[[WeightReceiver], object]) -> None:
         """Each engine runs ``load`` on a client of its own, in parallel; one that fails is declared dead."""
 
-    def fell_back(self, url: str, detail: str) -> None:
-        """The engine missed the fast path and loads from disk instead (a ``weight_sync_fallback`` event)."""
+    def fell_back(self, url: str, version: str, error: str | None, trainer_error: str) -> None:
+        """The engine missed the fast path (``error``: its side, ``trainer_error``: the trainer's) and
+        loads from disk instead (a ``weight_sync_fallback`` event)."""
 
     @property
     def receive(self) -> Receive:
@@ -98,6 +99,5 @@ class DistributedBroadcast:
         self.result = res
         from_disk = [u for u in urls if u not in res.updated]
         for u in from_disk:
-            engines.fell_back(u, f"version={version}: distributed push failed ({res.failed.get(u)}"
-                                 f"{'; trainer: ' + res.trainer_error if res.trainer_error else ''}): loading from disk")
+            engines.fell_back(u, version, res.failed.get(u), res.trainer_error or "")
         DiskLoad().deliver(engines, from_disk, folder, version)

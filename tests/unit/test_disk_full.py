@@ -16,7 +16,7 @@ from activities.disk import disk_full_failure
 from gpu_runtime.proc import disk
 from gpu_runtime.proc.disk import DiskFull, guarded, is_no_space
 from gpu_runtime.proc.rpc import RemoteError
-from spec.status import RunEvent
+from spec.events import RunEvent
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
 from workflows.disk_wait import FIRST_WAIT_S, MAX_WAIT_S, next_wait
 from workflows.failures import Failure, failure

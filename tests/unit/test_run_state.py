@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime, UTC
 
-from spec.status import CellInfo, DPCellStatus, DPCells, EngineSlotInfo, RunEvent
+from spec.events import RunEvent
+from spec.status import CellInfo, DPCellStatus, DPCells, EngineSlotInfo
 from spec.trainer import TrainerSpec
 from workflows import cell_heal
 from workflows.run_state import EVENTS_KEEP, HISTORY_KEEP, SUMMARY_STEPS, RunState

@@ -11,7 +11,8 @@ from bench.soak import CELL_FAULTS, KINDS, Fault, fault_checks, plan
 from bench.soak_checks import cells_whole, trained_exactly_once
 from gpu_runtime.data.datasets import prompts_for_step
 from gpu_runtime.store import artifacts as art
-from spec.status import DPCellStatus, DPCells, RunEvent
+from spec.events import RunEvent
+from spec.status import DPCellStatus, DPCells
 from spec.train import TrainSpec
 from spec.trainer_rpc import StepBatch
 from workflows.run_state import RunProgress

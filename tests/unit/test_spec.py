@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from spec.reward import RewardSpec, RewardTerm
-from spec.status import RunEvent
+from spec.events import RunEvent
 from spec.train import HParamUpdate, TrainSpec
 from spec.trainer_rpc import SFTRows, StepBatch, TrainResult
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from spec.run import RunConfig
-from spec.status import DPCellStatus, DPCells, EngineSlotInfo, RunEvent
+from spec.events import RunEvent
+from spec.status import DPCellStatus, DPCells, EngineSlotInfo
 from spec.train import TrainSpec
 from workflows.contracts.cells import RestartCellsResult
 from workflows.contracts.placement import DatasetInfo

@@ -11,7 +11,7 @@ import dataclasses
 from activities import translate
 from gpu_runtime.rollout.evaluate import EvalStats
 from spec.rollout import RolloutSpec
-from spec.status import RunEvent
+from spec.events import RunEvent
 from spec.train import TrainSpec
 from spec.trainer_rpc import CheckpointSaved, Rebuild, TrainResult, VersionInfo
 from workflows.contracts.placement import DatasetInfo

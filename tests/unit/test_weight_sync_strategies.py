@@ -37,14 +37,14 @@ class Recorder:
 class FakeEngines:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, tuple[Any, ...]]] = []
-        self.fallbacks: list[tuple[str, str]] = []
+        self.fallbacks: list[tuple[str, str, str]] = []  # (url, version, the trainer's error)
 
     def load_each(self, urls: list[str], load: Callable[[WeightReceiver], object]) -> None:
         for u in urls:
             load(Recorder(u, self.calls))
 
-    def fell_back(self, url: str, detail: str) -> None:
-        self.fallbacks.append((url, detail))
+    def fell_back(self, url: str, version: str, error: str | None, trainer_error: str) -> None:
+        self.fallbacks.append((url, version, trainer_error))
 
     @property
     def receive(self) -> Receive:
@@ -84,5 +84,6 @@ def test_a_distributed_push_the_trainer_cannot_serve_loads_every_engine_from_dis
     strategy.deliver(engines, URLS, str(tmp_path / "m"), "3")
     assert strategy.result is not None and strategy.result.updated == []
     assert "the trainer holds v2" in (strategy.result.trainer_error or "")
-    assert [u for u, _ in engines.fallbacks] == URLS
+    assert [(u, v) for u, v, _ in engines.fallbacks] == [(u, "3") for u in URLS]
+    assert all("the trainer holds v2" in t for _, _, t in engines.fallbacks)
     assert engines.calls == [(u, "disk", (str(tmp_path / "m"), "3")) for u in URLS]

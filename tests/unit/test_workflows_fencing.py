@@ -8,7 +8,7 @@ from __future__ import annotations
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from spec.status import RunEvent
+from spec.events import RunEvent
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run, wait_progress
 from workflows.stubs import TRAIN_STEP
 from workflows.training_run import TrainingRun

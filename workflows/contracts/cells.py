@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from spec.status import DPCells, RunEvent
+from spec.events import RunEvent
 from spec.placement import Placed
+from spec.status import DPCells
 
 
 class CellHeal(BaseModel):

@@ -9,8 +9,9 @@ from pydantic import BaseModel, Field
 
 from spec.data import DataSpec
 from spec.reward import RewardSpec
+from spec.events import RunEvent
 from spec.run import EvalSpec
-from spec.status import CellInfo, DPCells, RunEvent
+from spec.status import CellInfo, DPCells
 from spec.trainer_rpc import RunSetup
 
 

@@ -7,7 +7,7 @@ from pydantic import BaseModel
 
 from spec.reward import RewardSpec
 from spec.rollout import RolloutSpec
-from spec.status import RunEvent
+from spec.events import RunEvent
 from spec.trainer_rpc import BatchSelection
 from spec.placement import Placed
 from workflows.contracts.placement import DatasetInfo

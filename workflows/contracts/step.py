@@ -5,7 +5,8 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from spec.run import RunConfig
-from spec.status import CellInfo, DPCells, EngineSlotInfo, RunEvent
+from spec.events import RunEvent
+from spec.status import CellInfo, DPCells, EngineSlotInfo
 from spec.train import TrainSpec
 from workflows.contracts.placement import DatasetInfo
 from workflows.contracts.sampling import Sampled, SamplingStats

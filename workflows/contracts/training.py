@@ -5,8 +5,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from spec.engine import EngineSpec
+from spec.events import RunEvent
 from spec.placement import Placed
-from spec.status import EngineSlotInfo, RunEvent
+from spec.status import EngineSlotInfo
 from spec.trainer_rpc import StepBatch, TrainedStep
 from workflows.contracts.sampling import SamplingStats
 

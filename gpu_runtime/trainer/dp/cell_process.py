@@ -13,6 +13,7 @@ from typing import TypeVar
 from gpu_runtime.proc.processes import stop_pid
 from gpu_runtime.proc.rpc import RPCClient
 from gpu_runtime.trainer.dp.cell_rpc import CellReport
+from spec.status import CellState
 
 T = TypeVar("T")
 
@@ -48,7 +49,7 @@ class CellProcess:
     index: int
     proc: subprocess.Popen | None = None
     client: RPCClient | None = None
-    state: str = "starting"  # alive | lost | starting
+    state: CellState = CellState.STARTING
     why: str = ""  # why it was lost
     report: CellReport | None = None
     healed_from_step: int | None = None

@@ -24,6 +24,7 @@ from gpu_runtime.trainer.dp.cell_process import CellProcess, Silent, watched
 from gpu_runtime.trainer.dp.cell_rpc import CellReport, Empty
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse
 from spec.rpc import RpcMethod
+from spec.status import CellState
 
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=BaseModel)
@@ -91,7 +92,7 @@ class CellFanOut:
             raise self.all_lost(method.name)
         if lead:  # restarted cells create their torchft managers now (see ``cell_server.join``)
             lead = self._join(lead)
-            cells = [c for c in cells if c.state == "alive"]  # still lead first
+            cells = [c for c in cells if c.state == CellState.ALIVE]  # still lead first
             if not cells:
                 raise self.all_lost(method.name)
         results, errors = self._fan_out(method, arg, cells, len(lead), quorum)

@@ -43,7 +43,11 @@ from gpu_runtime.trainer.dp.cell_rpc import BuildCall, CellReport, Empty, PathCa
 from gpu_runtime.trainer.dp.fan_out import START_TIMEOUT_S, CellFanOut
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse, LighthouseWatchdog
 from gpu_runtime.trainer.protocol import ALIVE, Dead, Health, TrainerDefaults
-from spec.status import DPCellStatus, DPCells, RunEvent
+from spec.events import (
+    CellHealed, CellLost, CellRestarted, CellRestartFailed, CellsDiverged as CellsDivergedEvent, CellsStarted,
+    CellVersion, LighthouseRestarted, LighthouseRestartFailed, RunEvent, utc_now,
+)
+from spec.status import CellState, DPCellStatus, DPCells
 from spec.train import TrainSpec
 
 log = logging.getLogger(__name__)
@@ -92,9 +96,8 @@ class DPGroup(TrainerDefaults):
             raise
         self.version = reports[0].policy_version
         self._watchdog = LighthouseWatchdog(self._ensure_lighthouse,
-                                            lambda err: self._note("lighthouse_restart_failed", str(err)))
-        self._note("cells_started", f"{self.cells} DP cells, pids {[c.pid for c in self.members]}, "
-                   f"lighthouse pid {self.lighthouse.pid}")
+                                            lambda err: self._note(LighthouseRestartFailed(at=utc_now(), error=str(err))))
+        self._note(CellsStarted(at=utc_now(), pids=[c.pid for c in self.members], lighthouse_pid=self.lighthouse.pid))
 
     # ---- processes ---------------------------------------------------------------
     def _start(self, c: CellProcess, joining: bool = False) -> CellReport:
@@ -112,15 +115,15 @@ class DPGroup(TrainerDefaults):
                                                            seed=self.seed, join=not joining), timeout_s=START_TIMEOUT_S)
         with self._lock:  # a restarted cell is visible to steps only with its joining mark
             c.joining = joining
-            c.state, c.why, c.healed_from_step = "alive", "", None
+            c.state, c.why, c.healed_from_step = CellState.ALIVE, "", None
         return c.report
 
     def _lose(self, c: CellProcess, why: str) -> None:
-        if c.state == "lost":
+        if c.state == CellState.LOST:
             return
         c.end(timeout_s=2.0)
-        c.state, c.why = "lost", why
-        self._note("cell_lost", f"cell {c.index} (pid {c.pid}): {why}")
+        c.state, c.why = CellState.LOST, why
+        self._note(CellLost(at=utc_now(), cell=c.index, pid=c.pid, why=why))
         log.warning("DP cell %d lost: %s", c.index, why)
 
     def restart(self, index: int) -> str:
@@ -130,9 +133,9 @@ class DPGroup(TrainerDefaults):
         a restart that fails leaves it lost (``cell_restart_failed``)."""
         c = self.members[index]
         with self._lock:
-            if c.state in ("alive", "starting"):
+            if c.state in (CellState.ALIVE, CellState.STARTING):
                 return c.state
-            c.state = "starting"
+            c.state = CellState.STARTING
         t = threading.Thread(target=self._restart, args=(c,), name=f"restart-cell{index}", daemon=True)
         self._restarts.append(t)
         t.start()
@@ -145,22 +148,22 @@ class DPGroup(TrainerDefaults):
         except BaseException as err:  # noqa: BLE001 - reported; the workflow backs off and tries again
             c.end()
             with self._lock:
-                c.state, c.why = "lost", f"restart failed: {err}"
-            self._note("cell_restart_failed", f"cell {c.index}: {err}")
+                c.state, c.why = CellState.LOST, f"restart failed: {err}"
+            self._note(CellRestartFailed(at=utc_now(), cell=c.index, error=str(err)))
             return
         if self._closed:  # the group ended while this cell was starting
             c.end()
             return
         c.restarts += 1
-        self._note("cell_restarted", f"cell {c.index}: pid {old} -> {c.pid}; heals from a peer at the next step")
+        self._note(CellRestarted(at=utc_now(), cell=c.index, old_pid=old, pid=c.pid))
 
     def _ensure_lighthouse(self) -> None:
         if self.lighthouse.ensure_running():
-            self._note("lighthouse_restarted", f"torchft lighthouse restarted as pid {self.lighthouse.pid}")
+            self._note(LighthouseRestarted(at=utc_now(), pid=self.lighthouse.pid))
 
     def live(self) -> list[CellProcess]:
         with self._lock:
-            return [c for c in self.members if c.state == "alive"]
+            return [c for c in self.members if c.state == CellState.ALIVE]
 
     # ---- the calls a trainer answers ---------------------------------------------
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
@@ -178,8 +181,8 @@ class DPGroup(TrainerDefaults):
             c.joining = False
             if r.healed_from_step is not None:
                 c.healed_from_step = r.healed_from_step
-                self._note("cell_healed", f"cell {c.index} copied v{r.policy_version - 1} from a peer "
-                           f"(it held v{r.healed_from_step}) and trained v{r.policy_version} with it")
+                self._note(CellHealed(at=utc_now(), cell=c.index, held_version=r.healed_from_step,
+                                      copied_version=r.policy_version - 1, trained_version=r.policy_version))
         self._check_equal(done, expect_version=self.version + 1)
         first = done[0][1]
         self.version = first.policy_version
@@ -239,7 +242,8 @@ class DPGroup(TrainerDefaults):
         sums = {(r.policy_version, r.state_checksum) for _, r in done}
         if len(sums) > 1 or (expect_version is not None and done[0][1].policy_version != expect_version):
             detail = ", ".join(f"cell {c.index}: v{r.policy_version} {r.state_checksum[:12]}" for c, r in done)
-            self._note("checksum_mismatch", detail)
+            self._note(CellsDivergedEvent(at=utc_now(), expected_version=expect_version, cells=[
+                CellVersion(cell=c.index, version=r.policy_version, state_checksum=r.state_checksum) for c, r in done]))
             self.health = Dead()
             expected = "" if expect_version is None else f" (expected v{expect_version})"
             raise CellsDiverged(f"DP cells hold different state after the same step{expected}: {detail}")
@@ -247,9 +251,9 @@ class DPGroup(TrainerDefaults):
             c.report = r
 
     # ---- reporting ---------------------------------------------------------------
-    def _note(self, kind: str, detail: str) -> None:
+    def _note(self, event: RunEvent) -> None:
         with self._lock:  # a restart thread notes too
-            self.events.append(RunEvent.now(kind, detail))
+            self.events.append(event)
 
     def take_events(self) -> list[RunEvent]:
         with self._lock:

@@ -15,7 +15,8 @@ from gpu_runtime.trainer.fsdp2.cell import TrainerCell
 from gpu_runtime.trainer.fsdp2.errors import CellFailed
 from gpu_runtime.trainer.fsdp2.ray_runtime import RayRuntime
 from gpu_runtime.trainer.protocol import Dead
-from spec.status import CellInfo, CellRankInfo, RunEvent
+from spec.events import CellFailed as CellFailedEvent, CellStarted, RunEvent, utc_now
+from spec.status import CellInfo, CellRankInfo, RankState
 from spec.train import TrainSpec
 from spec.trainer import TrainerSpec
 
@@ -66,8 +67,9 @@ class CellHost:
         assert state is not None
         log.info("fsdp2 cell %d of %d ranks: %s", self.generation, settings.ranks_per_cell,
                  [(r.pid, r.node_ip) for r in state.ranks])
-        self.note("cell_started", f"cell {self.generation}: {settings.ranks_per_cell} ranks, {settings.placement}, "
-                  f"pids {[r.pid for r in state.ranks]}, ray {address or 'local'}")
+        self.events.append(CellStarted(at=utc_now(), generation=self.generation, ranks=settings.ranks_per_cell,
+                                       placement=settings.placement, pids=[r.pid for r in state.ranks],
+                                       ray_address=address or "local"))
         tmp = self.cell_file.with_suffix(".tmp")
         tmp.write_text(state.model_dump_json())
         tmp.replace(self.cell_file)
@@ -78,15 +80,12 @@ class CellHost:
         cell = self.cell
         if cell is None or self.ray is None:
             return None
-        state = "failed" if isinstance(cell.health, Dead) else "alive"
+        state = RankState.FAILED if isinstance(cell.health, Dead) else RankState.ALIVE
         return CellInfo(
             generation=self.generation, placement=cell.placement, ray_address=self.ray.address or "local",
             ranks=[CellRankInfo(rank=r, pid=int(w["pid"]), node_ip=str(w["node_ip"]), node_id=str(w["node_id"]),
                                  state=state) for r, w in enumerate(cell.where)],
         )
-
-    def note(self, kind: str, detail: str) -> None:
-        self.events.append(RunEvent.now(kind, detail))
 
     def failed(self, err: BaseException) -> None:
         """A call on the cell failed: remember why (an event), and on a lost Ray cluster drop
@@ -98,7 +97,9 @@ class CellHost:
         except AttributeError:
             pass
         kind = err.kind if isinstance(err, CellFailed) else "cell_failed"
-        self.note(kind, f"cell {self.generation}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        self.events.append(CellFailedEvent(at=utc_now(), kind=kind, generation=self.generation,
+                                           error_type=type(err).__name__,
+                                           message=str(err).splitlines()[0] if str(err) else ""))
         if kind == "ray_unavailable":
             self.cell = None  # its actors and placement group went with the cluster
             self.cell_file.unlink(missing_ok=True)
