@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,8 +41,9 @@ def _wait_event(fleet: EngineFleet, kind: str, slot: int, after: float, timeout_
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for e in fleet.events:
-            if e.kind == kind and e.slot == slot and e.at >= after:
-                return e.at
+            at = datetime.fromisoformat(e.at).timestamp()
+            if e.kind == kind and e.slot == slot and at >= after:
+                return at
         time.sleep(0.01)
     raise TimeoutError(f"no {kind} event for slot {slot}")
 

@@ -159,7 +159,7 @@ def baseline_weights(stack: Stack, store: Path, cfg: dict, run_id: str = "baseli
         client = await connect(stack.server.address)
         summary = await run_to_end(client, run_id, cfg)
         # no false positive of the node liveness watch on this loaded machine
-        lost = [e.detail for e in (await progress(client, run_id)).events if e.kind == "node_lost"]
+        lost = [e for e in (await progress(client, run_id)).events if e.kind == "node_lost"]
         assert not lost, f"a fault-free run lost its node: {lost}"
         return summary
 

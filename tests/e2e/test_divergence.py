@@ -11,6 +11,7 @@ import pytest
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.checkpoint_store import CheckpointStore
 from gpu_runtime.store.object_store import LocalStore
+from spec.events import Divergence
 from tests.e2e.faults import progress, start_run
 from tests.stack import Stack, async_wait_for, tiny_config
 from workers.common import connect
@@ -33,8 +34,8 @@ def test_divergence_pauses_the_run(stack: Stack, tmp_path: Path) -> None:
 
         await async_wait_for(paused, 180, what="the run to pause")
         p = await progress(client, "diverge")
-        events = [e for e in p.events if e.kind == "divergence"]
-        assert events and "not finite" in events[0].detail, events
+        events = [e for e in p.events if isinstance(e, Divergence)]
+        assert events and "not finite" in events[0].message, events
         failed_step = p.step + 1
         # the committed state and its checkpoint are intact; the failed step left nothing behind
         ckpts = CheckpointStore(LocalStore(store), art.checkpoints_prefix("diverge"), local_dir=tmp_path / "v")

@@ -29,6 +29,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from gpu_runtime.proc.processes import pid_alive
+from spec.event_text import event_text
+from spec.events import CellLost
 from tests.e2e.faults import final_weights, progress, run_to_end, start_run, wait_activity_started
 from tests.stack import Stack, async_wait_for, running_stack, tiny_config
 from workers.common import connect
@@ -101,10 +103,10 @@ def test_a_killed_cell_costs_its_step_nothing_and_is_healed_from_its_peer(stack:
     assert not pid_alive(victim)
     kinds = [e.kind for e in faulted.events]
     for kind in ("cell_lost", "cell_restarted", "cell_healed"):
-        assert kind in kinds, (kind, [(e.kind, e.detail) for e in faulted.events])
-    assert "checksum_mismatch" not in kinds and "trainer_restored" not in kinds  # no restore + replay: a shrink
-    lost = next(e for e in faulted.events if e.kind == "cell_lost")
-    assert "cell 1" in lost.detail and "died" in lost.detail
+        assert kind in kinds, (kind, faulted.events)
+    assert "cells_diverged" not in kinds and "trainer_restored" not in kinds  # no restore + replay: a shrink
+    lost = next(e for e in faulted.events if isinstance(e, CellLost))
+    assert lost.cell == 1 and lost.pid == victim and "died" in lost.why
     assert not any(s.replayed_steps for s in faulted.steps)  # the survivor kept its state
     dp = faulted.dp
     assert dp is not None and [c.state for c in dp.cells] == ["alive", "alive"]
@@ -119,7 +121,7 @@ def test_a_killed_cell_costs_its_step_nothing_and_is_healed_from_its_peer(stack:
     for s in faulted.steps:
         print(f"step {s.step}: {s.step_seconds:.2f} s (train {s.phase_seconds.get('train', 0):.2f} s), "
               f"{s.dp_cells} cell(s), restarts {s.cell_restarts}, loss {s.loss:.6f}")
-    print("events:", [(e.at[11:19], e.kind, e.detail[:90]) for e in faulted.events if "cell" in e.kind])
+    print("events:", [(e.at[11:19], e.kind, event_text(e)[:90]) for e in faulted.events if "cell" in e.kind])
     assert len(restarts) == 1 and restarts[0].cell_restarts == {"1": "restarting"} and restarts[0].step >= 3
     healed_at = next(s.step for s in faulted.steps if s.step > restarts[0].step and s.dp_cells == 2)
     assert all(s.dp_cells == 1 for s in faulted.steps[1 : healed_at - 1])  # one cell until the heal step

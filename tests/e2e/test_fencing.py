@@ -16,6 +16,7 @@ import pytest
 
 from gpu_runtime.store.fence import read_fence
 from gpu_runtime.store.object_store import LocalStore
+from spec.events import NodeClaimed, NodeLost, StaleWriteRefused
 from tests.e2e.faults import (
     Baselines, assert_bitwise_equal, assert_trained_exactly_once, final_weights, module_stack_fixtures, progress,
     start_run, wait_activity_started,
@@ -69,17 +70,17 @@ def test_partitioned_node_writes_nothing_the_run_uses(stack: Stack, store: Path,
                 os.kill(pid, signal.SIGCONT)
 
         async def refused() -> list:
-            return [e for e in (await progress(client, run_id)).events if e.kind == "stale_write_refused"]
+            return [e for e in (await progress(client, run_id)).events if isinstance(e, StaleWriteRefused)]
 
         events = await async_wait_for(refused, 180, what="the left-behind node's write to be refused")
-        assert events[0].detail.startswith(f"node {node_id} epoch 1: "), events[0].detail
-        assert "the run is at epoch 2" in events[0].detail
+        assert (events[0].node, events[0].epoch) == (node_id, 1), events[0]
+        assert "the run is at epoch 2" in events[0].error
         assert tree(store / "runs" / run_id) == before  # nothing it wrote landed
 
         await handle.signal(TrainingRun.resume)
         await asyncio.wait_for(handle.result(), 300)
         p = await progress(client, run_id)
-        lost_events = [e.detail for e in p.events if e.kind == "node_lost"]
+        lost_events = [e.message for e in p.events if isinstance(e, NodeLost)]
         assert len(lost_events) == 1 and "no liveness heartbeat" in lost_events[0], lost_events
         fence = read_fence(LocalStore(store), run_id)
         assert fence.epoch == 2 and fence.node != node_id and [h.from_step for h in fence.history] == [1, 2]
@@ -99,7 +100,7 @@ def test_concurrent_runs_take_different_nodes(stack: Stack, store: Path) -> None
         claimed = []
         for run_id in ("pair-a", "pair-b"):
             events = (await progress(client, run_id)).events
-            claimed.append([e.detail for e in events if e.kind == "node_claimed"])
+            claimed.append([e.queue for e in events if isinstance(e, NodeClaimed)])
             assert not [e for e in events if e.kind == "node_lost"], events
         assert len(claimed[0]) == len(claimed[1]) == 1 and claimed[0] != claimed[1], claimed
 

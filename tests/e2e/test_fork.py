@@ -20,6 +20,7 @@ import yaml
 from temporalio.api.enums.v1 import EventType
 
 from infra.temporal_server import temporal_binary
+from spec.events import Forked, TrainerRestored
 from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_to_end, trained_samples
 from tests.stack import ROOT, Stack, tiny_config
 from workers.common import connect
@@ -73,9 +74,10 @@ def test_fork_equals_parent_without_change_and_differs_after_with_one(stack: Sta
         p = await progress(client, "fork-same")
         assert [s.step for s in p.steps] == [3] and p.policy_version == STEPS
         assert [(a.run_id, a.step) for a in p.lineage] == [(parent, 2)]
-        restored = [e.detail for e in p.events if e.kind == "trainer_restored"]
-        assert restored == ["checkpoint step 0, replayed steps [1, 2] -> v2"], [e.kind for e in p.events]
-        assert [e.detail for e in p.events if e.kind == "forked"] == [f"from {parent} at step 2"]
+        restored = [(e.restored_from_step, e.replayed_steps, e.version) for e in p.events
+                    if isinstance(e, TrainerRestored)]
+        assert restored == [(0, [1, 2], 2)], [e.kind for e in p.events]
+        assert [(e.parent, e.step) for e in p.events if isinstance(e, Forked)] == [(parent, 2)]
         assert p.data_cursor == (await progress(client, parent)).data_cursor
 
     asyncio.run(main())

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gpu_runtime.proc.processes import pid_alive
+from spec.events import CheckpointCorrupt, DiskFull, TrainerRestarted, TrainerRestored
 from tests.e2e.faults import (
     Baselines, assert_bitwise_equal, assert_trained_exactly_once, final_weights, kill_trainer, module_stack_fixtures,
     progress, restart_control, restart_server, run_with_fault, start_run, wait_activity_started,
@@ -88,10 +89,11 @@ def test_trainer_killed_during_checkpoint_is_an_event(stack: Stack, store: Path,
     replays, and the run's events name the checkpoint and the replayed steps."""
     run_id = "trainer-crash-ckpt"
     _, p, old = run_with_fault(stack, run_id, tiny_config(store, **CFG), (STEPS, CHECKPOINT), kill_trainer)
-    restarted = [e for e in p.events if e.kind == "trainer_restarted"]
-    restored = [e for e in p.events if e.kind == "trainer_restored"]
-    assert restarted and f"pid {old} exited" in restarted[0].detail, [e.kind for e in p.events]
-    assert restored and restored[0].detail == f"checkpoint step 0, replayed steps [1, 2, 3] -> v{STEPS}"
+    restarted = [e for e in p.events if isinstance(e, TrainerRestarted)]
+    restored = [e for e in p.events if isinstance(e, TrainerRestored)]
+    assert restarted and restarted[0].old_pid == old, [e.kind for e in p.events]
+    assert restored and (restored[0].restored_from_step, restored[0].replayed_steps, restored[0].version) == (
+        0, [1, 2, 3], STEPS)
     assert p.steps[-1].checkpointed
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
 
@@ -117,10 +119,10 @@ def test_disk_full_during_checkpoint_waits_then_completes(stack: Stack, store: P
         waiting = asyncio.run(full_disk())
     finally:
         ENOSPC_GATE.unlink(missing_ok=True)
-    event = next(e for e in waiting.events if e.kind == "disk_full")
+    event = next(e for e in waiting.events if isinstance(e, DiskFull) and e.node)  # the node agent's: the run waits
     assert waiting.state == "running", waiting.state
-    assert f"checkpoint {STEPS}" in event.detail and "bytes free" in event.detail, event.detail
-    assert "No space left on device" in event.detail and "waits for space" in event.detail, event.detail
+    assert event.what == f"checkpoint {STEPS}" and "bytes free" in event.error, event
+    assert "No space left on device" in event.error, event
 
     async def space_back() -> tuple[RunProgress, list[str]]:
         client = await connect(stack.server.address)
@@ -206,8 +208,8 @@ def test_corrupt_checkpoint_is_reported_and_previous_used(stack: Stack, store: P
         kill_trainer(stack)
 
     _, p, _ = run_with_fault(stack, run_id, cfg, (3, TRAIN_STEP), corrupt_checkpoint_2_and_kill_trainer)
-    corrupt = [e for e in p.events if e.kind == "checkpoint_corrupt"]
-    assert corrupt and "step=2" in corrupt[0].detail, ([e.kind for e in p.events], p.steps[2])
+    corrupt = [e for e in p.events if isinstance(e, CheckpointCorrupt)]
+    assert corrupt and corrupt[0].step == 2, ([e.kind for e in p.events], p.steps[2])
     assert p.steps[2].restored_from_step == 1 and p.steps[2].replayed_steps == [2]
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
 

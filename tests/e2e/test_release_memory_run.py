@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime.engine.client import EngineClient, EngineError
+from spec.events import EngineDead, EngineRecovered
 from tests.e2e.faults import (
     Baselines, assert_bitwise_equal, final_weights, module_stack_fixtures, progress, start_run, wait_activity_started,
 )
@@ -73,8 +74,8 @@ def test_released_engines_killed_mid_train_step_heal_and_the_run_is_bitwise(stac
     summary, prog, victim = asyncio.run(main())
     assert summary.steps == STEPS and summary.policy_version == STEPS
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)
-    assert any(e.kind == "engine_dead" and f"pid={victim}" in e.detail for e in prog.events), prog.events
-    assert any(e.kind == "engine_recovered" and "version=2" in e.detail for e in prog.events), prog.events
+    assert any(isinstance(e, EngineDead) and e.pid == victim for e in prog.events), prog.events
+    assert any(isinstance(e, EngineRecovered) and e.version == "2" for e in prog.events), prog.events
     assert [(e.state, e.weight_version) for e in prog.engines] == [("healthy", STEPS)] * 2
     assert prog.engines[0].pid != victim and prog.engines[0].restart_count == 1
     logs = "".join(p.read_text(errors="replace") for p in stack.workdir.rglob("*.log"))

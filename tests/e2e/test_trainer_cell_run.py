@@ -19,6 +19,7 @@ import psutil
 import pytest
 import ray  # noqa: F401  (a dev dependency: imported, so a broken install fails loudly)
 
+from spec.events import CellFailed
 from tests.e2e.faults import assert_bitwise_equal, final_weights, progress, run_to_end, start_run, wait_activity_started
 from tests.stack import ROOT, Stack, async_wait_for, running_stack, tiny_config, wait_for
 from workers.common import connect
@@ -125,8 +126,8 @@ def test_rank_killed_mid_step_ends_bitwise_equal(stack: Stack, runs: tuple[list,
         assert p.steps[1].restored_from_step is not None, p.steps[1]  # the cell was rebuilt from a checkpoint
         after = cells(stack, run_id)
         assert after[0]["generation"] > before[0]["generation"] and ranks[-1] not in rank_pids(stack, run_id)
-        died = [e for e in p.events if e.kind == "cell_rank_died"]
-        assert died and "rank 1 of the cell died" in died[0].detail, [(e.kind, e.detail) for e in p.events]
+        died = [e for e in p.events if isinstance(e, CellFailed) and e.kind == "cell_rank_died"]
+        assert died and "rank 1 of the cell died" in died[0].message, p.events
         human = status(stack, run_id).stdout
         assert f"rank 1: pid {after[0]['ranks'][1]['pid']} node " in human, human
 

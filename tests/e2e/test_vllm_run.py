@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from spec.engine import EngineUpdate
+from spec.events import EngineAdded, EngineRemoved, EnginesSet
 from tests.e2e.faults import assert_trained_exactly_once, progress, start_run, wait_activity_started
 from tests.stack import Stack, running_stack, tiny_config
 from tests.vllm_env import TEST_TIMEOUT_S, vllm_interpreter
@@ -127,12 +128,10 @@ def test_fleet_resized_mid_run(vllm_stack: Stack) -> None:
         return await progress(client, run_id)
 
     p = asyncio.run(main())
-    kinds = [(e.kind, e.detail) for e in p.events]
-    assert [d for k, d in kinds if k == "engines_set"] == ["num_engines 2 -> 1 from the next step",
-                                                          "num_engines 1 -> 2 from the next step"]
-    removed = [d for k, d in kinds if k == "engine_removed"]
-    added = [d for k, d in kinds if k == "engine_added"]
-    assert len(removed) == 1 and removed[0].startswith("slot 1") and len(added) == 1 and added[0].startswith("slot 1")
+    assert [(e.before, e.after) for e in p.events if isinstance(e, EnginesSet)] == [(2, 1), (1, 2)]
+    removed = [e.slot for e in p.events if isinstance(e, EngineRemoved)]
+    added = [e.slot for e in p.events if isinstance(e, EngineAdded)]
+    assert removed == [1] and added == [1]
     _assert_engines_serve_the_last_version(p)
     assert p.engines[1].restart_count == 0  # a new engine, not a restarted one
     assert_trained_exactly_once(store, run_id, _cfg(store))

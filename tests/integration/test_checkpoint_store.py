@@ -20,6 +20,7 @@ from gpu_runtime.store.checkpoint_store import (
 from gpu_runtime.store.s3 import S3Store
 from gpu_runtime.store.object_store import ForwardingStore, LocalStore, ObjectStore
 from infra.seaweedfs import SeaweedServer
+from spec.events import CheckpointCorrupt, CheckpointUploadFailed
 from tests.s3_fixtures import make_s3_store_fixture, own_seaweed_fixture, seaweed_fixture, store_for, wait_until  # noqa: F401
 
 PREFIX = "run-1/checkpoints"
@@ -203,11 +204,11 @@ def test_corrupt_checkpoint_falls_back_and_reports(store: ObjectStore, tmp_path:
 
     info = cs.restore(tmp_path / "r")
     assert info.step == 1 and read_folder(tmp_path / "r") == state(1)
-    assert [(e["kind"], e["step"], e["file"]) for e in cs.events] == [
-        ("checkpoint_corrupt", 3, "model.safetensors"), ("checkpoint_corrupt", 2, "optimizer/state.safetensors")]
     ev3, ev2 = cs.events
-    assert ev3["expected"] == hashlib.sha256(state(3)["model.safetensors"]).hexdigest()
-    assert ev3["actual"] == hashlib.sha256(bytes(data)).hexdigest() and ev2["actual"] == "missing"
+    assert isinstance(ev3, CheckpointCorrupt) and isinstance(ev2, CheckpointCorrupt)
+    assert [(e.step, e.file) for e in (ev3, ev2)] == [(3, "model.safetensors"), (2, "optimizer/state.safetensors")]
+    assert ev3.expected == hashlib.sha256(state(3)["model.safetensors"]).hexdigest()
+    assert ev3.actual == hashlib.sha256(bytes(data)).hexdigest() and ev2.actual == "missing"
     assert not (tmp_path / ".r.restoring").exists()
 
     # the shared (unchanged) file is corrupt too: nothing verifies -> clear error
@@ -255,7 +256,7 @@ def test_upload_gives_up_after_deadline(own_seaweed: SeaweedServer, tmp_path: Pa
     handle = cs.save(2, write_folder(tmp_path / "w2", state(2)), {"step": 2})
     assert not handle.wait(60) and handle.done
     assert handle.error is not None and "giving up" in str(handle.error) and handle.failures >= 2
-    assert cs.events[-1]["kind"] == "checkpoint_upload_failed"
+    assert isinstance(cs.events[-1], CheckpointUploadFailed) and cs.events[-1].step == 2
     assert read_folder(handle.local_path) == state(2)  # the local copy survives
     own_seaweed.start()
     assert cs.latest_durable().step == 1  # type: ignore[union-attr]

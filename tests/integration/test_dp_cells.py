@@ -30,6 +30,7 @@ from gpu_runtime.proc.processes import pid_alive
 from gpu_runtime.trainer.policy.trainer import PolicyTrainer
 from gpu_runtime.trainer.dp.group import DPGroup
 from gpu_runtime.trainer.dp.lighthouse import Lighthouse
+from spec.events import CellHealed
 from tests.stack import wait_for
 from tests.unit.test_policy_trainer import ROWS, base, hparams, rollout
 
@@ -164,8 +165,8 @@ def test_a_cell_killed_mid_step_leaves_the_step_to_its_peer_and_heals_from_it(gr
     assert m["dp_cells"] == 2
     events = group.take_events()
     assert [e.kind for e in events].count("cell_restarted") == 1 and "cell_restart_failed" not in [e.kind for e in events]
-    healed = [e for e in events if e.kind == "cell_healed"]
-    assert len(healed) == 1 and "cell 1" in healed[0].detail
+    healed = [e for e in events if isinstance(e, CellHealed)]
+    assert [(e.cell, e.trained_version) for e in healed] == [(1, 4)]
     state = group.state()
     assert [c.state for c in state.cells] == ["alive", "alive"]
     assert state.cells[0].state_checksum == state.cells[1].state_checksum  # the healed cell is bitwise its peer

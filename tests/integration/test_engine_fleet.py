@@ -10,15 +10,17 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 
 import pytest
 
 from gpu_runtime.engine.backends import TorchEngineBackend
 from gpu_runtime.engine.client import EngineClient
 from gpu_runtime.engine.fleet import EngineFleet
-from gpu_runtime.engine.fleet_types import FleetEvent, HealthConfig, NoHealthyEngine, WeightMismatch
+from gpu_runtime.engine.fleet_types import HealthConfig, NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.proc.processes import pid_alive
+from spec.events import EngineEvent
 from tests.engine_fixtures import free_port, free_port_block, model_dirs_fixture, wait_for  # noqa: F401
 
 HEALTH = HealthConfig(interval_s=1.0, timeout_s=1.0, first_wait_s=60.0, failure_threshold=1)
@@ -92,13 +94,13 @@ def test_direct_mode_retries_same_request_on_survivor(model_dirs, tmp_path) -> N
 
 
 def test_sigstop_is_detected_killed_and_healed(fleet, model_dirs) -> None:  # type: ignore[no-untyped-def]
-    seen: list[FleetEvent] = []
+    seen: list[EngineEvent] = []
     fleet.on_event = seen.append
     victim = fleet.snapshot()[0]
     t0 = time.time()
     os.kill(victim.pid, signal.SIGSTOP)
     ev = wait_for(lambda: next((e for e in seen if e.kind == "engine_dead" and e.slot == 0), None), 30, "engine_dead")
-    latency = ev.at - t0
+    latency = datetime.fromisoformat(ev.at).timestamp() - t0
     assert latency <= HEALTH.interval_s + HEALTH.timeout_s + 1.0, latency
     assert any(e.kind == "engine_hung" and e.slot == 0 for e in seen)
     with pytest.raises(ProcessLookupError):

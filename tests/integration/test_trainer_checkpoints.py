@@ -26,6 +26,7 @@ from gpu_runtime.data.rewards import score_samples
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.object_store import LocalStore
 from gpu_runtime.trainer.service import TrainerService
+from spec.events import DiskFull
 from spec.run import RunConfig
 from spec.trainer_rpc import RunSetup
 from tests.stack import tiny_config
@@ -155,7 +156,8 @@ def test_a_full_disk_delays_the_checkpoint_until_space_returns(
     monkeypatch.setattr(snapshot, "save_file", full_disk)
     svc.save_checkpoint(1, data_cursor=cfg.rollout.prompts_per_step)
     assert svc.wait_for_uploads(60)
-    events = [e for e in svc.new_events() if e.kind == "disk_full"]
-    assert len(events) == 1 and "No space left on device" in events[0].detail and "free_bytes=" in events[0].detail
+    events = [e for e in svc.new_events() if isinstance(e, DiskFull)]
+    assert len(events) == 1 and "No space left on device" in events[0].error
+    assert events[0].step == 1 and events[0].free_bytes is not None
     fresh = TrainerService(tmp_path / "fresh")
     assert fresh.ensure_version(setup, 1).checksum == checksum

@@ -16,6 +16,7 @@ from activities.disk import disk_full_failure
 from gpu_runtime.proc import disk
 from gpu_runtime.proc.disk import DiskFull, guarded, is_no_space
 from gpu_runtime.proc.rpc import RemoteError
+from spec import events
 from spec.events import RunEvent
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
 from workflows.disk_wait import FIRST_WAIT_S, MAX_WAIT_S, next_wait
@@ -68,8 +69,8 @@ def test_the_agent_reports_disk_full_and_fails_the_call_as_final() -> None:
     assert got is not None and got.type == Failure.DISK_FULL.value and got.non_retryable
     assert "checkpoint 3" in got.message and "/w has 0 bytes free" in got.message
     [(run_id, event)] = reported
-    assert run_id == "run-1" and event.kind == "disk_full"
-    assert "node node0" in event.detail and "/w has 0 bytes free" in event.detail and "waits" in event.detail
+    assert run_id == "run-1" and isinstance(event, events.DiskFull)
+    assert (event.node, event.what, event.error, event.step) == ("node0", "checkpoint 3", err.message, None)
     assert disk_full_failure(RemoteError("ValueError", "x"), "node0", "run-1", "checkpoint 3", None) is None
 
 

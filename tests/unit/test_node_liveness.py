@@ -12,6 +12,7 @@ from temporalio.worker import Worker
 
 from tests.unit.test_workflows import assert_replaced
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run
+from spec.events import NodeLost
 from workflows.stubs import TRAIN_STEP
 
 FAST = {"liveness_timeout_s": 1.0, "liveness_interval_s": 0.2}
@@ -34,7 +35,7 @@ def test_silent_node_is_lost_and_its_step_rerun_elsewhere() -> None:
         summary = await finish(handle)
         assert summary.steps == 3
         await assert_replaced(handle, cluster, node_a, node_b, lost_at_step=2)
-        lost = [e.detail for e in (await progress(handle)).events if e.kind == "node_lost"]
+        lost = [e.message for e in (await progress(handle)).events if isinstance(e, NodeLost)]
         assert "no liveness heartbeat for 1s (heartbeat timeout)" in lost[0], lost
         assert cluster.liveness_started == [node_a, node_b]  # one watch per placement, not per step
         stuck.release.set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, UTC
 
-from spec.events import RunEvent
+from spec.events import NodeClaimed
 from spec.status import CellInfo, DPCellStatus, DPCells, EngineSlotInfo
 from spec.trainer import TrainerSpec
 from workflows import cell_heal
@@ -22,7 +22,7 @@ PROMPTS = 4
 def step(n: int, **kw: object) -> StepSummary:
     fields: dict = dict(step=n, policy_version=n, data_cursor=PROMPTS * n, reward_mean=n / 10, reward_std=0.1,
                         accuracy=0.5, loss=1.0 / n, step_seconds=1.0, weights_key=f"w{n}",
-                        events=[RunEvent(at="t", kind=f"e{n}")], engines=[EngineSlotInfo(slot=0, state="healthy")])
+                        events=[NodeClaimed(at="t", queue=f"e{n}")], engines=[EngineSlotInfo(slot=0, state="healthy")])
     return StepSummary(**(fields | kw))
 
 
@@ -40,25 +40,26 @@ def run(steps: int, state: RunState | None = None) -> RunState:
 
 
 def test_commit_moves_the_cursor_and_the_version_and_leaves_the_old_state_as_it_was() -> None:
-    before = RunState(buffer=[batch(0, 0)], events=[RunEvent(at="t", kind="placed")])
+    before = RunState(buffer=[batch(0, 0)], events=[NodeClaimed(at="t", queue="placed")])
     cell = CellInfo(node="n", generation=1, placement="spread", ray_address="local", ranks=[])
     ahead = [batch(1, 8)]
     after = before.commit(step(1, cell=cell, next_buffer=ahead), NOW, SPEC)
     assert (after.next_step, after.policy_version, after.data_cursor) == (2, 1, PROMPTS)
     assert (after.buffer, after.cells) == (ahead, [cell])  # the buffer replaced, not appended to
-    assert [e.kind for e in after.events] == ["placed", "e1"] and after.engines == [EngineSlotInfo(slot=0, state="healthy")]
+    assert [e.queue for e in after.events if isinstance(e, NodeClaimed)] == ["placed", "e1"]
+    assert after.engines == [EngineSlotInfo(slot=0, state="healthy")]
     assert after.first_rewards == [0.1]
     # the history keeps the step without what the state carries elsewhere
     kept = after.history[0]
     assert (kept.events, kept.engines, kept.cell, kept.next_buffer, kept.dp) == ([], [], None, [], None)
     assert kept.weights_key == "w1" and kept.reward_mean == 0.1
-    assert before == RunState(buffer=[batch(0, 0)], events=[RunEvent(at="t", kind="placed")])  # pure
+    assert before == RunState(buffer=[batch(0, 0)], events=[NodeClaimed(at="t", queue="placed")])  # pure
 
 
 def test_history_events_and_first_rewards_are_bounded() -> None:
-    st = run(HISTORY_KEEP + 3, RunState(events=[RunEvent(at="t", kind="old")] * EVENTS_KEEP))
+    st = run(HISTORY_KEEP + 3, RunState(events=[NodeClaimed(at="t", queue="old")] * EVENTS_KEEP))
     assert [s.step for s in st.history] == list(range(4, HISTORY_KEEP + 4))
-    assert len(st.events) == EVENTS_KEEP and st.events[-1].kind == f"e{HISTORY_KEEP + 3}"
+    assert len(st.events) == EVENTS_KEEP and st.events[-1] == NodeClaimed(at="t", queue=f"e{HISTORY_KEEP + 3}")
     assert st.first_rewards == [n / 10 for n in range(1, SUMMARY_STEPS + 1)]
 
 

@@ -11,7 +11,7 @@ from bench.soak import CELL_FAULTS, KINDS, Fault, fault_checks, plan
 from bench.soak_checks import cells_whole, trained_exactly_once
 from gpu_runtime.data.datasets import prompts_for_step
 from gpu_runtime.store import artifacts as art
-from spec.events import RunEvent
+from spec.events import CellHealed, CellLost, LighthouseRestarted, LighthouseRestartFailed
 from spec.status import DPCellStatus, DPCells
 from spec.train import TrainSpec
 from spec.trainer_rpc import StepBatch
@@ -110,19 +110,19 @@ def test_cells_must_end_alive_and_equal() -> None:
 def test_each_fault_must_show_in_the_events() -> None:
     dead = 2**22 + 12345  # beyond pid_max on this machine: no such process
     faults = [Fault(1, 1, "cell_kill", dead), Fault(2, 3, "cell_stop", dead + 1), Fault(3, 5, "lighthouse_kill", 9)]
-    healed = [RunEvent(at="t4", kind="cell_healed", detail="cell 1 copied v3 from a peer (it held v0) and trained v4"),
-              RunEvent(at="t5", kind="cell_healed", detail="cell 1 copied v5 from a peer (it held v0) and trained v6")]
-    events = [RunEvent(at="t1", kind="cell_lost", detail=f"cell 1 (pid {dead}): died during train_step"),
-              RunEvent(at="t2", kind="cell_lost", detail=f"cell 1 (pid {dead + 1}): no answer to train_step within "
-                                                         "20 s of its peers (hung or stopped)"),
-              RunEvent(at="t3", kind="lighthouse_restarted"), *healed]
+    healed = [CellHealed(at="t4", cell=1, held_version=0, copied_version=3, trained_version=4),
+              CellHealed(at="t5", cell=1, held_version=0, copied_version=5, trained_version=6)]
+    events = [CellLost(at="t1", cell=1, pid=dead, why="died during train_step"),
+              CellLost(at="t2", cell=1, pid=dead + 1, why="no answer to train_step within 20 s of its peers "
+                                                          "(hung or stopped)"),
+              LighthouseRestarted(at="t3", pid=9), *healed]
     assert fault_checks(faults, events) == []
-    wrong = [RunEvent(at="t2", kind="cell_lost", detail=f"cell 1 (pid {dead + 1}): died during train_step")]
+    wrong = [CellLost(at="t2", cell=1, pid=dead + 1, why="died during train_step")]
     assert any("lost for another reason" in f for f in fault_checks(faults, events[:1] + wrong + events[2:]))
     assert any("lighthouse" in f for f in fault_checks(faults, events[:2] + events[3:]))
     assert any("cell heals" in f for f in fault_checks(faults, events[:4]))
     # the first kill is superseded by the second fault on the same cell; the second must heal
-    other = [RunEvent(at="t4", kind="cell_healed", detail="cell 0 copied v3 from a peer (it held v0) and trained v4")]
+    other = [CellHealed(at="t4", cell=0, held_version=0, copied_version=3, trained_version=4)]
     assert fault_checks(faults, events[:3] + other + other) == [
         f"cell_stop of pid {dead + 1} at step 3: its cell never healed afterwards"]
     # a heal before the loss does not count for it
@@ -133,9 +133,9 @@ def test_a_kill_of_a_starting_lighthouse_is_answered_by_the_next_restart() -> No
     """Two kills 1 s apart (soak seed 12, 200 steps): the second hit the lighthouse the
     watchdog was starting; that start failed and the next one answered both kills."""
     kills = [Fault(1, 22, "lighthouse_kill", 9), Fault(2, 23, "lighthouse_kill", 10)]
-    heals = [RunEvent(at=f"t{i}", kind="cell_healed", detail="cell 0 healed") for i in (5, 6)]
-    failed = RunEvent(at="t3", kind="lighthouse_restart_failed", detail="torchft lighthouse exited with 247")
-    restarted = RunEvent(at="t4", kind="lighthouse_restarted")
+    heals = [CellHealed(at=f"t{i}", cell=0, held_version=0, copied_version=i, trained_version=i + 1) for i in (5, 6)]
+    failed = LighthouseRestartFailed(at="t3", error="torchft lighthouse exited with 247")
+    restarted = LighthouseRestarted(at="t4", pid=10)
     assert fault_checks(kills, [failed, restarted, *heals]) == []
     assert fault_checks(kills, [restarted, failed, *heals]) == [
         "2 lighthouse kills, 1 lighthouse_restarted and 1 lighthouse_restart_failed events, the last a failure"]

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from spec.reward import RewardSpec, RewardTerm
-from spec.events import RunEvent
+from spec.events import CellStarted
 from spec.train import HParamUpdate, TrainSpec
 from spec.trainer_rpc import SFTRows, StepBatch, TrainResult
 
@@ -60,22 +60,19 @@ def test_reward_terms_carry_their_kind_defaults() -> None:
     assert spec.terms is not None and spec.terms[0].format_score is None  # the config itself keeps what it was given
 
 
-def test_an_event_carries_its_time_as_iso_utc() -> None:
-    assert RunEvent.at_time(0.0, "engine_dead", "slot 1") == RunEvent(
-        at="1970-01-01T00:00:00+00:00", kind="engine_dead", detail="slot 1")
-    assert RunEvent.now("x").at.endswith("+00:00")
-
-
-def test_a_train_result_as_an_old_version_stored_it_reads() -> None:
-    """``train_result.json`` (read back on a retry and on replay) from before one status model per
-    thing: events with a unix ``at``, a cell without its node."""
+def test_a_train_result_reads_its_events_by_kind() -> None:
+    """``train_result.json`` (read back on a retry and on replay): each event decodes as its
+    kind's model; a cell without its node (the node agent names it) reads too."""
     old = {"policy_version": 3, "checksum": "c", "metrics": {"dp_cells": 1.0}, "rebuild": None,
-           "seconds": 1.5, "events": [{"at": 86400.5, "kind": "cell_started", "detail": "generation 1"}],
+           "seconds": 1.5, "events": [{"at": "1970-01-02T00:00:00.500000+00:00", "kind": "cell_started",
+                                       "generation": 1, "ranks": 1, "placement": "spread", "pids": [7],
+                                       "ray_address": "local"}],
            "cell": {"generation": 1, "placement": "strict_pack", "ray_address": "local", "ranks": [
                {"rank": 0, "pid": 7, "node_ip": "127.0.0.1", "node_id": "n0", "state": "alive"}]},
            "dp": {"lighthouse_pid": 9, "lighthouse_restarts": 0, "cells": [{"index": 0, "pid": 8, "state": "alive"}]}}
     res = TrainResult.model_validate_json(json.dumps(old))
-    assert res.events == [RunEvent(at="1970-01-02T00:00:00.500000+00:00", kind="cell_started", detail="generation 1")]
+    assert res.events == [CellStarted(at="1970-01-02T00:00:00.500000+00:00", generation=1, ranks=1,
+                                      placement="spread", pids=[7], ray_address="local")]
     assert res.cell is not None and res.cell.node == "" and res.dp is not None and res.dp.cells[0].pid == 8
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from spec.run import RunConfig
-from spec.events import RunEvent
+from spec.events import NodeClaimed
 from spec.status import DPCellStatus, DPCells, EngineSlotInfo
 from spec.train import TrainSpec
 from workflows.contracts.cells import RestartCellsResult
@@ -17,8 +17,9 @@ INP = RLStepInput(run_id="r", step=3, config=RunConfig(), train=TrainSpec(), pol
                   dataset=DatasetInfo(key="k", n_rows=100, sha256="0"), node_queue="node-a-1")
 
 
-def ev(kind: str) -> RunEvent:
-    return RunEvent(at="t", kind=kind)
+def ev(name: str) -> NodeClaimed:
+    """An event told apart from the others by its field (any kind would do)."""
+    return NodeClaimed(at="t", queue=name)
 
 
 def batch(version: int, cursor: int, seconds: float = 1.0, **kw: object) -> Sampled:
@@ -59,7 +60,7 @@ def test_an_rl_step_with_every_phase() -> None:
                                "eval": 1.5}
     assert s.activity_seconds == 5.75
     assert (s.checkpointed, s.weights_key, s.restored_from_step, s.replayed_steps) == (True, "w3", 1, [2])
-    assert [e.kind for e in s.events] == ["sampled", "trained", "synced", "saved", "evaluated", "eval_note", "restarted"]
+    assert [e.queue for e in s.events if isinstance(e, NodeClaimed)] == ["sampled", "trained", "synced", "saved", "evaluated", "eval_note", "restarted"]
     assert s.engines == SYNCED.engines and s.dp == TRAINED.dp and s.cell_restarts == {"1": "restarting"}
     assert (s.eval_greedy, s.eval_pass_at_k, s.eval_k, s.eval_n) == (0.5, 0.75, 4, 8)
     assert s.sampling == sampled.sampling and s.agent == {"episodes": 4.0}
@@ -76,4 +77,4 @@ def test_an_sft_step_sampled_nothing() -> None:
     assert s.weights_key == ""  # not checkpointed: the store holds no folder of this version
     assert (s.rollout_version, s.staleness) == (2, 0)  # its rows are read at the version it trains from
     assert (s.overlap_seconds, s.buffer_depth, s.next_buffer) == (0.0, 0, [])
-    assert [e.kind for e in s.events] == ["trained", "synced"]
+    assert [e.queue for e in s.events if isinstance(e, NodeClaimed)] == ["trained", "synced"]

@@ -11,7 +11,7 @@ import dataclasses
 from activities import translate
 from gpu_runtime.rollout.evaluate import EvalStats
 from spec.rollout import RolloutSpec
-from spec.events import RunEvent
+from spec.events import CheckpointCorrupt, EngineDead, TrainerRestarted, TrainerRestored
 from spec.train import TrainSpec
 from spec.trainer_rpc import CheckpointSaved, Rebuild, TrainResult, VersionInfo
 from workflows.contracts.placement import DatasetInfo
@@ -40,7 +40,7 @@ def test_rollout_request() -> None:
     assert inp.rollout.prompts_per_step == 3  # the input is not changed
 
 
-EVENT = RunEvent.at_time(0.0, "engine_dead", "slot 1: killed")
+EVENT = EngineDead(at="1970-01-01T00:00:00+00:00", slot=1, pid=None, reason="killed")
 
 
 def test_eval_request_and_result() -> None:
@@ -57,13 +57,16 @@ def test_eval_request_and_result() -> None:
 def test_results_carry_rebuild_and_events() -> None:
     res = TrainResult(policy_version=6, checksum="c", metrics={"loss": 0.5}, seconds=1.25,
                       rebuild=Rebuild(restored_from_step=4, replayed_steps=[5]),
-                      events=[RunEvent.at_time(1.0, "checkpoint_corrupt", "step=5")])
+                      events=[CheckpointCorrupt(at="t", step=5, file="f", stored_in="step_000005", expected="a",
+                                                actual="missing")])
     out = translate.train_step_result(res, [EVENT])
     assert (out.policy_version, out.checksum, out.metrics, out.seconds) == (6, "c", {"loss": 0.5}, 1.25)
     assert (out.restored_from_step, out.replayed_steps) == (4, [5])
     assert [e.kind for e in out.node_events] == ["engine_dead", "checkpoint_corrupt", "trainer_restored"]
-    assert out.node_events[0] == RunEvent(at="1970-01-01T00:00:00+00:00", kind="engine_dead", detail="slot 1: killed")
-    assert "checkpoint step 4, replayed steps [5] -> v5" in out.node_events[2].detail
+    assert out.node_events[0] == EVENT
+    restored = out.node_events[2]
+    assert isinstance(restored, TrainerRestored)
+    assert (restored.restored_from_step, restored.replayed_steps, restored.version) == (4, [5], 5)
 
 
 def test_first_sft_is_not_a_restore_but_a_rebuild_from_sft_is() -> None:
@@ -73,11 +76,11 @@ def test_first_sft_is_not_a_restore_but_a_rebuild_from_sft_is() -> None:
     assert info.node_events == [] and info.restored_from_step is None and info.sft_metrics == {"sft_steps": 3}
     lost = first.model_copy(update={"policy_version": 2, "rebuild": Rebuild(restored_from_step=None, replayed_steps=[1, 2])})
     (ev,) = translate.policy_info(lost, []).node_events
-    assert ev.kind == "trainer_restored" and "no usable checkpoint" in ev.detail
+    assert isinstance(ev, TrainerRestored) and (ev.restored_from_step, ev.replayed_steps, ev.version) == (None, [1, 2], 2)
 
 
 def test_checkpoint_after_a_trainer_restart_reports_the_restore() -> None:
     saved = CheckpointSaved(step=4, key="k", weights_key="w", durable=True, rebuild=Rebuild(restored_from_step=2, replayed_steps=[3, 4]))
-    out = translate.checkpoint_result(saved, 0.5, [RunEvent.at_time(2.0, "trainer_restarted", "pid 1")])
+    out = translate.checkpoint_result(saved, 0.5, [TrainerRestarted(at="t", old_pid=1, returncode=-9, pid=2)])
     assert (out.step, out.key, out.durable, out.seconds) == (4, "k", True, 0.5)
     assert [e.kind for e in out.node_events] == ["trainer_restarted", "trainer_restored"]

@@ -17,6 +17,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from spec.engine import EngineUpdate
+from spec.events import Divergence, EnginesSet, HParamsSet, NodeClaimed, NodeLost
 from spec.train import HParamUpdate
 from tests.unit.workflow_harness import (
     PROMPTS_PER_STEP, Cluster, finish, lose_node_a, progress, reward_of, run_config, scenario, start_run, wait_progress,
@@ -49,10 +50,9 @@ async def assert_replaced(handle: WorkflowHandle, cluster: Cluster, node_a: str,
     assert len(cluster.served(CLAIM_NODE)) == 2
     p = await progress(handle)
     assert p.state == "completed" and p.node_queue == node_b
-    events = [(e.kind, e.detail) for e in p.events]
-    assert [e for e in events if e[0] == "node_claimed"] == [("node_claimed", node_a), ("node_claimed", node_b)]
-    lost = [d for k, d in events if k == "node_lost"]
-    assert len(lost) == 1 and node_a in lost[0] and f"step {lost_at_step}" in lost[0]
+    assert [e.queue for e in p.events if isinstance(e, NodeClaimed)] == [node_a, node_b]
+    lost = [(e.queue, e.step) for e in p.events if isinstance(e, NodeLost)]
+    assert lost == [(node_a, lost_at_step)]
     assert_committed_once(cluster, 3, p.steps)
 
 
@@ -136,8 +136,8 @@ def test_node_lost_during_placement_claims_another() -> None:
         assert [c.queue for c in cluster.served(INIT_POLICY)] == [node_a, node_b]
         assert [c.queue for c in cluster.served(TRAIN_STEP)] == [node_b, node_b]
         p = await progress(handle)
-        lost = [e.detail for e in p.events if e.kind == "node_lost"]
-        assert p.node_queue == node_b and lost == [f"{node_a}: node lost its setup during init"]
+        lost = [(e.queue, e.step, e.message) for e in p.events if isinstance(e, NodeLost)]
+        assert p.node_queue == node_b and lost == [(node_a, None, "node lost its setup during init")]
 
     scenario(cluster, body)
 
@@ -184,8 +184,8 @@ def test_set_hparams_accepted_applies_to_next_step() -> None:
         assert [(t.batch.step, t.batch.hparams.lr, t.batch.hparams.clip_eps) for t in cluster.train_inputs] == [
             (1, 1e-4, 0.2), (2, 1e-3, 0.1), (3, 1e-3, 0.1)
         ]
-        events = [e for e in (await progress(handle)).events if e.kind == "hparams_set"]
-        assert len(events) == 1 and events[0].detail == '{"lr": 0.001, "clip_eps": 0.1}'
+        events = [e.values for e in (await progress(handle)).events if isinstance(e, HParamsSet)]
+        assert events == [{"lr": 0.001, "clip_eps": 0.1}]
 
     scenario(cluster, body)
 
@@ -202,8 +202,8 @@ def test_set_hparams_null_turns_an_optional_knob_off_from_the_next_step() -> Non
         held.release.set()
         await finish(handle)
         assert [(t.batch.step, t.batch.hparams.tis_cap) for t in cluster.train_inputs] == [(1, 2.0), (2, None)]
-        events = [e for e in (await progress(handle)).events if e.kind == "hparams_set"]
-        assert [e.detail for e in events] == ['{"tis_cap": null}']
+        events = [e.values for e in (await progress(handle)).events if isinstance(e, HParamsSet)]
+        assert events == [{"tis_cap": None}]
 
     scenario(cluster, body)
 
@@ -225,7 +225,7 @@ def test_set_engines_resizes_the_fleet_from_the_next_step() -> None:
         assert [n for _, n in cluster.engine_counts] == [2, 2, 3, 3]  # v0 and step 1, then steps 2 and 3
         p = await progress(handle)
         assert len(p.engines) == 3
-        assert [e.detail for e in p.events if e.kind == "engines_set"] == ["num_engines 2 -> 3 from the next step"]
+        assert [(e.before, e.after) for e in p.events if isinstance(e, EnginesSet)] == [(2, 3)]
 
     scenario(cluster, body)
 
@@ -296,8 +296,8 @@ def test_divergence_pauses_then_resume_retries_the_step() -> None:
         handle = await start_run(env, run_config(steps=3))
         p = await wait_progress(handle, lambda p: p.state == "paused", "the divergence to pause the run")
         assert (p.step, p.policy_version, p.data_cursor) == (1, 1, PROMPTS_PER_STEP)
-        diverged = [e.detail for e in p.events if e.kind == "divergence"]
-        assert len(diverged) == 1 and "step 2" in diverged[0] and "non-finite" in diverged[0]
+        diverged = [e for e in p.events if isinstance(e, Divergence)]
+        assert [e.step for e in diverged] == [2] and "non-finite" in diverged[0].message
         assert [c.attempt for c in cluster.served(TRAIN_STEP, 2)] == [1]  # non-retryable
 
         await handle.execute_update(TrainingRun.set_hparams, HParamUpdate(lr=5e-5))  # the advised fix

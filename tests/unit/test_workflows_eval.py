@@ -9,6 +9,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from tests.unit.workflow_harness import Cluster, eval_of, finish, progress, run_config, scenario, start_run
+from spec.events import EvalFailed, EvalSkipped
 from workflows.failures import Failure, failure
 from workflows.stubs import CHECKPOINT, EVALUATE, TRAIN_STEP
 
@@ -58,8 +59,8 @@ def test_no_eval_when_disabled_or_without_a_heldout_split() -> None:
         no_split = await finish(handle)
         assert cluster.served(EVALUATE) == []
         assert off.eval_step is None and no_split.eval_greedy is None
-        skipped = [e.detail for e in (await progress(handle)).events if e.kind == "eval_skipped"]
-        assert skipped == ["no held-out split (data.eval_path is not set): the run is not evaluated"]
+        skipped = [e.why for e in (await progress(handle)).events if isinstance(e, EvalSkipped)]
+        assert skipped == ["data.eval_path is not set"]
 
     scenario(cluster, body)
 
@@ -86,8 +87,8 @@ def test_failed_eval_costs_its_numbers_not_the_run() -> None:
         p = await progress(handle)
         assert p.state == "completed" and [s.step for s in p.steps] == [1, 2, 3]
         assert p.steps[0].eval_greedy == eval_of(1)[0] and p.steps[2].eval_greedy is None
-        failed = [e.detail for e in p.events if e.kind == "eval_failed"]
-        assert failed == ["step 3: row h3: field 'answer' has no integer answer"]
+        failed = [(e.step, e.message) for e in p.events if isinstance(e, EvalFailed)]
+        assert failed == [(3, "row h3: field 'answer' has no integer answer")]
         assert (summary.eval_step, summary.eval_greedy) == (2, eval_of(2)[0])
 
     scenario(cluster, body)
@@ -125,6 +126,6 @@ def test_failed_eval_before_rl_is_an_event_not_a_failure() -> None:
         summary = await finish(handle)
         assert summary.eval_before_greedy is None and summary.eval_step == 2
         p = await progress(handle)
-        assert [e.detail for e in p.events if e.kind == "eval_failed"] == ["step 0: eval split unreadable"]
+        assert [(e.step, e.message) for e in p.events if isinstance(e, EvalFailed)] == [(0, "eval split unreadable")]
 
     scenario(cluster, body)

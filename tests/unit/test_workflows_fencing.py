@@ -8,7 +8,7 @@ from __future__ import annotations
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from spec.events import RunEvent
+from spec.events import StaleWriteRefused
 from tests.unit.workflow_harness import Cluster, finish, progress, run_config, scenario, start_run, wait_progress
 from workflows.stubs import TRAIN_STEP
 from workflows.training_run import TrainingRun
@@ -22,8 +22,8 @@ def test_node_event_signal_is_a_run_event() -> None:
         handle = await start_run(env, run_config(steps=1))
         await held.wait_reached()
         assert [t.epoch for t in cluster.train_inputs] == []  # (recorded after the hook)
-        refused = RunEvent(at="2026-01-01T00:00:00+00:00", kind="stale_write_refused",
-                           detail="node n9 epoch 1: refused put runs/x/weights/v000002/model.safetensors")
+        refused = StaleWriteRefused(at="2026-01-01T00:00:00+00:00", node="n9", epoch=1,
+                                    error="refused put runs/x/weights/v000002/model.safetensors")
         await handle.signal(TrainingRun.node_event, refused)
         await wait_progress(handle, lambda p: refused in p.events, "the signalled event")
         held.release.set()

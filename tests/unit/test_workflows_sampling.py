@@ -17,6 +17,7 @@ from temporalio.worker import Replayer, Worker
 from tests.unit.workflow_harness import (
     Cluster, finish, group_mean, progress, rollout_section, run_config, scenario, start_run,
 )
+from spec.events import DynamicFilterEmpty
 from workflows.contracts.sampling import RewardResult
 from workflows.failures import Failure, failure_in
 from workflows.sampling import choose_groups, more_rounds, pooled, trained_reward_mean
@@ -146,8 +147,8 @@ def test_shortfall_trains_on_what_was_kept_or_the_first_round_when_nothing() -> 
         p = await progress(handle)
         assert [(s.sampling.groups_kept, s.sampling.groups_trained, s.sampling.fallback)
                 for s in p.steps if s.sampling] == [(3, 3, False), (0, 4, True)]
-        assert [e.detail for e in p.events if e.kind == "dynamic_filter_empty"] == [
-            "step 2: no group's rewards varied in 3 rounds: trained on the first round's first 4 groups as they were"]
+        assert [(e.step, e.rounds, e.groups_trained) for e in p.events if isinstance(e, DynamicFilterEmpty)] == [
+            (2, 3, 4)]
 
     scenario(cluster, body)
 
