@@ -14,15 +14,15 @@ own ``workflow.now()``, so a replay builds the same event.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
-from typing import Annotated, Any, Literal, Union
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
 
 def utc_now() -> str:
     """Now, as an event's ``at``: a process's clock (a workflow gives ``workflow.now().isoformat()``)."""
-    return datetime.fromtimestamp(time.time(), timezone.utc).isoformat()
+    return datetime.fromtimestamp(time.time(), UTC).isoformat()
 
 
 class Event(BaseModel):
@@ -291,16 +291,14 @@ class Forked(Event):
 
 
 RunEvent = Annotated[
-    Union[
-        EngineDead, EngineHung, EngineRestarted, EngineRecovered, EngineChecksum, WeightSyncFallback, EngineAdded,
-        EngineRemoved, TrainerRestarted, TrainerRestored, CheckpointUploadFailed, CheckpointCorrupt, DiskFull,
-        StaleWriteRefused, CellStarted, CellFailed, CellsStarted, CellLost, CellRestartFailed, CellRestarted,
-        CellHealed, CellsDiverged, LighthouseRestarted, LighthouseRestartFailed, NodeClaimed, NodeLost, Divergence,
-        EvalFailed, EvalSkipped, DynamicFilterEmpty, HParamsSet, EnginesSet, Forked,
-    ],
+    EngineDead | EngineHung | EngineRestarted | EngineRecovered | EngineChecksum | WeightSyncFallback | EngineAdded
+    | EngineRemoved | TrainerRestarted | TrainerRestored | CheckpointUploadFailed | CheckpointCorrupt | DiskFull
+    | StaleWriteRefused | CellStarted | CellFailed | CellsStarted | CellLost | CellRestartFailed | CellRestarted
+    | CellHealed | CellsDiverged | LighthouseRestarted | LighthouseRestartFailed | NodeClaimed | NodeLost | Divergence
+    | EvalFailed | EvalSkipped | DynamicFilterEmpty | HParamsSet | EnginesSet | Forked,
     Field(discriminator="kind"),
 ]
-EngineEvent = Union[
-    EngineDead, EngineHung, EngineRestarted, EngineRecovered, EngineChecksum, WeightSyncFallback, EngineAdded,
-    EngineRemoved,
-]
+EngineEvent = (
+    EngineDead | EngineHung | EngineRestarted | EngineRecovered | EngineChecksum | WeightSyncFallback | EngineAdded
+    | EngineRemoved
+)

@@ -95,3 +95,14 @@ def test_the_sentences_say_the_fields() -> None:
 
 def test_utc_now_is_iso_utc() -> None:
     assert ev.utc_now().endswith("+00:00")
+
+
+def test_the_run_details_show_the_last_event() -> None:
+    from workflows.run_details import run_details
+    from workflows.run_state import RunState
+
+    st = RunState(events=[ev.NodeClaimed(at="2026-01-01T00:00:00+00:00", queue="q"),
+                          ev.EnginesSet(at="2026-01-01T00:00:05.5+00:00", before=2, after=3)])
+    assert run_details("running", st, 3, []).endswith(
+        "last event: 2026-01-01T00:00:05 engines_set: " + event_text(st.events[-1]))
+    assert "last event" not in run_details("running", RunState(), 3, [])
