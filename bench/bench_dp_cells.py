@@ -48,7 +48,7 @@ from gpu_runtime.trainer.service import TrainerService  # noqa: E402
 RUN_ID = "bench-dp"
 
 
-def dp_run(cfg, setup, work: Path, kill_step: int, kill_after: float, restart_step: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def dp_run(cfg, setup, work: Path, kill_step: int, kill_after: float, restart_step: int) -> dict[str, object]:
     store = LocalStore(work / "store")
     rows = dataset_rows(cfg, work / "train.jsonl")
     store.put_file(setup.dataset_key, work / "train.jsonl")
@@ -92,7 +92,7 @@ def dp_run(cfg, setup, work: Path, kill_step: int, kill_after: float, restart_st
             folder = svc._weights_dir(res.policy_version)
             dp = res.dp
             assert dp is not None
-            out["steps"][step] = (res.seconds, res.metrics["dp_cells"], [c.state for c in dp.cells])  # type: ignore[index]
+            out["steps"][step] = (res.seconds, res.metrics["dp_cells"], [c.state for c in dp.cells])
             print(f"  step {step:>2}: {res.seconds:.3f} s train, {int(res.metrics['dp_cells'])} cell(s), "
                   f"{[c.state for c in dp.cells]}, checksums equal "
                   f"{len({c.state_checksum for c in dp.cells if c.state == 'alive'}) == 1}", flush=True)
@@ -117,7 +117,7 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-dp-") as tmp:
         work = Path(tmp)
-        def config(where: Path):  # type: ignore[no-untyped-def]
+        def config(where: Path):
             return demo_config(where / "store", steps=args.steps, sft_steps=args.sft_steps, every=1, keep_last=1000,
                                name=RUN_ID)
 
@@ -129,12 +129,12 @@ def main() -> None:
         print(f"DP run: demo model, {cfg.samples_per_step} samples/step, 2 cells; cell 1 killed "
               f"{args.kill_after}s into step {args.kill_step}, restarted at step {args.restart_step}", flush=True)
         r = dp_run(dp_cfg, dp_setup, work / "dp-run", args.kill_step, args.kill_after, args.restart_step)
-        steps = r["steps"]  # type: ignore[assignment]
-        two = [s for k, (s, n, _) in steps.items() if n == 2 and k not in (1, args.restart_step)]  # type: ignore[union-attr]
-        one = [s for k, (s, n, _) in steps.items() if n == 1 and k != args.kill_step]  # type: ignore[union-attr]
+        steps = r["steps"]
+        two = [s for k, (s, n, _) in steps.items() if n == 2 and k not in (1, args.restart_step)]
+        one = [s for k, (s, n, _) in steps.items() if n == 1 and k != args.kill_step]
         two_med = statistics.median(two)
-        stall = steps[args.kill_step][0] - two_med  # type: ignore[index]
-        heal_extra = steps[args.restart_step][0] - two_med  # type: ignore[index]
+        stall = steps[args.kill_step][0] - two_med
+        heal_extra = steps[args.restart_step][0] - two_med
 
         print("crash baseline: the same run on one trainer process, checkpoint every step, restored at interval "
               f"{args.interval}", flush=True)

@@ -58,8 +58,8 @@ class IntervalTrainerService(TrainerService):
         ck = run.ckpts
         if not getattr(ck, "_bench_interval", None):
             every = ck.list_durable
-            ck.list_durable = lambda: [c for c in every() if c.step % self.interval == 0]  # type: ignore[method-assign]
-            ck._bench_interval = self.interval  # type: ignore[attr-defined]
+            ck.list_durable = lambda: [c for c in every() if c.step % self.interval == 0]
+            ck._bench_interval = self.interval
         return run
 
 

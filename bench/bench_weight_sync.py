@@ -46,7 +46,7 @@ from gpu_runtime.weight_sync import shared_memory as shm
 from gpu_runtime.weight_sync.distributed import DEFAULT_BUCKET_BYTES, GroupSpec, WeightGroup, manifest_of
 
 
-def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     if torch.cuda.is_available():

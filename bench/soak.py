@@ -176,7 +176,7 @@ class Soak:
         self.last = p
         return p
 
-    async def until(self, cond, timeout_s: float, what: str) -> RunProgress:  # type: ignore[no-untyped-def]
+    async def until(self, cond, timeout_s: float, what: str) -> RunProgress:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             p = await self.query()

@@ -42,10 +42,10 @@ def shim_cpu_forward() -> None:
     import megatron.core.fusions.fused_softmax as fused_softmax
     from megatron.core.tensor_parallel import random as mrandom
 
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
     mrandom.initialize_rng_tracker()
-    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
 
 def run_script(module: str, args: list[str], repo: Path) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def new_bucket_name() -> str:
 def store_for(server: SeaweedServer, bucket: str | None = None, prefix: str = "", **kw: object) -> S3Store:
     return S3Store(
         bucket or new_bucket_name(), prefix, endpoint_url=server.endpoint_url,
-        access_key=server.access_key, secret_key=server.secret_key, **kw,  # type: ignore[arg-type]
+        access_key=server.access_key, secret_key=server.secret_key, **kw,
     )
 
 

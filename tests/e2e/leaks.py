@@ -33,7 +33,7 @@ def payloads_in(msg: Message, path: str = "") -> Iterator[tuple[str, Payload]]:
 
 def _one(msg: Message, path: str) -> Iterator[tuple[str, Payload]]:
     if msg.DESCRIPTOR.full_name == PAYLOAD:
-        yield path, msg  # type: ignore[misc]
+        yield path, msg
     else:
         yield from payloads_in(msg, path)
 

@@ -73,7 +73,7 @@ def runs(stack: Stack) -> tuple[RunProgress, RunProgress, int]:
         log = next(iter(stack.workdir.rglob("faulted/dp/cell1.log")))
         await async_wait_for(lambda: _has(log, "fault delay before the allreduce of v2"), 60,
                              what="cell 1 inside step 2")
-        victim = (await progress(client, "faulted")).dp.cells[1].pid  # type: ignore[union-attr]
+        victim = (await progress(client, "faulted")).dp.cells[1].pid
         os.kill(victim, signal.SIGKILL)
         await async_wait_for(lambda: _seen_times(log, "cell 1 built", 2), 600, what="cell 1 restarted and built")
         (stack.workdir / GATE).touch()  # cell 0 goes on with step 20 (and the twin runs without delays)
@@ -98,7 +98,7 @@ async def _seen_times(path: Path, text: str, n: int) -> bool:
     return path.exists() and path.read_text(errors="replace").count(text) >= n
 
 
-def test_a_killed_cell_costs_its_step_nothing_and_is_healed_from_its_peer(stack: Stack, runs) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_cell_costs_its_step_nothing_and_is_healed_from_its_peer(stack: Stack, runs) -> None:
     twin, faulted, victim = runs
     assert not pid_alive(victim)
     kinds = [e.kind for e in faulted.events]

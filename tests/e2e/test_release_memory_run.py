@@ -51,7 +51,7 @@ def _released(url: str) -> bool:
         c.close()
 
 
-def test_released_engines_killed_mid_train_step_heal_and_the_run_is_bitwise(stack: Stack, store: Path, baseline) -> None:  # type: ignore[no-untyped-def]
+def test_released_engines_killed_mid_train_step_heal_and_the_run_is_bitwise(stack: Stack, store: Path, baseline) -> None:
     run_id = "release-on"
 
     async def main() -> tuple:

@@ -191,7 +191,7 @@ def test_reasoning_gym_dataset_and_reward(shared_stack: Stack) -> None:
     assert summary.steps == 2 and summary.eval_greedy is not None and summary.eval_before_greedy is not None
     rows = [json.loads(line) for line in (store / art.dataset_key("e2e-gym", "train")).read_text().splitlines()]
     assert len(rows) == 200 and all(r["metadata"]["reasoning_gym"]["dataset"] == "chain_sum" for r in rows)
-    rewards = stored(store, art.rewards_key("e2e-gym", 1), art.StepRewards).rewards  # type: ignore[attr-defined]
+    rewards = stored(store, art.rewards_key("e2e-gym", 1), art.StepRewards).rewards
     assert rewards and all("reasoning_gym answer=" in r.detail for r in rewards)
     assert all(0.0 <= s.reward_mean <= 1.0 and 0.0 <= s.accuracy <= s.reward_mean + 1e-9 for s in progress.steps)
     print(f"reasoning_gym chain_sum: reward per step {[round(s.reward_mean, 3) for s in progress.steps]}, "

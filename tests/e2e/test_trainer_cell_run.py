@@ -90,7 +90,7 @@ def cells(stack: Stack, run_id: str) -> list[dict]:
 
 async def _committed(client: object, run_id: str, step: int) -> bool:
     try:
-        return (await progress(client, run_id)).step >= step  # type: ignore[arg-type]
+        return (await progress(client, run_id)).step >= step
     except Exception:  # noqa: BLE001 - not queryable yet
         return False
 

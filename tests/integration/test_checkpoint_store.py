@@ -123,16 +123,16 @@ def test_manifest_written_last_and_required(store: ObjectStore, tmp_path: Path) 
     # every file of step 2 is uploaded, but without its manifest the checkpoint is invisible
     assert {k for k in spy.puts if "/step-000002/" in k} == {
         f"{PREFIX}/step-000002/{r}" for r in state(2) if r != "tokenizer.json"}
-    assert [i.step for i in cs.list_durable()] == [1] and cs.latest_durable().step == 1  # type: ignore[union-attr]
+    assert [i.step for i in cs.list_durable()] == [1] and cs.latest_durable().step == 1
     assert not handle.done
     spy.released.set()
     assert handle.wait(60), handle.error
     assert spy.puts[-1] == manifest_2
-    assert cs.latest_durable().step == 2  # type: ignore[union-attr]
+    assert cs.latest_durable().step == 2
     # stray files without a manifest (e.g. a crashed uploader) are never picked up
     store.put_bytes(f"{PREFIX}/{step_name(9)}/model.safetensors", b"partial")
     store.put_bytes(f"{PREFIX}/{step_name(10)}/{MANIFEST}", b"{not json")
-    assert cs.latest_durable().step == 2  # type: ignore[union-attr]
+    assert cs.latest_durable().step == 2
     assert cs.restore(tmp_path / "r").step == 2
 
 
@@ -151,7 +151,7 @@ def test_unchanged_files_are_not_uploaded_again(store: ObjectStore, tmp_path: Pa
     assert info is not None and info.files["tokenizer.json"].stored_in == "step-000001"
     assert info.files["model.safetensors"].stored_in == "step-000002"
     save_steps(cs, tmp_path, [3])  # references point at the folder that holds the bytes
-    assert cs.latest_durable().files["tokenizer.json"].stored_in == "step-000001"  # type: ignore[union-attr]
+    assert cs.latest_durable().files["tokenizer.json"].stored_in == "step-000001"
     assert cs.restore(tmp_path / "r").step == 3 and read_folder(tmp_path / "r") == state(3)
 
 
@@ -160,7 +160,7 @@ def test_sync_save_and_invalid_input(store: ObjectStore, tmp_path: Path) -> None
     with pytest.raises(NoUsableCheckpointError, match="no durable checkpoint"):
         cs.restore(tmp_path / "r")
     h = cs.save(3, write_folder(tmp_path / "w", state(3)), {"step": 3}, sync=True)
-    assert h.done and h.durable and cs.latest_durable().step == 3  # type: ignore[union-attr]
+    assert h.done and h.durable and cs.latest_durable().step == 3
     with pytest.raises(NoUsableCheckpointError, match="step-000004"):
         cs.restore(tmp_path / "r", step=4)
     with pytest.raises(ValueError, match="meta"):
@@ -219,7 +219,7 @@ def test_corrupt_checkpoint_falls_back_and_reports(store: ObjectStore, tmp_path:
 
 def test_s3_outage_during_upload_then_recovery(own_seaweed: SeaweedServer, tmp_path: Path) -> None:
     spy = SpyStore(store_for(own_seaweed, prefix="ckpt"))
-    reader = CheckpointStore(store_for(own_seaweed, spy.inner.bucket, "ckpt"), PREFIX, tmp_path / "reader")  # type: ignore[attr-defined]
+    reader = CheckpointStore(store_for(own_seaweed, spy.inner.bucket, "ckpt"), PREFIX, tmp_path / "reader")
     cs = CheckpointStore(spy, PREFIX, tmp_path / "local", retry=RetryPolicy(0.1, 0.5, 120.0))
     save_steps(cs, tmp_path, [1])
 
@@ -239,12 +239,12 @@ def test_s3_outage_during_upload_then_recovery(own_seaweed: SeaweedServer, tmp_p
     spy.hold = lambda key: "/step-000002/" in key
     own_seaweed.start()
     assert spy.blocked.wait(60), "upload did not resume after the store came back"
-    assert reader.latest_durable().step == 1  # type: ignore[union-attr]
+    assert reader.latest_durable().step == 1
     assert reader.restore(tmp_path / "r1").step == 1 and read_folder(tmp_path / "r1") == state(1)
     spy.released.set()
     assert handle.wait(60), handle.error
     assert handle.durable and handle.failures >= 3
-    assert reader.latest_durable().step == 2  # type: ignore[union-attr]
+    assert reader.latest_durable().step == 2
     assert reader.restore(tmp_path / "r2").step == 2 and read_folder(tmp_path / "r2") == state(2)
 
 
@@ -259,7 +259,7 @@ def test_upload_gives_up_after_deadline(own_seaweed: SeaweedServer, tmp_path: Pa
     assert isinstance(cs.events[-1], CheckpointUploadFailed) and cs.events[-1].step == 2
     assert read_folder(handle.local_path) == state(2)  # the local copy survives
     own_seaweed.start()
-    assert cs.latest_durable().step == 1  # type: ignore[union-attr]
+    assert cs.latest_durable().step == 1
     save_steps(cs, tmp_path, [3])  # later checkpoints work and clean up step 2's leftovers
     assert [i.step for i in cs.list_durable()] == [1, 3]
     assert not any("/step-000002/" in k for k in s3.list(PREFIX))

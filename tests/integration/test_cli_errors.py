@@ -57,8 +57,8 @@ def assert_one_error_line(out: subprocess.CompletedProcess, code: int, *needles:
     return lines[0]
 
 
-def run(coro_fn, address: str):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
+def run(coro_fn, address: str):
+    async def main():
         return await coro_fn(await connect(address))
 
     return asyncio.run(main())

@@ -38,7 +38,7 @@ def test_cuda_generation_is_seeded_like_cpu() -> None:
     assert [(r.output_ids, r.logprobs) for r in a] == [(r.output_ids, r.logprobs) for r in b]
 
 
-def test_cuda_engine_loads_from_disk_and_shared_memory(model_dirs, procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_engine_loads_from_disk_and_shared_memory(model_dirs, procs, tmp_path: Path) -> None:
     c = started_engine(procs, model_dirs["v1"], tmp_path / "e.log", "--device", "cuda:0", timeout_s=120,
                        up_within_s=300, what="cuda engine up")
     assert c.server_info()["device"] == "cuda:0"
@@ -55,7 +55,7 @@ def test_cuda_engine_loads_from_disk_and_shared_memory(model_dirs, procs, tmp_pa
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
-def test_cuda_engine_receives_a_broadcast(backend: str, model_dirs, procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_engine_receives_a_broadcast(backend: str, model_dirs, procs, tmp_path: Path) -> None:
     """``engines.weight_sync: distributed`` on the GPU: this process (rank 0, CUDA tensors)
     broadcasts v2 to an engine on cuda:0 (gloo, colocated: staged through host memory) or
     on cuda:1 (NCCL, disaggregated: needs 2 GPUs); the engine serves v2's checksum."""
@@ -99,7 +99,7 @@ def test_cuda_engine_receives_a_broadcast(backend: str, model_dirs, procs, tmp_p
     assert c.weights_checksum() == (model_dirs["c2"], "2")
 
 
-def test_cuda_trainer_is_bitwise_repeatable_and_close_to_cpu(model_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_trainer_is_bitwise_repeatable_and_close_to_cpu(model_dirs, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tests.scripts.cuda_train_step", str(model_dirs["v1"])]
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     runs = [subprocess.run([*cmd, dev], capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
@@ -163,7 +163,7 @@ def run_ranks(folder: Path, kind: str, world: int, precision: str, out: Path, si
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fsdp2_cell_on_cuda_matches_the_single_trainer(  # type: ignore[no-untyped-def]
+def test_fsdp2_cell_on_cuda_matches_the_single_trainer(
         model_dirs, tmp_path: Path, precision: str) -> None:
     """A fsdp2 cell of 2 ranks on 2 GPUs (1 rank where the machine has one GPU), NCCL, against
     ``PolicyTrainer`` on cuda:0 from the same folder: the same metrics and weights up to the
@@ -181,7 +181,7 @@ def test_fsdp2_cell_on_cuda_matches_the_single_trainer(  # type: ignore[no-untyp
     assert worst <= (1e-5 if precision == "fp32" else 5e-5), f"max |cell - single| = {worst}"
 
 
-def test_fsdp2_cell_on_cuda_through_ray(model_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_fsdp2_cell_on_cuda_through_ray(model_dirs, tmp_path: Path) -> None:
     """The driver's path: ``TrainerCell(device="cuda")`` reserves one GPU per rank in its Ray
     placement group and each actor trains on the GPU Ray assigned it."""
     from gpu_runtime.trainer.fsdp2.cell import TrainerCell

@@ -96,7 +96,7 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _step(g: DPGroup, s: int, **kw: object) -> dict[str, float]:
-    return g.train_step(*rollout(s), 4, HP, **kw)  # type: ignore[arg-type]
+    return g.train_step(*rollout(s), 4, HP, **kw)
 
 
 def _background_step(g: DPGroup, s: int) -> tuple[threading.Thread, dict[str, object]]:
@@ -119,7 +119,7 @@ def _log_has(g: DPGroup, index: int, text: str) -> bool:
     return p.exists() and text in p.read_text(errors="replace")
 
 
-def test_two_cells_train_like_the_single_trainer(group: DPGroup, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_two_cells_train_like_the_single_trainer(group: DPGroup, reference, tmp_path: Path) -> None:
     for s in (1, 2):
         m = _step(group, s)
         assert m["dp_cells"] == 2 and m["dp_attempts"] == 1 and m["policy_version"] == s
@@ -133,7 +133,7 @@ def test_two_cells_train_like_the_single_trainer(group: DPGroup, reference, tmp_
     assert len({c.state_checksum for c in state.cells}) == 1  # weights + AdamW bitwise equal
 
 
-def test_a_step_one_cell_trains_is_bitwise_the_single_trainer(group: DPGroup, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_one_cell_trains_is_bitwise_the_single_trainer(group: DPGroup, reference, tmp_path: Path) -> None:
     m = _step(group, 1, forced_participants=1)  # how a replay trains a step that committed with one cell
     assert m["dp_cells"] == 1
     got = _weights(group, tmp_path, "v1")
@@ -141,12 +141,12 @@ def test_a_step_one_cell_trains_is_bitwise_the_single_trainer(group: DPGroup, re
 
 
 @pytest.mark.parametrize("group", ["1:3"], indirect=True)
-def test_a_cell_killed_mid_step_leaves_the_step_to_its_peer_and_heals_from_it(group: DPGroup, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_cell_killed_mid_step_leaves_the_step_to_its_peer_and_heals_from_it(group: DPGroup, reference, tmp_path: Path) -> None:
     _step(group, 1)
     victim = group.members[1]
     t, box = _background_step(group, 2)
     wait_for(lambda: _log_has(group, 1, "fault delay before the allreduce of v2"), 60, what="cell 1 inside step 2")
-    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(victim.pid, signal.SIGKILL)
     t.join(120)
     m = box["m"]
     assert isinstance(m, dict) and m["dp_cells"] == 1 and m["policy_version"] == 2
@@ -181,12 +181,12 @@ def test_a_stopped_cell_is_timed_out_killed_and_replaced(group: DPGroup, tmp_pat
     pid = victim.pid
     t, box = _background_step(group, 2)
     wait_for(lambda: _log_has(group, 1, "fault delay before the allreduce of v2"), 60, what="cell 1 inside step 2")
-    os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    os.kill(pid, signal.SIGSTOP)
     t.join(120)
     m = box["m"]
     assert isinstance(m, dict) and m["dp_cells"] == 1
     assert victim.state == "lost" and "hung or stopped" in victim.why
-    assert not pid_alive(pid)  # type: ignore[arg-type]
+    assert not pid_alive(pid)
     os.environ["MILESTONE_FAULT_CELL_DELAY"] = ""
     group.restart(1)
     wait_for(lambda: group.members[1].state == "alive", 120, what="cell 1 restarted")
@@ -200,7 +200,7 @@ def test_a_dead_lighthouse_is_restarted_between_steps(group: DPGroup) -> None:
     only when the next step starts."""
     _step(group, 1)
     old = group.lighthouse.pid
-    os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(old, signal.SIGKILL)
     wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
     assert group.lighthouse.pid != old
     assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
@@ -218,7 +218,7 @@ def test_a_lighthouse_killed_inside_a_step_is_back_before_the_step_gives_up(grou
     old = group.lighthouse.pid
     t, box = _background_step(group, 2)
     wait_for(lambda: _log_has(group, 1, "fault delay before the quorum of v2"), 60, what="cell 1 inside step 2")
-    os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(old, signal.SIGKILL)
     t.join(120)
     assert not t.is_alive(), "step 2 still waits for its quorum after 120 s"
     m = box["m"]
@@ -253,7 +253,7 @@ def test_a_restarted_lighthouse_that_hears_one_cell_does_not_give_it_a_quorum_al
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     try:
-        os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+        os.kill(old, signal.SIGKILL)
         wait_for(lambda: group.lighthouse.pid != old and group.lighthouse.heartbeating() == 1, 60,
                  what=f"the restarted lighthouse hearing cell {asker} only")
         (tmp_path / GATE).touch()  # cell 1's fault delay ends (once it runs)
@@ -307,8 +307,8 @@ def test_a_lighthouse_restart_waits_for_the_port_to_be_free(tmp_path: Path) -> N
     try:
         lh.start()
         old = lh.pid
-        os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
-        wait_for(lambda: not pid_alive(old), 10, what="the old lighthouse gone")  # type: ignore[arg-type]
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(old), 10, what="the old lighthouse gone")
         wait_for(lambda: not lh.alive(), 10, what="its watcher gone")
         wait_for(lambda: not reachable(f"127.0.0.1:{lh.port}", 0.2), 10, what="its port closed")
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -330,10 +330,10 @@ def test_a_cell_restarted_while_the_lighthouse_is_dead_restarts_it_first(group: 
     back meanwhile, before the new cell joins torchft at its first step."""
     _step(group, 1)
     victim = group.members[1]
-    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(victim.pid, signal.SIGKILL)
     assert _step(group, 2)["dp_cells"] == 1 and victim.state == "lost"
     old = group.lighthouse.pid
-    os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(old, signal.SIGKILL)
     _restart(group, 1)  # restarts the lighthouse first unless the watchdog already has
     assert group.lighthouse.pid != old and group.lighthouse.restarts == 1
     assert "lighthouse_restarted" in [e.kind for e in group.take_events()]
@@ -350,15 +350,15 @@ def test_a_cell_stopped_between_steps_is_skipped_by_an_export(group: DPGroup, tm
     _step(group, 1)
     first = group.members[0]
     pid = first.pid
-    os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+    os.kill(pid, signal.SIGSTOP)
     try:
         checksum = group.export_model_folder(tmp_path / "v1")
     finally:
-        if pid_alive(pid):  # type: ignore[arg-type]
-            os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGCONT)
     assert checksum and export_state_dict(load_model_folder(tmp_path / "v1")[0])  # the peer exported v1
     assert first.state == "lost" and "hung or stopped" in first.why
-    assert not pid_alive(pid)  # type: ignore[arg-type]
+    assert not pid_alive(pid)
     _restart(group, 0)
     assert _step(group, 2)["dp_cells"] == 2
     state = group.state()
@@ -372,12 +372,12 @@ def test_a_lighthouse_killed_while_a_cell_restarts_is_back_before_the_cell_conne
     _step(group, 1)
     victim = group.members[1]
     old_cell = victim.pid
-    os.kill(old_cell, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(old_cell, signal.SIGKILL)
     assert _step(group, 2)["dp_cells"] == 1 and victim.state == "lost"
     assert group.restart(1) == "restarting"  # in the background
     wait_for(lambda: victim.pid != old_cell, 30, what="the new cell process")  # importing torch: not connected yet
     old = group.lighthouse.pid
-    os.kill(old, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(old, signal.SIGKILL)
     wait_for(lambda: victim.state != "starting", 120, what="cell 1 restarted")
     assert victim.state == "alive", victim.why
     wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
@@ -395,9 +395,9 @@ def test_a_heal_after_a_lighthouse_restart_takes_one_quorum(group: DPGroup) -> N
     failed to connect and its peer waited out the collective timeout before a new quorum."""
     _step(group, 1)  # quorum 1: both cells
     victim = group.members[1]
-    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(victim.pid, signal.SIGKILL)
     assert _step(group, 2)["dp_cells"] == 1  # quorum 2: cell 0 alone
-    os.kill(group.lighthouse.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(group.lighthouse.pid, signal.SIGKILL)
     wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
     assert _step(group, 3)["dp_cells"] == 1  # the new lighthouse's quorum 1: cell 0 alone
     _restart(group, 1)
@@ -415,8 +415,8 @@ def test_a_restarted_lighthouses_quorum_with_an_old_number_and_other_cells_recon
     m = _step(group, 1)
     assert m["dp_cells"] == 2
     victim = group.members[1]
-    os.kill(group.lighthouse.pid, signal.SIGKILL)  # type: ignore[arg-type]
-    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(group.lighthouse.pid, signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
     wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
     m = _step(group, 2)
     assert m["dp_cells"] == 1 and m["dp_attempts"] == 1, m
@@ -438,9 +438,9 @@ def test_a_cell_restarting_during_a_step_on_a_restarted_lighthouse_does_not_bloc
     hung (the soak, seed 11). Now a restarted cell joins torchft at its first step."""
     _step(group, 1)
     victim = group.members[1]
-    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(victim.pid, signal.SIGKILL)
     assert _step(group, 2)["dp_cells"] == 1 and victim.state == "lost"
-    os.kill(group.lighthouse.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(group.lighthouse.pid, signal.SIGKILL)
     wait_for(lambda: group.lighthouse.restarts == 1 and group.lighthouse.alive(), 30, what="the lighthouse restarted")
     assert group.restart(1) == "restarting"
     t, box = _background_step(group, 3)  # cell 0 only: cell 1 is starting

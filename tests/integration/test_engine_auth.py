@@ -39,7 +39,7 @@ def start_engine(model: Path, port: int, log: Path, env: dict[str, str], host: s
 
 
 @pytest.fixture(scope="module")
-def engine(model_dirs, tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:  # type: ignore[no-untyped-def]
+def engine(model_dirs, tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
     """One engine holding the token, for the whole module; stopped by pid."""
     port = free_port()
     proc = start_engine(model_dirs["v1"], port, tmp_path_factory.mktemp("engine") / "engine.log", {ENGINE_TOKEN_ENV: TOKEN})
@@ -51,7 +51,7 @@ def engine(model_dirs, tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen
         stop_pid(proc)
 
 
-def test_engine_answers_401_without_the_token_and_200_with_it(engine) -> None:  # type: ignore[no-untyped-def]
+def test_engine_answers_401_without_the_token_and_200_with_it(engine) -> None:
     url, proc = engine
     assert TOKEN not in cmdline(proc.pid)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
@@ -67,14 +67,14 @@ def test_engine_answers_401_without_the_token_and_200_with_it(engine) -> None:  
     assert err.value.status == 401
 
 
-def test_client_takes_the_token_from_the_environment(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_client_takes_the_token_from_the_environment(engine, monkeypatch) -> None:
     url, _ = engine
     monkeypatch.setenv(ENGINE_TOKEN_ENV, TOKEN)
     with EngineClient(url, timeout_s=60) as c:
         assert c.weights_checksum()[1] == "1"
 
 
-def test_router_requires_the_token_and_passes_it_to_engines(engine, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_router_requires_the_token_and_passes_it_to_engines(engine, tmp_path) -> None:
     url, _ = engine
     router = RouterProcess(free_port(), [], log_path=tmp_path / "router.log", token=TOKEN)
     try:
@@ -100,7 +100,7 @@ def _try_generate(c: EngineClient) -> list | None:
         return None
 
 
-def test_exposed_without_a_token_is_refused(model_dirs, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_exposed_without_a_token_is_refused(model_dirs, tmp_path, monkeypatch) -> None:
     env = {k: v for k, v in os.environ.items() if k != ENGINE_TOKEN_ENV}
     out = subprocess.run(
         [sys.executable, "-m", "gpu_runtime.engine.server", "--model-path", str(model_dirs["v1"]),

@@ -28,14 +28,14 @@ BATCH = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11], [1, 12, 13, 14]]
 SP = {"max_new_tokens": 40, "temperature": 1.0, "top_p": 0.9, "sampling_seed": 77}
 
 
-def _make_fleet(model_dirs, tmp_path, *, with_router: bool) -> EngineFleet:  # type: ignore[no-untyped-def]
+def _make_fleet(model_dirs, tmp_path, *, with_router: bool) -> EngineFleet:
     router = RouterProcess(free_port(), [], log_path=tmp_path / "router.log") if with_router else None
     return EngineFleet(TorchEngineBackend(threads=1, step_delay_ms=25), 2, model_dirs["v1"], free_port_block(2),
                        tmp_path / "logs", router=router, health=HEALTH)
 
 
 @pytest.fixture
-def fleet(model_dirs, tmp_path) -> Iterator[EngineFleet]:  # type: ignore[no-untyped-def]
+def fleet(model_dirs, tmp_path) -> Iterator[EngineFleet]:
     f = _make_fleet(model_dirs, tmp_path, with_router=True)
     try:
         f.start()
@@ -64,13 +64,13 @@ def _kill_busy_engine_mid_chunk(fleet: EngineFleet) -> tuple[list[dict], int]:
         return None
 
     slot = wait_for(busy, 30, "an engine to be decoding", interval_s=0.02) - 1
-    os.kill(clients[slot][1], signal.SIGKILL)  # type: ignore[arg-type]
+    os.kill(clients[slot][1], signal.SIGKILL)
     t.join(timeout=120)
     assert not t.is_alive()
-    return box["out"][0], slot  # type: ignore[index]
+    return box["out"][0], slot
 
 
-def test_sigkill_mid_chunk_completes_with_identical_tokens(fleet) -> None:  # type: ignore[no-untyped-def]
+def test_sigkill_mid_chunk_completes_with_identical_tokens(fleet) -> None:
     reference, _ = fleet.generate_chunk(BATCH, SP)
     out, slot = _kill_busy_engine_mid_chunk(fleet)
     assert _tokens(out) == _tokens(reference)
@@ -81,7 +81,7 @@ def test_sigkill_mid_chunk_completes_with_identical_tokens(fleet) -> None:  # ty
     assert fleet.router.worker_urls() == {fleet.snapshot()[1 - slot].url}
 
 
-def test_direct_mode_retries_same_request_on_survivor(model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_direct_mode_retries_same_request_on_survivor(model_dirs, tmp_path) -> None:
     f = _make_fleet(model_dirs, tmp_path, with_router=False)
     try:
         f.start()
@@ -93,7 +93,7 @@ def test_direct_mode_retries_same_request_on_survivor(model_dirs, tmp_path) -> N
         f.stop()
 
 
-def test_sigstop_is_detected_killed_and_healed(fleet, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_sigstop_is_detected_killed_and_healed(fleet, model_dirs) -> None:
     seen: list[EngineEvent] = []
     fleet.on_event = seen.append
     victim = fleet.snapshot()[0]
@@ -126,7 +126,7 @@ def test_sigstop_is_detected_killed_and_healed(fleet, model_dirs) -> None:  # ty
     assert restarted.server_info()["num_generate_requests"] >= 1
 
 
-def test_all_engines_dead_then_recovery(fleet, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_all_engines_dead_then_recovery(fleet, model_dirs) -> None:
     reference, _ = fleet.generate_chunk(BATCH, SP)
     for s in fleet.snapshot():
         os.kill(s.pid, signal.SIGKILL)
@@ -138,7 +138,7 @@ def test_all_engines_dead_then_recovery(fleet, model_dirs) -> None:  # type: ign
     assert url == fleet.router.url and _tokens(out) == _tokens(reference)
 
 
-def test_restarted_slot_whose_port_was_taken_moves_to_a_free_port(fleet) -> None:  # type: ignore[no-untyped-def]
+def test_restarted_slot_whose_port_was_taken_moves_to_a_free_port(fleet) -> None:
     """Another process binds a dead engine's port before the restart: the slot moves
     (new port, new router member) instead of failing to start forever."""
     reference, _ = fleet.generate_chunk(BATCH, SP)
@@ -160,7 +160,7 @@ def test_restarted_slot_whose_port_was_taken_moves_to_a_free_port(fleet) -> None
         squatter.close()
 
 
-def test_update_weights_reports_checksum_mismatch(fleet, model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_update_weights_reports_checksum_mismatch(fleet, model_dirs, tmp_path) -> None:
     bad = tmp_path / "tampered"
     shutil.copytree(model_dirs["v2"], bad)
     (bad / "milestone.json").write_text(json.dumps({"weight_version": 2, "checksum": "0" * 64}))
@@ -170,7 +170,7 @@ def test_update_weights_reports_checksum_mismatch(fleet, model_dirs, tmp_path) -
     assert sum(e.kind == "checksum_mismatch" for e in fleet.events) == 2
 
 
-def test_sampled_weight_probe_for_engines_without_a_checksum(model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sampled_weight_probe_for_engines_without_a_checksum(model_dirs, tmp_path) -> None:
     """SGLang engines cannot hash their state; the fleet spot-checks sampled parameters via
     ``/get_weights_by_name`` instead. SGLang itself needs CUDA, so the torch engine (which
     serves the same route with SGLang's ``param[:truncate_size]`` semantics) stands in."""
@@ -195,7 +195,7 @@ def test_sampled_weight_probe_for_engines_without_a_checksum(model_dirs, tmp_pat
         fleet.stop()
 
 
-def test_an_engine_whose_port_is_taken_while_it_starts_moves(model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_an_engine_whose_port_is_taken_while_it_starts_moves(model_dirs, tmp_path) -> None:
     """The fleet picks a free port, but another process may bind it while the engine loads
     its model (CI saw an outgoing connection's ephemeral port do so): the engine exits with
     EADDRINUSE and the slot moves to a new port instead of failing the fleet's start."""
@@ -220,7 +220,7 @@ def test_an_engine_whose_port_is_taken_while_it_starts_moves(model_dirs, tmp_pat
             starter.join(30)
 
 
-def test_resize_grows_with_verified_engines_and_shrinks_out_of_the_router(fleet, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_resize_grows_with_verified_engines_and_shrinks_out_of_the_router(fleet, model_dirs) -> None:
     """engines.num_engines changed mid-run (``set_engines``): grow starts the new slots with the
     newest weights (checksum-gated, added to the router, no restart counted); shrink takes the
     highest slots out of the router, then stops them by pid. A chunk's tokens do not depend on

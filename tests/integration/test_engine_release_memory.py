@@ -30,13 +30,13 @@ def _gen(c: EngineClient) -> list[tuple[list[int], list]]:
 
 
 @pytest.fixture
-def engine(model_dirs, procs, tmp_path: Path) -> Iterator[EngineClient]:  # type: ignore[no-untyped-def]
+def engine(model_dirs, procs, tmp_path: Path) -> Iterator[EngineClient]:
     c = started_engine(procs, model_dirs["v1"], tmp_path / "engine.log", timeout_s=120, up_within_s=120)
     yield c
     c.close()
 
 
-def test_release_refuses_generation_and_resume_is_bitwise(engine: EngineClient, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_release_refuses_generation_and_resume_is_bitwise(engine: EngineClient, model_dirs) -> None:
     before = _gen(engine)
     assert engine.weights_checksum() == (model_dirs["c1"], "1")
     out = engine.release_memory_occupation()
@@ -71,7 +71,7 @@ def test_partial_tags_and_bad_tags(engine: EngineClient) -> None:
     assert engine.server_info()["memory_occupation"]["released"] == []
 
 
-def test_weight_update_while_released_is_served_after_resume(engine: EngineClient, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_weight_update_while_released_is_served_after_resume(engine: EngineClient, model_dirs) -> None:
     """The update lands in the host copy; the resume brings that version to the device."""
     engine.release_memory_occupation()
     engine.update_weights_from_disk(str(model_dirs["v2"]), 2)
@@ -86,7 +86,7 @@ def test_weight_update_while_released_is_served_after_resume(engine: EngineClien
     assert _gen(engine) == after_resume
 
 
-def _fleet(model_dirs, tmp_path: Path, health: HealthConfig) -> Iterator[EngineFleet]:  # type: ignore[no-untyped-def]
+def _fleet(model_dirs, tmp_path: Path, health: HealthConfig) -> Iterator[EngineFleet]:
     f = EngineFleet(TorchEngineBackend(threads=1), 2, model_dirs["v1"], free_port_block(2), tmp_path / "logs",
                     health=health, weight_version=1)
     try:
@@ -97,17 +97,17 @@ def _fleet(model_dirs, tmp_path: Path, health: HealthConfig) -> Iterator[EngineF
 
 
 @pytest.fixture
-def fleet(model_dirs, tmp_path: Path) -> Iterator[EngineFleet]:  # type: ignore[no-untyped-def]
+def fleet(model_dirs, tmp_path: Path) -> Iterator[EngineFleet]:
     yield from _fleet(model_dirs, tmp_path, HEALTH)
 
 
 @pytest.fixture
-def quiet_fleet(model_dirs, tmp_path: Path) -> Iterator[EngineFleet]:  # type: ignore[no-untyped-def]
+def quiet_fleet(model_dirs, tmp_path: Path) -> Iterator[EngineFleet]:
     """Its monitor sweeps once an hour: a dead engine is found by the next call, not a probe."""
     yield from _fleet(model_dirs, tmp_path, HEALTH.model_copy(update={"interval_s": 3600.0}))
 
 
-def test_fleet_keeps_released_engines_and_restarts_one_killed_while_released(fleet: EngineFleet, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_fleet_keeps_released_engines_and_restarts_one_killed_while_released(fleet: EngineFleet, model_dirs) -> None:
     """The train phase: both engines released, health sweeps leave them alone; one is
     SIGKILLed; the update_weights phase resumes the survivor, restarts the dead slot on
     the new version and pushes it: both serve v2, checksum-verified."""
@@ -130,7 +130,7 @@ def test_fleet_keeps_released_engines_and_restarts_one_killed_while_released(fle
     assert gens[0] == gens[1]  # the restarted engine and the resumed one serve the same weights
 
 
-def test_fleet_declares_an_engine_that_cannot_resume_dead(quiet_fleet: EngineFleet, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_fleet_declares_an_engine_that_cannot_resume_dead(quiet_fleet: EngineFleet, model_dirs) -> None:
     """Killed while released and not yet reaped by the monitor: the resume fails, the slot
     is declared dead, and the gated recovery restarts it with the served version."""
     fleet = quiet_fleet

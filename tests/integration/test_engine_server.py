@@ -22,14 +22,14 @@ SP = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 0.95, "top_k": 40, "sam
 
 
 @pytest.fixture
-def engine(model_dirs, procs, tmp_path) -> Iterator[EngineClient]:  # type: ignore[no-untyped-def]
+def engine(model_dirs, procs, tmp_path) -> Iterator[EngineClient]:
     client = started_engine(procs, model_dirs["v1"], tmp_path / "engine.log", timeout_s=60, up_within_s=60,
                             what="engine /health")
     yield client
     client.close()
 
 
-def test_every_route(engine, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_every_route(engine, model_dirs) -> None:
     assert engine.health_generate(10)
     info = engine.model_info()
     assert info["is_generation"] and info["model_path"] == str(Path(model_dirs["v1"]).resolve())
@@ -76,7 +76,7 @@ def test_every_route(engine, model_dirs) -> None:  # type: ignore[no-untyped-def
     assert ei.value.url.startswith(dead.base_url) and not dead.health()
 
 
-def test_update_weights_from_disk_changes_checksum(engine, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_update_weights_from_disk_changes_checksum(engine, model_dirs) -> None:
     before = engine.generate(BATCH, SP)
     res = engine.update_weights_from_disk(str(model_dirs["v2"]), 2)
     assert res["success"] is True and res["message"]
@@ -92,7 +92,7 @@ def test_update_weights_from_disk_changes_checksum(engine, model_dirs) -> None: 
     assert [r["output_ids"] for r in engine.generate(BATCH, SP)] == [r["output_ids"] for r in before]
 
 
-def test_generation_through_sglang_router_equals_direct(model_dirs, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_generation_through_sglang_router_equals_direct(model_dirs, procs, tmp_path) -> None:
     ports = [free_port(), free_port()]
     for p in ports:
         procs.append(start_engine(model_dirs["v1"], p, tmp_path / f"engine-{p}.log"))
@@ -123,7 +123,7 @@ def test_generation_through_sglang_router_equals_direct(model_dirs, procs, tmp_p
         router.stop()
 
 
-def test_router_add_worker_waits_for_a_late_engine_and_names_the_failed_probe(model_dirs, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_router_add_worker_waits_for_a_late_engine_and_names_the_failed_probe(model_dirs, procs, tmp_path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     router = RouterProcess(free_port(), [], log_path=tmp_path / "router.log")
@@ -142,7 +142,7 @@ def test_router_add_worker_waits_for_a_late_engine_and_names_the_failed_probe(mo
         router.stop()
 
 
-def test_backend_command_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_backend_command_lines(tmp_path) -> None:
     t = TorchEngineBackend(threads=2).command(model_path="/m", port=31000, weight_version=4)
     assert t[1:3] == ["-m", "gpu_runtime.engine.server"]
     assert t[t.index("--threads") + 1] == "2" and t[t.index("--weight-version") + 1] == "4"
@@ -156,7 +156,7 @@ def test_backend_command_lines(tmp_path) -> None:  # type: ignore[no-untyped-def
 
 
 @pytest.mark.gpu
-def test_sglang_server_generates(model_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sglang_server_generates(model_dirs, tmp_path) -> None:
     if not torch.cuda.is_available() or not SGLangEngineBackend.available():
         pytest.skip("needs CUDA and sglang")
     port = free_port()
@@ -176,7 +176,7 @@ def test_sglang_server_generates(model_dirs, tmp_path) -> None:  # type: ignore[
         log.close()
 
 
-def test_stop_strings_and_tokens_through_the_server_and_the_rollout(engine, model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_stop_strings_and_tokens_through_the_server_and_the_rollout(engine, model_dirs) -> None:
     """SGLang's ``stop`` / ``stop_token_ids`` on a real engine process: a sample ends at the
     token that completes a stop string (kept, and reported as ``matched``), the tokens before
     it are those of the run without stops, and the rollout passes ``rollout.stop`` through."""

@@ -17,7 +17,7 @@ BODY = {"input_ids": [[1, 5, 6, 7], [1, 9]], "sampling_params": {"max_new_tokens
                                                                   "sampling_seed": 5}, "return_logprob": True}
 
 
-def test_engine_release_frees_its_weights_and_resume_brings_them_back(model_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_engine_release_frees_its_weights_and_resume_brings_them_back(model_dirs) -> None:
     state = EngineState(str(model_dirs["v1"]), None, device="cuda:0")
     before = state.generate(BODY)
     torch.cuda.synchronize()

@@ -53,7 +53,7 @@ class SGLangFleet:
 
     def __init__(self, folder: Path, tmp: Path, n: int = 2, *, deterministic: bool = False, **fake: object) -> None:
         self.backend = SGLangEngineBackend(model_path=str(folder), deterministic=deterministic)
-        self.fakes = [FakeSGLang(folder, "1", env=self.backend.env(), deterministic=deterministic, **fake)  # type: ignore[arg-type]
+        self.fakes = [FakeSGLang(folder, "1", env=self.backend.env(), deterministic=deterministic, **fake)
                       for _ in range(n)]
         self.fleet = EngineFleet(self.backend, n, folder, free_port_block(n), tmp / "logs", health=HEALTH,
                                  weight_version=1)
@@ -81,7 +81,7 @@ def make_fleet(tmp_path: Path) -> Iterator:
     made: list[SGLangFleet] = []
 
     def make(folder: Path, **kw: object) -> SGLangFleet:
-        made.append(SGLangFleet(folder, tmp_path, **kw))  # type: ignore[arg-type]
+        made.append(SGLangFleet(folder, tmp_path, **kw))
         return made[-1]
 
     yield make
@@ -96,7 +96,7 @@ def _update_weights(fleet: SGLangFleet, folder: Path, checksum: str, monkeypatch
         local_weights=SimpleNamespace(folder=lambda *a, **k: folder), engines=SimpleNamespace(fleet=fleet.fleet),
         drain_events=lambda: [], ensure_engines=lambda *a, **k: (fleet.fleet.update_weights(folder, 2), [])[1],
     )
-    acts = EngineActivities(rt, exporter=lambda run_id, version: lambda: None)  # type: ignore[arg-type]
+    acts = EngineActivities(rt, exporter=lambda run_id, version: lambda: None)
     inp = UpdateWeightsInput(run_id="r", store_uri="file:///unused", policy_version=2,
                              checksum=checksum, engines=EngineSpec(backend="sglang", num_engines=2))
     return ActivityEnvironment().run(acts.update_weights, inp)
@@ -104,7 +104,7 @@ def _update_weights(fleet: SGLangFleet, folder: Path, checksum: str, monkeypatch
 
 # ---- defect 1: the checksum gate ------------------------------------------------------
 def test_update_weights_on_sglang_engines_passes_the_gate_when_their_weights_are_verified(
-    folders, make_fleet, monkeypatch,  # type: ignore[no-untyped-def]
+    folders, make_fleet, monkeypatch,
 ) -> None:
     """SGLang reports no checksum: an engine whose sampled parameters (``/get_weights_by_name``)
     are the folder's stands for the folder's checksum, so the activity's gate compares the
@@ -116,7 +116,7 @@ def test_update_weights_on_sglang_engines_passes_the_gate_when_their_weights_are
     assert "model.layers.0.self_attn.q_proj.weight" in asked and len(asked) == 2 * 4  # 4 parameters per engine
 
 
-def test_an_sglang_engine_that_kept_other_weights_fails_the_push(folders, make_fleet) -> None:  # type: ignore[no-untyped-def]
+def test_an_sglang_engine_that_kept_other_weights_fails_the_push(folders, make_fleet) -> None:
     """The check is real: an engine that answers success but serves other weights is caught."""
     f = make_fleet(folders["v1"])
     f.fakes[1].keep_old_weights = True
@@ -127,7 +127,7 @@ def test_an_sglang_engine_that_kept_other_weights_fails_the_push(folders, make_f
     assert [s.checksum for s in f.fleet.snapshot()] == [folders["cv2"], None]
 
 
-def test_a_qwen2_model_on_sglang_is_refused_rather_than_served_unchecked(folders, make_fleet, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_qwen2_model_on_sglang_is_refused_rather_than_served_unchecked(folders, make_fleet, monkeypatch) -> None:
     """SGLang's Qwen2ForCausalLM has no ``get_weights_by_name``: no weight check is possible,
     so the push is refused (not retried) with the reason."""
     f = make_fleet(folders["qwen2"])
@@ -139,7 +139,7 @@ def test_a_qwen2_model_on_sglang_is_refused_rather_than_served_unchecked(folders
 
 
 # ---- defect 2: one seed per sample ----------------------------------------------------
-def test_each_sample_has_its_own_seed_and_a_resent_chunk_is_the_same(folders, make_fleet) -> None:  # type: ignore[no-untyped-def]
+def test_each_sample_has_its_own_seed_and_a_resent_chunk_is_the_same(folders, make_fleet) -> None:
     """One ``sampling_params`` per sample, seeded as the torch engine seeds its rows; with
     ``--enable-deterministic-inference`` (engines.deterministic) SGLang honours them: the G samples
     of a group differ and a chunk sent again comes back the same."""
@@ -156,7 +156,7 @@ def test_each_sample_has_its_own_seed_and_a_resent_chunk_is_the_same(folders, ma
 
 
 # ---- defect 3: released memory --------------------------------------------------------
-def test_no_generating_probe_while_released_and_a_resume_is_pushed_before_serving(folders, make_fleet) -> None:  # type: ignore[no-untyped-def]
+def test_no_generating_probe_while_released_and_a_resume_is_pushed_before_serving(folders, make_fleet) -> None:
     """While released the fleet's probe asks ``/health`` (which, with the backend's environment,
     generates nothing); a resume is followed by a push of the served version (the memory saver
     gives the weights' memory back uninitialised), also when the caller defers it."""
@@ -178,7 +178,7 @@ def test_no_generating_probe_while_released_and_a_resume_is_pushed_before_servin
     assert not f.violations()
 
 
-def test_the_router_probes_sglang_engines_without_generating(folders, make_fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_router_probes_sglang_engines_without_generating(folders, make_fleet, tmp_path) -> None:
     """sglang-router (0.3.2, real) probes a worker's ``/health`` every second, released or not,
     which with the backend's environment generates nothing. It refuses a list of sampling params
     (HTTP 422), so the fleet sends an SGLang chunk to an engine directly, not through it."""
@@ -207,7 +207,7 @@ def test_the_router_probes_sglang_engines_without_generating(folders, make_fleet
 
 
 # ---- defect 5: answers as SGLang sends them ------------------------------------------
-def test_health_and_flush_cache_answers_are_read_as_sglang_sends_them(folders, make_fleet) -> None:  # type: ignore[no-untyped-def]
+def test_health_and_flush_cache_answers_are_read_as_sglang_sends_them(folders, make_fleet) -> None:
     """``/health`` and ``/health_generate`` answer an empty 200 (a starting engine was never seen
     healthy), ``/flush_cache`` plain text."""
     f = make_fleet(folders["v1"], n=1)
@@ -231,7 +231,7 @@ def _check(requests: list, launch_args: list[str], tmp_path: Path) -> dict:
     return json.loads(out.stdout)
 
 
-def test_every_request_the_fleet_sends_matches_sglangs_own_classes(folders, make_fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_every_request_the_fleet_sends_matches_sglangs_own_classes(folders, make_fleet, tmp_path) -> None:
     from gpu_runtime.engine.weight_push import receive_broadcast
     from gpu_runtime.weight_sync.distributed import GroupSpec, folder_manifest
 
@@ -259,7 +259,7 @@ def test_every_request_the_fleet_sends_matches_sglangs_own_classes(folders, make
     }
 
 
-def test_the_contract_check_catches_what_sglang_would_drop_or_refuse(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_contract_check_catches_what_sglang_would_drop_or_refuse(tmp_path) -> None:
     """Not vacuous: one dict for a batch, a field SGLang does not have, a route it does not serve."""
     report = _check([
         ["POST", "/generate", {"input_ids": [[1], [2]], "sampling_params": {"sampling_seed": 1}}],

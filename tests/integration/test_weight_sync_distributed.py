@@ -53,7 +53,7 @@ TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def trainer(model_dirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TrainerProcess, VersionInfo]]:  # type: ignore[no-untyped-def]
+def trainer(model_dirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TrainerProcess, VersionInfo]]:
     """A trainer subprocess holding policy version 0 of a run over the tiny v1 model
     (one SFT step: its weights are neither v1's nor v2's)."""
     root = tmp_path_factory.mktemp("trainer")
@@ -81,14 +81,14 @@ def trainer(model_dirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
         proc.stop()
 
 
-def _fleet(model_dirs, tmp_path: Path) -> EngineFleet:  # type: ignore[no-untyped-def]
+def _fleet(model_dirs, tmp_path: Path) -> EngineFleet:
     fleet = EngineFleet(TorchEngineBackend(threads=1), 2, model_dirs["v1"], free_port_block(2), tmp_path / "logs",
                         health=HEALTH, weight_version=1)
     fleet.start()
     return fleet
 
 
-def test_trainer_broadcasts_a_version_to_two_engines(trainer, model_dirs, procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_trainer_broadcasts_a_version_to_two_engines(trainer, model_dirs, procs, tmp_path: Path) -> None:
     proc, info = trainer
     fleet = _fleet(model_dirs, tmp_path)
     try:
@@ -119,7 +119,7 @@ def test_trainer_broadcasts_a_version_to_two_engines(trainer, model_dirs, procs,
 
 
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["packed", "per-tensor"])
-def test_engine_killed_during_the_broadcast_falls_back_to_disk(  # type: ignore[no-untyped-def]
+def test_engine_killed_during_the_broadcast_falls_back_to_disk(
     per_tensor: bool, trainer, model_dirs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     proc, info = trainer
@@ -171,7 +171,7 @@ def test_engine_killed_during_the_broadcast_falls_back_to_disk(  # type: ignore[
         fleet.stop()
 
 
-def test_a_member_that_never_joins_times_out_and_weights_stay(model_dirs, procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_member_that_never_joins_times_out_and_weights_stay(model_dirs, procs, tmp_path: Path) -> None:
     """World size 3, but only one engine joins (no trainer, no second engine): the join
     fails after the stated timeout with a clear error, and the engine keeps v1."""
     c = started_engine(procs, model_dirs["v1"], tmp_path / "engine.log", timeout_s=60, up_within_s=120)
@@ -188,7 +188,7 @@ def test_a_member_that_never_joins_times_out_and_weights_stay(model_dirs, procs,
     assert c.destroy_weights_update_group("lonely")["success"] is True
 
 
-def test_sglang_shaped_requests_and_the_probe_gate(trainer, model_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_sglang_shaped_requests_and_the_probe_gate(trainer, model_dirs, tmp_path: Path) -> None:
     """What the fleet sends an SGLang engine (``supports_checksum`` off: SGLang's fields
     only, no ``checksum`` nor ``timeout_s``), answered by the torch engine, gated by the
     sampled-parameter probe as SGLang engines are. SGLang itself needs CUDA (not here)."""

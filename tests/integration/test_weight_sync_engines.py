@@ -23,7 +23,7 @@ PROMPTS = [[1, 5, 6, 7], [1, 9]]
 SP = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 5}
 
 
-def test_engine_loads_a_segment_and_refuses_bad_ones(model_dirs, procs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_engine_loads_a_segment_and_refuses_bad_ones(model_dirs, procs, tmp_path: Path) -> None:
     c = started_engine(procs, model_dirs["v1"], tmp_path / "engine.log", timeout_s=60, up_within_s=120)
     assert c.weights_checksum() == (model_dirs["c1"], "1")
     v2_model, _, _ = load_model_folder(model_dirs["v2"])
@@ -51,7 +51,7 @@ def test_engine_loads_a_segment_and_refuses_bad_ones(model_dirs, procs, tmp_path
         shm.prune(tmp_path, "itest", keep=set())
 
 
-def test_fleet_pushes_through_shared_memory(model_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_fleet_pushes_through_shared_memory(model_dirs, tmp_path: Path) -> None:
     fleet = EngineFleet(TorchEngineBackend(threads=1), 2, model_dirs["v1"], free_port_block(2), tmp_path / "logs",
                         health=HEALTH, weight_version=1)
     try:

@@ -134,7 +134,7 @@ def test_fully_masked_sequence_gets_zero_and_does_not_move_the_statistics() -> N
 
 def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="estimator must be one of"):
-        compute_advantages("a2c", torch.ones(2), 2, lens_mask([1, 1]))  # type: ignore[arg-type]
+        compute_advantages("a2c", torch.ones(2), 2, lens_mask([1, 1]))
     with pytest.raises(ValueError, match="needs the critic's values"):  # ppo: gae.gae_advantages_and_returns
         compute_advantages("ppo", torch.ones(2), 2, lens_mask([1, 1]))
     with pytest.raises(ValueError, match="mask must be"):

@@ -63,7 +63,7 @@ def test_preflight_imports_custom_tools() -> None:
         check_agent(env)
 
 
-def test_tool_arithmetic_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_tool_arithmetic_rows(tmp_path) -> None:
     rows = generate_tool_arithmetic(20, 5, 99_999_999, "*", min_operand=1_000_000)
     assert rows == generate_tool_arithmetic(20, 5, 99_999_999, "*", min_operand=1_000_000)
     write_jsonl(rows, tmp_path / "d.jsonl")

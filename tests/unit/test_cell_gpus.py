@@ -68,5 +68,5 @@ def test_a_cuda_cell_larger_than_the_cell_gpus_is_refused_before_ray_starts(tmp_
                                       collective_timeout_s=60.0, cells=1, cell_restart_backoff_s=5.0,
                                       cell_restart_backoff_max_s=300.0)
     with pytest.raises(ValueError, match=r"ranks_per_cell 4: .* this node gives cells 2 \(GPUs \[0, 2\]"):
-        host.build(settings, tmp_path / "no-model", None, 7)  # type: ignore[arg-type]
+        host.build(settings, tmp_path / "no-model", None, 7)
     assert host.ray is None

@@ -43,14 +43,14 @@ def greedy_full_recompute(
     return out
 
 
-def _gen(model, prompts, **kw):  # type: ignore[no-untyped-def]
+def _gen(model, prompts, **kw):
     args = dict(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=-1, seed=7,
                 eos_id=TOK.eos_token_id, pad_id=TOK.pad_token_id)
     args.update(kw)
     return generate_batch(model, prompts, **args)
 
 
-def test_kv_cache_greedy_equals_full_recompute(model) -> None:  # type: ignore[no-untyped-def]
+def test_kv_cache_greedy_equals_full_recompute(model) -> None:
     batch = _gen(model, PROMPTS, temperature=0.0, max_new_tokens=16)
     for prompt, got in zip(PROMPTS, batch):
         ref = greedy_full_recompute(model, prompt, max_new_tokens=16, eos_id=TOK.eos_token_id)
@@ -59,7 +59,7 @@ def test_kv_cache_greedy_equals_full_recompute(model) -> None:  # type: ignore[n
         assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
 
 
-def test_same_batch_twice_is_bitwise_identical(model) -> None:  # type: ignore[no-untyped-def]
+def test_same_batch_twice_is_bitwise_identical(model) -> None:
     for kw in ({}, {"top_p": 0.8, "top_k": 20, "temperature": 0.7}):
         a, b = _gen(model, PROMPTS, **kw), _gen(model, PROMPTS, **kw)
         assert [r.output_ids for r in a] == [r.output_ids for r in b]
@@ -67,7 +67,7 @@ def test_same_batch_twice_is_bitwise_identical(model) -> None:  # type: ignore[n
         assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
 
 
-def test_seed_changes_samples_and_results_are_well_formed(model) -> None:  # type: ignore[no-untyped-def]
+def test_seed_changes_samples_and_results_are_well_formed(model) -> None:
     a, b = _gen(model, PROMPTS, seed=1), _gen(model, PROMPTS, seed=2)
     assert [r.output_ids for r in a] != [r.output_ids for r in b]
     for r in a:
@@ -80,7 +80,7 @@ def test_seed_changes_samples_and_results_are_well_formed(model) -> None:  # typ
             assert len(r.output_ids) == 12
 
 
-def test_sample_depends_on_its_own_index_not_on_neighbours(model) -> None:  # type: ignore[no-untyped-def]
+def test_sample_depends_on_its_own_index_not_on_neighbours(model) -> None:
     """Sample i's random stream is derive_seed(seed, i): identical prompts at different
     indices differ, and changing a neighbour's prompt (same batch shape) leaves sample 0
     on the same random stream (tokens equal whenever the batch floats are equal)."""
@@ -99,7 +99,7 @@ def test_sample_depends_on_its_own_index_not_on_neighbours(model) -> None:  # ty
     assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-5)
 
 
-def test_top_k_one_is_greedy_and_stop_tokens_end_a_sample(model) -> None:  # type: ignore[no-untyped-def]
+def test_top_k_one_is_greedy_and_stop_tokens_end_a_sample(model) -> None:
     greedy = _gen(model, PROMPTS, temperature=0.0)
     topk1 = _gen(model, PROMPTS, top_k=1, seed=99)
     assert [r.output_ids for r in greedy] == [r.output_ids for r in topk1]
@@ -117,7 +117,7 @@ def _stop_string_of(out_ids: list[int], k: int) -> str:
     return next(text[-n:] for n in range(1, len(text) + 1) if text[-n:] not in before)
 
 
-def test_stop_strings_end_a_sample_at_the_token_that_completes_them(model) -> None:  # type: ignore[no-untyped-def]
+def test_stop_strings_end_a_sample_at_the_token_that_completes_them(model) -> None:
     """Sample 1's text is cut at a stop string its token 3 completes (the token kept); the
     other samples, and sample 1's tokens before the stop, are those of the run without it."""
     free = _gen(model, PROMPTS, max_new_tokens=12)
@@ -140,7 +140,7 @@ def test_stop_strings_end_a_sample_at_the_token_that_completes_them(model) -> No
         _gen(model, PROMPTS, stop=["x"])
 
 
-def test_stop_token_ids_report_the_matched_token(model) -> None:  # type: ignore[no-untyped-def]
+def test_stop_token_ids_report_the_matched_token(model) -> None:
     free = _gen(model, PROMPTS[:1], max_new_tokens=12, temperature=0.0)[0]
     tok = free.output_ids[2]
     k = free.output_ids.index(tok)

@@ -111,7 +111,7 @@ def test_kl_estimators_by_hand() -> None:
     assert approx(kl_per_token(lp, ref, "k2"), [[LN2 * LN2 / 2, 0.0]])
     assert approx(kl_per_token(lp, ref, "k3"), [[1.0 - LN2, 0.0]])
     with pytest.raises(ValueError, match="kl_estimator"):
-        kl_per_token(lp, ref, "k4")  # type: ignore[arg-type]
+        kl_per_token(lp, ref, "k4")
 
 
 def test_tis_weights_are_truncated_and_detached() -> None:
@@ -145,14 +145,14 @@ EXPECTED_GRAD = {
 def test_aggregation_by_hand_and_micro_batch_split_invariance(mode: str) -> None:
     mask = torch.tensor(MASK)
     whole = torch.tensor(X, requires_grad=True)
-    loss = aggregate(whole, mask, mode, norm_len=4)  # type: ignore[arg-type]
+    loss = aggregate(whole, mask, mode, norm_len=4)
     assert loss.item() == pytest.approx(EXPECTED[mode])
     loss.backward()
     assert whole.grad is not None and approx(whole.grad, EXPECTED_GRAD[mode])
     # micro-batches of 1 sample (the last one fully masked) and of 2 + 1: the shares add up to the same
     for split in ([1, 1, 1], [2, 1], [1, 2]):
         x = torch.tensor(X, requires_grad=True)
-        agg = Aggregation.over(torch.split(mask, split), mode, norm_len=4)  # type: ignore[arg-type]
+        agg = Aggregation.over(torch.split(mask, split), mode, norm_len=4)
         total = sum(agg(xs, ms) for xs, ms in zip(torch.split(x, split), torch.split(mask, split)))
         assert isinstance(total, torch.Tensor) and total.item() == pytest.approx(EXPECTED[mode])
         total.backward()
@@ -162,9 +162,9 @@ def test_aggregation_by_hand_and_micro_batch_split_invariance(mode: str) -> None
 def test_aggregation_empty_mask_and_bad_settings() -> None:
     x, none = torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.bool)
     for mode in EXPECTED:
-        agg = Aggregation.over([none], mode, norm_len=4)  # type: ignore[arg-type]
+        agg = Aggregation.over([none], mode, norm_len=4)
         assert agg.value(x, none).item() == 0.0 and agg.weight(none) == 0.0
     with pytest.raises(ValueError, match="norm_len"):
         Aggregation.over([none], "seq_mean_token_sum_norm")
     with pytest.raises(ValueError, match="loss_agg must be one of"):
-        Aggregation.over([none], "sum")  # type: ignore[arg-type]
+        Aggregation.over([none], "sum")

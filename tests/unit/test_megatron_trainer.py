@@ -174,7 +174,7 @@ def test_set_hparams_refuses_what_megatron_does_not_implement_mid_run() -> None:
     cluster = Cluster()
     held = cluster.gate(TRAIN_STEP, 1)
 
-    async def body(env, nodes) -> None:  # type: ignore[no-untyped-def]
+    async def body(env, nodes) -> None:
         handle = await start_run(env, run_config(steps=2, trainer={"backend": "megatron"}))
         await held.wait_reached()
         with pytest.raises(WorkflowUpdateFailedError) as err:

@@ -129,7 +129,7 @@ def test_only_closed_runs_nobody_serves_here_are_reclaimed(tmp_path: Path) -> No
     temporal = FakeTemporal({"a": S.COMPLETED, "a_b": S.RUNNING, "back": S.TERMINATED}, error={"a_data_x"})
     trainer = FakeTrainer()
     runtime = SimpleNamespace(work_dir=work, node_id="n0", trainer=trainer, setups={"a": object(), "back": object()})
-    reclaimer = RunReclaimer(temporal, runtime, lambda: {"back"})  # type: ignore[arg-type]
+    reclaimer = RunReclaimer(temporal, runtime, lambda: {"back"})
     asyncio.run(reclaimer.sweep())
     assert runs_on_node(work) == {"a_b", "a_data_x", "back"}
     assert sorted(temporal.asked) == ["a", "a_b", "a_data_x", "ab"]  # a live run is not even asked about
@@ -144,7 +144,7 @@ def test_after_a_watch_ends_the_run_is_asked_about_until_it_closes(tmp_path: Pat
     work = node_with_runs(tmp_path)
     temporal = FakeTemporal({"a": WorkflowExecutionStatus.RUNNING})
     runtime = SimpleNamespace(work_dir=work, node_id="n0", trainer=FakeTrainer(), setups={})
-    reclaimer = RunReclaimer(temporal, runtime, set, after_watch_s=(0.0, 0.3, 0.3, 0.3))  # type: ignore[arg-type]
+    reclaimer = RunReclaimer(temporal, runtime, set, after_watch_s=(0.0, 0.3, 0.3, 0.3))
 
     async def main() -> None:
         reclaimer.run_left("a")

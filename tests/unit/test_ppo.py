@@ -151,7 +151,7 @@ def test_ppo_needs_values_for_its_advantages() -> None:
 
 
 # ---- the trainer's step against a plain-torch reference -------------------------------
-def _sample_logprobs(model: torch.nn.Module, s) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _sample_logprobs(model: torch.nn.Module, s) -> torch.Tensor:
     """The logprob of each response token of one sample, unpadded."""
     ids = s.prompt_ids + s.response_ids
     x = torch.tensor([ids])
@@ -160,7 +160,7 @@ def _sample_logprobs(model: torch.nn.Module, s) -> torch.Tensor:  # type: ignore
     return lp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)[len(s.prompt_ids) - 1:]
 
 
-def _sample_values(critic: torch.nn.Module, s) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _sample_values(critic: torch.nn.Module, s) -> torch.Tensor:
     """The critic's value before each response token of one sample, unpadded."""
     ids = s.prompt_ids + s.response_ids
     h = critic.trunk(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -169,7 +169,7 @@ def _sample_values(critic: torch.nn.Module, s) -> torch.Tensor:  # type: ignore[
 
 
 def reference_ppo_step(policy: torch.nn.Module, ref_model: torch.nn.Module, critic: torch.nn.Module,
-                       samples: list, rewards: list[float], hp) -> dict[str, float]:  # type: ignore[no-untyped-def]
+                       samples: list, rewards: list[float], hp) -> dict[str, float]:
     """One PPO step in one process, one sample at a time (no padding): old logprobs and
     values, KL-in-reward token rewards, GAE (plain Python), whitening, then per epoch the
     PPO-clip token mean and the clipped value loss, an AdamW step for each model between

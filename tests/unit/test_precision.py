@@ -200,7 +200,7 @@ def test_bf16_replay_after_a_restore_is_bitwise(tmp_path: Path) -> None:
 def test_precision_is_validated_and_old_records_read_as_fp32() -> None:
     assert TrainSpec().precision == "fp32"
     with pytest.raises(ValidationError, match="precision"):
-        TrainSpec(precision="fp16")  # type: ignore[arg-type]
+        TrainSpec(precision="fp16")
     with pytest.raises(ValueError, match="train.precision"):
         autocast_dtype("fp16")
     raw = hparams().model_dump(mode="json")

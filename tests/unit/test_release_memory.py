@@ -58,7 +58,7 @@ def test_config_default_is_auto_and_overlapping_modes_turn_it_off() -> None:
 
 
 # ---- the trainer's optimizer offload --------------------------------------------------
-def _state(tr) -> dict[tuple[int, str], torch.Tensor]:  # type: ignore[no-untyped-def]
+def _state(tr) -> dict[tuple[int, str], torch.Tensor]:
     return {(i, k): t for i, p in enumerate(tr.optimizer.param_groups[0]["params"])
             for k, t in tr.optimizer.state[p].items()}
 

@@ -55,9 +55,9 @@ def test_fsdp2_rank_methods_are_trainer_calls() -> None:
         if m is not rank_methods.POLICY_VERSION:  # an attribute: read through a function
             assert m.fn is getattr(CellRankTrainer, name)
     trainer = SimpleNamespace(policy_version=4, checksum=lambda: "abc")
-    assert rank_methods.serve(trainer, rank_methods.POLICY_VERSION.name) == 4  # type: ignore[arg-type]
+    assert rank_methods.serve(trainer, rank_methods.POLICY_VERSION.name) == 4
     with pytest.raises(rank_methods.UnknownRankMethod):
-        rank_methods.serve(trainer, "checksum_of_anything")  # type: ignore[arg-type]
+        rank_methods.serve(trainer, "checksum_of_anything")
 
 
 class Ping(BaseModel):
@@ -104,4 +104,4 @@ def test_calls_through_a_declaration(client: RPCClient) -> None:
         client.call(RpcMethod("nope", Ping, Pong), Ping(n=1))
     assert err.value.error_type == "UnknownMethod"
     with pytest.raises(TypeError):
-        client.call(PING, Pong(n=1))  # type: ignore[misc]
+        client.call(PING, Pong(n=1))

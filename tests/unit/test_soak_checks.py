@@ -25,7 +25,7 @@ CFG = {"seed": SEED, "data": {"num_train": N_ROWS}, "rollout": {"prompts_per_ste
 def _put(store: Path, key: str, model: object) -> None:
     path = store / key
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(model.model_dump_json())  # type: ignore[attr-defined]
+    path.write_text(model.model_dump_json())
 
 
 def _sample(step: int, prompt: int, group: int) -> art.Sample:
@@ -33,7 +33,7 @@ def _sample(step: int, prompt: int, group: int) -> art.Sample:
                       response_ids=[2], logprobs=[-0.5], weight_version=step - 1, finish_reason="stop")
 
 
-def write_run(store: Path, samples_of=None) -> RunProgress:  # type: ignore[no-untyped-def]
+def write_run(store: Path, samples_of=None) -> RunProgress:
     """A run of STEPS steps as the trainer stores it; ``samples_of(step, default)`` may tamper."""
     steps = []
     for s in range(1, STEPS + 1):

@@ -42,7 +42,7 @@ def _response_terms(model: torch.nn.Module, s: Sample, temperature: float) -> tu
 
 
 def reference_grpo_step(policy: torch.nn.Module, ref_model: torch.nn.Module, samples: list[Sample],
-                        rewards: list[float], hp, temperature: float) -> dict[str, float]:  # type: ignore[no-untyped-def]
+                        rewards: list[float], hp, temperature: float) -> dict[str, float]:
     """GRPO in one process, one sample at a time, every distribution softmax(logits / T): group
     advantages (population std), per epoch the PPO-clip token mean + kl_coef * the k3 KL to the
     reference - entropy_coef * the entropy, an AdamW step between epochs; the last epoch's

@@ -21,7 +21,7 @@ KEY_B64 = base64.b64encode(KEY).decode()
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def pki(tmp_path_factory: pytest.TempPathFactory):
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
@@ -46,7 +46,7 @@ def test_api_key_turns_tls_on_and_stays_out_of_repr() -> None:
     assert settings_from_env(env={"MILESTONE_TEMPORAL_TLS": "1"}).tls is True
 
 
-def test_mtls_files_become_a_tls_config(pki) -> None:  # type: ignore[no-untyped-def]
+def test_mtls_files_become_a_tls_config(pki) -> None:
     s = settings_from_env(env={
         "MILESTONE_TEMPORAL_TLS_CA": str(pki.ca), "MILESTONE_TEMPORAL_TLS_CERT": str(pki.client_cert),
         "MILESTONE_TEMPORAL_TLS_KEY": str(pki.client_key), "MILESTONE_TEMPORAL_TLS_SERVER_NAME": "t.example",
@@ -60,7 +60,7 @@ def test_mtls_files_become_a_tls_config(pki) -> None:  # type: ignore[no-untyped
     assert isinstance(ca_only.tls, TLSConfig) and ca_only.tls.client_cert is None
 
 
-def test_bad_files_name_the_variable_and_the_file(pki, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_bad_files_name_the_variable_and_the_file(pki, tmp_path: Path) -> None:
     missing = tmp_path / "nope.pem"
     with pytest.raises(TemporalSettingsError, match=f"MILESTONE_TEMPORAL_TLS_CA={missing}: cannot read the file: No such file"):
         settings_from_env(env={"MILESTONE_TEMPORAL_TLS_CA": str(missing)})
@@ -128,7 +128,7 @@ def test_credentials_in_the_store_uri_are_refused_without_echoing_them() -> None
     assert RunConfig.model_validate({"store": "s3://bucket/exp@v2"}).store == "s3://bucket/exp@v2"  # '@' in a prefix is fine
 
 
-def test_cli_and_workers_stop_on_a_bad_file_with_one_line(tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_and_workers_stop_on_a_bad_file_with_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
     from milestone_cli.main import amain
     from workers.common import settings_problem
 
@@ -141,4 +141,4 @@ def test_cli_and_workers_stop_on_a_bad_file_with_one_line(tmp_path: Path, monkey
     assert settings_problem() == f"MILESTONE_TEMPORAL_TLS_CA={not_pem}: not a PEM file with a CERTIFICATE block"
     monkeypatch.delenv("MILESTONE_TEMPORAL_TLS_CA")
     monkeypatch.setenv("MILESTONE_PAYLOAD_KEY", "too-short")
-    assert settings_problem().startswith("MILESTONE_PAYLOAD_KEY: not a 32-byte key")  # type: ignore[union-attr]
+    assert settings_problem().startswith("MILESTONE_PAYLOAD_KEY: not a 32-byte key")

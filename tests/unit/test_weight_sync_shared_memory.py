@@ -18,11 +18,11 @@ from tests.engine_fixtures import tiny_model
 
 
 @pytest.fixture(scope="module")
-def models():  # type: ignore[no-untyped-def]
+def models():
     return tiny_model(1), tiny_model(2)
 
 
-def test_round_trip_is_bitwise_and_version_stamped(models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_round_trip_is_bitwise_and_version_stamped(models, tmp_path: Path) -> None:
     (m1, _), (m2, _) = models
     seg = shm.publish(export_state_dict(m2), 7, tag="t", root=tmp_path)
     assert seg.path == tmp_path / "milestone-weights-t-v7" and seg.checksum == model_checksum(m2)
@@ -36,7 +36,7 @@ def test_round_trip_is_bitwise_and_version_stamped(models, tmp_path: Path) -> No
     assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
 
 
-def test_a_segment_of_another_version_is_refused(models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_segment_of_another_version_is_refused(models, tmp_path: Path) -> None:
     (m1, _), (m2, _) = models
     seg = shm.publish(export_state_dict(m2), 3, tag="t", root=tmp_path)
     target, _ = tiny_model(1)
@@ -48,7 +48,7 @@ def test_a_segment_of_another_version_is_refused(models, tmp_path: Path) -> None
     assert model_checksum(target) == before
 
 
-def test_a_corrupted_byte_is_refused_and_the_model_keeps_its_weights(models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_corrupted_byte_is_refused_and_the_model_keeps_its_weights(models, tmp_path: Path) -> None:
     (_, _), (m2, _) = models
     seg = shm.publish(export_state_dict(m2), 1, tag="t", root=tmp_path)
     raw = bytearray(seg.path.read_bytes())
@@ -61,7 +61,7 @@ def test_a_corrupted_byte_is_refused_and_the_model_keeps_its_weights(models, tmp
     assert model_checksum(target) == before
 
 
-def test_missing_truncated_and_foreign_files_are_refused(models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_missing_truncated_and_foreign_files_are_refused(models, tmp_path: Path) -> None:
     (_, _), (m2, _) = models
     target, _ = tiny_model(1)
     with pytest.raises(shm.SegmentRefused, match="no weight segment"):
@@ -75,7 +75,7 @@ def test_missing_truncated_and_foreign_files_are_refused(models, tmp_path: Path)
         shm.load_into(target, seg.path)
 
 
-def test_publish_folder_uses_the_folder_checksum_and_node_segments_keep_the_newest(models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_publish_folder_uses_the_folder_checksum_and_node_segments_keep_the_newest(models, tmp_path: Path) -> None:
     (m1, tok), (m2, _) = models
     c1 = save_model_folder(m1, tok, tmp_path / "v1", weight_version=1)
     c2 = save_model_folder(m2, tok, tmp_path / "v2", weight_version=2)
@@ -96,7 +96,7 @@ def test_tags_are_checked(tmp_path: Path) -> None:
         shm.segment_path(tmp_path, "../x", 1)
 
 
-def test_checksum_matches_the_store_path(models) -> None:  # type: ignore[no-untyped-def]
+def test_checksum_matches_the_store_path(models) -> None:
     """The segment's checksum is the one the trainer reports for the store path."""
     (_, _), (m2, _) = models
     assert weights_checksum(export_state_dict(m2)) == model_checksum(m2)
@@ -113,7 +113,7 @@ def test_config_refuses_shared_memory_for_sglang_engines() -> None:
         EngineSpec(backend="sglang", weight_sync="shared_memory")
 
 
-def test_orphans_of_a_dead_publisher_are_pruned_and_live_ones_kept(models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_orphans_of_a_dead_publisher_are_pruned_and_live_ones_kept(models, tmp_path: Path) -> None:
     (m1, _), _ = models
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)  # exited and reaped: its pid is gone
@@ -124,7 +124,7 @@ def test_orphans_of_a_dead_publisher_are_pruned_and_live_ones_kept(models, tmp_p
     assert not orphan.path.exists() and live.path.exists() and other.path.exists()
 
 
-def test_a_segment_that_does_not_fit_is_refused_with_the_sizes(models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_segment_that_does_not_fit_is_refused_with_the_sizes(models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (m1, _), _ = models
     real = os.statvfs
 
