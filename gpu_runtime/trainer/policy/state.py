@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -25,7 +25,31 @@ from gpu_runtime.trainer.policy import critic as critic_lib
 from spec.train import TrainSpec
 
 if TYPE_CHECKING:
-    from gpu_runtime.trainer.policy.trainer import PolicyTrainer
+    from transformers import PretrainedConfig
+
+    from spec.model import LoraSpec
+
+
+class StatefulPolicy(Protocol):
+    """What the state folder reads and writes of a ``PolicyTrainer`` (declared here, so this
+    module does not import the trainer it serves)."""
+
+    model: PreTrainedModel
+    ref_model: PreTrainedModel | None
+    tokenizer: Tokenizer
+    hparams: TrainSpec
+    seed: int
+    lora: LoraSpec | None
+    optimizer: torch.optim.AdamW
+    opt_steps: int
+    policy_version: int
+    critic: critic_lib.Critic | None
+
+    def checksum(self) -> str: ...
+    def policy_config(self) -> PretrainedConfig: ...
+    def load_trained_state(self, sd: dict[str, torch.Tensor]) -> None: ...
+    def load_reference_state(self, sd: dict[str, torch.Tensor] | None) -> None: ...
+    def load_optimizer_state(self, hp: TrainSpec, flat: dict[str, torch.Tensor], groups: list[dict]) -> None: ...
 
 REF_FILE = "reference.safetensors"  # the KL reference's weights (beside ``state_io``'s files)
 
@@ -39,7 +63,7 @@ def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
     return ref
 
 
-def state_snapshot(trainer: PolicyTrainer, buffers: SnapshotBuffers | None = None,
+def state_snapshot(trainer: StatefulPolicy, buffers: SnapshotBuffers | None = None,
                    checksum: str | None = None) -> StateSnapshot:
     """``PolicyTrainer.state_snapshot``."""
     live, groups = live_state(trainer)
@@ -67,7 +91,7 @@ def state_snapshot(trainer: PolicyTrainer, buffers: SnapshotBuffers | None = Non
     return StateSnapshot(files, meta, write_static)
 
 
-def live_state(trainer: PolicyTrainer) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
+def live_state(trainer: StatefulPolicy) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
     """``PolicyTrainer.live_state``."""
     files = {state_io.WEIGHTS_FILE: _model_tensors(trainer, trainer.model)}
     if trainer.ref_model is not None:
@@ -77,26 +101,24 @@ def live_state(trainer: PolicyTrainer) -> tuple[dict[str, dict[str, torch.Tensor
     return files, groups
 
 
-def _model_tensors(trainer: PolicyTrainer, model: PreTrainedModel) -> dict[str, torch.Tensor]:
+def _model_tensors(trainer: StatefulPolicy, model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """``PolicyTrainer.trained_state`` without its copy: the live weights (detached views), or
     the adapters."""
     return lora_lib.adapter_state_dict(model) if trainer.lora else exported_tensors(model)
 
 
-def from_state(cls: type[PolicyTrainer], folder: str | Path) -> PolicyTrainer:
-    """``PolicyTrainer.from_state``."""
+def model_from_state(folder: str | Path) -> tuple[PreTrainedModel, PreTrainedModel | None, dict]:
+    """The model (and its frozen reference, when the state has one) rebuilt from a state folder's
+    architecture, before its weights are loaded; and the folder's meta. Full fine-tuning only."""
     meta = state_io.read_meta(Path(folder))
     if meta.get("lora"):
         raise ValueError(f"{folder}: a LoRA checkpoint holds adapters only: build the trainer from its base model")
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
-    ref = frozen_copy(model) if meta["has_reference"] else None
-    trainer = cls(model, Tokenizer.load(folder), TrainSpec.model_validate(meta["hparams"]), int(meta["seed"]), ref)
-    trainer.load_state(folder)
-    return trainer
+    return model, frozen_copy(model) if meta["has_reference"] else None, meta
 
 
-def load_state(trainer: PolicyTrainer, folder: str | Path) -> None:
+def load_state(trainer: StatefulPolicy, folder: str | Path) -> None:
     """``PolicyTrainer.load_state``."""
     folder = Path(folder)
     meta = state_io.read_meta(folder)
@@ -115,7 +137,7 @@ def load_state(trainer: PolicyTrainer, folder: str | Path) -> None:
     trainer.model.train()
 
 
-def check_compatible(trainer: PolicyTrainer, where: Path, meta: dict) -> None:
+def check_compatible(trainer: StatefulPolicy, where: Path, meta: dict) -> None:
     """A checkpoint of this backend, this model and this LoRA setting, or ValueError."""
     if meta.get("backend", "single") == "megatron":  # gpu_runtime.trainer.megatron.trainer
         raise ValueError(f"{where}: field 'backend' is 'megatron': a checkpoint of trainer.backend "
@@ -128,5 +150,5 @@ def check_compatible(trainer: PolicyTrainer, where: Path, meta: dict) -> None:
         raise ValueError(f"{where}: field 'lora' is {meta.get('lora')}, the run's model.lora is {mine}")
 
 
-__all__ = ["REF_FILE", "check_compatible", "from_state", "frozen_copy", "live_state", "load_state",
+__all__ = ["REF_FILE", "StatefulPolicy", "check_compatible", "frozen_copy", "live_state", "load_state", "model_from_state",
            "state_snapshot"]

@@ -285,9 +285,12 @@ class PolicyTrainer(AdamWSteps, TrainerDefaults):
         return state.live_state(self)
 
     @classmethod
-    def from_state(cls, folder: str | Path) -> PolicyTrainer:
+    def from_state(cls, folder: str | Path) -> Self:
         """Build a trainer from a folder written by ``save_state`` (full fine-tuning only)."""
-        return state.from_state(cls, folder)
+        model, ref, meta = state.model_from_state(folder)
+        trainer = cls(model, Tokenizer.load(folder), TrainSpec.model_validate(meta["hparams"]), int(meta["seed"]), ref)
+        trainer.load_state(folder)
+        return trainer
 
     def load_state(self, folder: str | Path) -> None:
         """Restore weights, reference, optimizer, schedule, critic, RNG and version from ``folder``."""
