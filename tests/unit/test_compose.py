@@ -49,18 +49,27 @@ def flag_value(cmd: list[str], flag: str) -> str | None:
 
 def env_vars_read(root: Path = ROOT, dirs: tuple[str, ...] = CODE_DIRS) -> set[str]:
     """Names the code reads from the environment: ``os.environ.get("X")``, ``env.get("X")``
-    on an ``os.environ`` alias, ``os.getenv("X")``, ``os.environ["X"]``."""
+    on an ``os.environ`` alias, ``os.getenv("X")``, ``os.environ["X"]``, and a name built from a
+    module-level string constant (``env.get(PREFIX + "NAMESPACE")``)."""
     names: set[str] = set()
     env_name = re.compile(r"^[A-Z][A-Z0-9_]+$")
     for d in dirs:
         for path in (root / d).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            tree = ast.parse(path.read_text(), str(path))
+            consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                      and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                      for t in n.targets if isinstance(t, ast.Name)}
+            for node in ast.walk(tree):
                 key = None
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
                     if node.func.attr in ("get", "getenv", "pop", "setdefault"):
                         key = node.args[0]
                 elif isinstance(node, ast.Subscript):
                     key = node.slice
+                if (isinstance(key, ast.BinOp) and isinstance(key.op, ast.Add) and isinstance(key.left, ast.Name)
+                        and key.left.id in consts and isinstance(key.right, ast.Constant)
+                        and isinstance(key.right.value, str)):
+                    key = ast.Constant(consts[key.left.id] + key.right.value)
                 if isinstance(key, ast.Constant) and isinstance(key.value, str) and env_name.match(key.value):
                     names.add(key.value)
     return names
