@@ -10,6 +10,7 @@ from typing import Protocol
 from temporalio.exceptions import ApplicationError
 
 from gpu_runtime.store.fence import FencedStore
+from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from spec.event_text import event_text
 from spec.events import RunEvent, StaleWriteRefused, utc_now
@@ -36,7 +37,11 @@ class RunFence:
 
     def store(self, run_id: str, store_uri: str, epoch: int) -> FencedStore:
         """The run's store for this placement: writes only under the run's prefix and at its epoch."""
-        return FencedStore(open_store(store_uri), run_id, epoch, self.node.node_id)
+        return self.over(open_store(store_uri), run_id, epoch)
+
+    def over(self, store: ObjectStore, run_id: str, epoch: int) -> FencedStore:
+        """``store`` (already open) as this placement of the run writes to it."""
+        return FencedStore(store, run_id, epoch, self.node.node_id)
 
     def stale(self, run_id: str, epoch: int, message: str) -> ApplicationError:
         """A write of this node refused by the run's fence: the run has moved on (or moves now,

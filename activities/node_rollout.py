@@ -80,8 +80,8 @@ class RolloutActivities:
     @activity.defn(name=COMPUTE_REWARDS_ON_NODE.name)
     def compute_rewards_on_node(self, inp: RewardInput) -> RewardResult:
         """Score a rollout's samples here, where the rollout left them in memory (the store is
-        read only for chunks this agent does not hold), with the run's reward: the same
-        scoring, stored rewards and judge records as ``activities.control.compute_rewards``."""
+        read only for chunks this agent does not hold), with the run's reward; the rewards and
+        a judge's records are written at the step's placement epoch."""
         t0 = time.perf_counter()
         where = (inp.store_uri, inp.epoch)
         store = open_store(inp.store_uri)
@@ -90,8 +90,10 @@ class RolloutActivities:
             log.info("rewards of step %d round %d: %d of %d chunks read from the store (not held here)",
                      inp.step, inp.round, read, len(inp.chunk_keys))
         rows = self.rt.datasets.rows(inp.store_uri, inp.dataset.key)
-        result = rewards.score(inp, store, samples, rows, self.rt.node_id,
-                               lambda err: self.fence.stale(inp.run_id, inp.epoch, str(err)), t0)
+        try:
+            result = rewards.score(inp, self.fence.over(store, inp.run_id, inp.epoch), samples, rows, t0)
+        except StaleEpoch as err:  # a judge record or the rewards refused: the run has moved on
+            raise self.fence.stale(inp.run_id, inp.epoch, str(err)) from err
         self.rt.held.release(where, inp.chunk_keys)
         return result
 

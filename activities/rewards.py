@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
-
-from temporalio.exceptions import ApplicationError
 
 from activities.heartbeat import with_heartbeat
 from gpu_runtime.data.dynamic_sampling import group_stats
@@ -20,22 +17,17 @@ from gpu_runtime.data.rewards import (
 )
 from gpu_runtime.proc import metrics
 from gpu_runtime.store import artifacts as art
-from gpu_runtime.store.fence import FencedStore, StaleEpoch
-from gpu_runtime.store.object_store import ObjectStore
+from gpu_runtime.store.fence import FencedStore
 from workflows.contracts.sampling import RewardInput, RewardResult
 from workflows.failures import Failure, failure
 
-# what a write the run's fence refused becomes (NodeLost: the run has moved to a newer placement)
-Stale = Callable[[StaleEpoch], ApplicationError]
-
-
-def score(inp: RewardInput, store: ObjectStore, samples: list[art.Sample], rows: list[dict], writer: str,
-          stale: Stale, started: float) -> RewardResult:
+def score(inp: RewardInput, fenced: FencedStore, samples: list[art.Sample], rows: list[dict],
+          started: float) -> RewardResult:
     """Score ``samples`` with the run's reward and store them (``rewards.json`` of the step,
     or of the dynamic-sampling round). A ``judge`` reward records each sample's result in the
     store first, so a retry never asks the endpoint again for a sample it judged. Every write
-    goes to ``store`` at the step's placement epoch, as ``writer``."""
-    fenced = FencedStore(store, inp.run_id, inp.epoch, writer)
+    goes through ``fenced``, at the step's placement epoch: a write the fence refuses raises
+    ``StaleEpoch`` (the run has moved to a newer placement), for the caller to report."""
     ctx = ScoreContext(store=fenced, judge_prefix=art.judge_prefix(inp.run_id, inp.step, inp.round))
     stats = ScoreStats()
     try:
@@ -46,15 +38,10 @@ def score(inp: RewardInput, store: ObjectStore, samples: list[art.Sample], rows:
         raise failure(Failure.REWARD_ERROR, str(err), final=True) from err
     except RewardError as err:  # an endpoint down, a dead reward process: retried
         raise failure(Failure.REWARD_ERROR, str(err)) from err
-    except StaleEpoch as err:  # a judge record refused: the run has moved to a newer placement
-        raise stale(err) from err
     finally:
         metrics.REWARD_JUDGE_CALLS.inc(stats.judged)
     key = art.rewards_key(inp.run_id, inp.step, inp.round)
-    try:  # at the step's placement epoch: a step the run has left behind writes nothing
-        art.put_model(fenced, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
-    except StaleEpoch as err:
-        raise stale(err) from err
+    art.put_model(fenced, key, art.StepRewards(run_id=inp.run_id, step=inp.step, rewards=rewards))
     result = summary(inp, key, rewards, stats.errors, time.perf_counter() - started)
     metrics.REWARD_MEAN.set(result.reward_mean)
     metrics.REWARD_STD.set(result.reward_std)
