@@ -4,7 +4,7 @@ One model per thing, used by the node agent and the trainer that produce it and 
 workflow contracts that carry it into history (``milestone status`` shows it). These
 models are decoded again from every recorded history, so they keep pydantic's default
 (unknown keys ignored): a field may be added with a default, never removed or renamed.
-The events themselves are ``spec.events`` (``RunEvent`` is imported here with the rest).
+The events themselves are ``spec.events``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 from enum import StrEnum
 
 from pydantic import BaseModel
-
-from spec.events import RunEvent
 
 
 class SlotState(StrEnum):
@@ -95,4 +93,4 @@ class DPCells(BaseModel):
 
 
 __all__ = ["CellInfo", "CellRankInfo", "CellState", "DPCellStatus", "DPCells", "EngineSlotInfo", "RankState",
-           "RunEvent", "SlotState"]
+           "SlotState"]
