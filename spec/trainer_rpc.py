@@ -164,7 +164,7 @@ class CheckpointRequest(Message):
 class CheckpointSaved(Message):
     step: int
     key: str
-    weights_key: str  # the version's model folder, stored beside the checkpoint (the only store copy of it)
+    weights_key: str  # the version's model folder, stored beside the checkpoint (its only store copy; "": none exported here)
     durable: bool
     rebuild: Rebuild | None = None
     events: list[RunEvent] = []

@@ -67,7 +67,8 @@ class CheckpointSaver:
             "epoch": self.setup.epoch,  # the placement that wrote it (fencing: Fence.accepts)
         }
         write = self._state_writer(trainer, checksum, step)
-        handle = self.ckpts.save_written(step, write, meta, sync=sync, extra=self._version_folder_copy(step))
+        folder = self._version_folder_copy(step)
+        handle = self.ckpts.save_written(step, write, meta, sync=sync, extra=folder)
         if sync and not handle.durable:  # asked durable: the call fails (a full disk: the run waits and asks again)
             last = handle.last_error
             raise last if last is not None and is_no_space(last) else (handle.error or RuntimeError(
@@ -76,7 +77,7 @@ class CheckpointSaver:
                  time.perf_counter() - t0 - waited, "" if sync else "; uploading")
         return CheckpointSaved(step=step, durable=bool(handle.durable),
                                key=f"{art.checkpoints_prefix(self.run_id)}/step-{step:06d}",
-                               weights_key=art.weights_prefix(self.run_id, step))
+                               weights_key=folder[0] if folder is not None else "")
 
     def prepare(self, trainer: Trainer) -> None:
         """After a train step, while the trainer waits for the engines: the snapshot's buffers

@@ -52,7 +52,7 @@ class CheckpointInput(Placed):
 class CheckpointResult(BaseModel):
     step: int
     key: str
-    weights_key: str  # the version's model folder in the store
+    weights_key: str  # the version's model folder in the store ("": the trainer had no export of it to store)
     seconds: float
     durable: bool
     node_events: list[RunEvent] = []
