@@ -57,6 +57,8 @@ def _free_admin_port(taken: set[int]) -> int:
 
 class SeaweedServer:
     """One ``weed mini`` process serving S3 on ``127.0.0.1:s3_port`` with one identity.
+    ``bind="0.0.0.0"`` serves every address of the machine (the multi-host test bed's
+    services host: tests/hosts.py); ``start()`` itself checks readiness on 127.0.0.1.
 
     Ports are chosen on the first ``start()`` (``s3_port=0`` picks a free one) and kept,
     so ``stop()`` + ``start()`` brings the same server back on the same dir and ports.
@@ -70,12 +72,14 @@ class SeaweedServer:
         secret_key: str = "milestone-secret",
         *,
         start_timeout: float = 60.0,
+        bind: str = "127.0.0.1",
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.s3_port = s3_port
         self.access_key = access_key
         self.secret_key = secret_key
         self.start_timeout = start_timeout
+        self.bind = bind  # what every port binds (``-ip.bind``); the servers still reach one another on 127.0.0.1
         self.ports: dict[str, int] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._auto_s3_port = not s3_port
@@ -110,7 +114,7 @@ class SeaweedServer:
         d = self.data_dir
         return [
             weed_binary(), f"-logdir={d / 'logs'}", "mini", f"-dir={d}",
-            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+            "-ip=127.0.0.1", f"-ip.bind={self.bind}", "-master.telemetry=false",
             f"-s3.port={self.s3_port}", f"-s3.port.grpc={p['s3_grpc']}",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",

@@ -27,10 +27,14 @@ def temporal_binary() -> str:
 
 def server_command(
     db_file: Path, port: int, ui_port: int | None, http_port: int | None = None, metrics_port: int | None = None,
-    codec_endpoint: str | None = None,
+    codec_endpoint: str | None = None, ip: str = "127.0.0.1",
 ) -> list[str]:
-    """``temporal server start-dev`` on 127.0.0.1 with our search attributes; with
-    ``codec_endpoint`` the UI decodes payloads through that codec server.
+    """``temporal server start-dev`` on ``ip`` (default 127.0.0.1) with our search attributes;
+    with ``codec_endpoint`` the UI decodes payloads through that codec server.
+
+    ``ip`` is the address every service of the dev server binds. Bound to one non-loopback
+    address the server fails: its services dial one another on 127.0.0.1. To serve other
+    machines (the multi-host test bed's network namespaces: tests/hosts.py) bind ``0.0.0.0``.
 
     The SQLite store runs in WAL mode (``SQLITE_PRAGMAS``): the default rollback journal
     syncs the disk several times per transaction, and every workflow task and activity
@@ -43,7 +47,7 @@ def server_command(
         temporal_binary(), "server", "start-dev",
         "--db-filename", str(db_file),
         *[arg for pragma in SQLITE_PRAGMAS for arg in ("--sqlite-pragma", pragma)],
-        "--ip", "127.0.0.1",
+        "--ip", ip,
         "--port", str(port),
         "--log-level", "warn",
     ]
