@@ -21,8 +21,9 @@ from gpu_runtime.data.readers import iter_rows, read_rows
 from gpu_runtime.store.object_store import ObjectStore
 from gpu_runtime.store.uri import open_store
 from workflows.failures import Failure, failure
-from workflows.stubs import PREPARE_DATA
-from workflows.contracts.placement import DatasetInfo, PrepareDataInput
+from gpu_runtime.store.fence import StaleEpoch, raise_fence
+from workflows.stubs import FENCE_PLACEMENT, PREPARE_DATA
+from workflows.contracts.placement import DatasetInfo, FencePlacementInput, PrepareDataInput
 
 
 @activity.defn(name=PREPARE_DATA.name)
@@ -72,6 +73,17 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
         _put_once(store, eval_key, "data.eval_path", lambda: read_rows(source, require_int_answer=True)[: inp.eval.n])
     n_eval = store.get_bytes(eval_key).count(b"\n") if store.exists(eval_key) else 0
     return info.model_copy(update={"eval_key": eval_key, "n_eval": n_eval}) if n_eval else info
+
+
+@activity.defn(name=FENCE_PLACEMENT.name)
+def fence_placement(inp: FencePlacementInput) -> None:
+    """The run's fence to ``inp.epoch`` (a rollout node replaced or added at a step boundary): the
+    nodes the run left behind write nothing from now on. A fence already past it is a placement
+    newer than this workflow knows: not retried."""
+    try:
+        raise_fence(open_store(inp.store_uri), inp.run_id, inp.epoch, inp.node, inp.from_step)
+    except StaleEpoch as err:
+        raise failure(Failure.NODE_LOST, str(err)) from err
 
 
 def _put_once(store: ObjectStore, key: str, field: str, rows: Callable[[], Iterable[dict]]) -> None:

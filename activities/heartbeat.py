@@ -12,9 +12,14 @@ from temporalio import activity
 T = TypeVar("T")
 
 
-def with_heartbeat(fn: Callable[[], T], *, every_s: float = 5.0, detail: Callable[[], Any] | None = None) -> T:
-    """Call ``fn()`` in this thread; heartbeat from another until it returns."""
+def with_heartbeat(fn: Callable[[], T], *, every_s: float | None = None, detail: Callable[[], Any] | None = None) -> T:
+    """Call ``fn()`` in this thread; heartbeat from another until it returns: every ``every_s``,
+    by default every 5 s or a quarter of the activity's heartbeat timeout when that is shorter
+    (a rollout node's work carries the run's liveness timeout, a few seconds)."""
     stop = threading.Event()
+    if every_s is None:
+        timeout = activity.info().heartbeat_timeout
+        every_s = min(5.0, timeout.total_seconds() / 4) if timeout else 5.0
 
     def beat() -> None:
         while not stop.wait(every_s):

@@ -9,6 +9,7 @@ retryable / non-retryable errors.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from activities.fence import RunFence
 from activities.node_engines import EngineActivities
@@ -29,6 +30,15 @@ class NodeActivities:
         self.trainer = TrainerActivities(runtime, fence)
         self.engines = EngineActivities(runtime, self.trainer.exporter)
         self.rollout = RolloutActivities(runtime, fence)
+
+    def version_folder(self, run_id: str, version: int, checksum: str) -> Path:
+        """The folder of a version this node's trainer holds (exported again when pruned), for the
+        weight server: what the run's rollout nodes pull. ``LookupError``: not a run of this node."""
+        setup = self.trainer.rt.setups.get(run_id)
+        if setup is None:
+            raise LookupError(f"run {run_id} is not placed on this node")
+        return self.trainer.rt.local_weights.folder(setup.store_uri, run_id, version, checksum,
+                                                    export=self.trainer.exporter(run_id, version))
 
     def all(self) -> list[Callable]:
         """The activities of this node's own queue."""

@@ -15,6 +15,7 @@ from gpu_runtime.engine.auth import check_exposure, engine_token, is_loopback
 from gpu_runtime.engine.backends import SGLangEngineBackend, vllm_python
 from gpu_runtime.engine.fleet_types import NoHealthyEngine, WeightMismatch
 from gpu_runtime.engine.weight_probe import unverifiable_reason
+from gpu_runtime.weight_sync.http_pull import WeightPullError
 from gpu_runtime.node.runtime import NodeRuntime
 from gpu_runtime.proc import metrics
 from spec.status import SlotState
@@ -58,8 +59,15 @@ class EngineActivities:
             check_exposure(e.host, engine_token(), "engines")
         except ValueError as err:
             raise failure(Failure.INVALID_INPUT, f"engines.host: {err}") from err
-        folder = self.rt.local_weights.folder(inp.store_uri, inp.run_id, inp.policy_version, inp.checksum,
-                                              export=self.exporter(inp.run_id, inp.policy_version))
+        if inp.source_url:  # a rollout node: the version from the trainer's node, over the network
+            try:
+                folder = with_heartbeat(lambda: self.rt.local_weights.pulled(
+                    inp.source_url, inp.run_id, inp.policy_version, inp.checksum))
+            except WeightPullError as err:  # retried: a trainer node that is gone is the run's to replace
+                raise failure(Failure.WEIGHT_PULL_FAILED, f"v{inp.policy_version} from {inp.source_url}: {err}") from err
+        else:
+            folder = self.rt.local_weights.folder(inp.store_uri, inp.run_id, inp.policy_version, inp.checksum,
+                                                  export=self.exporter(inp.run_id, inp.policy_version))
         if e.backend == "sglang" and (why := unverifiable_reason(folder)) is not None:
             raise failure(Failure.INVALID_INPUT, f"engines.backend 'sglang': {why}")
         try:
@@ -86,7 +94,7 @@ class EngineActivities:
         return UpdateWeightsResult(
             policy_version=inp.policy_version,
             restarted_slots=restarted,
-            engines=fleet.snapshot(),
+            engines=[s.model_copy(update={"node": self.rt.node_id}) for s in snapshot],
             seconds=time.perf_counter() - t0,
             node_events=self.rt.drain_events(),
         )

@@ -31,6 +31,9 @@ class ClaimedNode(Protocol):
     @property
     def task_queue(self) -> str: ...
 
+    @property
+    def weights_url(self) -> str: ...
+
     def set_run(self, run_id: str) -> None: ...
 
 
@@ -43,6 +46,8 @@ class PlacementActivities:
 
     @activity.defn(name=CLAIM_NODE.name)
     def claim_node(self, inp: ClaimNodeInput) -> NodeClaim:
+        if self.rt.task_queue in inp.held_queues:  # the run holds this node already (as its trainer's, say)
+            raise failure(Failure.NODE_EXCLUDED, f"{self.rt.task_queue} serves {inp.run_id} already")
         # a node the run lost is left to others first; if it is the only one polling, it is
         # alive after all (it was slow, not gone), so it may take the run back
         if self.rt.task_queue in inp.exclude_queues and activity.info().attempt < EXCLUDED_NODE_ATTEMPTS:
@@ -58,7 +63,8 @@ class PlacementActivities:
         self.claimed = {inp.run_id: now}
         self.rt.set_run(inp.run_id)
         epoch = next_epoch(open_store(inp.store_uri), inp.run_id) if inp.store_uri else 0
-        return NodeClaim(node_id=self.rt.node_id, boot_id=self.rt.boot_id, task_queue=self.rt.task_queue, epoch=epoch)
+        return NodeClaim(node_id=self.rt.node_id, boot_id=self.rt.boot_id, task_queue=self.rt.task_queue, epoch=epoch,
+                         weights_url=self.rt.weights_url)
 
     @activity.defn(name=NODE_LIVENESS.name)
     async def node_liveness(self, inp: NodeLivenessInput) -> None:

@@ -42,7 +42,7 @@ class RolloutActivities:
     def rollout(self, inp: RolloutInput) -> RolloutResult:
         fleet, tokenizer = self._engines()
         rows = self.rt.datasets.rows(inp.store_uri, inp.dataset.key)
-        req = translate.rollout_request(inp, len(rows))
+        req = translate.rollout_request(inp, len(rows), self.rt.node_id)
         deaths_before = self.rt.engines.engine_deaths
         progress = {"chunks_done": 0, "chunks": 0}
 
@@ -66,7 +66,8 @@ class RolloutActivities:
         for name, value in (stats.agent or {}).items():
             metrics.AGENT.labels(name).set(value)
         metrics.PHASE_SECONDS.labels("rollout").observe(stats.seconds)
-        self.rt.held.keep((inp.store_uri, inp.epoch), stats.chunks)  # scored next, on this node
+        if inp.chunks is None:  # the whole rollout: scored next, on this node (a share is scored on the trainer's)
+            self.rt.held.keep((inp.store_uri, inp.epoch), stats.chunks)
         return RolloutResult(
             chunk_keys=stats.chunk_keys, n_samples=stats.n_samples, gen_tokens=stats.gen_tokens,
             response_len_mean=stats.response_len_mean, tokens_per_s=stats.tokens_per_s,

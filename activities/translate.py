@@ -33,12 +33,14 @@ def checkpoint_request(inp: CheckpointInput) -> CheckpointRequest:
     return CheckpointRequest(step=inp.step, data_cursor=inp.data_cursor, sync=inp.durable)
 
 
-def rollout_request(inp: RolloutInput, n_rows: int) -> RolloutRequest:
-    """A dynamic-sampling round draws ``n_prompts`` prompts instead of ``rollout.prompts_per_step``."""
+def rollout_request(inp: RolloutInput, n_rows: int, node: str = "") -> RolloutRequest:
+    """A dynamic-sampling round draws ``n_prompts`` prompts instead of ``rollout.prompts_per_step``;
+    ``node``: the generating node's id (stamped on its chunks)."""
     rollout = inp.rollout if inp.n_prompts is None else inp.rollout.model_copy(update={"prompts_per_step": inp.n_prompts})
     return RolloutRequest(
         run_id=inp.run_id, step=inp.step, seed=inp.seed, policy_version=inp.policy_version,
-        data_cursor=inp.data_cursor, n_rows=n_rows, rollout=rollout, round=inp.round,
+        data_cursor=inp.data_cursor, n_rows=n_rows, rollout=rollout, round=inp.round, node=node,
+        chunks=tuple(inp.chunks) if inp.chunks is not None else None,
     )
 
 

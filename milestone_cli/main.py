@@ -30,7 +30,7 @@ from gpu_runtime.store.object_store import StoreError
 from milestone_cli.errors import CLIError, connect_error, describe_error, failure_text, one_line
 from milestone_cli.fork import ForkError, fork_input, parent_record, resumed_buffer, with_parent_buffer
 from milestone_cli.preflight import PreflightError, check_config, check_new_run_id
-from milestone_cli.progress_view import format_cells, format_eval, format_gap, format_progress
+from milestone_cli.progress_view import format_cells, format_eval, format_gap, format_nodes, format_progress
 from milestone_cli.resume import NothingToResume, ResumeError, parse_target, resume_state
 from gpu_runtime.store.uri import open_store
 from spec.event_text import event_text
@@ -243,7 +243,7 @@ async def cmd_status(client: Client, args: argparse.Namespace) -> int:
         for line in (format_gap(p), format_eval(p)):
             if line is not None:
                 print(line)
-        for line in format_cells(p):
+        for line in [*format_nodes(p), *format_cells(p)]:
             print(line)
     else:
         print(f"{args.run} {state} (progress unavailable, is a control worker running? {one_line(unavailable or '')})")
@@ -305,8 +305,8 @@ ENGINES_PREFIX = "engines."
 
 
 def parse_engine_assignments(items: list[str]) -> EngineUpdate:
-    """``engines.num_engines=N`` -> a validated ``EngineUpdate`` (the one `engines` setting a run
-    changes mid-run)."""
+    """``engines.num_engines=N`` / ``engines.nodes=R`` -> a validated ``EngineUpdate`` (the
+    `engines` settings a run changes mid-run)."""
     fields: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -371,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default=None, help="output file (default RUN-report.png)")
     se = sub.add_parser(
         "set", help="change any `train` setting between steps, e.g. lr=1e-5 ppo_epochs=2 betas=[0.9,0.95], "
-        "or the engine count per node, engines.num_engines=4 (from the next step)"
+        "or the engine count per node, engines.num_engines=4, or the rollout nodes, engines.nodes=2 (from the next step)"
     )
     se.add_argument("run")
     se.add_argument("assignments", nargs="+")

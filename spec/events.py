@@ -236,6 +236,7 @@ class LighthouseRestartFailed(Event):
 class NodeClaimed(Event):
     kind: Literal["node_claimed"] = "node_claimed"
     queue: str
+    role: Literal["trainer", "rollout"] = "trainer"  # rollout: one of the run's rollout nodes (engines.nodes)
 
 
 class NodeLost(Event):
@@ -243,6 +244,7 @@ class NodeLost(Event):
     queue: str
     message: str
     step: int | None = None  # the step it was lost during (None: while being placed)
+    role: Literal["trainer", "rollout"] = "trainer"
 
 
 class Divergence(Event):
@@ -282,6 +284,7 @@ class EnginesSet(Event):
     kind: Literal["engines_set"] = "engines_set"
     before: int
     after: int  # from the next step
+    setting: Literal["num_engines", "nodes"] = "num_engines"
 
 
 class Forked(Event):

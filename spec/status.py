@@ -44,6 +44,7 @@ class EngineSlotInfo(BaseModel):
     slot: int
     pid: int | None = None
     url: str = ""
+    node: str = ""  # the node id of the agent that runs it
     state: SlotState
     weight_version: int | None = None  # the policy version it serves (None: none yet, or not a version number)
     checksum: str | None = None

@@ -130,13 +130,14 @@ class Stack:
     def start_control(self) -> subprocess.Popen:
         return self._spawn("control", [sys.executable, "-m", "workers.control"])
 
-    def start_gpu(self, node_id: str, name: str | None = None) -> subprocess.Popen:
+    def start_gpu(self, node_id: str, name: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+        """A node agent; ``extra``: more flags (``--role rollout``)."""
         self.metrics_ports[node_id] = free_port()
         return self._spawn(
             name or f"gpu-{node_id}",
             [sys.executable, "-m", "workers.gpu", "--device", "cpu", "--node-id", node_id,
              "--work-dir", str(self.workdir / "nodes" / node_id),
-             "--metrics-port", str(self.metrics_ports[node_id])],
+             "--metrics-port", str(self.metrics_ports[node_id]), *extra],
         )
 
     def scrape(self, node_id: str) -> dict[str, float]:

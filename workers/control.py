@@ -9,19 +9,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from temporalio.worker import Worker
 
-from activities.control import prepare_data
+from activities.control import fence_placement, prepare_data
 from gpu_runtime.proc import metrics
 from workers.common import connect, install_shutdown, parse_worker_args, setup_logging
 from workflows.queues import CONTROL_QUEUE
 from workflows.training_run import RUN_WORKFLOWS
 
 log = logging.getLogger("workers.control")
-CONTROL_ACTIVITIES = [prepare_data]
+CONTROL_ACTIVITIES: list[Callable[..., Any]] = [prepare_data, fence_placement]
 
 
 async def run(address: str | None, namespace: str | None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import socket
 import uuid
@@ -28,7 +29,9 @@ from gpu_runtime.proc import metrics
 from spec.events import RunEvent
 from workers.common import connect, install_shutdown, parse_worker_args, setup_logging
 from workers.node_reclaim import RunReclaimer
-from workflows.queues import POOL_QUEUE
+from workflows.queues import POOL_QUEUE, ROLLOUT_POOL_QUEUE
+from gpu_runtime.engine.auth import check_exposure, engine_token
+from gpu_runtime.weight_sync.http_server import WeightServer
 from workflows.training_run import TrainingRun
 
 log = logging.getLogger("workers.gpu")
@@ -52,13 +55,19 @@ def run_reporter(client: Client, loop: asyncio.AbstractEventLoop) -> Callable[[s
 async def run(args: argparse.Namespace) -> None:
     boot_id = uuid.uuid4().hex[:8]
     work_dir = Path(args.work_dir or f".milestone/nodes/{args.node_id}").resolve()
+    trains = args.role == "any"
     runtime = NodeRuntime(
         args.node_id, boot_id, work_dir, engine_threads=args.engine_threads, trainer_threads=args.trainer_threads,
-        placement=args.placement,
+        placement=args.placement, trains=trains,
     )
     await asyncio.to_thread(runtime.start)
     client = await connect(args.address, args.namespace)
     acts = NodeActivities(runtime, report=run_reporter(client, asyncio.get_running_loop()))
+    # the versions this node's trainer exports, for the run's rollout nodes to pull (engines.nodes)
+    weights = WeightServer(args.advertise_host, args.weights_port, resolve=acts.version_folder, token=engine_token())
+    if trains:
+        weights.start()
+        runtime.weights_url = weights.url
     reclaimer = RunReclaimer(client, runtime, acts.placement.live_runs)  # closed runs' files leave the node
     acts.placement.on_run_left = reclaimer.run_left
     stop = asyncio.Event()
@@ -73,14 +82,20 @@ async def run(args: argparse.Namespace) -> None:
                 # (by default the SDK holds them back for 80% of the heartbeat timeout)
                 max_heartbeat_throttle_interval=LIVENESS_THROTTLE,
             )
-            pool_worker = Worker(
-                client, task_queue=POOL_QUEUE, activities=acts.pool(), activity_executor=pool,
+            # claimed as a run's trainer node (agents that train) and as a rollout node (every agent)
+            pools = [POOL_QUEUE, ROLLOUT_POOL_QUEUE] if trains else [ROLLOUT_POOL_QUEUE]
+            pool_workers = [Worker(
+                client, task_queue=q, activities=acts.pool(), activity_executor=pool,
                 max_concurrent_activities=1, graceful_shutdown_timeout=timedelta(seconds=2),
-            )
-            log.info("node %s boot %s polling %s and %s", args.node_id, boot_id, runtime.task_queue, POOL_QUEUE)
-            async with node_worker, pool_worker:
+            ) for q in pools]
+            log.info("node %s boot %s (role %s) polling %s and %s", args.node_id, boot_id, args.role,
+                     runtime.task_queue, ", ".join(pools))
+            async with contextlib.AsyncExitStack() as workers:
+                for w in [node_worker, *pool_workers]:
+                    await workers.enter_async_context(w)
                 await stop.wait()
     finally:
+        weights.stop()
         sweeps.cancel()
         await reclaimer.close()
         await asyncio.to_thread(runtime.stop)
@@ -99,7 +114,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--engine-threads", type=int, default=1)
     p.add_argument("--trainer-threads", type=int, default=1)
+    p.add_argument("--role", choices=["any", "rollout"], default="any",
+                   help="any: this node may hold a run's trainer or its rollout engines; rollout: engines only "
+                        "(claimed as one of a run's engines.nodes rollout nodes; no trainer process)")
+    p.add_argument("--advertise-host", default="127.0.0.1",
+                   help="the address other nodes reach this one on: its weight server binds it (rollout nodes "
+                        "pull new versions from the trainer's node); a non-loopback one needs "
+                        "$MILESTONE_ENGINE_TOKEN")
+    p.add_argument("--weights-port", type=int, default=0, help="the weight server's port (default: a free one)")
     args = parse_worker_args(p, argv)
+    try:
+        check_exposure(args.advertise_host, engine_token(), "weight server (--advertise-host)")
+    except ValueError as err:
+        p.error(str(err))
     try:
         gpus = cuda_device_count() if args.device == "cuda" else 0
         args.placement = plan_placement(args.device, gpus, trainer_gpu=args.trainer_gpu,

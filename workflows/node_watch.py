@@ -56,6 +56,15 @@ class NodeWatch:
         )
         return self.handle
 
+    def start(self, run_id: str, queue: str, spec: NodeSpec) -> None:
+        """Watch ``queue`` from now on, with nothing awaited on it (a rollout node between steps)."""
+        if spec.liveness_timeout_s > 0:
+            self._watch(run_id, queue, spec)
+
+    def ended(self) -> bool:
+        """Whether the watch ended on its own: the node stopped answering (or its watch failed)."""
+        return self.handle is not None and self.handle.done()
+
     def stop(self) -> None:
         if self.handle is not None and not self.handle.done():
             self.handle.cancel()

@@ -34,7 +34,11 @@ def run_details(status: str, st: RunState, total_steps: int | None, lineage: lis
             f"pass@{evaluated.eval_k} {evaluated.eval_pass_at_k:.3f} ({evaluated.eval_n} prompts)"
         )
     if st.node:
-        lines.append(f"node: `{st.node.task_queue}`")
+        lines.append(f"node: `{st.node.task_queue}`" + (" (trainer)" if st.rollout_nodes else ""))
+    if st.rollout_nodes:  # engines.nodes > 0: which node runs which engines
+        per_node = {n.node_id: sum(e.node == n.node_id for e in st.engines) for n in st.rollout_nodes}
+        lines.append("rollout nodes: " + ", ".join(f"`{n.task_queue}` ({per_node[n.node_id]} engines)"
+                                                  for n in st.rollout_nodes))
     if st.dp is not None:  # trainer.cells > 1
         alive = sum(c.state == CellState.ALIVE for c in st.dp.cells)
         lost = ", ".join(f"cell {i} restarts after {h.failures} failed restart(s)" if h.failures else f"cell {i} lost"

@@ -46,6 +46,9 @@ class RunState(BaseModel):
     dp: DPCells | None = None  # trainer.cells > 1: the DP cells as last reported
     cell_heal: dict[str, CellHeal] = {}  # lost DP cells awaiting their restart, by index
     num_engines: int | None = None  # ``set_engines``: the engine count per node from the next step (None: the config's)
+    num_nodes: int | None = None  # ``set_engines``: the rollout nodes from the next step (None: engines.nodes)
+    rollout_nodes: list[NodeClaim] = []  # engines.nodes > 0: the rollout nodes the run holds, in slot order
+    checksum: str = ""  # the committed version's weight checksum (what a joining rollout node must serve)
 
     def commit(self, summary: StepSummary, now: datetime, trainer: TrainerSpec) -> RunState:
         """The state once ``summary``'s step has committed (at workflow time ``now``): the only
@@ -53,6 +56,7 @@ class RunState(BaseModel):
         dp_reported = summary.dp is not None or bool(summary.cell_restarts)  # trainer.cells > 1
         return self.model_copy(update={
             "policy_version": summary.policy_version,
+            "checksum": summary.checksum or self.checksum,
             "data_cursor": summary.data_cursor,
             "buffer": summary.next_buffer,  # one_step_off / fully_async: the next steps' batches, already sampled
             "history": [*self.history, summary.model_copy(update={
@@ -114,6 +118,7 @@ class RunProgress(BaseModel):
     policy_version: int
     data_cursor: int
     node_queue: str | None = None
+    rollout_nodes: list[NodeClaim] = Field(default_factory=list)  # engines.nodes > 0: the nodes that generate
     lineage: list[ForkPoint] = Field(default_factory=list)  # a fork: its ancestors, the last is its parent
     steps: list[StepSummary] = Field(default_factory=list)
     events: list[RunEvent] = Field(default_factory=list)

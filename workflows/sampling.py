@@ -15,7 +15,9 @@ groups in memory. Every drawn prompt counts as used: the data cursor moves past 
 them, kept, filtered or surplus.
 
 Rewards are scored where the samples are: on the run's node, which still holds the
-chunks it just generated (``COMPUTE_REWARDS_ON_NODE``).
+chunks it just generated (``COMPUTE_REWARDS_ON_NODE``). With rollout nodes
+(``engines.nodes``) the chunks are spread over them (``workflows.step_nodes``) and the
+trainer's node scores them, reading them from the store.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ with workflow.unsafe.imports_passed_through():
         Sampled,
         SamplingStats,
     )
+    from workflows.agent_metrics import pool_agent_metrics
     from workflows.contracts.step import RLStepInput
     from workflows.failures import Failure, failure
+    from workflows.step_nodes import StepNodes, rollout_spread
     from workflows.stubs import COMPUTE_REWARDS_ON_NODE, ROLLOUT
 
 
@@ -66,23 +70,6 @@ def pooled(results: list[RewardResult]) -> tuple[float, float, float]:
     return mean, math.sqrt(max(second - mean * mean, 0.0)), sum(r.n * r.accuracy for r in results) / n
 
 
-# episode metrics that are counts (summed over rounds); the others are means over episodes
-AGENT_COUNTS = ("episodes", "tool_calls", "tool_errors", "turns_reused", "model_turns_reused", "tools_run")
-
-
-def pool_agent_metrics(rounds: list[dict[str, float]]) -> dict[str, float] | None:
-    """Several rollouts' episode metrics as one: counts summed, means weighted by episodes."""
-    if not rounds:
-        return None
-    n = sum(r.get("episodes", 0.0) for r in rounds) or 1.0
-    keys = sorted({k for r in rounds for k in r})
-    return {
-        k: sum(r.get(k, 0.0) for r in rounds) if k in AGENT_COUNTS
-        else sum(r.get(k, 0.0) * r.get("episodes", 0.0) for r in rounds) / n
-        for k in keys
-    }
-
-
 def _rollout_input(inp: RLStepInput, round_: int = 0, cursor: int | None = None, n: int | None = None) -> RolloutInput:
     cfg = inp.config
     return RolloutInput(
@@ -90,6 +77,13 @@ def _rollout_input(inp: RLStepInput, round_: int = 0, cursor: int | None = None,
         data_cursor=inp.data_cursor if cursor is None else cursor, dataset=inp.dataset, rollout=cfg.rollout,
         round=round_, n_prompts=n, epoch=inp.epoch,
     )
+
+
+async def generate(inp: RLStepInput, nodes: StepNodes | None, rollout: RolloutInput, summary: str) -> RolloutResult:
+    """A rollout on the run's engines: spread over its rollout nodes, or on the trainer's node."""
+    if nodes is not None and nodes.spread:
+        return await rollout_spread(nodes, rollout, inp.config, summary)
+    return await ROLLOUT.run(rollout, queue=inp.node_queue, summary=summary)
 
 
 async def score(inp: RLStepInput, rollout: RolloutResult, summary: str, round_: int = 0,
@@ -103,11 +97,9 @@ async def score(inp: RLStepInput, rollout: RolloutResult, summary: str, round_: 
     return await COMPUTE_REWARDS_ON_NODE.run(arg, queue=inp.node_queue, summary=summary)
 
 
-async def sample(inp: RLStepInput) -> Sampled:
+async def sample(inp: RLStepInput, nodes: StepNodes | None = None) -> Sampled:
     """One rollout of ``prompts_per_step`` prompts, then its rewards."""
-    rollout = await ROLLOUT.run(
-        _rollout_input(inp), queue=inp.node_queue, summary=f"rollout step {inp.step} @ v{inp.policy_version}",
-    )
+    rollout = await generate(inp, nodes, _rollout_input(inp), f"rollout step {inp.step} @ v{inp.policy_version}")
     rewards = await score(inp, rollout, f"reward step {inp.step}")
     return Sampled(
         chunk_keys=rollout.chunk_keys, rewards_key=rewards.rewards_key, prompts=inp.config.rollout.prompts_per_step,
@@ -123,11 +115,11 @@ async def sample(inp: RLStepInput) -> Sampled:
 Round = tuple[RolloutResult, RewardResult]
 
 
-async def sample_with_filter(inp: RLStepInput) -> Sampled:
+async def sample_with_filter(inp: RLStepInput, nodes: StepNodes | None = None) -> Sampled:
     """Rounds of rollout + rewards until ``prompts_per_step`` groups vary (or ``max_rounds``),
     then the trained batch of the chosen groups."""
     spec = inp.config.rollout
-    rounds = await draw_rounds(inp)
+    rounds = await draw_rounds(inp, nodes)
     rewards = [rw for _, rw in rounds]
     groups, fallback = choose_groups([rw.varied_groups for rw in rewards], spec.prompts_per_step, rewards[0].groups)
     stats = sampling_stats(rounds, len(groups), fallback, spec.prompts_per_round)
@@ -146,7 +138,7 @@ def trained_reward_mean(rewards: list[RewardResult], groups: list[tuple[int, int
     return math.fsum(rewards[r].group_means[g] for r, g in groups) / len(groups) if groups else 0.0
 
 
-async def draw_rounds(inp: RLStepInput) -> list[Round]:
+async def draw_rounds(inp: RLStepInput, nodes: StepNodes | None = None) -> list[Round]:
     """Dynamic sampling's rounds: round ``r`` generates and scores ``prompts_per_round`` new
     prompts from ``cursor + r*n``, until enough groups vary or ``max_rounds``."""
     spec = inp.config.rollout
@@ -155,10 +147,8 @@ async def draw_rounds(inp: RLStepInput) -> list[Round]:
     kept = 0
     while more_rounds(kept, spec.prompts_per_step, len(rounds), spec.dynamic_filter.max_rounds):
         r = len(rounds)
-        rollout = await ROLLOUT.run(
-            _rollout_input(inp, r, inp.data_cursor + r * n, n), queue=inp.node_queue,
-            summary=f"rollout step {inp.step} round {r}: {n} prompts @ v{inp.policy_version}",
-        )
+        rollout = await generate(inp, nodes, _rollout_input(inp, r, inp.data_cursor + r * n, n),
+                                 f"rollout step {inp.step} round {r}: {n} prompts @ v{inp.policy_version}")
         rewards = await score(inp, rollout, f"reward step {inp.step} round {r}", r, spec.group_size)
         rounds.append((rollout, rewards))
         kept += len(rewards.varied_groups)
@@ -220,6 +210,6 @@ def pooled_batch(inp: RLStepInput, rounds: list[Round], stats: SamplingStats, se
     )
 
 
-async def sample_step(inp: RLStepInput) -> Sampled:
-    """The step's batch: with or without dynamic sampling."""
-    return await (sample_with_filter(inp) if inp.config.rollout.dynamic_filter.enabled else sample(inp))
+async def sample_step(inp: RLStepInput, nodes: StepNodes | None = None) -> Sampled:
+    """The step's batch: with or without dynamic sampling (``nodes``: the run's rollout nodes, if any)."""
+    return await (sample_with_filter(inp, nodes) if inp.config.rollout.dynamic_filter.enabled else sample(inp, nodes))

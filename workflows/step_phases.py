@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.disk_wait import waiting_for_disk
     from workflows.failures import Failure, failure_in
+    from workflows.step_nodes import StepNodes
     from workflows.stubs import CHECKPOINT, EVALUATE, RESTART_CELLS, TRAIN_STEP, UPDATE_WEIGHTS
 
 
@@ -92,14 +93,38 @@ def trained_temperature(inp: RLStepInput) -> float:
     return t if t > 0 else 1.0
 
 
-async def update_weights(inp: RLStepInput, trained: TrainStepResult) -> UpdateWeightsResult:
-    """The trained version to every engine (empty slots restarted first), checksums compared."""
-    return await UPDATE_WEIGHTS.run(
-        UpdateWeightsInput(
-            run_id=inp.run_id, store_uri=inp.config.store, policy_version=trained.policy_version,
-            checksum=trained.checksum, engines=inp.config.engines,
-        ),
-        queue=inp.node_queue, summary=f"update weights v{trained.policy_version}",
+async def update_weights(inp: RLStepInput, trained: TrainStepResult, nodes: StepNodes | None = None) -> UpdateWeightsResult:
+    """The trained version to every engine (empty slots restarted first), checksums compared: on
+    the trainer's node, or on every live rollout node, each pulling it from the trainer's node."""
+    update = UpdateWeightsInput(
+        run_id=inp.run_id, store_uri=inp.config.store, policy_version=trained.policy_version,
+        checksum=trained.checksum, engines=inp.config.engines, source_url=inp.weights_url,
+    )
+    summary = f"update weights v{trained.policy_version}"
+    if nodes is None or not nodes.spread:
+        return await UPDATE_WEIGHTS.run(update, queue=inp.node_queue, summary=summary)
+    return await push_to_rollout_nodes(nodes, update, summary)
+
+
+async def push_to_rollout_nodes(nodes: StepNodes, update: UpdateWeightsInput, summary: str) -> UpdateWeightsResult:
+    """``update`` on every live rollout node at once; a node lost meanwhile is dropped (the run
+    replaces it at the next step boundary, and the new one serves nothing before it holds the
+    run's version). Their results as one."""
+    stub = nodes.stub(UPDATE_WEIGHTS)
+    started = workflow.now()
+    pushed = await nodes.on_each({
+        q: asyncio.ensure_future(stub.run(update, queue=q, summary=f"{summary} on {q}"))
+        for q in nodes.live
+    })
+    if not pushed:
+        raise nodes.none_left(summary)
+    results = list(pushed.values())
+    return UpdateWeightsResult(
+        policy_version=update.policy_version,
+        restarted_slots=[i for r in results for i in r.restarted_slots],
+        engines=[e for r in results for e in r.engines],
+        seconds=seconds_since(started),
+        node_events=[e for r in results for e in r.node_events],
     )
 
 
@@ -117,23 +142,30 @@ async def checkpoint_if_due(inp: RLStepInput, cursor: int) -> CheckpointResult |
     ), f"checkpoint step {inp.step}")
 
 
-async def evaluate_if_due(inp: RLStepInput, version: int) -> tuple[EvalResult | None, list[RunEvent]]:
+async def evaluate_if_due(inp: RLStepInput, version: int,
+                          nodes: StepNodes | None = None) -> tuple[EvalResult | None, list[RunEvent]]:
     """The held-out eval when the step is due one (``eval.every``, and the run has a held-out
     split)."""
     cfg = inp.config
     if inp.dataset.eval_key and cfg.eval.due(inp.step, cfg.steps):
-        return await evaluate(inp, version)
+        return await evaluate(inp, version, nodes)
     return None, []
 
 
-async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, list[RunEvent]]:
-    """The held-out eval of ``version`` (the engines serve it since ``update_weights``).
-    An eval that fails after its retries costs the step its eval numbers, not the run:
-    the step commits with an ``eval_failed`` event. A lost node still re-places the step."""
+async def evaluate(inp: RLStepInput, version: int,
+                   nodes: StepNodes | None = None) -> tuple[EvalResult | None, list[RunEvent]]:
+    """The held-out eval of ``version`` (the engines serve it since ``update_weights``), on the
+    trainer's node or on the first live rollout node. An eval that fails after its retries costs
+    the step its eval numbers, not the run: the step commits with an ``eval_failed`` event. A lost
+    trainer node still re-places the step; a lost rollout node is dropped (the eval fails)."""
     cfg = inp.config
     assert inp.dataset.eval_key is not None
+    nodes = nodes if nodes is not None else StepNodes(inp.rollout_queues, cfg)
+    stub, queue = (nodes.stub(EVALUATE), nodes.live[0]) if nodes.live else (EVALUATE, inp.node_queue)
     try:
-        result = await EVALUATE.run(
+        if nodes.spread and not nodes.live:
+            raise nodes.none_left(f"evaluate v{version}")
+        result = await stub.run(
             EvalInput(
                 run_id=inp.run_id, step=inp.step, store_uri=cfg.store, seed=cfg.seed, policy_version=version,
                 eval_key=inp.dataset.eval_key, k=cfg.eval.k, temperature=cfg.eval.temperature,
@@ -141,13 +173,15 @@ async def evaluate(inp: RLStepInput, version: int) -> tuple[EvalResult | None, l
                 chunk_size=cfg.rollout.chunk_size, epoch=inp.epoch,
                 stop=cfg.rollout.stop, stop_token_ids=cfg.rollout.stop_token_ids,
             ),
-            queue=inp.node_queue,
+            queue=queue,
             summary=f"evaluate v{version}: {inp.dataset.n_eval} held-out prompts, greedy and pass@{cfg.eval.k}",
         )
         return result, []
     except (ActivityError, ApplicationError) as err:
         kind, message = failure_in(err)
-        if kind == Failure.NODE_LOST:
+        if kind == Failure.NODE_LOST and queue != inp.node_queue:
+            nodes.drop(queue, message)
+        elif kind == Failure.NODE_LOST:
             raise
         if kind is None:  # not one of ours: the innermost cause says what happened
             cause: BaseException = err

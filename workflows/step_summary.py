@@ -29,6 +29,7 @@ class StepResults:
     restarted: RestartCellsResult | None = None  # the DP cells restarted before the step trained
     buffered: list[Sampled] = field(default_factory=list)  # batches still buffered after the step took its own
     sampled_ahead: list[Sampled] = field(default_factory=list)  # later steps' batches sampled during its train_step
+    lost_rollout_queues: list[str] = field(default_factory=list)  # rollout nodes lost during the step
 
 
 def summarize(r: StepResults) -> StepSummary:
@@ -61,6 +62,8 @@ def summarize(r: StepResults) -> StepSummary:
         dp=trained.dp,
         dp_cells=int(metrics["dp_cells"]) if "dp_cells" in metrics else None,
         cell_restarts=r.restarted.outcome if r.restarted else {},
+        lost_rollout_queues=list(r.lost_rollout_queues),
+        checksum=trained.checksum,
     )
 
 

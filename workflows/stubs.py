@@ -31,7 +31,7 @@ from temporalio.workflow import ActivityCancellationType
 
 from workflows.contracts import cells, placement, sampling, training
 from workflows.failures import NON_RETRYABLE, Failure, failure
-from workflows.queues import CONTROL_QUEUE, POOL_QUEUE, QueueKind
+from workflows.queues import CONTROL_QUEUE, POOL_QUEUE, ROLLOUT_POOL_QUEUE, QueueKind
 
 In = TypeVar("In", bound=BaseModel)
 Out = TypeVar("Out")
@@ -57,7 +57,8 @@ class ActivityStub(Generic[In, Out]):
         else the fixed control or pool queue (``queue`` must be None)."""
         if (self.queue == QueueKind.NODE) != (queue is not None):
             raise TypeError(f"{self.name} runs on a {self.queue} queue: pass queue= exactly for node activities")
-        return queue or (CONTROL_QUEUE if self.queue == QueueKind.CONTROL else POOL_QUEUE)
+        return queue or {QueueKind.CONTROL: CONTROL_QUEUE, QueueKind.POOL: POOL_QUEUE,
+                          QueueKind.ROLLOUT_POOL: ROLLOUT_POOL_QUEUE}[self.queue]
 
     def with_timeouts(self, *, heartbeat: timedelta, schedule_to_start: timedelta) -> ActivityStub[In, Out]:
         """This stub with timeouts a run's config sets (the liveness watch's)."""
@@ -122,6 +123,13 @@ CLAIM_NODE = ActivityStub(
     name="claim_node", input=placement.ClaimNodeInput, output=placement.NodeClaim, queue=QueueKind.POOL,
     start_to_close=timedelta(seconds=10), retry=_retry(0),
 )
+# the same activity, claimed from the pool of agents that may serve a run's rollouts (engines.nodes)
+CLAIM_ROLLOUT_NODE = replace(CLAIM_NODE, queue=QueueKind.ROLLOUT_POOL)
+# the run's rollout nodes changed at a step boundary: the fence moves to the new placement's epoch
+FENCE_PLACEMENT: ActivityStub[placement.FencePlacementInput, None] = ActivityStub(
+    name="fence_placement", input=placement.FencePlacementInput, output=None, queue=QueueKind.CONTROL,
+    start_to_close=timedelta(seconds=30), retry=_retry(10),
+)
 PREPARE_DATA = ActivityStub(
     name="prepare_data", input=placement.PrepareDataInput, output=placement.DatasetInfo, queue=QueueKind.CONTROL,
     start_to_close=timedelta(minutes=5), retry=_retry(5),
@@ -157,6 +165,6 @@ RESTART_CELLS = on_node(
 EVALUATE = on_node("evaluate", training.EvalInput, training.EvalResult, timedelta(minutes=20), _retry(5, 10.0))
 
 STUBS: tuple[ActivityStub, ...] = (
-    CLAIM_NODE, PREPARE_DATA, INIT_POLICY, NODE_LIVENESS, ROLLOUT, COMPUTE_REWARDS_ON_NODE, TRAIN_STEP,
+    CLAIM_NODE, FENCE_PLACEMENT, PREPARE_DATA, INIT_POLICY, NODE_LIVENESS, ROLLOUT, COMPUTE_REWARDS_ON_NODE, TRAIN_STEP,
     UPDATE_WEIGHTS, CHECKPOINT, RESTART_CELLS, EVALUATE,
 )

@@ -28,21 +28,22 @@ with workflow.unsafe.imports_passed_through():
     )
     from spec.strict import format_validation_error
     from spec.train import HParamUpdate
-    from spec.trainer_rpc import ForkPoint, RunSetup
+    from spec.trainer_rpc import ForkPoint
     from workflows import cell_heal
-    from workflows.contracts.placement import ClaimNodeInput, InitPolicyInput, PrepareDataInput
+    from workflows.contracts.placement import ClaimNodeInput, PrepareDataInput
     from workflows.run_details import hparam_update_refused, run_details
     from workflows.run_state import RunProgress, RunState, RunSummary, TrainingRunInput
     from workflows.contracts.step import RLStepInput, StepSummary
-    from workflows.contracts.training import EvalResult, UpdateWeightsInput
-    from workflows.disk_wait import waiting_for_disk
-    from workflows.failures import Failure, failure, failure_in
+    from workflows.contracts.training import EvalResult
+    from workflows.failures import Failure, failure, failure_details, failure_in
     from workflows.node_watch import NodeWatch
+    from workflows.rollout_nodes import RolloutNodes
+    from workflows.trainer_node import init_trainer_node
     from workflows.queues import CONTROL_QUEUE
     from workflows.rl_step import RLStep
     from workflows.sft_step import SFTStep
     from workflows.step_phases import evaluate
-    from workflows.stubs import CLAIM_NODE, INIT_POLICY, PREPARE_DATA, UPDATE_WEIGHTS
+    from workflows.stubs import CLAIM_NODE, PREPARE_DATA
 
 SA_STEP = SearchAttributeKey.for_int("RlStep")
 SA_REWARD = SearchAttributeKey.for_float("RlReward")
@@ -67,6 +68,7 @@ class TrainingRun:
         self.st = RunState()
         self.lineage: list[ForkPoint] = []
         self.watch = NodeWatch()
+        self.rollout = RolloutNodes(self._event)  # engines.nodes > 0: the run's rollout nodes
         self.status = "initializing"
 
     # ---- the loop ----------------------------------------------------------------
@@ -86,8 +88,10 @@ class TrainingRun:
             await self._between_steps(steps_this_run)
             summary = await self._run_step(run_id, chash)
             self.st = self.st.commit(summary, workflow.now(), cfg.trainer)
+            self.rollout.record_engines(self.st, summary.engines)
             steps_this_run += 1
         await self.watch.finish()
+        await self.rollout.finish()
         self.status = "completed"
         self._publish()
         return self.st.summary(run_id)
@@ -145,7 +149,8 @@ class TrainingRun:
         await workflow.wait_condition(lambda: not self.st.paused)
         self.status = "running"
         if steps_this_run >= cfg.steps_per_workflow_run or workflow.info().is_continue_as_new_suggested():
-            await self.watch.finish()  # the next execution watches the node again
+            await self.watch.finish()  # the next execution watches the nodes again
+            await self.rollout.finish()
             workflow.continue_as_new(TrainingRunInput(config=cfg, state=self.st, lineage=self.lineage))
 
     async def _eval_before_rl(self, run_id: str) -> EvalResult | None:
@@ -157,6 +162,7 @@ class TrainingRun:
         inp = RLStepInput(
             run_id=run_id, step=0, config=cfg, train=st.train, policy_version=0, data_cursor=0,
             dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
+            rollout_queues=self.rollout.queues(st),
         )
         try:
             result, events = await evaluate(inp, 0)
@@ -182,6 +188,7 @@ class TrainingRun:
             dataset=st.dataset, node_queue=st.node.task_queue, epoch=st.node.epoch,
             buffer=st.buffer,
             restart_cells=cell_heal.due(st.cell_heal, workflow.now()),
+            rollout_queues=self.rollout.queues(st), weights_url=st.node.weights_url,
         )
 
     async def _run_step(self, run_id: str, chash: str) -> StepSummary:
@@ -190,8 +197,11 @@ class TrainingRun:
         cfg, st = self.cfg, self.st
         assert cfg is not None
         replacements = 0
+        lost = st.history[-1].lost_rollout_queues if st.history else []
         while True:
             assert st.node is not None
+            if self.rollout.target(cfg, st) or st.rollout_nodes:  # engines.nodes > 0: lost ones replaced, joins
+                await self.rollout.ensure(run_id, cfg, st, self._engines(), lost=lost, trainer_placed=False)
             sft = cfg.mode == "sft"
             child = workflow.execute_child_workflow(
                 SFTStep.run if sft else RLStep.run,
@@ -204,6 +214,9 @@ class TrainingRun:
                 return await self.watch.on_live_node(run_id, st.node.task_queue, cfg.node, child)
             except (ChildWorkflowError, ApplicationError) as err:  # ApplicationError: NodeLost from the watch
                 kind, message = failure_in(err)
+                if kind == Failure.ROLLOUT_NODES_LOST:  # every rollout node lost: replaced above, the step re-run
+                    lost = [*lost, *(failure_details(err, kind)[0] if failure_details(err, kind) else [])]
+                    continue
                 if kind == Failure.DIVERGENCE:
                     self._event(Divergence(at=_now(), step=st.next_step, message=message))
                     st.paused = True
@@ -240,36 +253,9 @@ class TrainingRun:
                 self._event(NodeLost(at=_now(), queue=st.node.task_queue, message=failure_in(err)[1]))
 
     async def _init_node(self, run_id: str, chash: str, init: bool) -> None:
-        """The claimed node's trainer to the committed version, its engines up."""
-        cfg, st = self.cfg, self.st
-        assert cfg is not None and st.dataset is not None and st.train is not None and st.node is not None
-        node, dataset, train = st.node, st.dataset, st.train
-        setup = RunSetup(
-            run_id=run_id, store_uri=cfg.store, epoch=node.epoch, seed=cfg.seed, model=cfg.model, sft=cfg.sft,
-            hparams=train, dataset_key=dataset.key, keep_last=cfg.checkpoint.keep_last,
-            keep_versions=cfg.checkpoint.keep_versions, config_hash=chash, distill=cfg.distill, lineage=self.lineage,
-            trainer=cfg.trainer,
-        )
-        policy = await waiting_for_disk(lambda: INIT_POLICY.run(
-            InitPolicyInput(setup=setup, policy_version=st.policy_version),
-            queue=node.task_queue,
-            summary="SFT warm-up -> v0" if init else f"restore policy v{st.policy_version}",
-        ), "init policy")
-        st.add_events(policy.node_events)
-        st.cells = [policy.cell] if policy.cell is not None else []
-        if policy.dp is not None:  # trainer.cells > 1: cells this trainer lost are scheduled for a restart
-            st.dp = policy.dp
-            st.cell_heal = cell_heal.after_step(st.cell_heal, policy.dp, {}, workflow.now(), cfg.trainer)
-        synced = await UPDATE_WEIGHTS.run(
-            UpdateWeightsInput(
-                run_id=run_id, store_uri=cfg.store, policy_version=policy.policy_version,
-                checksum=policy.checksum, engines=self._engines(),
-            ),
-            queue=st.node.task_queue,
-            summary=f"start engines @ v{policy.policy_version}",
-        )
-        st.add_events(synced.node_events)
-        st.engines = synced.engines
+        """The claimed node's trainer to the committed version, the run's engines up."""
+        assert self.cfg is not None
+        await init_trainer_node(run_id, chash, init, self.cfg, self.st, self.lineage, self._engines(), self.rollout)
 
     # ---- observability -----------------------------------------------------------
     def _event(self, event: RunEvent) -> None:
@@ -301,6 +287,7 @@ class TrainingRun:
             policy_version=st.policy_version,
             data_cursor=st.data_cursor,
             node_queue=st.node.task_queue if st.node else None,
+            rollout_nodes=st.rollout_nodes,
             lineage=self.lineage,
             steps=st.history,
             events=st.events,
@@ -335,16 +322,27 @@ class TrainingRun:
 
     @workflow.update
     def set_engines(self, update: EngineUpdate) -> dict:
-        """The node's engine count from the next step on (the fleet grows or shrinks then)."""
-        before = self._engines().num_engines
-        self.st.num_engines = update.num_engines
-        self._event(EnginesSet(at=_now(), before=before, after=update.num_engines))
-        return {"num_engines": update.num_engines}
+        """The engine count per node, or the rollout nodes, from the next step on (the fleets grow or
+        shrink then; a new rollout node joins once it serves the run's version)."""
+        assert self.cfg is not None
+        if update.num_engines is not None:
+            self._event(EnginesSet(at=_now(), before=self._engines().num_engines, after=update.num_engines))
+            self.st.num_engines = update.num_engines
+        if update.nodes is not None:
+            before = RolloutNodes.target(self.cfg, self.st)
+            self._event(EnginesSet(at=_now(), before=before, after=update.nodes, setting="nodes"))
+            self.st.num_nodes = update.nodes
+        return update.model_dump(exclude_none=True)
 
     @set_engines.validator
     def _validate_engines(self, update: EngineUpdate) -> None:
         if self.cfg is not None and self.cfg.mode != "rl":
             raise ValueError(f"set_engines: mode {self.cfg.mode} runs no engines between steps")
+        if self.cfg is not None and update.nodes is not None:
+            try:  # the config's rules for engines.nodes (weight_sync, release_memory) hold for a set value too
+                EngineSpec.model_validate(self._engines().model_dump() | {"nodes": update.nodes})
+            except ValidationError as err:
+                raise ValueError(f"set_engines: {format_validation_error(err)}") from None
 
     @set_hparams.validator
     def _validate_hparams(self, update: HParamUpdate) -> None:

@@ -8,9 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpu_runtime.models.model_folder import WEIGHTS_FILE, link_folder, prune_version_folders, read_meta, spares_for
+from gpu_runtime.engine.auth import engine_token
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
 from gpu_runtime.trainer.work_dir import engine_weights_folder, weights_folder
+from gpu_runtime.weight_sync.http_pull import pull_version
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,23 @@ class LocalWeights:
         # it too, the trainer writes its next export over it
         prune_version_folders(folder.parent, version,
                               spares=spares_for(weights_folder(self.trainer_dir, run_id, version)))
+        return folder
+
+    def pulled(self, source_url: str, run_id: str, version: int, checksum: str) -> Path:
+        """The version's model folder, pulled from the trainer node's weight server at ``source_url``
+        (a rollout node: no trainer here, and between checkpoints the store holds no weights).
+        Once per version: a folder already here with ``checksum`` is kept."""
+        folder = engine_weights_folder(self.trainer_dir, run_id, version)
+        try:
+            held = read_meta(folder)
+        except (OSError, ValueError):
+            held = {}
+        if not ((folder / WEIGHTS_FILE).exists() and held.get("checksum") == checksum):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            stats = pull_version(source_url, run_id, version, checksum, folder, token=engine_token())
+            log.info("weights v%d: pulled %d bytes from %s in %.2f s", version, stats.bytes, source_url, stats.seconds)
+        prune_version_folders(folder.parent, version)
         return folder
 
     def _fetch(self, store_uri: str, run_id: str, version: int, checksum: str | None,

@@ -33,9 +33,11 @@ CPU_ONLY = Placement("cpu", ("cpu",))
 class NodeRuntime:
     def __init__(
         self, node_id: str, boot_id: str, work_dir: Path, *, engine_threads: int = 1, trainer_threads: int = 1,
-        placement: Placement = CPU_ONLY,
+        placement: Placement = CPU_ONLY, trains: bool = True,
     ) -> None:
         self.node_id = node_id
+        self.trains = trains  # False: a rollout-only agent (``--role rollout``): no trainer process
+        self.weights_url = ""  # this node's weight server, once started (``workers.gpu``)
         self.boot_id = boot_id
         self.work_dir = work_dir
         self.placement = placement
@@ -59,12 +61,14 @@ class NodeRuntime:
     def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         prune_orphans()  # weight segments of an agent killed on this machine (engines.weight_sync)
-        self.trainer.start()
+        if self.trains:
+            self.trainer.start()
         self._write_children()
 
     def stop(self) -> None:
         self.engines.stop()
-        self.trainer.stop()
+        if self.trains:
+            self.trainer.stop()
         (self.work_dir / "children.json").unlink(missing_ok=True)
 
     def _write_children(self) -> None:
@@ -72,7 +76,8 @@ class NodeRuntime:
         Written whole then renamed: a reader (``make down``, a test aiming a kill) never sees
         a half-written file."""
         router, engines = self.engines.pids()
-        children = {"agent": os.getpid(), "trainer": self.trainer.pid, "router": router, "engines": engines}
+        trainer = self.trainer.pid if self.trains else None
+        children = {"agent": os.getpid(), "trainer": trainer, "router": router, "engines": engines}
         tmp = self.work_dir / f"children.json.{threading.get_ident()}.tmp"
         tmp.write_text(json.dumps(children))
         os.replace(tmp, self.work_dir / "children.json")

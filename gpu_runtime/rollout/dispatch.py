@@ -35,7 +35,10 @@ def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
     """Generate every missing chunk (``ctx.parallelism`` in flight) and store it."""
     t0 = time.perf_counter()
     plans = plan_chunks(req)
-    keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk, req.round) for p in plans]
+    if req.chunks is not None:  # this node's share of a rollout spread over rollout nodes
+        plans = [p for p in plans if p.chunk in req.chunks]
+    own = req.node if req.chunks is not None else ""
+    keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk, req.round, own) for p in plans]
     counters = AgentCounters() if req.rollout.agent is not None else None
     chunks, reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters)
     n_tokens, n_samples = 0, 0
@@ -81,6 +84,8 @@ def generate_chunks(
             chunk = generate_agent_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate, ctx.store, agent_counters)
         else:
             chunk = generate_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate)
+        if req.node:
+            chunk = chunk.model_copy(update={"node": req.node})
         art.put_model(ctx.store, key, chunk)
         return key, chunk
 

@@ -18,3 +18,5 @@ class RolloutRequest:
     n_rows: int
     rollout: RolloutSpec  # prompts_per_step: the prompts this request draws (a dynamic-sampling round's own number)
     round: int = 0  # dynamic sampling: the step's round (0: the first, or no filter)
+    node: str = ""  # the node id that generates: stamped on every chunk it stores
+    chunks: tuple[int, ...] | None = None  # this node's share of the chunks (keys of its own); None: all of them

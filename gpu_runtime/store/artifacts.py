@@ -40,8 +40,12 @@ def _round(round_: int) -> str:
     return f"round-{round_:02d}/" if round_ else ""
 
 
-def rollout_chunk_key(run_id: str, step: int, chunk: int, round_: int = 0) -> str:
-    return f"{step_prefix(run_id, step)}/rollout/{_round(round_)}chunk-{chunk:04d}.json"
+def rollout_chunk_key(run_id: str, step: int, chunk: int, round_: int = 0, node: str = "") -> str:
+    """``node``: a chunk generated as one node's share of a rollout spread over rollout nodes is
+    stored under a key of that node's own, so a node the run has left behind (partitioned, then
+    back) never writes a key the step trains."""
+    own = f"-{node}" if node else ""
+    return f"{step_prefix(run_id, step)}/rollout/{_round(round_)}chunk-{chunk:04d}{own}.json"
 
 
 def eval_chunk_key(run_id: str, step: int, sampling: str, chunk: int) -> str:
@@ -128,6 +132,7 @@ class RolloutChunk(BaseModel):
     seed: int
     weight_version: int
     engine_url: str = ""
+    node: str = ""  # the node id of the agent whose engine (engine_url) generated it
     samples: list[Sample]
 
 

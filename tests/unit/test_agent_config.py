@@ -14,7 +14,7 @@ from gpu_runtime.store.artifacts import EpisodeInfo, Sample
 from milestone_cli.preflight import PreflightError, check_agent
 from spec.run import RunConfig
 from spec.strict import format_validation_error
-from workflows.sampling import pool_agent_metrics
+from workflows.agent_metrics import pool_agent_metrics
 
 OK = {"data": {"kind": "tool_arithmetic"}, "rollout": {"agent": {}}, "eval": {"enabled": False}}
 

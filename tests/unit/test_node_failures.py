@@ -51,7 +51,7 @@ def test_a_node_serving_a_live_run_refuses_another_runs_claim() -> None:
 
     from workflows.contracts.placement import ClaimNodeInput, NodeLivenessInput
 
-    acts = PlacementActivities(SimpleNamespace(node_id="node0", boot_id="b", task_queue="gpu-node0",
+    acts = PlacementActivities(SimpleNamespace(node_id="node0", boot_id="b", task_queue="gpu-node0", weights_url="",
                                                set_run=lambda run_id: None))
 
     async def main() -> None:
@@ -68,6 +68,9 @@ def test_a_node_serving_a_live_run_refuses_another_runs_claim() -> None:
         assert "node0 (gpu-node0) serves run A" in err.value.message
         claim = ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="A", exclude_queues=[], store_uri=""))
         assert claim.task_queue == "gpu-node0"
+        with pytest.raises(ApplicationError) as err:  # as another of A's nodes (a rollout node): never
+            ActivityEnvironment().run(acts.claim_node, ClaimNodeInput(run_id="A", held_queues=["gpu-node0"]))
+        assert err.value.type == Failure.NODE_EXCLUDED.value
         watch_env.cancel()
         with pytest.raises(asyncio.CancelledError):
             await watch

@@ -33,7 +33,10 @@ def test_rollout_request() -> None:
                        dataset=DATASET, rollout=spec)
     req = translate.rollout_request(inp, n_rows=10)
     assert dataclasses.asdict(req) == {"run_id": "r", "step": 2, "seed": 8, "policy_version": 1, "data_cursor": 3,
-                                       "n_rows": 10, "round": 0, "rollout": spec}
+                                       "n_rows": 10, "round": 0, "rollout": spec, "node": "", "chunks": None}
+    # a rollout node's share: its chunks, stamped with its node id
+    req = translate.rollout_request(inp.model_copy(update={"chunks": [0, 2]}), n_rows=10, node="n1")
+    assert (req.chunks, req.node) == ((0, 2), "n1")
     # a dynamic-sampling round draws its own number of prompts
     req = translate.rollout_request(inp.model_copy(update={"round": 2, "n_prompts": 7}), n_rows=10)
     assert (req.round, req.rollout.prompts_per_step, req.rollout.group_size) == (2, 7, 5)

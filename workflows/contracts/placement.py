@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 from spec.data import DataSpec
 from spec.reward import RewardSpec
 from spec.events import RunEvent
+from spec.placement import Placed
 from spec.run import EvalSpec
 from spec.status import CellInfo, DPCells
 from spec.trainer_rpc import RunSetup
@@ -20,12 +21,23 @@ class NodeClaim(BaseModel):
     boot_id: str
     task_queue: str
     epoch: int = 0  # this placement's epoch (gpu_runtime/store/fence.py); 0: unfenced (a claim without a store)
+    weights_url: str = ""  # where other nodes pull this node's trainer versions from ("": it serves none)
+
+
+class FencePlacementInput(Placed):
+    """Raise the run's fence to ``epoch`` (its rollout nodes changed at a step boundary): writes of
+    a node the run left behind are refused from now on. ``node``: the trainer's node, as the fence
+    records it; ``from_step``: the first step the new placement runs."""
+
+    node: str
+    from_step: int
 
 
 class ClaimNodeInput(BaseModel):
     run_id: str
-    exclude_queues: list[str] = []
+    exclude_queues: list[str] = []  # nodes the run lost: left to others for the first attempts
     store_uri: str = ""  # where the run's fence is (empty: no epoch)
+    held_queues: list[str] = []  # nodes the run holds already (its trainer node, other rollout nodes): never claimed
 
 
 class NodeLivenessInput(BaseModel):

@@ -22,6 +22,9 @@ class RolloutInput(Placed):
     rollout: RolloutSpec
     round: int = 0  # dynamic sampling: the step's round (keys, seeds and sample ids of round > 0 differ)
     n_prompts: int | None = None  # prompts to draw (None: rollout.prompts_per_step)
+    # the chunks this node generates (None: all of them, held here for the rewards). A share of a rollout
+    # spread over rollout nodes: its chunks are stored under this node's own keys and scored elsewhere
+    chunks: list[int] | None = None
 
 
 class RolloutResult(BaseModel):

@@ -27,6 +27,10 @@ class RLStepInput(BaseModel):
     # next for ``step + 1``, and so on.
     buffer: list[Sampled] = []
     restart_cells: list[int] = []  # lost DP cells whose restart is due: restarted before this step trains
+    # engines.nodes > 0: the run's rollout nodes (their queues, in slot order), which generate, get each new
+    # version from the trainer node's weight server (``weights_url``) and evaluate; empty: the trainer's node does
+    rollout_queues: list[str] = []
+    weights_url: str = ""
 
 
 class StepSummary(BaseModel):
@@ -75,3 +79,5 @@ class StepSummary(BaseModel):
     dp: DPCells | None = None  # trainer.cells > 1: the DP cells after the step (TrainingRun moves it to its state)
     cell_restarts: dict[str, str] = {}  # DP cells restarted before this step trained: index -> outcome
     dp_cells: int | None = None  # trainer.cells > 1: how many cells committed the step (fewer: a shrink step)
+    lost_rollout_queues: list[str] = []  # rollout nodes lost during the step (TrainingRun replaces them)
+    checksum: str = ""  # the checksum of the version the step trained (a joining rollout node must serve it)

@@ -31,6 +31,9 @@ class UpdateWeightsInput(BaseModel):
     policy_version: int  # the node finds its model folder: the trainer's export, or the store's copy
     checksum: str
     engines: EngineSpec
+    # a rollout node: the trainer node's weight server, which it pulls the version from ("": the version is
+    # this node's own trainer's export, or the store's copy)
+    source_url: str = ""
 
 
 class UpdateWeightsResult(BaseModel):

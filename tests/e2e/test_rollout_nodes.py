@@ -1,0 +1,122 @@
+"""Rollout nodes on one machine (``engines.nodes``): a trainer node and rollout-only agents,
+each a real ``workers.gpu`` process with its own engines, on loopback. The multi-host bed
+(tests/e2e/test_multi_host.py) runs the same rows across network namespaces.
+
+- a run whose chunks are spread over two rollout nodes trains bitwise what the colocated run
+  trains, every sample stamped with the node that made it, and between checkpoints no weight
+  byte reaches the store (the rollout nodes pull each version from the trainer's node);
+- a rollout node SIGKILLed (with its engines) mid-rollout: its chunks go to the survivor, the
+  step completes, a spare takes its place at the next step boundary, bitwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime.proc.processes import pid_alive
+from tests.e2e.faults import (
+    Baselines, assert_bitwise_equal, assert_trained_exactly_once, final_weights, progress, start_run,
+    wait_activity_started,
+)
+from tests.stack import Stack, running_stack, tiny_config, wait_for
+from workers.common import connect
+from workflows.run_state import RunProgress, RunSummary
+from workflows.stubs import ROLLOUT
+
+pytestmark = pytest.mark.e2e
+
+ROLLOUT_ONLY = ("--role", "rollout")
+ENV = {"MILESTONE_ENGINE_STEP_DELAY_MS": "400"}  # a rollout lasts seconds: the kill lands mid-rollout
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """node0 trains (or serves rollouts); node1..node3 serve rollouts only (node3: the spare)."""
+    with running_stack(tmp_path_factory.mktemp("rollout-nodes"), env=ENV) as s:
+        for node in ("node1", "node2", "node3"):
+            s.start_gpu(node, extra=ROLLOUT_ONLY)
+        yield s
+
+
+def config(store: Path, **engines: object) -> dict:
+    # checkpoints only after the last step: steps 1..2 are non-checkpoint steps
+    return tiny_config(store, steps=3, checkpoint={"every": 3, "keep_last": 2},
+                       rollout={"prompts_per_step": 4, "group_size": 4, "chunk_size": 4, "max_new_tokens": 4},
+                       engines={"num_engines": 1, "health_check_interval_s": 1, "health_check_timeout_s": 5,
+                                **engines})
+
+
+def run(stack: Stack, run_id: str, cfg: dict, fault=None, at: int = 1) -> tuple[RunSummary, RunProgress]:
+    async def main() -> tuple[RunSummary, RunProgress]:
+        client = await connect(stack.server.address)
+        await start_run(client, run_id, cfg)
+        if fault is not None:
+            await wait_activity_started(client, f"{run_id}/step-{at}", ROLLOUT.name)
+            fault(await progress(client, run_id))
+        summary = await asyncio.wait_for(client.get_workflow_handle(run_id, result_type=RunSummary).result(), 400)
+        return summary, await progress(client, run_id)
+
+    return asyncio.run(main())
+
+
+def stamped_nodes(store: Path, run_id: str, steps: int) -> set[str]:
+    """The node ids stamped on the chunks the run's steps trained."""
+    nodes = set()
+    for step in range(1, steps + 1):
+        batch = json.loads((store / "runs" / run_id / "steps" / f"{step:06d}" / "step_batch.json").read_text())
+        nodes |= {json.loads((store / key).read_text())["node"] for key in batch["chunk_keys"]}
+    return nodes
+
+
+def test_chunks_spread_over_rollout_nodes_train_what_the_colocated_run_trains(
+    stack: Stack, baselines: Baselines,
+) -> None:
+    store = stack.workdir / "store"
+    cfg = config(store, nodes=2)
+    summary, prog = run(stack, "spread", cfg)
+    assert summary.steps == 3
+    rollout_ids = {n.node_id for n in prog.rollout_nodes}
+    assert len(rollout_ids) == 2 and prog.node_queue is not None
+    assert {e.node for e in prog.engines} == rollout_ids  # status: engines on two node ids
+    assert stamped_nodes(store, "spread", 3) == rollout_ids  # each sample names the node that made it
+    assert_trained_exactly_once(store, "spread", cfg)
+    # between checkpoints no weight byte reaches the store: only v0 (the SFT warm-up) and the checkpointed v3
+    assert sorted(p.name for p in (store / "runs" / "spread" / "weights").iterdir()) == ["v000000", "v000003"]
+    colocated = baselines.weights(config(store))  # engines.nodes 0, otherwise the same run
+    assert_bitwise_equal(final_weights(store, "spread", 3), colocated)
+
+
+def kill_rollout_node(stack: Stack, prog: RunProgress) -> str:
+    """SIGKILL the agent of the run's first rollout node and its engines; its node id."""
+    node = prog.rollout_nodes[0].node_id
+    pids = stack.node_pids(node)
+    victims = [pids["agent"], *[p for p in pids.get("engines", []) if p]]
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not any(pid_alive(p) for p in victims), 30, what="the rollout node's processes to die")
+    return node
+
+
+def test_a_rollout_node_killed_mid_rollout_is_replaced_bitwise(stack: Stack, baselines: Baselines) -> None:
+    store = stack.workdir / "store"
+    cfg = config(store, nodes=2)
+    killed: list[str] = []
+    summary, prog = run(stack, "rollout-node-lost", cfg, fault=lambda p: killed.append(kill_rollout_node(stack, p)),
+                        at=2)
+    try:
+        assert summary.steps == 3
+        lost = [e for e in prog.events if e.kind == "node_lost"]
+        assert lost and all(e.role == "rollout" for e in lost), lost
+        assert killed[0] not in {n.node_id for n in prog.rollout_nodes}  # replaced by the spare
+        assert len(prog.rollout_nodes) == 2
+        assert_trained_exactly_once(store, "rollout-node-lost", cfg)
+        assert_bitwise_equal(final_weights(store, "rollout-node-lost", 3), baselines.weights(config(store)))
+    finally:
+        stack.start_gpu(killed[0], name=f"gpu-{killed[0]}-again", extra=ROLLOUT_ONLY)
