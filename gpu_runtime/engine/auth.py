@@ -1,51 +1,10 @@
-"""Who may talk to an engine or a router: loopback only, or a bearer token.
+"""Who may talk to an engine or a router: moved to ``gpu_runtime.proc.auth``, a layer below
+``engine/``, so the weight server of the pull path (``weight_sync/``) keeps the same rules.
+Importers still naming this module get the same objects; new code imports ``proc.auth``."""
 
-Engines and the router bind 127.0.0.1 by default (``engines.host``). Bound anywhere
-else they are reachable from the network, so they must require
-``Authorization: Bearer <token>``. The token comes from ``MILESTONE_ENGINE_TOKEN`` in
-the node agent's environment and reaches engine subprocesses through their
-environment, never their command line (``ps`` shows argv to every local user) and
-never a workflow input (Temporal history keeps inputs forever).
-"""
-
-from __future__ import annotations
-
-import hmac
-import ipaddress
-import os
-
-ENGINE_TOKEN_ENV = "MILESTONE_ENGINE_TOKEN"
-
-
-def engine_token() -> str | None:
-    """``$MILESTONE_ENGINE_TOKEN``, or None when unset or empty."""
-    return os.environ.get(ENGINE_TOKEN_ENV) or None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps a server on this machine (127.0.0.0/8, ::1, localhost)."""
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
-
-
-def check_exposure(host: str, token: str | None, what: str = "engine") -> None:
-    """Refuse to serve ``what`` on a non-loopback ``host`` without a token."""
-    if not is_loopback(host) and not token:
-        raise ValueError(
-            f"{what} host {host!r} is reachable from the network: set {ENGINE_TOKEN_ENV} (a bearer token every "
-            f"request must carry) or bind 127.0.0.1 (engines.host)"
-        )
-
-
-def authorized(header: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header carries ``Bearer <token>`` (constant-time compare)."""
-    scheme, _, given = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
-
-
-def bearer_headers(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
+from gpu_runtime.proc.auth import ENGINE_TOKEN_ENV as ENGINE_TOKEN_ENV
+from gpu_runtime.proc.auth import authorized as authorized
+from gpu_runtime.proc.auth import bearer_headers as bearer_headers
+from gpu_runtime.proc.auth import check_exposure as check_exposure
+from gpu_runtime.proc.auth import engine_token as engine_token
+from gpu_runtime.proc.auth import is_loopback as is_loopback
