@@ -178,6 +178,7 @@ def main() -> None:
     pulled.mkdir(parents=True)
     checksum = write_version_folder(src, None if a.size_mb else a.shape, a.size_mb)
     assert read_meta(src)["checksum"] == checksum
+    os.sync()  # the folder's writeback, out of the measured window
     server = WeightServer(a.host, resolve=lambda run, version, c: src).start()
     spares = Spares(root / "spares")
     first: list[PullStats] = []

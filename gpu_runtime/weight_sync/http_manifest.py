@@ -31,7 +31,7 @@ from typing import Any
 
 SAFETENSORS_SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
-_READ_BYTES = 8 << 20
+_READ_BYTES = 1 << 20
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
@@ -59,7 +59,7 @@ class BufferPool:
                 kept.append(buf)
 
 
-BUFFERS = BufferPool(_READ_BYTES, keep=16)  # the pull's buffers and the manifest's, 8 MiB each
+BUFFERS = BufferPool(_READ_BYTES, keep=64)  # the pull's buffers and the manifest's, 1 MiB each
 
 
 class ManifestError(ValueError):

@@ -16,11 +16,18 @@ answers 404, a ``ValueError`` 409 (a version it holds under another checksum), a
 whose ``milestone.json`` does not name the version and checksum asked for 409 too; errors
 are JSON ``{"error": "..."}``. With ``token`` every request needs ``Authorization: Bearer
 <token>`` (401 otherwise); a non-loopback host without one is refused
-(``gpu_runtime.engine.auth.check_exposure``, the engines' rule).
+(``gpu_runtime.proc.auth.check_exposure``, the engines' rule).
+
+The folder ``resolve`` gives must keep its files while they are served and never have them
+written over in place (the trainer's ``Spares`` write a new export over a pruned version's
+file when nothing else links it): hard-link the export into a folder of the server's
+(``model_folder.link_folder``). A file that changes anyway fails the puller's per-tensor
+check, naming the tensor, and a file that went away has the version resolved again.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -34,8 +41,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from gpu_runtime.proc.auth import authorized, check_exposure
 from gpu_runtime.models.model_folder import read_meta
+from gpu_runtime.proc.auth import authorized, check_exposure
 from gpu_runtime.proc.rpc import send_json
 from gpu_runtime.weight_sync.http_manifest import build_manifest
 
@@ -110,6 +117,7 @@ class _Versions:
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # every rollout node of a run may connect at once (the default backlog is 5)
     block_on_close = False  # stop() closes the connections; a resolve still running ends on its own
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], weights: WeightServer) -> None:
@@ -210,7 +218,13 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         weights = self.server.weights
         if weights.token and not authorized(self.headers.get("Authorization"), weights.token):
-            send_json(self, 401, {"error": "this weight server needs Authorization: Bearer <token>"})
+            body = json.dumps({"error": "this weight server needs Authorization: Bearer <token>"}).encode()
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", "Bearer")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
             return
         try:
             key, rel = self._parsed()
