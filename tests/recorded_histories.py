@@ -8,7 +8,8 @@ refreshed, all together, by running the tests that make them with ``MILESTONE_RE
 
     MILESTONE_RECORD_HISTORY=1 .venv/bin/python -m pytest -p no:xdist tests/e2e/test_rl_run.py \
         tests/e2e/test_rewards_sampling.py tests/e2e/test_sft_distill.py \
-        tests/unit/test_workflows_one_step_off.py tests/unit/test_workflows_fully_async.py
+        tests/unit/test_workflows_one_step_off.py tests/unit/test_workflows_fully_async.py \
+        tests/e2e/test_rollout_nodes.py
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ RECORDINGS: dict[str, tuple[str, str]] = {
                                  "tests/unit/test_workflows_fully_async.py)"),
     "rl_step_fully_async": ("fa-run/step-3", "its step 3: two buffered batches in, step 5's sampled beside "
                             "the train step"),
+    "training_run_rollout_nodes": ("spread", "a 3-step run on a trainer node and two rollout nodes "
+                                   "(engines.nodes 2; e2e test_rollout_nodes)"),
+    "training_run_rollout_node_lost": ("rollout-node-lost", "a run whose rollout node was killed during step 2: "
+                                       "replaced by a spare at the boundary, the fence moved (e2e test_rollout_nodes)"),
+    "rl_step_rollout_node_lost": ("rollout-node-lost/step-2", "that step: the lost node's chunks dealt again over "
+                                  "the survivor"),
 }
 
 

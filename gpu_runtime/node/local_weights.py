@@ -58,9 +58,11 @@ class LocalWeights:
         if not ((folder / WEIGHTS_FILE).exists() and held.get("checksum") == checksum):
             shutil.rmtree(folder, ignore_errors=True)
             folder.parent.mkdir(parents=True, exist_ok=True)
-            stats = pull_version(source_url, run_id, version, checksum, folder, token=engine_token())
+            # over the weights file of a version pruned here (faster than a fresh file on this kind of VM)
+            stats = pull_version(source_url, run_id, version, checksum, folder, token=engine_token(),
+                                 spares=spares_for(folder))
             log.info("weights v%d: pulled %d bytes from %s in %.2f s", version, stats.bytes, source_url, stats.seconds)
-        prune_version_folders(folder.parent, version)
+        prune_version_folders(folder.parent, version, spares=spares_for(folder))
         return folder
 
     def _fetch(self, store_uri: str, run_id: str, version: int, checksum: str | None,

@@ -19,16 +19,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
 
 from gpu_runtime.proc.processes import pid_alive
 from tests.e2e.faults import (
     Baselines, assert_bitwise_equal, assert_trained_exactly_once, final_weights, progress, start_run,
     wait_activity_started,
 )
+from tests.recorded_histories import record
 from tests.stack import Stack, running_stack, tiny_config, wait_for
 from workers.common import connect
 from workflows.run_state import RunProgress, RunSummary
 from workflows.stubs import ROLLOUT
+from workflows.training_run import RUN_WORKFLOWS
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +57,10 @@ def config(store: Path, **engines: object) -> dict:
                                 **engines})
 
 
-def run(stack: Stack, run_id: str, cfg: dict, fault=None, at: int = 1) -> tuple[RunSummary, RunProgress]:
+def run(stack: Stack, run_id: str, cfg: dict, fault=None, at: int = 1,
+        record_as: dict[str, str] | None = None) -> tuple[RunSummary, RunProgress]:
+    """Run ``cfg`` to its end (``fault(progress)`` once step ``at``'s rollout started); its histories
+    replay against the workflow code, and ``record_as`` (recording name -> workflow id) are recorded."""
     async def main() -> tuple[RunSummary, RunProgress]:
         client = await connect(stack.server.address)
         await start_run(client, run_id, cfg)
@@ -61,6 +68,14 @@ def run(stack: Stack, run_id: str, cfg: dict, fault=None, at: int = 1) -> tuple[
             await wait_activity_started(client, f"{run_id}/step-{at}", ROLLOUT.name)
             fault(await progress(client, run_id))
         summary = await asyncio.wait_for(client.get_workflow_handle(run_id, result_type=RunSummary).result(), 400)
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
+        ids = [run_id, *(f"{run_id}/step-{s}" for s in range(1, cfg["steps"] + 1))]
+        for wid in ids:
+            history = await client.get_workflow_handle(wid).fetch_history()
+            await replayer.replay_workflow(history)
+            for name, recorded in (record_as or {}).items():
+                if recorded == wid:
+                    record(name, history)  # tests/recorded_histories.py: with MILESTONE_RECORD_HISTORY
         return summary, await progress(client, run_id)
 
     return asyncio.run(main())
@@ -80,7 +95,7 @@ def test_chunks_spread_over_rollout_nodes_train_what_the_colocated_run_trains(
 ) -> None:
     store = stack.workdir / "store"
     cfg = config(store, nodes=2)
-    summary, prog = run(stack, "spread", cfg)
+    summary, prog = run(stack, "spread", cfg, record_as={"training_run_rollout_nodes": "spread"})
     assert summary.steps == 3
     rollout_ids = {n.node_id for n in prog.rollout_nodes}
     assert len(rollout_ids) == 2 and prog.node_queue is not None
@@ -109,7 +124,8 @@ def test_a_rollout_node_killed_mid_rollout_is_replaced_bitwise(stack: Stack, bas
     cfg = config(store, nodes=2)
     killed: list[str] = []
     summary, prog = run(stack, "rollout-node-lost", cfg, fault=lambda p: killed.append(kill_rollout_node(stack, p)),
-                        at=2)
+                        at=2, record_as={"training_run_rollout_node_lost": "rollout-node-lost",
+                                         "rl_step_rollout_node_lost": "rollout-node-lost/step-2"})
     try:
         assert summary.steps == 3
         lost = [e for e in prog.events if e.kind == "node_lost"]
