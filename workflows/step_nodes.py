@@ -18,6 +18,7 @@ node the step dropped, writing late, never writes a key the step trains.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import timedelta
 from typing import TypeVar
 
@@ -33,6 +34,9 @@ with workflow.unsafe.imports_passed_through():
 
 T = TypeVar("T")
 In = TypeVar("In")
+
+# Temporal's name of a heartbeat timeout among a retry policy's non-retryable error types
+HEARTBEAT_TIMEOUT = "TemporalTimeout:Heartbeat"
 
 
 def chunk_count(cfg: RunConfig, n_prompts: int | None) -> int:
@@ -65,10 +69,15 @@ class StepNodes:
         return bool(self.live or self.lost)
 
     def stub(self, stub: ActivityStub) -> ActivityStub:
-        """``stub`` with the liveness timeout as its heartbeat and schedule-to-start timeouts."""
+        """``stub`` with the liveness timeout as its heartbeat and schedule-to-start timeouts, and
+        a heartbeat timeout final (the node is lost now): retried, each attempt would be taken
+        by a long poll that a stopped (SIGSTOPped, partitioned) agent left open, and time out
+        again, one attempt per open poll, for about a minute before the share is dealt again."""
         if self.timeout is None:
             return stub
-        return stub.with_timeouts(heartbeat=self.timeout, schedule_to_start=self.timeout)
+        timed = stub.with_timeouts(heartbeat=self.timeout, schedule_to_start=self.timeout)
+        final = [*(timed.retry.non_retryable_error_types or []), HEARTBEAT_TIMEOUT]
+        return replace(timed, retry=replace(timed.retry, non_retryable_error_types=final))
 
     def drop(self, queue: str, why: str) -> None:
         if queue in self.live:
