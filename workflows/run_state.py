@@ -118,6 +118,7 @@ class RunProgress(BaseModel):
     policy_version: int
     data_cursor: int
     node_queue: str | None = None
+    trainer_node: NodeClaim | None = None  # the claim of the node that trains (its queue is node_queue)
     rollout_nodes: list[NodeClaim] = Field(default_factory=list)  # engines.nodes > 0: the nodes that generate
     lineage: list[ForkPoint] = Field(default_factory=list)  # a fork: its ancestors, the last is its parent
     steps: list[StepSummary] = Field(default_factory=list)

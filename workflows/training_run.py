@@ -287,6 +287,7 @@ class TrainingRun:
             policy_version=st.policy_version,
             data_cursor=st.data_cursor,
             node_queue=st.node.task_queue if st.node else None,
+            trainer_node=st.node,
             rollout_nodes=st.rollout_nodes,
             lineage=self.lineage,
             steps=st.history,
