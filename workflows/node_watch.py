@@ -68,6 +68,8 @@ class NodeWatch:
     def stop(self) -> None:
         if self.handle is not None and not self.handle.done():
             self.handle.cancel()
+        elif self.handle is not None and not self.handle.cancelled():
+            self.handle.exception()  # ended on its own (the node was lost): seen, not an unretrieved error
         self.handle = self.queue = None
 
     async def finish(self) -> None:

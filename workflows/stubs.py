@@ -124,7 +124,8 @@ CLAIM_NODE = ActivityStub(
     start_to_close=timedelta(seconds=10), retry=_retry(0),
 )
 # the same activity, claimed from the pool of agents that may serve a run's rollouts (engines.nodes)
-CLAIM_ROLLOUT_NODE = replace(CLAIM_NODE, queue=QueueKind.ROLLOUT_POOL)
+# (retried every 5 s at most: the agents of the run's own nodes poll this pool too and refuse it)
+CLAIM_ROLLOUT_NODE = replace(CLAIM_NODE, queue=QueueKind.ROLLOUT_POOL, retry=_retry(0, 5.0))
 # the run's rollout nodes changed at a step boundary: the fence moves to the new placement's epoch
 FENCE_PLACEMENT: ActivityStub[placement.FencePlacementInput, None] = ActivityStub(
     name="fence_placement", input=placement.FencePlacementInput, output=None, queue=QueueKind.CONTROL,

@@ -240,7 +240,9 @@ class TrainingRun:
         exclude = [st.node.task_queue] if st.node else []
         while True:
             st.node = await CLAIM_NODE.run(
-                ClaimNodeInput(run_id=run_id, exclude_queues=exclude, store_uri=cfg.store), summary="claim a node",
+                ClaimNodeInput(run_id=run_id, exclude_queues=exclude, store_uri=cfg.store,
+                               held_queues=self.rollout.queues(st)),  # never one of the run's rollout nodes
+                summary="claim a node",
             )
             self._event(NodeClaimed(at=_now(), queue=st.node.task_queue))
             try:
