@@ -9,7 +9,7 @@ refreshed, all together, by running the tests that make them with ``MILESTONE_RE
     MILESTONE_RECORD_HISTORY=1 .venv/bin/python -m pytest -p no:xdist tests/e2e/test_rl_run.py \
         tests/e2e/test_rewards_sampling.py tests/e2e/test_sft_distill.py \
         tests/unit/test_workflows_one_step_off.py tests/unit/test_workflows_fully_async.py \
-        tests/e2e/test_rollout_nodes.py
+        tests/e2e/test_rollout_nodes.py tests/e2e/test_multi_host.py
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ RECORDINGS: dict[str, tuple[str, str]] = {
                             "the train step"),
     "training_run_rollout_nodes": ("spread", "a 3-step run on a trainer node and two rollout nodes "
                                    "(engines.nodes 2; e2e test_rollout_nodes)"),
-    "training_run_rollout_node_lost": ("rollout-node-lost", "a run whose rollout node was killed during step 2: "
-                                       "replaced by a spare at the boundary, the fence moved (e2e test_rollout_nodes)"),
-    "rl_step_rollout_node_lost": ("rollout-node-lost/step-2", "that step: the lost node's chunks dealt again over "
+    "training_run_rollout_node_lost": ("rollout-host-lost", "a run whose rollout host was killed during step 2: "
+                                       "replaced by a spare at the boundary, the fence moved (e2e test_multi_host)"),
+    "rl_step_rollout_node_lost": ("rollout-host-lost/step-2", "that step: the lost node's chunks dealt again over "
                                   "the survivor"),
 }
 

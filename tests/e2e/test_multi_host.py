@@ -38,16 +38,19 @@ import torch
 from safetensors.torch import load as load_safetensors
 from temporalio.api.enums.v1 import RetryState, TimeoutType
 from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
 
 from gpu_runtime.data.datasets import prompts_for_step
 from gpu_runtime.proc.processes import pid_alive
 from spec.engine import EngineUpdate
 from tests.e2e.faults import assert_bitwise_equal, progress, start_run, wait_activity_started
+from tests.recorded_histories import record
 from tests.hosts import Bed, BedStore, Host, multi_host_bed_fixture  # noqa: F401  (fixture)
 from tests.stack import async_wait_for, tiny_config
 from workflows.run_state import RunProgress, RunSummary
 from workflows.stubs import ROLLOUT
-from workflows.training_run import TrainingRun
+from workflows.training_run import RUN_WORKFLOWS, TrainingRun
 
 pytestmark = pytest.mark.e2e
 
@@ -269,6 +272,21 @@ def test_a_rollout_host_lost_mid_rollout_is_replaced_by_the_spare(bed: Bed, twin
     assert lost.name not in stamped_nodes(store, run_id, 3)
     assert_trained_exactly_once(store, run_id, cfg)
     assert_bitwise_equal(done.weights, twin.weights)
+    replayed_and_recorded(bed, {"training_run_rollout_node_lost": run_id,
+                                "rl_step_rollout_node_lost": f"{run_id}/step-2"})
+
+
+def replayed_and_recorded(bed: Bed, histories: dict[str, str]) -> None:
+    """The histories (recording name -> workflow id) replay against the workflow code, and are
+    recorded with MILESTONE_RECORD_HISTORY (tests/recorded_histories.py)."""
+    async def main(client: Client) -> None:
+        replayer = Replayer(workflows=RUN_WORKFLOWS, data_converter=pydantic_data_converter)
+        for name, workflow_id in histories.items():
+            history = await client.get_workflow_handle(workflow_id).fetch_history()
+            await replayer.replay_workflow(history)
+            record(name, history)
+
+    bed.call(main)
 
 
 def test_the_trainer_host_lost_moves_the_trainer_and_keeps_the_rollout_hosts(bed: Bed, twin: Finished) -> None:

@@ -143,6 +143,10 @@ def test_hosts_are_isolated(bed: Bed) -> None:
     server.wait(10)
 
 
+# a run across the bed's hosts, and a colocated run moved off its lost host: long, as
+# tests/e2e/test_multi_host.py covers both with rollout hosts in every `make test`
+# (its rows 1 and 3); `make test-long` runs these
+@pytest.mark.long
 def test_full_run_completes(bed: Bed, twin: FinishedRun) -> None:
     """A whole run (SFT, 4 RL steps, checkpoints and the final eval) with its store on S3 on the
     services host and its trainer and engines on a node host."""
@@ -157,6 +161,7 @@ def test_full_run_completes(bed: Bed, twin: FinishedRun) -> None:
     assert (host.dir / "node").is_dir()
 
 
+@pytest.mark.long
 def test_run_moves_to_the_other_host(bed: Bed, twin: FinishedRun) -> None:
     """The host holding a run is lost (every process SIGKILLed) after step 1 committed: the
     run completes on the other host, bitwise equal to its fault-free twin; an agent started
