@@ -84,6 +84,19 @@ def write_version_folder(folder: Path, shape: str | None, size_mb: int | None, v
     return write_model_folder(cfg, None, tok, folder, weight_version=version, weights=weights)
 
 
+def send_to_first_client(srv: socket.socket, nbytes: int) -> None:
+    """Send ``nbytes`` from memory to the first client of ``srv``, then close both."""
+    with srv:
+        conn, _ = srv.accept()
+        with conn:
+            data = memoryview(bytearray(BUF_BYTES))
+            left = nbytes
+            while left:
+                n = min(left, len(data))
+                conn.sendall(data[:n])
+                left -= n
+
+
 def serve_raw_tcp(host: str, nbytes: int) -> tuple[int, threading.Thread]:
     """A listening socket on ``host`` (a free port) that sends ``nbytes`` from memory to the
     first client and closes; (the port, the sending thread)."""
@@ -91,15 +104,7 @@ def serve_raw_tcp(host: str, nbytes: int) -> tuple[int, threading.Thread]:
     port = srv.getsockname()[1]
 
     def send() -> None:
-        with srv:
-            conn, _ = srv.accept()
-            with conn:
-                data = memoryview(bytearray(BUF_BYTES))
-                left = nbytes
-                while left:
-                    n = min(left, len(data))
-                    conn.sendall(data[:n])
-                    left -= n
+        send_to_first_client(srv, nbytes)
 
     t = threading.Thread(target=send, name="raw-tcp-sender", daemon=True)
     t.start()

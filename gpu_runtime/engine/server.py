@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gpu_runtime.engine.auth import authorized, check_exposure, engine_token
+from gpu_runtime.proc.auth import authorized, check_exposure, engine_token, refuse_unauthorized
 from gpu_runtime.engine.generate import GenResult, generate_batch
 from gpu_runtime.engine.memory_occupation import EngineReleased, MemoryOccupation, release_route, resume_route
 from transformers import PreTrainedModel
@@ -303,13 +303,7 @@ class EngineHandler(BaseHTTPRequestHandler):
 
     def _refuse(self) -> None:
         self.close_connection = True  # the unread body must not be taken for the next request
-        body = b'{"error": "unauthorized: send Authorization: Bearer <token>"}'
-        self.send_response(401)
-        self.send_header("WWW-Authenticate", "Bearer")
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        refuse_unauthorized(self, "unauthorized: send Authorization: Bearer <token>")
 
     def _route(self, method: str) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"

@@ -61,7 +61,8 @@ class LocalWeights:
             # over the weights file of a version pruned here (faster than a fresh file on this kind of VM)
             stats = pull_version(source_url, run_id, version, checksum, folder, token=engine_token(),
                                  spares=spares_for(folder))
-            log.info("weights v%d: pulled %d bytes from %s in %.2f s", version, stats.bytes, source_url, stats.seconds)
+            log.info("weights v%d of run %s: pulled %d bytes from %s in %.3f s", version, run_id, stats.bytes,
+                     source_url, stats.seconds)
         prune_version_folders(folder.parent, version, spares=spares_for(folder))
         return folder
 

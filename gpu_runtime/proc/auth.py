@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import os
+from http.server import BaseHTTPRequestHandler
 
 ENGINE_TOKEN_ENV = "MILESTONE_ENGINE_TOKEN"
 
@@ -50,3 +52,14 @@ def authorized(header: str | None, token: str) -> bool:
 
 def bearer_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def refuse_unauthorized(handler: BaseHTTPRequestHandler, message: str) -> None:
+    """Answer a request without the bearer token: 401, ``WWW-Authenticate: Bearer``, ``{"error": message}``."""
+    body = json.dumps({"error": message}).encode()
+    handler.send_response(401)
+    handler.send_header("WWW-Authenticate", "Bearer")
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)

@@ -27,7 +27,6 @@ check, naming the tensor, and a file that went away has the version resolved aga
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -42,7 +41,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from gpu_runtime.models.model_folder import read_meta
-from gpu_runtime.proc.auth import authorized, check_exposure
+from gpu_runtime.proc.auth import authorized, check_exposure, refuse_unauthorized
 from gpu_runtime.proc.rpc import send_json
 from gpu_runtime.weight_sync.http_manifest import build_manifest
 
@@ -218,13 +217,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         weights = self.server.weights
         if weights.token and not authorized(self.headers.get("Authorization"), weights.token):
-            body = json.dumps({"error": "this weight server needs Authorization: Bearer <token>"}).encode()
-            self.send_response(401)
-            self.send_header("WWW-Authenticate", "Bearer")
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            refuse_unauthorized(self, "this weight server needs Authorization: Bearer <token>")
             return
         try:
             key, rel = self._parsed()
