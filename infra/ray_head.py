@@ -37,13 +37,27 @@ def head_env() -> dict[str, str]:
             **{k: os.environ.get(k, v) for k, v in RAY_WORKER_ENV.items()}}
 
 
-def head_command(port: int, temp_dir: Path, num_cpus: int) -> list[str]:
+def _ray() -> str:
     ray = ray_executable()
     if ray is None:
         raise FileNotFoundError("the ray command is not installed (pip install -e '.[cells]')")
-    return [ray, "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1",
+    return ray
+
+
+def head_command(port: int, temp_dir: Path, num_cpus: int, node_ip: str = "127.0.0.1") -> list[str]:
+    """``ray start --head --block`` on ``node_ip`` (the address its raylet registers: other
+    hosts' raylets and the cell's ranks reach it there; 127.0.0.1 keeps it to this machine)."""
+    return [_ray(), "start", "--head", "--block", "--port", str(port), "--node-ip-address", node_ip,
             "--num-cpus", str(num_cpus), "--temp-dir", str(temp_dir.resolve()), "--include-dashboard", "false",
             "--disable-usage-stats"]
+
+
+def worker_command(head: str, temp_dir: Path, num_cpus: int, node_ip: str) -> list[str]:
+    """``ray start --block`` of a worker raylet on ``node_ip`` joining the cluster whose head
+    (its GCS) is ``head`` (``host:port``): a second machine's CPUs for a ``spread`` cell.
+    Stopped as a head is, by pid (``stop_head``)."""
+    return [_ray(), "start", "--block", "--address", head, "--node-ip-address", node_ip,
+            "--num-cpus", str(num_cpus), "--temp-dir", str(temp_dir.resolve()), "--disable-usage-stats"]
 
 
 def head_processes(pid: int) -> list[psutil.Process]:
@@ -118,4 +132,5 @@ def wait_ready(pid: int, port: int, timeout_s: float = 120.0) -> None:
     raise TimeoutError(f"the Ray head (pid {pid}) did not serve on 127.0.0.1:{port} within {timeout_s:.0f} s")
 
 
-__all__ = ["RAY_HEAD_PORT", "head_command", "head_env", "head_processes", "ray_executable", "stop_head", "wait_ready"]
+__all__ = ["RAY_HEAD_PORT", "head_command", "head_env", "head_processes", "ray_executable", "stop_head", "wait_ready",
+           "worker_command"]

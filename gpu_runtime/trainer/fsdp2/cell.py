@@ -3,11 +3,17 @@
 The driver (the trainer process) owns a local Ray instance (``ray_runtime.RayRuntime``): it reserves
 one bundle per rank in a placement group (``STRICT_PACK``: all ranks on one node), starts
 one ``_Rank`` actor per bundle, and the ranks join a ``torch.distributed`` group over TCP
-on 127.0.0.1: gloo on the CPU; on CUDA (the trainer process's ``--device``) each rank
+at rank 0's node address: gloo on the CPU; on CUDA (the trainer process's ``--device``) each rank
 takes one GPU of the placement group and the group is NCCL (``fsdp2.device``). Every
 driver call runs the same method on all ranks at once (FSDP's collectives need every
 rank) and answers rank 0's result; the calls of the ranks' trainers are declared in
 ``rank_methods``. Ray is imported lazily: the ``cells`` extra is optional.
+
+With ``trainer.placement: spread`` over a cluster of several machines the ranks sit on
+different Ray nodes: the group's rendezvous is rank 0's node address, each rank's gloo
+uses the interface holding its own node address (``network.py``), and a rank on another
+node than the driver gets the folders a call names through Ray instead of the driver's
+filesystem (``folders.py``: no shared filesystem is assumed).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +34,8 @@ from gpu_runtime.store.artifacts import Sample
 from gpu_runtime.trainer.fsdp2.device import cell_kind, prepare_rank, rank_bundle, this_rank
 from gpu_runtime.trainer.fsdp2 import rank_methods
 from gpu_runtime.trainer.fsdp2.errors import CellFailed, CellPlacementFailed, CellRankDied, CellRankHung, RayUnavailable
+from gpu_runtime.trainer.fsdp2.folders import Tree, read_tree, write_tree
+from gpu_runtime.trainer.fsdp2.network import pin_gloo_interface
 from gpu_runtime.trainer.fsdp2.rank import CellRankTrainer
 from gpu_runtime.trainer.fsdp2.rank_methods import RankMethod
 from gpu_runtime.trainer.protocol import ALIVE, Alive, Dead, Health, TrainerDefaults
@@ -69,9 +78,13 @@ class _Rank:
         return f"{ray.util.get_node_ip_address()}:{_free_port()}"
 
     def join(self, master: str, world: int, timeout_s: float) -> None:
-        """Join the cell's group; every collective waiting longer than ``timeout_s`` raises."""
+        """Join the cell's group; every collective waiting longer than ``timeout_s`` raises.
+        Gloo binds the interface of this rank's Ray node address (``network.py``)."""
+        import ray
         import torch.distributed as dist
 
+        if self.placement.backend == "gloo":
+            pin_gloo_interface(ray.util.get_node_ip_address())
         dist.init_process_group(self.placement.backend, init_method=f"tcp://{master}", rank=self.rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
 
@@ -87,9 +100,31 @@ class _Rank:
     def build(self, base_folder: str, hparams: TrainSpec, seed: int) -> None:
         self.trainer = CellRankTrainer.create_rank(base_folder, hparams, seed)
 
+    def build_away(self, files: Tree, hparams: TrainSpec, seed: int) -> None:
+        """``build`` on a rank that does not see the driver's files: the model folder's
+        ``files`` written to a stage of this rank first (``folders.py``)."""
+        with tempfile.TemporaryDirectory(prefix="cell-rank-") as stage:
+            folder = Path(stage) / "model"
+            write_tree(folder, files)
+            self.build(str(folder), hparams, seed)
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A declared method of the rank's trainer (``rank_methods.RANK_METHODS``), by name."""
         return rank_methods.serve(self.trainer, method, *args, **kwargs)
+
+    def call_away(self, method: str, files: Tree | None, *args: Any, **kwargs: Any) -> tuple[Any, Tree]:
+        """``call`` of a method that names a folder, on a rank that does not see the driver's
+        files: the method runs on a stage of this rank (``files`` written there first when it
+        reads the folder); its result, and the files it wrote there when it writes it."""
+        use = rank_methods.declared(method).folder
+        if use is None:
+            raise ValueError(f"rank method {method!r} names no folder: call it with call()")
+        with tempfile.TemporaryDirectory(prefix="cell-rank-") as stage:
+            folder = Path(stage) / "folder"
+            if use == "reads":
+                write_tree(folder, files or {})
+            out = self.call(method, str(folder), *args, **kwargs)
+            return out, read_tree(folder) if use == "writes" else {}
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -129,6 +164,7 @@ class TrainerCell(TrainerDefaults):
         self.kind = cell_kind(device)  # cpu | cuda: one GPU per rank, NCCL
         self.collective_timeout_s = collective_timeout_s
         self.actors: list[Any] = []
+        self.away = [False] * ranks  # per rank: on another Ray node than this driver (set once placed)
         strategy = STRATEGIES[placement]
         try:
             self.pg = placement_group([rank_bundle(self.kind, cpus_per_rank)] * ranks, strategy=strategy)
@@ -157,20 +193,29 @@ class TrainerCell(TrainerDefaults):
             master = ray.get(self.actors[0].rendezvous.remote(), timeout=placement_timeout_s)
             self._all(_Rank.join, master, ranks, collective_timeout_s)
             self.where = self._all(_Rank.where)
-            self._all(_Rank.build, str(base_folder), hparams, seed)
+            # ranks on another Ray node than this driver do not see its files (folders.py)
+            here = ray.get_runtime_context().get_node_id()
+            self.away = [str(w["node_id"]) != here for w in self.where]
+            model = ray.put(read_tree(base_folder)) if any(self.away) else None
+            self._each([("build_away", (model, hparams, seed), {}) if away else
+                        ("build", (str(base_folder), hparams, seed), {}) for away in self.away])
         except BaseException:
             self.close()
             raise
 
     def _all(self, fn: Callable[Concatenate[_Rank, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
-        """``fn`` (a method of ``_Rank``) on every rank. The first rank that fails ends the wait
-        (its peers may be blocked in a collective with it, and are killed when the cell is
-        closed); once one rank has answered, the others have ``collective_timeout_s`` plus a
-        grace to follow."""
+        """``fn`` (a method of ``_Rank``) on every rank, with the same arguments (``_each``)."""
+        return self._each([(fn.__name__, args, kwargs)] * len(self.actors))
+
+    def _each(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """On rank ``i``, its ``calls[i]`` = (method of ``_Rank``, args, kwargs). The first rank
+        that fails ends the wait (its peers may be blocked in a collective with it, and are
+        killed when the cell is closed); once one rank has answered, the others have
+        ``collective_timeout_s`` plus a grace to follow."""
         import ray
 
-        method = fn.__name__
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        method = calls[0][0]
+        refs = [getattr(a, name).remote(*args, **kwargs) for a, (name, args, kwargs) in zip(self.actors, calls)]
         pending = list(refs)
         first_done = False
         while pending:
@@ -241,8 +286,24 @@ class TrainerCell(TrainerDefaults):
         return self._fail(CellRankDied(f"rank {rank} of the cell died during {method}: {err}"))
 
     def _call(self, method: RankMethod[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """``method`` of every rank's trainer: rank 0's result."""
-        return self._all(_Rank.call, method.name, *args, **kwargs)[0]
+        """``method`` of every rank's trainer: rank 0's result. A method that names a folder
+        (its first argument) runs on a stage on the ranks away from this driver's files: the
+        folder sent to them first, or what they wrote there written into it after."""
+        if method.folder is None or not any(self.away):
+            return self._all(_Rank.call, method.name, *args, **kwargs)[0]
+        import ray
+
+        folder, rest = str(args[0]), args[1:]
+        files = ray.put(read_tree(folder)) if method.folder == "reads" else None
+        results = self._each([("call_away", (method.name, files, *rest), kwargs) if away else
+                              ("call", (method.name, folder, *rest), kwargs) for away in self.away])
+        out = []
+        for away, result in zip(self.away, results):
+            if away:
+                result, written = result
+                write_tree(folder, written)
+            out.append(result)
+        return out[0]
 
     # ---- what the trainer service calls
     def train_step(self, samples: list[Sample], rewards: list[float], group_size: int,
