@@ -29,6 +29,7 @@ pull, the dispatch) at equal total engines.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -50,6 +51,8 @@ from workflows.run_state import RunProgress  # noqa: E402
 
 SHAPES: dict[str, dict] = {"demo": {}, "0.36b": FULL_SHAPE}
 LINK_PORT = 7100
+LINK_RUNS = itertools.count()
+LINK_ENV = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 GB = 1e9
 
 
@@ -92,13 +95,14 @@ def run(bed: Bed, cfg: RunConfig, run_id: str) -> tuple[dict, RunProgress]:
 def link_seconds(bed: Bed, nbytes: int) -> float:
     """Raw TCP, node0 -> node1, ``nbytes`` in one stream."""
     server = bed.host("node0")
-    proc = server.spawn("link", [sys.executable, "-m", "bench._link", "serve", server.addr, str(LINK_PORT),
-                                 str(nbytes)], env=bed.worker_env)
+    name = f"link-{next(LINK_RUNS)}"  # a log of its own: "listening" is this sender's
+    proc = server.spawn(name, [sys.executable, "-m", "bench._link", "serve", server.addr, str(LINK_PORT),
+                                 str(nbytes)], env=LINK_ENV)
     try:
-        wait_for(lambda: "listening" in bed.log("node0", "link") or proc.poll() is not None, 120,
+        wait_for(lambda: "listening" in bed.log("node0", name) or proc.poll() is not None, 120,
                  what="the raw TCP sender to listen")
         got = bed.host("node1").run([sys.executable, "-m", "bench._link", "recv", server.addr, str(LINK_PORT),
-                                     str(nbytes)], timeout_s=600, env=bed.worker_env)
+                                     str(nbytes)], timeout_s=600, env=LINK_ENV)
         if got.returncode:
             raise RuntimeError(f"raw TCP receive failed: {got.stderr[-2000:]}")
         return float(json.loads(got.stdout.strip().splitlines()[-1])["seconds"])
