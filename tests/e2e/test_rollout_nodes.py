@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from tests.e2e.faults import (
     Baselines, assert_bitwise_equal, assert_trained_exactly_once, final_weights, progress, start_run,
 )
 from tests.recorded_histories import record
-from tests.stack import Stack, running_stack, tiny_config
+from tests.stack import Stack, tiny_config
 from workers.common import connect
 from workflows.run_state import RunProgress, RunSummary
 from workflows.training_run import RUN_WORKFLOWS
@@ -36,12 +37,17 @@ ROLLOUT_ONLY = ("--role", "rollout")
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """node0 trains (or serves rollouts); node1 and node2 serve rollouts only."""
-    with running_stack(tmp_path_factory.mktemp("rollout-nodes")) as s:
-        for node in ("node1", "node2"):
-            s.start_gpu(node, extra=ROLLOUT_ONLY)
-        yield s
+def stack(plain_stack: Stack) -> Iterator[Stack]:
+    """The session's plain stack (its node0 trains) with two rollout-only agents for this module:
+    they poll only the rollout pool, so no other module's run is placed on them."""
+    agents = [f"gpu-{node}" for node in ("rollout1", "rollout2")]
+    for name in agents:
+        plain_stack.start_gpu(name.removeprefix("gpu-"), extra=ROLLOUT_ONLY)
+    try:
+        yield plain_stack
+    finally:
+        for name in agents:
+            plain_stack.kill(name, signal.SIGTERM)  # a graceful stop: its engines stop with it
 
 
 def config(store: Path, **engines: object) -> dict:
