@@ -103,3 +103,21 @@ def test_chunks_spread_over_rollout_nodes_train_what_the_colocated_run_trains(
     assert sorted(p.name for p in (store / "runs" / "spread" / "weights").iterdir()) == ["v000000", "v000003"]
     colocated = baselines.weights(config(store))  # engines.nodes 0, otherwise the same run
     assert_bitwise_equal(final_weights(store, "spread", 3), colocated)
+
+
+def test_one_step_off_samples_ahead_on_the_rollout_nodes_while_the_trainer_node_trains(
+    stack: Stack, baselines: Baselines,
+) -> None:
+    """one_step_off: step n+1's batch is generated on the rollout nodes during step n's train step on
+    the trainer node (the overlap disaggregation is for); the weights are bitwise the colocated run's."""
+    store = stack.workdir / "store"
+    mode = {"rollout": {"prompts_per_step": 4, "group_size": 4, "chunk_size": 4, "max_new_tokens": 4,
+                        "mode": "one_step_off"}}
+    cfg = {**config(store, nodes=2), **mode}
+    summary, prog = run(stack, "spread-one-step-off", cfg, record_as={})
+    assert summary.steps == 3
+    assert [s.rollout_version for s in prog.steps] == [0, 0, 1]  # step 2's batch sampled during step 1
+    assert stamped_nodes(store, "spread-one-step-off", 3) == {n.node_id for n in prog.rollout_nodes}
+    assert_trained_exactly_once(store, "spread-one-step-off", cfg)
+    colocated = baselines.weights({**config(store), **mode})
+    assert_bitwise_equal(final_weights(store, "spread-one-step-off", 3), colocated)
