@@ -35,12 +35,14 @@ class EngineSpec(Strict):
         "from local disk), shared_memory (the folder is read once into a /dev/shm segment the engines map; "
         "torch engines only) or distributed (the trainer broadcasts the version from memory over a "
         "torch.distributed group formed per push, gloo for a CPU trainer, NCCL on CUDA; SGLang's distributed "
-        "update API; engines it does not reach load from disk). Version-stamped and checksum-verified; the "
+        "update API; engines it does not reach load from disk; with nodes > 0 one group spans the trainer and the "
+        "engines of every rollout node, and those it does not reach pull the version from the trainer's node). Version-stamped and checksum-verified; the "
         "store stays the durable copy either way",
     )
     weight_sync_timeout_s: float = Field(
         60.0, gt=0, description="weight_sync distributed: how long joining the push's group, or one broadcast, "
-        "waits for a peer before the push falls back to disk for the engines it did not reach",
+        "waits for a peer before the push falls back to disk for the engines it did not reach (with nodes > 0 "
+        "also how long the trainer's node waits for the rollout nodes to register)",
     )
     release_memory: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -73,10 +75,10 @@ class EngineSpec(Strict):
         if self.weight_sync == "shared_memory" and self.backend != "torch":
             raise ValueError("engines.weight_sync shared_memory needs engines.backend torch "
                              "(SGLang engines load from disk or their own tensor API)")
-        if self.nodes and self.weight_sync == "distributed":
-            raise ValueError("engines.weight_sync distributed reaches the engines of the trainer's node only: with "
-                             "engines.nodes > 0 use store (each rollout node pulls the version from the trainer's "
-                             "node) or shared_memory (pulled once, then mapped by the node's engines)")
+        if self.nodes and self.weight_sync == "distributed" and self.backend != "torch":
+            raise ValueError("engines.weight_sync distributed with engines.nodes > 0 needs engines.backend torch: "
+                             "an SGLang engine's weights are verified against the version's folder, which a rollout "
+                             "node would have to pull anyway (use store)")
         if self.nodes and self.release_memory == "on":
             raise ValueError("engines.release_memory on takes turns with the trainer on one device: with "
                              "engines.nodes > 0 the engines do not share the trainer's node")

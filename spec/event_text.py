@@ -10,7 +10,7 @@ from spec.events import (
     CheckpointCorrupt, CheckpointUploadFailed, DiskFull, Divergence, DynamicFilterEmpty, EngineAdded, EngineChecksum,
     EngineDead, EngineHung, EngineRecovered, EngineRemoved, EngineRestarted, EnginesSet, EvalFailed, EvalSkipped,
     Forked, HParamsSet, LighthouseRestarted, LighthouseRestartFailed, NodeClaimed, NodeLost, RunEvent,
-    StaleWriteRefused, TrainerRestarted, TrainerRestored, WeightSyncFallback,
+    StaleWriteRefused, TrainerRestarted, TrainerRestored, WeightsReceived, WeightSyncFallback,
 )
 
 
@@ -20,6 +20,9 @@ def event_text(ev: RunEvent) -> str:
         case EngineDead() | EngineHung() | EngineRestarted() | EngineRecovered() | EngineChecksum() \
                 | WeightSyncFallback() | EngineAdded() | EngineRemoved():
             return f"slot {ev.slot}: {_engine(ev)}"
+        case WeightsReceived():
+            return (f"slots {ev.slots}: version={ev.version} from group {ev.group} "
+                    f"({ev.nbytes / 1e6:.1f} MB each, {ev.seconds:.2f}s)")
         case TrainerRestarted():
             return f"pid {ev.old_pid} exited with {ev.returncode}; new pid {ev.pid}"
         case TrainerRestored():

@@ -82,6 +82,18 @@ class WeightSyncFallback(Event):
     trainer_error: str = ""  # the trainer's side
 
 
+class WeightsReceived(Event):
+    """``weight_sync: distributed`` across hosts: a rollout node's engines got the version from the
+    trainer's weight-update group (no pull, no disk)."""
+
+    kind: Literal["weights_received"] = "weights_received"
+    version: str
+    slots: list[int]  # the engines that received it
+    group: str  # the push's group
+    nbytes: int  # bytes each engine received
+    seconds: float  # registration, join and receive, on this node
+
+
 class EngineAdded(Event):
     kind: Literal["engine_added"] = "engine_added"
     slot: int
@@ -294,14 +306,14 @@ class Forked(Event):
 
 
 RunEvent = Annotated[
-    EngineDead | EngineHung | EngineRestarted | EngineRecovered | EngineChecksum | WeightSyncFallback | EngineAdded
-    | EngineRemoved | TrainerRestarted | TrainerRestored | CheckpointUploadFailed | CheckpointCorrupt | DiskFull
+    EngineDead | EngineHung | EngineRestarted | EngineRecovered | EngineChecksum | WeightSyncFallback | WeightsReceived
+    | EngineAdded | EngineRemoved | TrainerRestarted | TrainerRestored | CheckpointUploadFailed | CheckpointCorrupt | DiskFull
     | StaleWriteRefused | CellStarted | CellFailed | CellsStarted | CellLost | CellRestartFailed | CellRestarted
     | CellHealed | CellsDiverged | LighthouseRestarted | LighthouseRestartFailed | NodeClaimed | NodeLost | Divergence
     | EvalFailed | EvalSkipped | DynamicFilterEmpty | HParamsSet | EnginesSet | Forked,
     Field(discriminator="kind"),
 ]
 EngineEvent = (
-    EngineDead | EngineHung | EngineRestarted | EngineRecovered | EngineChecksum | WeightSyncFallback | EngineAdded
-    | EngineRemoved
+    EngineDead | EngineHung | EngineRestarted | EngineRecovered | EngineChecksum | WeightSyncFallback | WeightsReceived
+    | EngineAdded | EngineRemoved
 )

@@ -232,6 +232,9 @@ class BroadcastWeightsCall(Message):
     dtypes: list[str]
     shapes: list[list[int]]
     bucket_bytes: int = 0  # > 0: consecutive tensors packed per broadcast (torch engines; distributed.Manifest)
+    # the rendezvous store at master_address:master_port is hosted by the node agent (a cross-host push,
+    # ``group_rendezvous``): rank 0 connects to it as a client instead of serving it
+    store_hosted: bool = False
 
 
 class WeightsBroadcast(Message):

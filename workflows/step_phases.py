@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.disk_wait import waiting_for_disk
     from workflows.failures import Failure, failure_in
+    from workflows.rollout_push import broadcast_to_rollout_nodes, push_to_rollout_nodes
     from workflows.step_nodes import StepNodes
     from workflows.stubs import CHECKPOINT, EVALUATE, RESTART_CELLS, TRAIN_STEP, UPDATE_WEIGHTS
 
@@ -95,7 +96,9 @@ def trained_temperature(inp: RLStepInput) -> float:
 
 async def update_weights(inp: RLStepInput, trained: TrainStepResult, nodes: StepNodes | None = None) -> UpdateWeightsResult:
     """The trained version to every engine (empty slots restarted first), checksums compared: on
-    the trainer's node, or on every live rollout node, each pulling it from the trainer's node."""
+    the trainer's node, or on every live rollout node (``workflows.rollout_push``), each pulling
+    it from the trainer's node, or, ``engines.weight_sync: distributed``, broadcast to them all
+    by the trainer."""
     update = UpdateWeightsInput(
         run_id=inp.run_id, store_uri=inp.config.store, policy_version=trained.policy_version,
         checksum=trained.checksum, engines=inp.config.engines, source_url=inp.weights_url,
@@ -103,29 +106,9 @@ async def update_weights(inp: RLStepInput, trained: TrainStepResult, nodes: Step
     summary = f"update weights v{trained.policy_version}"
     if nodes is None or not nodes.spread:
         return await UPDATE_WEIGHTS.run(update, queue=inp.node_queue, summary=summary)
+    if update.engines.weight_sync == "distributed" and nodes.live:
+        return await broadcast_to_rollout_nodes(inp, nodes, update, summary)
     return await push_to_rollout_nodes(nodes, update, summary)
-
-
-async def push_to_rollout_nodes(nodes: StepNodes, update: UpdateWeightsInput, summary: str) -> UpdateWeightsResult:
-    """``update`` on every live rollout node at once; a node lost meanwhile is dropped (the run
-    replaces it at the next step boundary, and the new one serves nothing before it holds the
-    run's version). Their results as one."""
-    stub = nodes.stub(UPDATE_WEIGHTS)
-    started = workflow.now()
-    pushed = await nodes.on_each({
-        q: asyncio.ensure_future(stub.run(update, queue=q, summary=f"{summary} on {q}"))
-        for q in nodes.live
-    })
-    if not pushed:
-        raise nodes.none_left(summary)
-    results = list(pushed.values())
-    return UpdateWeightsResult(
-        policy_version=update.policy_version,
-        restarted_slots=[i for r in results for i in r.restarted_slots],
-        engines=[e for r in results for e in r.engines],
-        seconds=seconds_since(started),
-        node_events=[e for r in results for e in r.node_events],
-    )
 
 
 async def checkpoint_if_due(inp: RLStepInput, cursor: int) -> CheckpointResult | None:

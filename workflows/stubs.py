@@ -29,7 +29,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, TimeoutError, TimeoutType
 from temporalio.workflow import ActivityCancellationType
 
-from workflows.contracts import cells, placement, sampling, training
+from workflows.contracts import cells, placement, sampling, training, weight_group
 from workflows.failures import NON_RETRYABLE, Failure, failure
 from workflows.queues import CONTROL_QUEUE, POOL_QUEUE, ROLLOUT_POOL_QUEUE, QueueKind
 
@@ -155,6 +155,17 @@ TRAIN_STEP = on_node("train_step", training.TrainStepInput, training.TrainStepRe
 UPDATE_WEIGHTS = on_node(
     "update_weights", training.UpdateWeightsInput, training.UpdateWeightsResult, timedelta(minutes=10), _retry(10),
 )
+# engines.weight_sync distributed with rollout nodes: the trainer node's agent hosts the push's group
+# store (short: it only binds a port), then its trainer broadcasts as rank 0 (an outcome, never retried:
+# a group that failed is over, and the rollout nodes it did not reach pull the version by themselves)
+OPEN_WEIGHT_GROUP = on_node(
+    "open_weight_group", weight_group.OpenWeightGroupInput, weight_group.WeightGroupAddress, timedelta(seconds=30),
+    _retry(3),
+)
+BROADCAST_WEIGHTS = on_node(
+    "broadcast_weights", weight_group.BroadcastWeightsInput, weight_group.BroadcastWeightsResult,
+    timedelta(minutes=10), RetryPolicy(maximum_attempts=1),
+)
 CHECKPOINT = on_node(
     "checkpoint", training.CheckpointInput, training.CheckpointResult, timedelta(minutes=60), _retry(10),
 )
@@ -167,5 +178,5 @@ EVALUATE = on_node("evaluate", training.EvalInput, training.EvalResult, timedelt
 
 STUBS: tuple[ActivityStub, ...] = (
     CLAIM_NODE, FENCE_PLACEMENT, PREPARE_DATA, INIT_POLICY, NODE_LIVENESS, ROLLOUT, COMPUTE_REWARDS_ON_NODE, TRAIN_STEP,
-    UPDATE_WEIGHTS, CHECKPOINT, RESTART_CELLS, EVALUATE,
+    UPDATE_WEIGHTS, OPEN_WEIGHT_GROUP, BROADCAST_WEIGHTS, CHECKPOINT, RESTART_CELLS, EVALUATE,
 )

@@ -34,6 +34,7 @@ from gpu_runtime.engine.router import RouterProcess
 from gpu_runtime.engine.supervisor import SlotSupervisor
 from gpu_runtime.engine.weight_push import WeightPush
 from gpu_runtime.weight_sync.distributed_push import Broadcaster, PushResult
+from gpu_runtime.weight_sync.member_push import GroupMember
 from spec.events import EngineEvent
 from spec.status import EngineSlotInfo
 
@@ -136,14 +137,20 @@ class EngineFleet:
     def resize(self, n: int) -> None:
         self.supervisor.resize(n)
 
+    @property
+    def model_path(self) -> str:
+        """The folder of the version the fleet serves (what an engine restarted with no argument loads)."""
+        return self.supervisor.model_path
+
     def restart_empty_slots(self, model_path: str | Path | None = None, version: int | str | None = None) -> list[int]:
         return self.supervisor.restart_empty_slots(model_path, version)
 
     def update_weights(
         self, model_path: str | Path, version: int | str, sync: str = "store", broadcaster: Broadcaster | None = None,
+        member: GroupMember | None = None,
     ) -> dict[int, str]:
         """``WeightPush.update_weights``; engines resumed without their weights have them again."""
-        verified = self.weights.update_weights(model_path, version, sync, broadcaster)
+        verified = self.weights.update_weights(model_path, version, sync, broadcaster, member)
         self.memory.push_pending = False
         return verified
 

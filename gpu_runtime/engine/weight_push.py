@@ -23,15 +23,17 @@ from gpu_runtime.weight_sync.distributed import (
     Manifest,
 )
 from gpu_runtime.weight_sync.distributed_push import Broadcaster, PushResult, Receive
+from gpu_runtime.weight_sync.member_push import GroupMember
 from gpu_runtime.weight_sync.shared_memory import NodeSegments
 from gpu_runtime.weight_sync.strategies import (
+    CrossHostReceive,
     DiskLoad,
     DistributedBroadcast,
     SharedMemoryLoad,
     WeightReceiver,
     WeightSync,
 )
-from spec.events import EngineChecksum, WeightSyncFallback, utc_now
+from spec.events import EngineChecksum, WeightsReceived, WeightSyncFallback, utc_now
 from spec.status import SlotState
 
 log = logging.getLogger(__name__)
@@ -50,8 +52,15 @@ class WeightPush:
     def close(self) -> None:
         self.shared_memory.close()
 
-    def strategy(self, sync: str, broadcaster: Broadcaster | None) -> WeightSync:
-        """``engines.weight_sync``'s strategy: ``distributed`` needs the trainer's ``broadcaster``."""
+    def strategy(self, sync: str, broadcaster: Broadcaster | None, member: GroupMember | None = None) -> WeightSync:
+        """``engines.weight_sync``'s strategy: ``distributed`` needs the trainer's ``broadcaster``, or,
+        on a rollout node, this node's seat in the trainer's group (``member``)."""
+        if sync == "distributed" and member is not None:
+            backend = self.slots.backend
+            return CrossHostReceive(member, devices=tuple(getattr(backend, "devices", ())),
+                                    send_checksum=backend.supports_checksum,
+                                    request_timeout_s=self.slots.generate_timeout_s,
+                                    ranks_per_engine=int(getattr(backend, "tp_size", 1)))
         if sync == "distributed":
             if broadcaster is None:
                 raise ValueError("update_weights: sync distributed needs a broadcaster (the trainer's)")
@@ -64,22 +73,34 @@ class WeightPush:
 
     def update_weights(
         self, model_path: str | Path, version: int | str, sync: str = "store", broadcaster: Broadcaster | None = None,
+        member: GroupMember | None = None,
     ) -> dict[int, str]:
         """Push weights to every healthy engine in parallel (``sync``: ``store``, ``shared_memory``
         or ``distributed``, the strategies), then verify that every engine reports the expected
-        checksum. Returns {slot: checksum}; raises WeightMismatch naming the disagreeing slots."""
+        checksum. Returns {slot: checksum}; raises WeightMismatch naming the disagreeing slots.
+        ``member`` (a rollout node's cross-host push): ``model_path`` is where the version's folder
+        goes once pulled, which the engines the group reached never need; the checksum expected
+        is the member's."""
         path, ver = str(model_path), str(version)
         targets = self.slots.healthy()
         if not targets:
+            if member is not None:
+                member.decline("no healthy engine")
             raise NoHealthyEngine(f"no healthy engine to update (slots: {[s.state for s in self.slots.slots]})")
-        strategy = self.strategy(sync, broadcaster)
+        strategy = self.strategy(sync, broadcaster, member)
         try:
             strategy.deliver(self, [s.url for s in targets], path, ver)
         finally:
-            if isinstance(strategy, DistributedBroadcast) and strategy.result is not None:
+            if isinstance(strategy, DistributedBroadcast | CrossHostReceive) and strategy.result is not None:
                 self.last_push = strategy.result
+        if isinstance(strategy, CrossHostReceive) and strategy.result is not None and strategy.result.updated:
+            res = strategy.result
+            self.slots.emit(WeightsReceived(at=utc_now(), version=ver, slots=[self._slot(u).index for u in res.updated],
+                                            group=member.rendezvous.group_name if member else "",
+                                            nbytes=res.nbytes, seconds=round(res.seconds, 3)))
         self.slots.model_path, self.slots.weight_version = path, ver
-        return self._verify([s for s in targets if s.state == SlotState.HEALTHY], path, ver)
+        return self._verify([s for s in targets if s.state == SlotState.HEALTHY], path, ver,
+                            member.checksum if member is not None else None)
 
     # ---- the strategies' Engines ----------------------------------------------------
     def load_each(self, urls: list[str], load: Callable[[WeightReceiver], object]) -> None:
@@ -109,16 +130,21 @@ class WeightPush:
     def receive(self) -> Receive:
         return receive_broadcast
 
+    def slot_index(self, url: str) -> int:
+        return self._slot(url).index
+
     def _slot(self, url: str) -> Slot:
         return next(s for s in self.slots.slots if s.url == url)
 
     # ---- the gate --------------------------------------------------------------------
-    def _verify(self, targets: list[Slot], path: str, ver: str) -> dict[int, str]:
-        """Every target's reported weights against version ``ver`` and the expected checksum (a
-        ``checksum_ok`` / ``checksum_mismatch`` event each): {slot: checksum}, or WeightMismatch."""
+    def _verify(self, targets: list[Slot], path: str, ver: str, expected: str | None = None) -> dict[int, str]:
+        """Every target's reported weights against version ``ver`` and the expected checksum
+        (``expected``, else the folder's; a ``checksum_ok`` / ``checksum_mismatch`` event each):
+        {slot: checksum}, or WeightMismatch."""
         sup, gate = self.slots, self.slots.gate
         reports = list(sup.pool.map(sup.read_weights, targets))
-        expected = gate.expected_checksum(path)
+        if expected is None or not sup.backend.supports_checksum:
+            expected = gate.expected_checksum(path)
         if expected is None and sup.backend.supports_checksum and reports:
             expected = reports[0][1]
         bad: list[int] = []

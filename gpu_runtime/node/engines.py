@@ -30,6 +30,7 @@ from gpu_runtime.proc import faults, metrics
 from gpu_runtime.proc.devices import Placement
 from gpu_runtime.proc.processes import free_port, free_port_block
 from gpu_runtime.weight_sync.distributed_push import Broadcaster
+from gpu_runtime.weight_sync.member_push import GroupMember
 from spec.engine import EngineSpec
 from spec.events import EngineEvent, RunEvent
 
@@ -115,10 +116,15 @@ class NodeEngines:
             step_delay_ms=faults.engine_step_delay_ms(),  # tests: slows decoding so a kill lands mid-rollout
         )
 
-    def ensure(self, spec: EngineSpec, model_path: Path, version: int, run_id: str) -> list[int]:
+    def ensure(
+        self, spec: EngineSpec, model_path: Path, version: int, run_id: str, member: GroupMember | None = None,
+    ) -> list[int]:
         """Resume released engines, gated recovery, then weight push: returns the slots
         (re)started. A run whose engine settings differ from the running fleet's gets a new
-        fleet (and a new router when the bind address changed)."""
+        fleet (and a new router when the bind address changed). ``member``: a rollout node's seat
+        in a cross-host push of ``member.version``; engines start (or restart) with ``model_path``,
+        version ``version`` (a version this node holds on disk, as the engines only need a folder
+        of the same model to start from), then receive ``member.version`` from the trainer's group."""
         backend, health = spec.backend, health_config(spec)
         phases = resolve_release_memory(spec.release_memory, self.placement)
         if backend == "vllm" and phases.enabled:  # vLLM's sleep mode is not wired (refused on CPU)
@@ -152,9 +158,10 @@ class NodeEngines:
             else:
                 restarted = self.fleet.restart_empty_slots(model_path, version)
             broadcaster = None
-            if spec.weight_sync == "distributed":  # the trainer process is rank 0 of each push's group
+            if spec.weight_sync == "distributed" and member is None:  # this node's trainer: rank 0 of each push
                 broadcaster = self._broadcaster(run_id, spec.weight_sync_timeout_s, self._engine_devices(backend))
-            restarted = self._push_weights(self.fleet, model_path, version, spec.weight_sync, broadcaster, restarted)
+            restarted = self._push_weights(self.fleet, model_path, version, spec.weight_sync, broadcaster, restarted,
+                                           member)
             self._load_tokenizer(model_path)
             return restarted
 
@@ -181,14 +188,15 @@ class NodeEngines:
 
     def _push_weights(
         self, fleet: EngineFleet, model_path: Path, version: int, weight_sync: str, broadcaster: Broadcaster | None,
-        restarted: list[int],
+        restarted: list[int], member: GroupMember | None = None,
     ) -> list[int]:
-        """Push the version to the fleet; when every engine died before the push, restart them
-        with these weights and push again (``ENGINE_RECOVERY_ROUNDS`` in all). ``restarted``
-        plus the slots restarted here."""
+        """Push the version to the fleet (``member``: ``member.version`` from the trainer's group);
+        when every engine died before the push, restart them with these weights and push again
+        (``ENGINE_RECOVERY_ROUNDS`` in all). ``restarted`` plus the slots restarted here."""
+        target: tuple[Path, int | str] = (member.folder, member.version) if member else (model_path, version)
         for attempt in range(1, ENGINE_RECOVERY_ROUNDS + 1):
             try:
-                fleet.update_weights(model_path, version, weight_sync, broadcaster)
+                fleet.update_weights(*target, weight_sync, broadcaster, member)
                 break
             except NoHealthyEngine:
                 # every engine died between the restart and the push (a health probe timed

@@ -1,20 +1,35 @@
-"""A version's model folder on this node's disk, for its engines to load (``LocalWeights.folder``)."""
+"""A version's model folder on this node's disk, for its engines to load (``LocalWeights.folder``).
+
+A rollout node whose engines got a version from the trainer's weight-update group
+(``engines.weight_sync: distributed``) holds it in their memory only: ``expect`` records how
+to pull its folder, and ``materialize`` does so the first time something needs it on disk (an
+engine the group did not reach, an engine restarted between pushes)."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_runtime.models.model_folder import WEIGHTS_FILE, link_folder, prune_version_folders, read_meta, spares_for
 from gpu_runtime.engine.auth import engine_token
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.store.uri import open_store
-from gpu_runtime.trainer.work_dir import engine_weights_folder, weights_folder
+from gpu_runtime.trainer.work_dir import engine_weights_folder, run_versions, weights_folder
 from gpu_runtime.weight_sync.http_pull import pull_version
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Pull:
+    source_url: str
+    run_id: str
+    version: int
+    checksum: str
 
 
 class LocalWeights:
@@ -22,6 +37,9 @@ class LocalWeights:
 
     def __init__(self, trainer_dir: Path) -> None:
         self.trainer_dir = trainer_dir
+        self._pending: dict[Path, _Pull] = {}  # folders not on disk yet, and where to pull them from
+        self._pending_lock = threading.Lock()
+        self._materialize_lock = threading.Lock()
 
     def folder(
         self, store_uri: str, run_id: str, version: int, checksum: str | None = None,
@@ -65,6 +83,43 @@ class LocalWeights:
                      source_url, stats.seconds)
         prune_version_folders(folder.parent, version, spares=spares_for(folder))
         return folder
+
+    def expect(self, source_url: str, run_id: str, version: int, checksum: str) -> Path:
+        """The folder ``version`` will have here, pulled from ``source_url`` when first ``materialize``d
+        (the engines got the version some other way; a folder already here with ``checksum`` is kept)."""
+        folder = engine_weights_folder(self.trainer_dir, run_id, version)
+        with self._pending_lock:  # an older version of the run is served no more: never pulled
+            for old in [f for f, p in self._pending.items() if p.run_id == run_id and p.version < version]:
+                del self._pending[old]
+            self._pending[folder] = _Pull(source_url, run_id, version, checksum)
+        return folder
+
+    def materialize(self, folder: Path) -> Path:
+        """``folder`` on disk: pulled now when it was ``expect``ed and is not here yet (a
+        ``WeightPullError`` when its source cannot give it). Any other folder is returned as it is."""
+        folder = Path(folder)
+        with self._materialize_lock:  # one pull at a time into a folder
+            with self._pending_lock:
+                pull = self._pending.get(folder)
+            if pull is not None:
+                self.pulled(pull.source_url, pull.run_id, pull.version, pull.checksum)
+                with self._pending_lock:
+                    self._pending.pop(folder, None)
+        return folder
+
+    def newest(self, run_id: str) -> tuple[Path, int] | None:
+        """The newest complete version folder of ``run_id`` the engines were given here (its
+        path and version), or None: what engines start from before a version reaches them
+        from the trainer's group."""
+        parent = run_versions(self.trainer_dir, run_id) / "engines"
+        for folder in sorted(parent.glob("v[0-9]*"), reverse=True):
+            try:
+                meta = read_meta(folder)
+            except (OSError, ValueError):
+                continue
+            if (folder / WEIGHTS_FILE).exists() and isinstance(meta.get("weight_version"), int):
+                return folder, int(meta["weight_version"])
+        return None
 
     def _fetch(self, store_uri: str, run_id: str, version: int, checksum: str | None,
                export: Callable[[], None] | None, dst: Path) -> None:

@@ -20,6 +20,7 @@ from gpu_runtime.node.rows import DatasetRows
 from gpu_runtime.proc.devices import Placement
 from gpu_runtime.rollout.held import HeldChunks
 from gpu_runtime.trainer.process import TrainerProcess
+from gpu_runtime.weight_sync.member_push import GroupMember
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
 from spec.engine import EngineSpec
 from spec.events import RunEvent
@@ -94,9 +95,12 @@ class NodeRuntime:
         return out
 
     # ---- the run's engines (their pids written down whenever they may have changed) ----
-    def ensure_engines(self, spec: EngineSpec, model_path: Path, version: int, run_id: str) -> list[int]:
-        """The run's engines (``spec``) serving the version at ``model_path``: the slots (re)started."""
-        restarted = self.engines.ensure(spec, model_path, version, run_id or self.run_id or "")
+    def ensure_engines(
+        self, spec: EngineSpec, model_path: Path, version: int, run_id: str, member: GroupMember | None = None,
+    ) -> list[int]:
+        """The run's engines (``spec``) serving the version at ``model_path`` (``member``: started
+        from it, then given ``member.version`` by the trainer's group): the slots (re)started."""
+        restarted = self.engines.ensure(spec, model_path, version, run_id or self.run_id or "", member)
         self._write_children()
         return restarted
 
@@ -104,6 +108,8 @@ class NodeRuntime:
         """Restart empty slots with the weights the fleet last served (no engine alive)."""
         if self.engines.fleet is None:
             return []
+        # a version the engines got from the trainer's group is pulled now: the restarted ones load it
+        self.local_weights.materialize(Path(self.engines.fleet.model_path))
         restarted = self.engines.recover()
         self._write_children()
         return restarted

@@ -28,7 +28,7 @@ def broadcast(state: dict[str, torch.Tensor], call: BroadcastWeightsCall) -> Wei
     spec = GroupSpec(call.master_address, call.master_port, call.world_size, call.group_name, call.backend)
     manifest = Manifest(call.names, call.dtypes, call.shapes, call.bucket_bytes)
     t0 = time.perf_counter()
-    group = WeightGroup(spec, 0, call.timeout_s)
+    group = WeightGroup(spec, 0, call.timeout_s, store_hosted=call.store_hosted)
     try:
         joined = time.perf_counter()
         faults.delay("weight_broadcast")

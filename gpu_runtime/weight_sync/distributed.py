@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import struct
 import threading
 import time
@@ -203,24 +204,31 @@ class GroupSpec:
 
 
 class WeightGroup:
-    """This process's membership in one weight-update group."""
+    """This process's membership in one weight-update group. ``store_hosted``: the rendezvous
+    store is served by someone else (a cross-host push: the trainer node's agent), so rank 0
+    connects to it like every other member instead of serving it."""
 
-    def __init__(self, spec: GroupSpec, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, spec: GroupSpec, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 store_hosted: bool = False) -> None:
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} outside a group of {spec.world_size}")
         self.spec, self.rank, self.timeout_s = spec, rank, timeout_s
         timeout = timedelta(seconds=timeout_s)
         t0 = time.perf_counter()
         try:
-            self._store: dist.TCPStore | None = dist.TCPStore(spec.master_address, spec.master_port, spec.world_size, rank == 0,
-                                        timeout=timeout, wait_for_workers=False)
+            self._store: dist.TCPStore | None = dist.TCPStore(
+                spec.master_address, spec.master_port, spec.world_size, rank == 0 and not store_hosted,
+                timeout=timeout, wait_for_workers=False)
             prefixed = dist.PrefixStore(spec.group_name + "/", dist.PrefixStore(spec.group_name, self._store))
             if spec.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self._pg: Any = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)
             else:
-                self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+                gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack it
+                gloo._timeout = timeout
+                gloo._devices = [gloo_device(spec.master_address)]
+                self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, gloo)
         except Exception as err:  # noqa: BLE001 - torch raises RuntimeError/DistStoreError/DistNetworkError
             raise GroupError(f"join {spec.group_name} as rank {rank}/{spec.world_size} at "
                              f"{spec.master_address}:{spec.master_port} ({spec.backend}) failed after "
@@ -299,6 +307,26 @@ class WeightGroup:
             except Exception:  # noqa: BLE001 - tearing down a broken group
                 log.debug("shutdown of %s failed", self.spec.group_name, exc_info=True)
         self._store = None
+
+
+def local_address_towards(host: str) -> str | None:
+    """This machine's address on the route to ``host`` (no packet is sent), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def gloo_device(master_address: str) -> Any:
+    """The interface gloo binds for a group that meets at ``master_address``: the one on the
+    route to it. Gloo's default resolves this machine's host name, which on many hosts names a
+    loopback address (127.0.1.1) that members on other hosts cannot reach."""
+    address = local_address_towards(master_address)
+    if address is None:
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=address)
 
 
 class EngineGroups:

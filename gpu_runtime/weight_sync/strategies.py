@@ -5,7 +5,11 @@
   ``/dev/shm`` segment (``shared_memory``) the engines load from;
 - ``DistributedBroadcast`` (``distributed``): the trainer broadcasts the version from memory
   over a torch.distributed group formed for this push (``distributed_push``); the engines it
-  did not reach load the folder from disk (a ``weight_sync_fallback`` event each).
+  did not reach load the folder from disk (a ``weight_sync_fallback`` event each);
+- ``CrossHostReceive`` (``distributed`` on a rollout node): the node's engines join the group
+  of the trainer on another node (``member_push``); the ones it did not reach load the version
+  by the pull path (pulled from the trainer's node, then from disk; a ``weight_sync_fallback``
+  event each).
 
 A strategy only delivers. The fleet (``gpu_runtime.engine.weight_push``) chose the engines,
 declares dead the ones that fail to load, and checks every survivor's checksum afterwards,
@@ -20,6 +24,7 @@ from typing import Any, Protocol
 
 from gpu_runtime.models.model_folder import read_meta
 from gpu_runtime.weight_sync.distributed_push import Broadcaster, PushResult, Receive, push
+from gpu_runtime.weight_sync.member_push import GroupMember, member_push
 from gpu_runtime.weight_sync.shared_memory import NodeSegments
 
 
@@ -46,6 +51,9 @@ class Engines(Protocol):
     @property
     def receive(self) -> Receive:
         """One engine's side of a distributed push."""
+
+    def slot_index(self, url: str) -> int:
+        """The slot of the engine at ``url``."""
 
 
 class WeightSync(Protocol):
@@ -101,3 +109,37 @@ class DistributedBroadcast:
         for u in from_disk:
             engines.fell_back(u, version, res.failed.get(u), res.trainer_error or "")
         DiskLoad().deliver(engines, from_disk, folder, version)
+
+
+class CrossHostReceive:
+    """``distributed`` on a rollout node: ``member``'s seat in the trainer's group. The engines
+    the group does not reach load the version from its folder, pulled first (``member.materialize``).
+    ``devices``: the engines' devices, by slot; the other arguments as ``DistributedBroadcast``'s."""
+
+    def __init__(
+        self, member: GroupMember, *, devices: tuple[str, ...], send_checksum: bool, request_timeout_s: float,
+        ranks_per_engine: int,
+    ) -> None:
+        self.member = member
+        self.devices = devices
+        self.send_checksum = send_checksum
+        self.request_timeout_s = request_timeout_s
+        self.ranks_per_engine = ranks_per_engine
+        self.result: PushResult | None = None
+
+    def deliver(self, engines: Engines, urls: list[str], folder: str, version: str) -> None:
+        res = member_push(urls, self.member, receive=engines.receive, devices=self._devices_of(engines, urls),
+                          send_checksum=self.send_checksum, request_timeout_s=self.request_timeout_s,
+                          ranks_per_engine=self.ranks_per_engine)
+        self.result = res
+        from_disk = [u for u in urls if u not in res.updated]
+        if not from_disk:
+            return
+        for u in from_disk:
+            engines.fell_back(u, version, res.failed.get(u), res.trainer_error or "")
+        local = self.member.materialize()
+        DiskLoad().deliver(engines, from_disk, str(local), version)
+
+    def _devices_of(self, engines: Engines, urls: list[str]) -> tuple[str, ...]:
+        slots = [engines.slot_index(u) for u in urls]
+        return tuple(self.devices[i % len(self.devices)] for i in slots) if self.devices else ()

@@ -23,6 +23,7 @@ ONE_OF_EACH: list[ev.RunEvent] = [
     ev.EngineChecksum(at="t", kind="checksum_mismatch", slot=0, checksum="abd", expected="abc"),
     ev.EngineChecksum(at="t", kind="checksum_mismatch", slot=0, version="3", mismatched=["lm_head.weight"]),
     ev.WeightSyncFallback(at="t", slot=1, version="3", error="timed out", trainer_error="nccl"),
+    ev.WeightsReceived(at="t", version="3", slots=[0, 1], group="r/v3", nbytes=4096, seconds=0.25),
     ev.EngineAdded(at="t", slot=2, num_engines=3, port=30002),
     ev.EngineRemoved(at="t", slot=2, num_engines=2),
     ev.TrainerRestarted(at="t", old_pid=5, returncode=-9, pid=6),

@@ -10,6 +10,7 @@ from spec.placement import Placed
 from spec.status import EngineSlotInfo
 from spec.trainer_rpc import StepBatch, TrainedStep
 from workflows.contracts.sampling import SamplingStats
+from workflows.contracts.weight_group import GroupSeat
 
 
 class TrainStepInput(Placed):
@@ -34,6 +35,9 @@ class UpdateWeightsInput(BaseModel):
     # a rollout node: the trainer node's weight server, which it pulls the version from ("": the version is
     # this node's own trainer's export, or the store's copy)
     source_url: str = ""
+    # engines.weight_sync distributed with rollout nodes: this node's seat in the push's group (its engines
+    # receive the version from the trainer's; those it does not reach pull it from source_url). None: no group
+    group: GroupSeat | None = None
 
 
 class UpdateWeightsResult(BaseModel):
