@@ -30,7 +30,6 @@ from gpu_runtime.weight_sync.group_roster import Registration, Roster
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how often the trainer's node looks for registrations
 EXPIRY_FACTOR = 4  # an open group nobody broadcasts on is closed after this many timeouts
 
 
@@ -55,16 +54,13 @@ class HostedGroup:
 
     def registrations(self, nodes: int, wait_s: float) -> dict[int, Registration]:
         """The registrations of nodes ``0..nodes-1`` that arrive within ``wait_s`` (returns as soon
-        as every one did)."""
-        deadline = time.monotonic() + wait_s
-        got: dict[int, Registration] = {}
-        while True:
-            for n in range(nodes):
-                if n not in got and self.keys.check([f"reg/{n}"]):
-                    got[n] = Registration.from_json(self.keys.get(f"reg/{n}"))
-            if len(got) == nodes or time.monotonic() >= deadline:
-                return got
-            time.sleep(POLL_S)
+        as every one did: the store wakes this wait on the last one, no polling)."""
+        keys = [f"reg/{n}" for n in range(nodes)]
+        try:
+            self.keys.wait(keys, timedelta(seconds=wait_s))
+        except Exception as err:  # noqa: BLE001 - torch's timeout (DistStoreError): some never came
+            log.info("group %s: not every node registered within %.0fs: %s", self.group_name, wait_s, err)
+        return {n: Registration.from_json(self.keys.get(k)) for n, k in enumerate(keys) if self.keys.check([k])}
 
     def publish(self, roster: Roster) -> None:
         self.keys.set("roster", roster.to_json())
