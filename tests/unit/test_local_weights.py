@@ -79,3 +79,34 @@ def test_a_version_the_store_does_not_hold_is_exported_again(node: tuple[NodeRun
         rt.local_weights.folder(uri, RUN, 6, "sum-6")
     with pytest.raises(RuntimeError, match="does not hold it"):  # the export is another version
         rt.local_weights.folder(uri, RUN, 7, "sum-7", export=lambda: None)
+
+
+def test_a_broadcast_version_is_pulled_only_when_materialized(tmp_path: Path) -> None:
+    """A rollout node's engines got v2 from the trainer's group: ``expect`` writes nothing, the
+    newest folder on disk stays the one engines start from, and ``materialize`` pulls v2 from the
+    trainer node's weight server (once); a folder nobody expected is left as it is."""
+    from gpu_runtime.node.local_weights import LocalWeights
+    from gpu_runtime.trainer.work_dir import engine_weights_folder
+    from gpu_runtime.weight_sync.http_server import WeightServer
+    from tests.engine_fixtures import make_model_folder
+
+    served = tmp_path / "trainer-node" / "v000002"
+    checksum = make_model_folder(served, seed=2, weight_version=2)
+    server = WeightServer("127.0.0.1", resolve=lambda run, version, c: served).start()
+    try:
+        weights = LocalWeights(tmp_path / "rollout-node" / "trainer")
+        assert weights.newest(RUN) is None
+        v0 = engine_weights_folder(weights.trainer_dir, RUN, 0)
+        make_model_folder(v0, seed=0, weight_version=0)
+        assert weights.newest(RUN) == (v0, 0)
+        folder = weights.expect(server.url, RUN, 2, checksum)
+        assert not folder.exists() and weights.newest(RUN) == (v0, 0)  # nothing written
+        assert weights.materialize(folder) == folder
+        assert json.loads((folder / META_FILE).read_text())["checksum"] == checksum
+        assert weights.newest(RUN) == (folder, 2)
+        server.stop()  # a second materialize pulls nothing
+        assert weights.materialize(folder) == folder
+        other = engine_weights_folder(weights.trainer_dir, RUN, 7)
+        assert weights.materialize(other) == other and not other.exists()
+    finally:
+        server.stop()
