@@ -298,9 +298,14 @@ class Host:
         view is built on a stage (``<bed root>/stage/<host>``) and moved over the top at once."""
         tmp = Path("/tmp").resolve()
         top = tmp if self.bed_root.is_relative_to(tmp) else self.bed_root
-        for needed in (ROOT, Path(sys.prefix).resolve(), Path(sys.executable).resolve()):
-            if needed.is_relative_to(top):
-                raise ValueError(f"bed root {self.bed_root}: {needed} lies under {top}, which every host hides")
+        # the repo, the venv and the interpreter stay visible: bound back where the tmpfs hides them
+        # (a checkout under /tmp, say); the innermost of nested ones is covered by the outer
+        needed = sorted({p for p in (ROOT, Path(sys.prefix).resolve(), Path(sys.executable).resolve().parent)
+                         if p.is_relative_to(top)})
+        shown = [p for p in needed if not any(p != q and p.is_relative_to(q) for q in needed)]
+        for path in shown:
+            if self.bed_root.is_relative_to(path):
+                raise ValueError(f"bed root {self.bed_root} lies inside {path}, which every host must see")
         stage = self.bed_root / "stage" / self.name
         stage.mkdir(parents=True, exist_ok=True)
         inner = stage / self.dir.relative_to(top)
@@ -312,8 +317,11 @@ class Host:
             f"mount -t tmpfs -o mode=755 {self.ns}-view {q(str(stage))}",
             f"mkdir -p {q(str(inner))}",
             f"mount --bind {q(str(self.dir))} {q(str(inner))}",
-            f"mount --move {q(str(stage))} {q(str(top))}",
         ]
+        for path in shown:
+            lines += [f"mkdir -p {q(str(stage / path.relative_to(top)))}",
+                      f"mount --rbind {q(str(path))} {q(str(stage / path.relative_to(top)))}"]
+        lines.append(f"mount --move {q(str(stage))} {q(str(top))}")
         if top == tmp:
             lines.append("chmod 1777 /tmp")
         return "\n".join([*lines, "exec sleep infinity"])

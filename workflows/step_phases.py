@@ -101,11 +101,12 @@ async def update_weights(inp: RLStepInput, trained: TrainStepResult, nodes: Step
     by the trainer."""
     update = UpdateWeightsInput(
         run_id=inp.run_id, store_uri=inp.config.store, policy_version=trained.policy_version,
-        checksum=trained.checksum, engines=inp.config.engines, source_url=inp.weights_url,
+        checksum=trained.checksum, engines=inp.config.engines,
     )
     summary = f"update weights v{trained.policy_version}"
-    if nodes is None or not nodes.spread:
+    if nodes is None or not nodes.spread:  # the trainer's own engines: its export, linked (or broadcast)
         return await UPDATE_WEIGHTS.run(update, queue=inp.node_queue, summary=summary)
+    update = update.model_copy(update={"source_url": inp.weights_url})  # rollout nodes pull from the trainer's
     if update.engines.weight_sync == "distributed" and nodes.live:
         return await broadcast_to_rollout_nodes(inp, nodes, update, summary)
     return await push_to_rollout_nodes(nodes, update, summary)

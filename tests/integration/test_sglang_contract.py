@@ -95,6 +95,7 @@ def _update_weights(fleet: SGLangFleet, folder: Path, checksum: str, monkeypatch
     rt = SimpleNamespace(
         local_weights=SimpleNamespace(folder=lambda *a, **k: folder), engines=SimpleNamespace(fleet=fleet.fleet),
         drain_events=lambda: [], ensure_engines=lambda *a, **k: (fleet.fleet.update_weights(folder, 2), [])[1],
+        node_id="node0",
     )
     acts = EngineActivities(rt, exporter=lambda run_id, version: lambda: None)
     inp = UpdateWeightsInput(run_id="r", store_uri="file:///unused", policy_version=2,
