@@ -327,7 +327,7 @@ def test_the_trainer_host_lost_moves_the_trainer_and_keeps_the_rollout_hosts(bed
         assert bed.node_pids(host)["agent"] == pids[host]["agent"], host
         assert bed.node_pids(host)["engines"] == pids[host]["engines"], host
         assert all(pid_alive(p) for p in [pids[host]["agent"], *pids[host]["engines"]]), host
-        pulled = [line for line in bed.log(host, "gpu").splitlines() if f"weights v{STEPS}: pulled" in line]
+        pulled = [line for line in bed.log(host, "gpu").splitlines() if f"weights v{STEPS} of run {run_id}: pulled" in line]
         assert any(spare_url in line for line in pulled), (host, pulled)
     store = bed.store(BUCKET)
     assert_trained_exactly_once(store, run_id, cfg)
