@@ -49,12 +49,21 @@ class Tokenizer:
         ids = list(self.hf.encode(text, add_special_tokens=False))
         return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
 
-    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered by the model's chat template."""
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def encode_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template (``tools``: OpenAI function
+        schemas, rendered where the template puts them)."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat_template: messages prompts need one")
         # tokenize=True: the ids, or a BatchEncoding holding them (transformers' return type covers every mode)
-        out: Any = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        out: Any = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools or None)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:

@@ -19,12 +19,16 @@ _PROBE = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"
 
 
 class IncrementalChat:
-    def __init__(self, tokenizer: Tokenizer, tool_role: str) -> None:
+    """``tools`` (OpenAI function schemas) are rendered into every chat, where the template
+    puts them (``apply_chat_template(..., tools=...)``)."""
+
+    def __init__(self, tokenizer: Tokenizer, tool_role: str, tools: list[dict] | None = None) -> None:
         self.tok = tokenizer
         self.role = tool_role
+        self.tools = tools or None
         vocab = tokenizer.hf.get_vocab()
         ends = [vocab[t] for t in END_OF_TURN if t in vocab]
-        self.base = tokenizer.encode_chat(_PROBE, add_generation_prompt=False)
+        self.base = tokenizer.encode_chat(_PROBE, add_generation_prompt=False, tools=self.tools)
         in_base = [i for i, t in enumerate(self.base) if t in ends]
         if not in_base:
             raise ValueError(
@@ -35,13 +39,26 @@ class IncrementalChat:
         self.stop_ids = sorted({self.end_of_turn, tokenizer.eos_token_id})
 
     def prompt(self, messages: list[dict]) -> list[int]:
-        return self.tok.encode_chat(messages, add_generation_prompt=True)
+        return self.tok.encode_chat(messages, add_generation_prompt=True, tools=self.tools)
 
     def tool_turn(self, model_ids: list[int], observation: str) -> list[int]:
         """The tokens that follow the model's turn ``model_ids``: its end-of-turn token when the
         model did not write it, the template's glue, the tool message, the next assistant header."""
-        full = self.tok.encode_chat([*_PROBE, {"role": self.role, "content": observation}], add_generation_prompt=True)
-        if full[: len(self.base)] != self.base:
+        return self.continuation(model_ids, [{"role": self.role, "content": observation}])
+
+    def continuation(
+        self, model_ids: list[int], messages: list[dict], tool_calls: list[dict] | None = None
+    ) -> list[int]:
+        """The tokens that follow the model's turn ``model_ids`` when ``messages`` (tool answers,
+        a user message...) come next: its end-of-turn token when the model did not write it, the
+        template's glue, ``messages`` as the template renders them after an assistant turn, the
+        next assistant header. ``tool_calls`` (OpenAI shape): the calls the turn made, for
+        templates that render a tool answer only after the assistant message that called it."""
+        assistant = {**_PROBE[1], "tool_calls": tool_calls} if tool_calls else _PROBE[1]
+        probe = [_PROBE[0], assistant]
+        base = self.base if not tool_calls else self.tok.encode_chat(probe, add_generation_prompt=False, tools=self.tools)
+        full = self.tok.encode_chat([*probe, *messages], add_generation_prompt=True, tools=self.tools)
+        if full[: len(base)] != base:
             raise ValueError("the chat template renders earlier turns differently once a tool message follows")
         closing = [] if model_ids and model_ids[-1] == self.end_of_turn else [self.end_of_turn]
-        return closing + self.glue + full[len(self.base):]
+        return closing + self.glue + full[len(base):]
