@@ -3,6 +3,7 @@ the samples are held, and held-out evaluation."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ class RolloutActivities:
             return run_rollout(req, RolloutContext(
                 self.fence.store(inp.run_id, inp.store_uri, inp.epoch), rows, tokenizer, fleet.generate_chunk,
                 parallelism=max(1, len(fleet.slots)), on_chunk=chunk_done,
+                pin=lambda key: functools.partial(fleet.generate_chunk, affinity=key),
             ))
 
         # an agent chunk runs many turns and tool calls: heartbeat while it runs, not only per chunk

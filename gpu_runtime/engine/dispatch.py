@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import zlib
 from typing import Any
 
 from gpu_runtime.engine.client import EngineError
@@ -29,23 +30,30 @@ class RequestDispatch:
 
     def generate_chunk(
         self, batch: list[list[int]], sampling_params: dict[str, Any], *, return_logprob: bool = True,
-        max_attempts: int | None = None,
+        max_attempts: int | None = None, affinity: str | None = None,
     ) -> tuple[list[dict[str, Any]], str]:
         """Send one chunk (one batch request) to a healthy engine; on an engine failure,
-        detect it and resend the SAME request (same seeds) to a survivor."""
+        detect it and resend the SAME request (same seeds) to a survivor. ``affinity``: requests
+        with the same key go to the same healthy engine (an agent episode's calls: its prefix stays
+        in that engine's cache), straight, not through the router."""
         self.memory.push_if_pending()
         sup = self.slots
         params = sup.backend.batch_sampling_params(sampling_params, len(batch))
         # sglang-router 0.3.2 refuses a list of sampling params (HTTP 422, measured): such a
         # chunk (SGLang's, one seed per sample) goes to an engine directly, round-robin
-        via_router = sup.router is not None and isinstance(params, dict)
+        via_router = sup.router is not None and isinstance(params, dict) and affinity is None
         attempts = max_attempts or len(sup.slots) + 2
         last: EngineError | None = None
         for _ in range(attempts):
             healthy = sup.healthy_urls()
             if not healthy:
                 raise NoHealthyEngine(f"no healthy engine (slots: {[s.state for s in sup.slots]})") from last
-            url = sup.router.url if via_router and sup.router else healthy[next(self._rr) % len(healthy)]
+            if via_router and sup.router:
+                url = sup.router.url
+            elif affinity is not None:
+                url = healthy[zlib.crc32(affinity.encode()) % len(healthy)]
+            else:
+                url = healthy[next(self._rr) % len(healthy)]
             try:
                 return sup.client(url).generate(batch, params, return_logprob), url
             except EngineError as e:

@@ -156,10 +156,10 @@ class EngineFleet:
 
     def generate_chunk(
         self, batch: list[list[int]], sampling_params: dict[str, Any], *, return_logprob: bool = True,
-        max_attempts: int | None = None,
+        max_attempts: int | None = None, affinity: str | None = None,
     ) -> tuple[list[dict[str, Any]], str]:
         return self.dispatch.generate_chunk(batch, sampling_params, return_logprob=return_logprob,
-                                            max_attempts=max_attempts)
+                                            max_attempts=max_attempts, affinity=affinity)
 
     def release_memory(self) -> list[int]:
         return self.memory.release()

@@ -8,6 +8,7 @@ template. EOS ends a response; PAD fills batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,9 @@ class Tokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat_template: messages prompts need one")
         # tokenize=True: the ids, or a BatchEncoding holding them (transformers' return type covers every mode)
+        schemas: list[dict | Callable[..., Any]] | None = list(tools) if tools else None
         out: Any = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, tools=tools or None)
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, tools=schemas)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:

@@ -31,6 +31,7 @@ class RolloutContext:
     generate: ChunkGenerator
     parallelism: int = 1
     on_chunk: Callable[[int, int], None] | None = None
+    pin: Callable[[str], ChunkGenerator] | None = None  # a key -> ``generate`` kept to one engine (agent episodes)
 
 
 class NonFiniteLogprobs(RuntimeError):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chunk
 from gpu_runtime.rollout.agent.metrics import episode_metrics
+from gpu_runtime.rollout.agent.openai_chunk import OpenAICounters, generate_openai_chunk
 from gpu_runtime.rollout.chunks import ChunkPlan, RolloutContext, plan_chunks
 from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.rollout.single_turn import generate_chunk
@@ -39,19 +40,28 @@ def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
         plans = [p for p in plans if p.chunk in req.chunks]
     own = req.node if req.chunks is not None else ""
     keys = [art.rollout_chunk_key(req.run_id, req.step, p.chunk, req.round, own) for p in plans]
-    counters = AgentCounters() if req.rollout.agent is not None else None
-    chunks, reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters)
+    agent_kind = req.rollout.agent.kind if req.rollout.agent is not None else None
+    counters = AgentCounters() if agent_kind in ("tools", "environment") else None
+    openai = OpenAICounters() if agent_kind == "openai" else None
+    chunks, reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters, openai_counters=openai)
     n_tokens, n_samples = 0, 0
     samples: list[art.Sample] = []
     for chunk in chunks:
         n_samples += len(chunk.samples)
         n_tokens += sum(len(s.response_ids) for s in chunk.samples)
-        samples += chunk.samples if counters is not None else []
+        samples += chunk.samples if agent_kind is not None else []
     agent = None
     if counters is not None:
         agent = episode_metrics(samples) | {
             "turns_reused": float(counters.turns_reused), "model_turns_reused": float(counters.model_turns_reused),
             "tools_run": float(counters.tools_run),
+        }
+    if openai is not None:
+        agent = episode_metrics(samples) | {
+            "calls_generated": float(openai.generated), "calls_replayed": float(openai.replayed),
+            "replay_diverged": float(openai.diverged), "episodes_reused": float(openai.episodes_reused),
+            "agent_restarts": float(openai.agent_restarts),
+            "agent_seconds_mean": sum(openai.agent_seconds) / max(1, len(openai.agent_seconds)),
         }
     seconds = time.perf_counter() - t0
     return RolloutStats(
@@ -69,7 +79,7 @@ def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
 
 def generate_chunks(
     req: RolloutRequest, planned: list[tuple[ChunkPlan, str]], ctx: RolloutContext,
-    agent_counters: AgentCounters | None = None,
+    agent_counters: AgentCounters | None = None, openai_counters: OpenAICounters | None = None,
 ) -> tuple[list[art.RolloutChunk], int]:
     """Generate and store each (plan, key) whose key is not in the store yet,
     ``ctx.parallelism`` in flight. Returns every planned chunk, in order (the ones found in
@@ -80,7 +90,10 @@ def generate_chunks(
 
     def work(item: tuple[ChunkPlan, str]) -> tuple[str, art.RolloutChunk]:
         plan, key = item
-        if req.rollout.agent is not None:
+        if req.rollout.agent is not None and req.rollout.agent.kind == "openai":
+            chunk = generate_openai_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate, ctx.store,
+                                          openai_counters, ctx.pin)
+        elif req.rollout.agent is not None:
             chunk = generate_agent_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate, ctx.store, agent_counters)
         else:
             chunk = generate_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate)

@@ -99,12 +99,15 @@ class EpisodeInfo(BaseModel):
     """An agent episode's summary, carried by its ``Sample`` (built from its turn records,
     ``gpu_runtime.rollout.agent.records``, so a resumed episode carries the same one)."""
 
-    outcome: str  # completed | truncated | tool_error | timeout
-    turns: int
-    tool_calls: int  # tools executed
+    outcome: str  # completed | truncated | tool_error | timeout; kind openai: completed | agent_error | timeout | no_calls
+    turns: int  # model turns (kind openai: chat-completion calls)
+    tool_calls: int  # tools executed (kind openai: tool calls returned to the agent)
     tool_errors: int  # failed calls (malformed ones included)
     turn_rewards: list[float | None] = []
     seconds: float = 0.0
+    error: str = ""  # kind openai: how the agent failed
+    zero_reward: bool = False  # kind openai: the agent failed and agent.on_agent_error is zero: rewarded 0, not scored
+    segments: int = 1  # kind openai: runs of calls that extend one another (only the last is trained)
 
 
 class Sample(BaseModel):

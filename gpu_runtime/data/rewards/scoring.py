@@ -76,7 +76,13 @@ def score_samples(
     ctx = ctx or ScoreContext()
     stats = stats if stats is not None else ScoreStats()
     items = []
+    failed_agents: dict[int, SampleReward] = {}  # kind openai, on_agent_error zero: not scored, rewarded 0
     for i, s in enumerate(samples):
+        if s.episode is not None and s.episode.zero_reward:
+            failed_agents[i] = SampleReward(
+                sample_id=s.sample_id, reward=0.0, correct=False,
+                detail=f"agent {s.episode.outcome}: reward 0 (rollout.agent.on_agent_error zero): {s.episode.error}")
+            continue
         try:
             row = rows_by_index[s.prompt_index]
         except (KeyError, IndexError):
@@ -102,6 +108,9 @@ def score_samples(
             terms={t.label: sc.value for t, sc in zip(terms, scores)} if spec.kind == "weighted" else {},
             error="; ".join(errors),
         ))
+    if failed_agents:
+        scored = iter(out)
+        out = [failed_agents[i] if i in failed_agents else next(scored) for i in range(len(samples))]
     return out
 
 

@@ -25,8 +25,10 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "model_tokens_mean": sum(sum(s.loss_mask or []) for s, _ in eps) / n,
         "truncation_rate": sum(e.outcome == "truncated" for _, e in eps) / n,
     }
-    for o in OUTCOMES:
+    for o in dict.fromkeys([*OUTCOMES, *(e.outcome for _, e in eps)]):  # the kind openai's ends too
         out[f"outcome_{o}"] = sum(e.outcome == o for _, e in eps) / n
+    if any(e.segments != 1 for _, e in eps):
+        out["segments_untrained"] = float(sum(max(0, e.segments - 1) for _, e in eps))
     turn_rewards = [r for _, e in eps for r in e.turn_rewards if r is not None]
     if turn_rewards:
         out["turn_reward_mean"] = sum(turn_rewards) / len(turn_rewards)
