@@ -9,6 +9,9 @@ new run id names no run whose artifacts are already in the store.
 
 from __future__ import annotations
 
+import importlib
+import inspect
+
 import os
 import sys
 from pathlib import Path
@@ -48,16 +51,35 @@ def check_config(path: str | Path) -> RunConfig:
 
 
 def check_agent(cfg: RunConfig) -> None:
-    """Each custom tool imports and its factory returns a tool; a custom environment imports."""
+    """Each custom tool imports and its factory returns a tool; a custom environment imports; an
+    OpenAI-kind agent's entrypoint imports and takes (base_url, api_key, row)."""
     agent = cfg.rollout.agent
     assert agent is not None
     try:
-        if agent.environment is not None:
+        if agent.kind == "openai":
+            assert agent.entrypoint is not None
+            check_agent_entrypoint(agent.entrypoint)
+        elif agent.environment is not None:
             load_environment_factory(agent.environment)
         else:
             load_tools([t for t in agent.tools if t not in BUILTIN], agent.tool_timeout_s)
     except ToolNotFound as err:
         raise PreflightError(f"rollout.{err}") from None
+
+
+def check_agent_entrypoint(spec: str) -> None:
+    """``rollout.agent.entrypoint`` imports here (the node agents import it in each episode's
+    process) and is a callable taking three positional arguments."""
+    mod_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        run = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError, ValueError, SyntaxError) as e:
+        raise PreflightError(f"rollout.agent.entrypoint: cannot import {spec!r}: {type(e).__name__}: {e}") from None
+    try:
+        inspect.signature(run).bind("http://127.0.0.1:1/v1", "key", {})
+    except (TypeError, ValueError) as e:
+        raise PreflightError(
+            f"rollout.agent.entrypoint: {spec!r} must take (base_url, api_key, row): {type(e).__name__}: {e}") from None
 
 
 def check_reward(cfg: RunConfig) -> None:

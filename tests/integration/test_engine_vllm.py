@@ -15,11 +15,23 @@ from typing import Any
 import pytest
 import torch
 
+import functools
+
+from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
 from gpu_runtime.engine.backends import VLLMEngineBackend
 from gpu_runtime.engine.fleet import EngineFleet
 from gpu_runtime.engine.fleet_types import HealthConfig, WeightMismatch
 from gpu_runtime.engine.vllm_client import VLLMEngineClient
 from gpu_runtime.models.model_folder import META_FILE, load_model_folder
+from gpu_runtime.models.tokenizer import Tokenizer
+from gpu_runtime.rollout.agent.openai_chunk import generate_openai_chunk
+from gpu_runtime.rollout.agent.openai_records import CallRecord, call_index
+from gpu_runtime.rollout.chunks import plan_chunks
+from gpu_runtime.rollout.request import RolloutRequest
+from gpu_runtime.store.artifacts import RolloutChunk, get_model
+from gpu_runtime.store.object_store import LocalStore
+from spec.agent import AgentSpec
+from spec.rollout import RolloutSpec
 from gpu_runtime.store.artifacts import derive_seed
 from tests.engine_fixtures import free_port_block, make_model_folder
 from tests.vllm_env import TEST_TIMEOUT_S, vllm_interpreter
@@ -102,6 +114,46 @@ def test_logprobs_are_the_sampling_policys(fleet: EngineFleet, models: dict) -> 
     gap, gap_t1 = _gap(results[0], models["v1"], PROMPTS[0], PARAMS["temperature"])
     assert gap < 1e-4, f"engine vs log_softmax(logits / T): max |delta| {gap}"
     assert gap_t1 > 1e-3  # the check can tell the two kinds apart
+
+
+def test_the_agent_endpoint_records_what_the_engine_returned(fleet: EngineFleet, models: dict, tmp_path: Path) -> None:
+    """rollout.agent kind openai on vLLM (docs/agents.md): the ReAct example agent's calls, through the
+    endpoint, pinned to the engine; every recorded call's prompt ids, completion ids and logprobs are
+    exactly what vLLM returned for it, and a re-run of the agents is answered from the record alone."""
+    tok = Tokenizer.load(models["v1"])
+    rows = generate_tool_arithmetic(8, 0, 9, "*", min_operand=2)
+    returned: list[tuple[list[int], list[int], list[float]]] = []
+
+    def generate(prompts: list[list[int]], params: dict, *, affinity: str | None = None) -> tuple[list[dict], str]:
+        results, url = fleet.generate_chunk(prompts, params, affinity=affinity)
+        for p, r in zip(prompts, results):
+            returned.append((p, r["output_ids"], [t[0] for t in r["meta_info"]["output_token_logprobs"]]))
+        return results, url
+
+    agent = AgentSpec(kind="openai", entrypoint="examples.agents.react_calculator:run", max_tokens_per_turn=8,
+                      max_episode_tokens=32)
+    req = RolloutRequest(run_id="r", step=1, seed=3, policy_version=1, data_cursor=0, n_rows=len(rows),
+                         rollout=RolloutSpec(prompts_per_step=2, group_size=2, chunk_size=4, temperature=0.7,
+                                             top_p=1.0, top_k=-1, agent=agent))
+    store = LocalStore(tmp_path)
+
+    def rollout() -> RolloutChunk:
+        return generate_openai_chunk(req, plan_chunks(req)[0], rows, tok, generate, store,
+                                     pin=lambda key: functools.partial(generate, affinity=key))
+
+    chunk = rollout()
+    records = [get_model(store, k, CallRecord) for k in store.list("") if call_index(k) is not None]
+    assert records and len(records) == len(returned)
+    assert sorted((r.prompt_ids, r.completion_ids, r.logprobs) for r in records) == sorted(returned)
+    for s in chunk.samples:  # the trained tokens are the engine's, the loss on them only
+        assert s.episode is not None and s.episode.outcome == "completed", s.episode
+        assert [t for t, m in zip(s.response_ids, s.loss_mask) if m] in [ids for _, ids, _ in returned]
+    for k in store.list(""):
+        if k.endswith("/episode.json"):
+            store.delete(k)
+    n = len(returned)
+    strip = lambda c: [x.model_dump(exclude={"episode"}) for x in c.samples]  # noqa: E731 (agent seconds differ)
+    assert strip(rollout()) == strip(chunk) and len(returned) == n  # replayed: vLLM not asked again
 
 
 def test_a_push_changes_outputs_and_passes_the_checksum_gate(fleet: EngineFleet, models: dict) -> None:

@@ -3,6 +3,8 @@ task's rows and demonstrations; the episode metrics and their pooling over round
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -110,3 +112,28 @@ def test_the_example_config_passes_preflight() -> None:
 
     cfg = check_config(Path(__file__).resolve().parents[2] / "examples" / "agent_calculator.yaml")
     assert cfg.data.kind == "tool_arithmetic" and cfg.rollout.agent is not None
+
+
+def test_the_openai_example_passes_preflight_and_a_bad_entrypoint_is_named() -> None:
+    from pathlib import Path
+
+    from milestone_cli.preflight import check_config
+
+    cfg = check_config(Path(__file__).resolve().parents[2] / "examples" / "agent_openai.yaml")
+    assert cfg.rollout.agent is not None and cfg.rollout.agent.kind == "openai"
+    for entry, message in [("tests.agent_programs:nope", "cannot import"),
+                           ("tests.agent_tools:make_upper", "must take (base_url, api_key, row)")]:
+        bad = RunConfig.model_validate(OK | {"rollout": {"agent": {"kind": "openai", "entrypoint": entry}}})
+        with pytest.raises(PreflightError, match=rf"rollout.agent.entrypoint: .*{re.escape(message)}"):
+            check_agent(bad)
+
+
+@pytest.mark.parametrize(("agent", "message"), [
+    ({"kind": "openai"}, "kind openai needs entrypoint"),
+    ({"kind": "chat"}, "kind must be one of tools, environment, openai"),
+    ({"entrypoint": "a.b:run"}, "entrypoint is for kind openai"),
+    ({"kind": "openai", "entrypoint": "a.b:run", "on_agent_error": "retry"}, "on_agent_error must be zero or score"),
+    ({"kind": "openai", "entrypoint": "not a path"}, "entrypoint 'not a path' must be a dotted path"),
+])
+def test_openai_kind_config_errors_name_the_field(agent: dict, message: str) -> None:
+    assert message in errors(OK | {"rollout": {"agent": agent}})
