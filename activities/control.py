@@ -41,7 +41,8 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
             d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
     elif d.kind == "tool_arithmetic":
         _put_once(store, key, "data.path", lambda: generate_tool_arithmetic(
-            d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
+            d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand, terms=d.terms,
+            tool_format=d.tool_format))
     elif d.kind == "reasoning_gym":
         assert d.dataset is not None
         name = d.dataset

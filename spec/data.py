@@ -35,6 +35,15 @@ class DataSpec(Strict):
     min_operand: int = Field(0, ge=0, description="operands are drawn from min_operand..max_operand (arithmetic, tool_arithmetic)")
     max_operand: int = Field(99, ge=1, description="operands are drawn from min_operand..max_operand (arithmetic, tool_arithmetic)")
     ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic, tool_arithmetic)")
+    terms: int = Field(
+        1, ge=1, le=2,
+        description="tool_arithmetic: 1 asks a<op>b; 2 asks a<op>b + c<op>d (the demonstration makes both calls in one "
+        "turn, then adds)",
+    )
+    tool_format: str = Field(
+        "tags", description="tool_arithmetic: how the system message and the demonstration write a call: tags "
+        "(<calculator>EXPR</calculator>) or hermes (<tool_call>{json}</tool_call>; rollout.agent.tool_parser hermes)",
+    )
     prompt_key: str = Field("question", min_length=1, description="the key / column holding the plain-text prompt")
     messages_key: str | None = Field(
         None, min_length=1, description="the key / column holding a chat [{role, content}, ...]; wins over prompt_key"
@@ -69,6 +78,10 @@ class DataSpec(Strict):
             if self.path is not None or self.eval_path is not None:
                 raise ValueError("path / eval_path are for jsonl / parquet; reasoning_gym generates its rows")
             return self
+        if self.kind != "tool_arithmetic" and (self.terms != 1 or self.tool_format != "tags"):
+            raise ValueError(f"terms / tool_format apply to kind tool_arithmetic, not {self.kind!r} (remove them)")
+        if self.tool_format not in ("tags", "hermes"):
+            raise ValueError(f"tool_format must be tags or hermes, got {self.tool_format!r}")
         if self.kind in ("arithmetic", "tool_arithmetic"):
             if self.min_operand > self.max_operand:
                 raise ValueError(f"min_operand {self.min_operand} must be <= max_operand {self.max_operand}")
