@@ -28,7 +28,7 @@ def dies_once(base_url: str, api_key: str, row: dict[str, Any]) -> str:
     client = _client(base_url, api_key)
     messages: list[dict[str, Any]] = list(row["messages"])
     for _ in range(4):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR], max_tokens=32)
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
         if not mark.exists():
             mark.write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)

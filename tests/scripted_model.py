@@ -5,7 +5,8 @@ are a pure function of the request's sampling seed, so a call generated with ano
 or generated twice, is seen in the numbers. ``calls`` counts requests (a replay makes none).
 
 ``hermes=True`` writes Qwen2.5-style ``<tool_call>`` JSON; otherwise the ``<calculator>`` tag.
-A question with two products (``What is 12*34 and 56*78?``) gets both calls in one turn."""
+A question with two products (``What is 12*34 + 56*78?``, ``tool_arithmetic`` with ``terms: 2``) gets
+both calls in one turn, then the call of their sum, then the answer."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import threading
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.store.artifacts import derive_seed
 
-QUESTION = re.compile(r"What is ([\d*+ ]+?)(?: and ([\d*+ ]+?))?\?")
+QUESTION = re.compile(r"What is (\d+\*\d+)(?: \+ (\d+\*\d+))?\?")
 
 
 class ScriptedModel:
@@ -27,19 +28,23 @@ class ScriptedModel:
         self.end = tok.hf.convert_tokens_to_ids("<|im_end|>")
 
     def reply(self, chat: str) -> str:
-        turns = chat.split("<|im_start|>")
-        last = turns[-2] if len(turns) > 1 else ""
-        if last.startswith("tool") or last.startswith("user\n<tool_response>"):
-            answers = re.findall(r"(-?\d+)", last)
-            return answers[-1] if answers else "0"
-        m = QUESTION.search(last)
+        """The next turn: the question's call(s); after two products' answers, the call of their
+        sum; after one answer, the answer."""
+        m = QUESTION.search(chat.rsplit("<|im_start|>user", 1)[-1])
         if m is None:
             return "I do not know"
-        exprs = [e.replace(" ", "") for e in m.groups() if e]
+        after = chat.rsplit("<|im_start|>user", 1)[-1].split("<|im_start|>assistant\n")[1:-1]  # finished turns
+        if not after:  # the first turn: every product at once
+            return "".join(self._call(e) for e in m.groups() if e)
+        answers = re.findall(r"<\|im_start\|>tool\n(-?\d+)<\|im_end\|>", after[-1])
+        if len(answers) == 2:  # both products came back: add them
+            return self._call(f"{answers[0]}+{answers[1]}")
+        return answers[-1] if answers else "0"
+
+    def _call(self, expression: str) -> str:
         if self.hermes:
-            return "".join(f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": {"expression": e}})}\n'
-                           f"</tool_call>" for e in exprs)
-        return f"<calculator>{exprs[0]}</calculator>"
+            return f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}\n</tool_call>'
+        return f"<calculator>{expression}</calculator>"
 
     def __call__(self, prompts: list[list[int]], sp: dict) -> tuple[list[dict], str]:
         with self.lock:

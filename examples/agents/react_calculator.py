@@ -57,7 +57,7 @@ def run(base_url: str, api_key: str, row: dict[str, Any]) -> str:
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages: list[dict[str, Any]] = list(row.get("messages") or [{"role": "user", "content": row["prompt"]}])
     for _ in range(4):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR], max_tokens=32)
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

@@ -30,8 +30,9 @@ pytestmark = pytest.mark.e2e
 STEPS = 3
 AGENT = {"kind": "openai", "entrypoint": "examples.agents.react_calculator:run", "max_calls": 3,
          "max_tokens_per_turn": 12, "max_episode_tokens": 40, "episode_timeout_s": 120}
-# slowed decoding (fault-injection aid): a call of ~10 tokens takes ~2 s, so a kill lands mid-episode
-ENV = {"MILESTONE_ENGINE_STEP_DELAY_MS": "200"}
+# slowed decoding (fault-injection aid): a call of ~10 tokens takes ~1 s and an engine serves one call
+# at a time, so a step's rollout keeps both engines busy for seconds and a kill lands mid-episode
+ENV = {"MILESTONE_ENGINE_STEP_DELAY_MS": "100"}
 
 
 def agent_config(store: Path) -> dict:
@@ -97,19 +98,34 @@ def _kill_mid_episode(stack: Stack, store: Path, run_id: str, fault: str) -> tup
         client = await connect(stack.server.address)
         handle = await start_run(client, run_id, agent_config(store))
         root = store / "runs" / run_id / "steps" / "000002" / "rollout" / "episodes"
-        if fault == "agent":  # an episode whose first call is recorded and whose agent has not ended
-            def target() -> Path | None:
-                return next((ep for ep in sorted(root.glob("chunk-*/ep-*")) if (ep / "call-000.json").exists()
-                             and (ep / "agent-00.json").exists() and not (ep / "episode.json").exists()), None)
-            wait_for(lambda: target() is not None, 300, interval_s=0.02, what="a step-2 episode past its first call")
-            ep = target()
-            assert ep is not None
-            killed = json.loads((ep / "agent-00.json").read_text())["pid"]
-        else:  # an engine, once step 2's calls are being generated
+        if fault == "agent":
+            def waiting(ep: Path) -> bool:
+                """The agent got call 0's tool calls and has not had call 1's answer: alive, mid-episode
+                (a record is written before its answer is returned)."""
+                try:
+                    first = json.loads((ep / "call-000.json").read_text())
+                except (FileNotFoundError, json.JSONDecodeError):
+                    return False
+                return (first["response"]["choices"][0]["finish_reason"] == "tool_calls"
+                        and not (ep / "call-001.json").exists() and (ep / "agent-00.json").exists())
+
+            def kill_one() -> int | None:
+                for ep in sorted(root.glob("chunk-*/ep-*")):
+                    if waiting(ep):
+                        pid = json.loads((ep / "agent-00.json").read_text())["pid"]
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:  # it ended between the two reads: another one
+                            continue
+                        return int(pid)
+                return None
+
+            killed = wait_for(kill_one, 300, interval_s=0.01, what="a step-2 agent past its first call, killed")
+        else:  # an engine, once step 2's calls are being generated (the engines are busy from then on)
             wait_for(lambda: any(root.glob("chunk-*/ep-*/gen/*.json")), 300, interval_s=0.02,
                      what="step 2's first generation")
             killed = stack.node_pids("node0")["engines"][0]
-        os.kill(killed, signal.SIGKILL)
+            os.kill(killed, signal.SIGKILL)
         await asyncio.wait_for(handle.result(), 600)
         return await progress(client, run_id), killed
 
