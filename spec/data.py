@@ -82,6 +82,8 @@ class DataSpec(Strict):
             raise ValueError(f"terms / tool_format apply to kind tool_arithmetic, not {self.kind!r} (remove them)")
         if self.tool_format not in ("tags", "hermes"):
             raise ValueError(f"tool_format must be tags or hermes, got {self.tool_format!r}")
+        if self.terms == 2 and self.tool_format != "hermes":
+            raise ValueError("terms 2 (two calls in one turn) needs tool_format hermes: a tags turn makes one call")
         if self.kind in ("arithmetic", "tool_arithmetic"):
             if self.min_operand > self.max_operand:
                 raise ValueError(f"min_operand {self.min_operand} must be <= max_operand {self.max_operand}")
