@@ -20,18 +20,15 @@ def _client(base_url: str, api_key: str) -> OpenAI:
     return OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
 
 
-def dies_once(base_url: str, api_key: str, row: dict[str, Any]) -> str:
-    """The ReAct agent's loop (the same requests), but the first time it runs for a row it SIGKILLs
-    itself right after its first call was answered (as the OOM killer would): the rollout restarts
-    it and that call is replayed. ``MILESTONE_TEST_MARKS`` is the folder that remembers."""
-    mark = Path(os.environ["MILESTONE_TEST_MARKS"]) / f"{row['id']}.died"
+def _react_interrupted(base_url: str, api_key: str, row: dict[str, Any], after_first_reply: Any) -> str:
+    """The ReAct example's loop (the same requests), calling ``after_first_reply()`` once its first
+    call has been answered."""
     client = _client(base_url, api_key)
     messages: list[dict[str, Any]] = list(row["messages"])
-    for _ in range(4):
+    for turn in range(4):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
-        if not mark.exists():
-            mark.write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        if turn == 0:
+            after_first_reply()
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
@@ -41,6 +38,38 @@ def dies_once(base_url: str, api_key: str, row: dict[str, Any]) -> str:
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": calculator(str(arguments.get("expression", "")))})
     return ""
+
+
+def dies_once(base_url: str, api_key: str, row: dict[str, Any]) -> str:
+    """The ReAct agent, but the first time it runs for a row it SIGKILLs itself right after its
+    first call was answered (as the OOM killer would): the rollout restarts it and that call is
+    replayed. ``MILESTONE_TEST_MARKS`` is the folder that remembers."""
+    mark = Path(os.environ["MILESTONE_TEST_MARKS"]) / f"{row['id']}.died"
+
+    def die() -> None:
+        if not mark.exists():
+            mark.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return _react_interrupted(base_url, api_key, row, die)
+
+
+def kills_its_zygote_once(base_url: str, api_key: str, row: dict[str, Any]) -> str:
+    """The ReAct agent, but the first episode to get past its first call SIGKILLs the chunk's
+    zygote (the process that forked it) and hangs: every episode of the chunk loses its process's
+    end, is killed, and restarts from a new zygote, replaying its recorded calls."""
+    mark = Path(os.environ["MILESTONE_TEST_MARKS"]) / "zygote.killed"
+
+    def kill_zygote() -> None:
+        try:
+            fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(3600)  # killed with its group once its zygote's end is seen
+
+    return _react_interrupted(base_url, api_key, row, kill_zygote)
 
 
 def raises(base_url: str, api_key: str, row: dict[str, Any]) -> str:
@@ -66,3 +95,4 @@ def edits_history(base_url: str, api_key: str, row: dict[str, Any]) -> str:
     messages = [{"role": "user", "content": f"Answer with the number only. {question}"}]
     reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR], max_tokens=8)
     return reply.choices[0].message.content or ""
+

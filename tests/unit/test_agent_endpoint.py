@@ -15,6 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from gpu_runtime.proc.processes import pid_alive
 from gpu_runtime.rollout.agent import openai_records as orec
 from gpu_runtime.rollout.agent.openai_chunk import OpenAICounters, generate_openai_chunk
 from gpu_runtime.rollout.agent.openai_server import AgentEndpoint
@@ -247,3 +248,28 @@ def test_the_endpoint_never_outlives_its_chunk(tmp_path: Path) -> None:
         openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=2).models.list()
     assert url.startswith("http://127.0.0.1:")
     assert os.environ.get("OPENAI_API_KEY") is None or True
+
+
+def test_an_entrypoint_that_does_not_import_ends_each_episode_naming_it(tmp_path: Path) -> None:
+    _, tok = tiny()
+    chunk = chunk_of(LocalStore(tmp_path), ScriptedModel(tok), entrypoint="tests.agent_programs:missing")
+    for s in chunk.samples:
+        assert s.episode is not None and s.episode.outcome == "agent_error"
+        assert "rollout.agent.entrypoint 'tests.agent_programs:missing': AttributeError" in s.episode.error
+
+
+def test_a_killed_zygote_restarts_its_episodes_which_replay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zygote that forks a chunk's agents is SIGKILLed mid-chunk: the ends of the episodes it
+    forked are unknown, so they are killed and restarted from a new zygote, their calls replayed;
+    the chunk equals the fault-free one and no agent process is left behind."""
+    _, tok = tiny()
+    want = chunk_of(LocalStore(tmp_path / "clean"), ScriptedModel(tok))
+    monkeypatch.setenv("MILESTONE_TEST_MARKS", str(tmp_path))
+    model, counters = ScriptedModel(tok), OpenAICounters()
+    store = LocalStore(tmp_path / "killed")
+    got = chunk_of(store, model, counters, entrypoint="tests.agent_programs:kills_its_zygote_once")
+    assert counters.agent_restarts >= 1 and model.calls == 8
+    strip = lambda c: [s.model_dump(exclude={"episode"}) for s in c.samples]  # noqa: E731
+    assert strip(got) == strip(want)
+    pids = [json.loads(store.get_bytes(k))["pid"] for k in store.list("") if "/agent-" in k]
+    assert pids and not [p for p in pids if pid_alive(p)]  # every agent process was stopped

@@ -21,7 +21,7 @@ from gpu_runtime.data.rows import prompt_messages, prompt_text
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.rollout.agent import openai_records as orec
 from gpu_runtime.rollout.agent import records as rec
-from gpu_runtime.rollout.agent.agent_process import AgentExit, run_agent
+from gpu_runtime.rollout.agent.agent_process import AgentExit, AgentZygote
 from gpu_runtime.rollout.agent.openai_server import AgentEndpoint
 from gpu_runtime.rollout.agent.openai_session import Chats, EpisodeSession, SessionCounters
 from gpu_runtime.rollout.agent.tool_parsers import get_parser
@@ -53,7 +53,7 @@ def generate_openai_chunk(
     prefix = rec.episodes_prefix(req.run_id, req.step, plan.chunk, req.round)
     parser = get_parser(settings.tool_parser, tokenizer.chat_template)
     chats = Chats(tokenizer, settings.tool_role)
-    with AgentEndpoint() as endpoint:
+    with AgentEndpoint() as endpoint, AgentZygote(settings.entrypoint) as zygote:
         sessions = []
         for pos in range(len(plan.members)):
             gen = pin(f"{req.run_id}/{req.step}/{req.round}/{plan.chunk}/{pos}") if pin else generate
@@ -62,8 +62,8 @@ def generate_openai_chunk(
                 tokenizer=tokenizer, chats=chats, parser=parser, generate=functools.partial(_one, req, plan, gen),
                 policy_version=req.policy_version, counters=counters))
         with ThreadPoolExecutor(max_workers=len(sessions), thread_name_prefix=f"agent-c{plan.chunk}") as pool:
-            futures = [pool.submit(_episode, s, rows[plan.members[s.pos][0]], settings, endpoint, store, counters)
-                       for s in sessions]
+            futures = [pool.submit(_episode, s, rows[plan.members[s.pos][0]], settings, endpoint, zygote, store,
+                                   counters) for s in sessions]
             ends = [f.result() for f in futures]
         if endpoint.fatal is not None:
             raise endpoint.fatal
@@ -80,8 +80,8 @@ def _one(req: RolloutRequest, plan: ChunkPlan, generate: ChunkGenerator, prompt:
     return results[0], url
 
 
-def _episode(session: EpisodeSession, row: dict, settings: AgentSpec, endpoint: AgentEndpoint, store: ObjectStore,
-             counters: OpenAICounters) -> orec.EpisodeEnd | None:
+def _episode(session: EpisodeSession, row: dict, settings: AgentSpec, endpoint: AgentEndpoint, zygote: AgentZygote,
+             store: ObjectStore, counters: OpenAICounters) -> orec.EpisodeEnd | None:
     """The episode's end: recorded by an earlier attempt, else from running its agent (restarted
     in place when a signal from outside killed it). ``None``: the rollout failed under it."""
     end_key = orec.end_key(session.prefix, session.pos)
@@ -99,8 +99,8 @@ def _episode(session: EpisodeSession, row: dict, settings: AgentSpec, endpoint: 
                         session.pos, exit_.error, attempts + 1)
         session.start_attempt()
         key = endpoint.admit(session)
-        exit_ = run_agent(
-            settings.entrypoint or "", endpoint.base_url, key, row, timeout_s=max(0.1, settings.episode_timeout_s - spent),
+        exit_ = zygote.run(
+            endpoint.base_url, key, row, timeout_s=max(0.1, settings.episode_timeout_s - spent),
             on_start=functools.partial(_started, store, session, attempts),
             should_stop=lambda: endpoint.fatal is not None,
         )
