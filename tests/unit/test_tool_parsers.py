@@ -8,21 +8,17 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
 from gpu_runtime.models.hf_factory import CHATML_TEMPLATE
-from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.rollout.agent.chat import IncrementalChat
 from gpu_runtime.rollout.agent.tool_parsers import PARSERS, ParsedCall, detect, get_parser
 from gpu_runtime.rollout.agent.tool_schemas import arguments_text, tool_schema, validate_arguments
 from gpu_runtime.rollout.agent.tools import Calculator, ToolNotFound, load_tool
-from tests.unit.test_agent_episodes import tiny
+from tests.unit.test_agent_episodes import QWEN, TEMPLATES, qwen_tokenizer, tiny
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
-QWEN = (TEMPLATES / "qwen2_5.jinja").read_text()
 MISTRAL = (TEMPLATES / "mistral_instruct_v0_3.jinja").read_text()
 
 
@@ -178,14 +174,6 @@ def bad_schema_tool() -> BadSchema:
     return BadSchema()
 
 
-def qwen_tokenizer() -> Tokenizer:
-    """The tiny BPE tokenizer with the real Qwen2.5 template, and Qwen's tool tags as tokens of their own."""
-    hf = copy.deepcopy(tiny()[1].hf)
-    hf.chat_template = QWEN
-    hf.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
-    return Tokenizer(hf)
-
-
 def test_real_qwen_template_two_calls_incremental_equals_whole_chat() -> None:
     tok = qwen_tokenizer()
     chat = IncrementalChat(tok, "tool", tools=TOOLS)
@@ -226,3 +214,18 @@ def test_real_mistral_template_calls_parse_back() -> None:
     assert calls(parser.parse(written, TOOLS).calls) == [ok("calculator", CALC), ok("weather", CITY)]
     one = hf.apply_chat_template(chat[:1] + [{**chat[1], "tool_calls": tool_calls[:1]}], tools=TOOLS, tokenize=False)
     assert parser.render_call("calculator", CALC)[:-2] in one  # the template's call, before its id
+
+
+def test_a_turns_calls_are_checked_against_the_schemas_before_any_runs() -> None:
+    from gpu_runtime.rollout.agent.turn_calls import ParsedCalls
+
+    source = ParsedCalls({"calculator": Calculator(), "weather": Weather()}, get_parser("hermes"), 1.0)
+    p = get_parser("hermes")
+    text = "".join([p.render_call("calculator", CALC), p.render_call("weather", {"unit": "C"}),
+                    p.render_call("search", {}), p.render_call("weather", CITY)])
+    good, invalid, unknown, structured = source.calls(text)
+    assert (good.tool, good.arguments, good.error) == ("calculator", "12*34", "")
+    assert invalid.error == "invalid arguments: 'city' is a required property" and invalid.arguments.startswith("<tool")
+    assert "unknown tool 'search'" in unknown.error
+    assert structured.arguments == '{"city": "Paris", "unit": "C"}' and source.execute(structured).output == "sunny in Paris"
+    assert source.native and source.execute(good).output == "408"
