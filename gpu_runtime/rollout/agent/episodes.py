@@ -3,11 +3,12 @@
 Every episode of a chunk advances in lock step: turn ``t`` of the chunk's still-active
 episodes is generated as one batch (sampling seed ``derive_seed(chunk seed, "turn", t)``;
 the batch is a pure function of the earlier turns, so it is the same batch — and, on
-CPU, the same floats — on every attempt), stored, then each episode's tool turn runs and
-its finished turn is stored before the next turn uses it (``records``). A retried rollout
-reloads every finished turn, regenerates only a batch that was never stored and runs
-only the tools whose turn has no record: the resumed episode is bitwise the fault-free one,
-and no tool runs twice for a turn once its result is recorded.
+CPU, the same floats — on every attempt), stored, then each episode's calls run in order
+(``turn_calls``: several a turn with a native parser), each call's result stored before the
+next runs, and its finished turn is stored before the next turn uses it (``records``). A
+retried rollout reloads every finished turn and call result, regenerates only a batch that
+was never stored and runs only the calls that have no result: the resumed episode is
+bitwise the fault-free one, and no tool runs twice for a call once its result is recorded.
 """
 
 from __future__ import annotations
