@@ -5,6 +5,7 @@ mid-episode resuming bitwise equal to the fault-free one without running a tool 
 from __future__ import annotations
 
 import copy
+import re
 from collections import Counter
 from functools import cache
 from pathlib import Path
@@ -20,6 +21,7 @@ from gpu_runtime.rollout.agent import records as rec
 from gpu_runtime.rollout.agent.chat import IncrementalChat
 from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chunk
 from gpu_runtime.rollout.agent.metrics import episode_metrics
+from gpu_runtime.rollout.agent.tool_parsers import get_parser
 from gpu_runtime.rollout.chunks import plan_chunks
 from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
@@ -29,7 +31,6 @@ from gpu_runtime.trainer.common.batches import MicroBatch, response_aligned_mask
 from spec.agent import AgentSpec
 from spec.rollout import RolloutSpec
 from tests import agent_tools
-from tests.scripted_model import ScriptedModel
 
 ROWS = generate_tool_arithmetic(40, 3, 99, "*", min_operand=10)
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
@@ -208,6 +209,35 @@ def two_products(n: int) -> list[dict]:
 HERMES_ROWS = two_products(8)
 
 
+class QwenTwoCalls:
+    """A scripted model on the real Qwen2.5 template: its first turn calls the calculator on both
+    products of the question (two hermes calls, as this model writes them: back to back), its next
+    turn answers with the last ``<tool_response>``. Logprobs are a pure function of the seed."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+        self.hermes = get_parser("hermes")
+
+    def reply(self, chat: str) -> str:
+        answers = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", chat)
+        if answers:
+            return answers[-1]
+        m = re.search(r"What is (\d+\*\d+) and (\d+\*\d+)\?", chat)
+        assert m is not None, chat
+        return "".join(self.hermes.render_call("calculator", {"expression": e}) for e in m.groups())
+
+    def __call__(self, prompts: list[list[int]], sp: dict) -> tuple[list[dict], str]:
+        out = []
+        for i, prompt in enumerate(prompts):
+            ids = [*self.tok.encode(self.reply(self.tok.decode(prompt, skip_special=False))), self.end]
+            lps = [-((art.derive_seed(sp["sampling_seed"], i, j) % 1000) + 1) / 1000 for j in range(len(ids))]
+            out.append({"output_ids": ids, "meta_info": {
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
+                "finish_reason": {"type": "stop"}}})
+        return out, "scripted"
+
+
 def hermes_rollout(store: LocalStore) -> tuple[art.RolloutChunk, AgentCounters]:
     agent = AgentSpec(tools=["tests.agent_tools:make_counted_calculator"], tool_parser="auto", max_turns=3,
                       max_tokens_per_turn=200, max_episode_tokens=1000)
@@ -217,7 +247,7 @@ def hermes_rollout(store: LocalStore) -> tuple[art.RolloutChunk, AgentCounters]:
                          rollout=rollout)
     counters = AgentCounters()
     chunk = generate_agent_chunk(req, plan_chunks(req)[0], HERMES_ROWS, qwen_tokenizer(),
-                                 ScriptedModel(qwen_tokenizer(), hermes=True), store, counters)
+                                 QwenTwoCalls(qwen_tokenizer()), store, counters)
     return chunk, counters
 
 
