@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from gpu_runtime.rollout.agent.tool_api import ToolCall, ToolResult
+from gpu_runtime.rollout.agent.tool_schemas import default_parameters
 
 
 @dataclass
@@ -60,3 +62,30 @@ def every_turn_calls(row: dict) -> EveryTurnCalls:
     env = EveryTurnCalls(row)
     ENVIRONMENTS.append(env)
     return env
+
+
+class Crash(BaseException):
+    """A node agent dying inside a tool call (not an error the tool answers with)."""
+
+
+CALCULATIONS: list[str] = []  # every execution of CountedCalculator, in order, across attempts
+CRASH_ON: list[int] = []  # CountedCalculator dies on the n-th execution (1-based) when n is listed
+
+
+@dataclass(frozen=True)
+class CountedCalculator:
+    """``calculator`` that logs each execution in ``CALCULATIONS`` and can die mid-turn (``CRASH_ON``)."""
+
+    name: str = "calculator"
+    schema: ClassVar[dict] = default_parameters("expression")
+
+    def __call__(self, arguments: str) -> str:
+        CALCULATIONS.append(arguments)
+        if len(CALCULATIONS) in CRASH_ON:
+            raise Crash(f"killed in execution {len(CALCULATIONS)}")
+        a, b = arguments.split("*")
+        return str(int(a) * int(b))
+
+
+def make_counted_calculator() -> CountedCalculator:
+    return CountedCalculator()

@@ -103,6 +103,7 @@ class EpisodeInfo(BaseModel):
     turns: int  # model turns (kind openai: chat-completion calls)
     tool_calls: int  # tools executed (kind openai: tool calls returned to the agent)
     tool_errors: int  # failed calls (malformed ones included)
+    max_calls_per_turn: int = 0  # the most calls one of its turns made
     turn_rewards: list[float | None] = []
     seconds: float = 0.0
     error: str = ""  # kind openai: how the agent failed

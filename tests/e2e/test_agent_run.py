@@ -56,30 +56,33 @@ def episode_dirs(store: Path, run_id: str, step: int) -> list[Path]:
 
 
 def tool_executions(store: Path, run_id: str, dead_pids: frozenset[int] = frozenset()) -> tuple[int, int]:
-    """Check the tool execution log (written just before each tool runs) against the recorded
-    turns: every recorded execution is logged, and no tool ran again for a turn once its result
-    was recorded. The only other entries allowed are executions a crash cut off before their
-    result was recorded: earlier than the recorded one, by a process in ``dead_pids`` (the
-    killed node agent; docs/agents.md, durability). Returns (recorded executions, cut-off ones)."""
+    """Check the tool execution log (written just before each tool runs, one entry per call of a
+    turn) against the recorded turns: every recorded execution is logged, and no tool ran again for
+    a call once its result was recorded. The only other entries allowed are executions a crash cut
+    off before their result was recorded: earlier than the recorded one, by a process in
+    ``dead_pids`` (the killed node agent; docs/agents.md, durability). Returns (recorded
+    executions, cut-off ones)."""
     recorded = lost = 0
     for step in range(1, STEPS + 1):
         for ep in episode_dirs(store, run_id, step):
-            log: dict[str, list[dict]] = {}
+            log: dict[tuple[str, str], list[dict]] = {}
             for p in (ep / "calls").glob("turn-*.json"):
-                log.setdefault(p.name.split("-")[1], []).append(json.loads(p.read_text()))
-            turns = {f"{r['turn']:02d}": r for r in (json.loads(p.read_text()) for p in ep.glob("turn-*.json"))}
-            for t, entries in log.items():
-                r = turns.get(t)
-                assert r is not None and r["executed"], f"{ep} turn {t}: executed but never recorded: {entries}"
-                kept = [e for e in entries if e["execution"] == r["execution"]]
-                assert len(kept) == 1, f"{ep} turn {t}: record holds {r['execution']}, log {entries}"
+                _, turn, index, _ = p.name.split("-", 3)
+                log.setdefault((turn, index), []).append(json.loads(p.read_text()))
+            turns = [json.loads(p.read_text()) for p in ep.glob("turn-*.json")]
+            calls = {(f"{r['turn']:02d}", f"{c['index']:02d}"): c for r in turns for c in r["calls"]}
+            for key, entries in log.items():
+                c = calls.get(key)
+                assert c is not None and c["executed"], f"{ep} call {key}: executed but never recorded: {entries}"
+                kept = [e for e in entries if e["execution"] == c["execution"]]
+                assert len(kept) == 1, f"{ep} call {key}: record holds {c['execution']}, log {entries}"
                 for e in entries:
                     if e is not kept[0]:
                         assert e["pid"] in dead_pids and e["at"] < kept[0]["at"], (
-                            f"{ep} turn {t}: a tool ran again for a turn: {entries}")
+                            f"{ep} call {key}: a tool ran again for a call: {entries}")
                 recorded += 1
                 lost += len(entries) - 1
-            assert {t for t, r in turns.items() if r["executed"]} == set(log), f"{ep}: recorded {turns}, log {log}"
+            assert {k for k, c in calls.items() if c["executed"]} == set(log), f"{ep}: recorded {calls}, log {log}"
     return recorded, lost
 
 

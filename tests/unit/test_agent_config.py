@@ -91,6 +91,7 @@ def test_episode_metrics_by_hand() -> None:
     ])
     assert m == {
         "episodes": 2.0, "turns_mean": 2.5, "tool_calls": 3.0, "tool_errors": 1.0, "tool_calls_mean": 1.5,
+        "calls_per_turn_max": 0.0,
         "episode_tokens_mean": 6.0, "model_tokens_mean": 4.0, "truncation_rate": 0.5,
         "outcome_completed": 0.5, "outcome_truncated": 0.5, "outcome_tool_error": 0.0, "outcome_timeout": 0.0,
         "turn_reward_mean": 0.5,
@@ -99,9 +100,9 @@ def test_episode_metrics_by_hand() -> None:
 
 
 def test_pooling_rounds_sums_counts_and_weights_means() -> None:
-    pooled = pool_agent_metrics([{"episodes": 2.0, "tool_calls": 3.0, "turns_mean": 1.0},
-                                 {"episodes": 6.0, "tool_calls": 1.0, "turns_mean": 3.0}])
-    assert pooled == {"episodes": 8.0, "tool_calls": 4.0, "turns_mean": 2.5}
+    pooled = pool_agent_metrics([{"episodes": 2.0, "tool_calls": 3.0, "turns_mean": 1.0, "calls_per_turn_max": 3.0},
+                                 {"episodes": 6.0, "tool_calls": 1.0, "turns_mean": 3.0, "calls_per_turn_max": 1.0}])
+    assert pooled == {"episodes": 8.0, "tool_calls": 4.0, "turns_mean": 2.5, "calls_per_turn_max": 3.0}
     assert pool_agent_metrics([]) is None
 
 

@@ -38,6 +38,12 @@ class IncrementalChat:
         self.glue = self.base[in_base[-1] + 1:]  # what the template writes after the end-of-turn token
         self.stop_ids = sorted({self.end_of_turn, tokenizer.eos_token_id})
 
+    def turn_text(self, model_ids: list[int]) -> str:
+        """The model's turn as it wrote it, special tokens kept (``[TOOL_CALLS]``, ``<|python_tag|>``
+        are special in their tokenizers), without the stop token that closed it: what a parser reads."""
+        ids = model_ids[:-1] if model_ids and model_ids[-1] in self.stop_ids else model_ids
+        return self.tok.decode(ids, skip_special=False)
+
     def prompt(self, messages: list[dict]) -> list[int]:
         return self.tok.encode_chat(messages, add_generation_prompt=True, tools=self.tools)
 

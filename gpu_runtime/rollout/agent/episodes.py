@@ -3,11 +3,12 @@
 Every episode of a chunk advances in lock step: turn ``t`` of the chunk's still-active
 episodes is generated as one batch (sampling seed ``derive_seed(chunk seed, "turn", t)``;
 the batch is a pure function of the earlier turns, so it is the same batch — and, on
-CPU, the same floats — on every attempt), stored, then each episode's tool turn runs and
-its finished turn is stored before the next turn uses it (``records``). A retried rollout
-reloads every finished turn, regenerates only a batch that was never stored and runs
-only the tools whose turn has no record: the resumed episode is bitwise the fault-free one,
-and no tool runs twice for a turn once its result is recorded.
+CPU, the same floats — on every attempt), stored, then each episode's calls run in order
+(``turn_calls``: several a turn with a native parser), each call's result stored before the
+next runs, and its finished turn is stored before the next turn uses it (``records``). A
+retried rollout reloads every finished turn and call result, regenerates only a batch that
+was never stored and runs only the calls that have no result: the resumed episode is
+bitwise the fault-free one, and no tool runs twice for a call once its result is recorded.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from gpu_runtime.data.rows import prompt_messages, prompt_text
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.rollout.agent import records as rec
 from gpu_runtime.rollout.agent.chat import IncrementalChat
-from gpu_runtime.rollout.agent.tool_api import Environment, ToolResult
-from gpu_runtime.rollout.agent.tools import ToolEnvironment, load_environment_factory, load_tools
+from gpu_runtime.rollout.agent.tool_api import ToolResult
+from gpu_runtime.rollout.agent.tool_parsers import get_parser
+from gpu_runtime.rollout.agent.tools import load_environment_factory, load_tools
+from gpu_runtime.rollout.agent.turn_calls import CallSource, EnvironmentCalls, ParsedCalls, TurnCall
 from gpu_runtime.rollout.chunks import ChunkGenerator, ChunkPlan, generate_checked, sample_id
 from gpu_runtime.rollout.request import RolloutRequest
 from gpu_runtime.store import artifacts as art
@@ -55,7 +58,7 @@ class Episode:
     pos: int  # position in the chunk
     row: dict
     prompt_ids: list[int]
-    env: Environment
+    env: CallSource
     turns: list[rec.TurnRecord] = field(default_factory=list)
 
     @property
@@ -85,9 +88,9 @@ def generate_agent_chunk(
     settings = req.rollout.agent
     assert settings is not None
     counters = counters or AgentCounters()
-    chat = IncrementalChat(tokenizer, settings.tool_role)
+    make_env, schemas = _call_sources(settings, tokenizer)
+    chat = IncrementalChat(tokenizer, settings.tool_role, tools=schemas)
     prefix = rec.episodes_prefix(req.run_id, req.step, plan.chunk, req.round)
-    make_env = _environments(settings)
     episodes = [
         Episode(pos, rows[idx], chat.prompt(_messages(rows[idx])), make_env(rows[idx]))
         for pos, (idx, _g) in enumerate(plan.members)
@@ -119,13 +122,16 @@ def generate_agent_chunk(
                             weight_version=req.policy_version, engine_url=url, samples=samples)
 
 
-def _environments(settings: AgentSpec) -> Callable[[dict], Environment]:
-    """Each episode's environment, from its row: the tool environment (shared: tools are stateless) or
-    ``agent.environment``'s factory."""
+def _call_sources(settings: AgentSpec, tokenizer: Tokenizer) -> tuple[Callable[[dict], CallSource], list[dict] | None]:
+    """Each episode's source of calls, from its row: the configured tools read by ``agent.tool_parser``
+    (shared: tools are stateless) or ``agent.environment``'s factory; and the tools' schemas when the
+    prompt renders them (a native format: the template teaches it; tags prompts stay as they were)."""
     if settings.environment is not None:
-        return load_environment_factory(settings.environment)
-    env = ToolEnvironment(load_tools(settings.tools, settings.tool_timeout_s), settings.tool_timeout_s)
-    return lambda _row: env
+        factory = load_environment_factory(settings.environment)
+        return (lambda row: EnvironmentCalls(factory(row))), None
+    parser = get_parser(settings.tool_parser, tokenizer.chat_template)
+    source = ParsedCalls(load_tools(settings.tools, settings.tool_timeout_s), parser, settings.tool_timeout_s)
+    return (lambda _row: source), (source.schemas if source.native else None)
 
 
 def _model_turn(
@@ -169,45 +175,83 @@ def _finish_turn(
     e: Episode, t: int, out: rec.ModelOutput, model_s: float, settings: AgentSpec, chat: IncrementalChat,
     tokenizer: Tokenizer, store: ObjectStore, prefix: str, counters: AgentCounters,
 ) -> rec.TurnRecord:
-    """The turn's record: the model's tokens, then the tool turn (run at most once here)."""
+    """The turn's record: the model's tokens, then its calls in order (each run at most once here) and
+    the tool turn that answers them."""
     text = tokenizer.decode(out.ids)
     r = rec.TurnRecord(turn=t, model_ids=out.ids, model_logprobs=out.logprobs, finish_reason=out.finish_reason,
                        model_text=text, seconds=model_s)
     truncated = out.finish_reason == "length"
-    call = e.env.parse(text)
-    if call is None:
+    calls = e.env.calls(chat.turn_text(out.ids) if e.env.native else text)
+    if not calls:
         r.outcome = "truncated" if truncated else "completed"
         return r
-    r.tool, r.arguments = call.tool, call.arguments
-    if (call.error and truncated) or t == settings.max_turns - 1:  # cut off inside the call, or no turn
-        r.outcome = "truncated"  # left to read the answer: not run
+    r.calls = [rec.CallRecord(index=i, tool=c.tool, arguments=c.arguments, call_id=rec.call_id(t, i), error=c.error)
+               for i, c in enumerate(calls)]
+    if (truncated and any(c.error for c in calls)) or t == settings.max_turns - 1:  # cut off inside a call, or
+        r.outcome = "truncated"  # no turn left to read the answers: none is run
         return r
-    if call.error:
-        result = ToolResult.failed(call.error)
-    else:
-        execution = uuid.uuid4().hex
-        art.put_json(store, f"{rec.calls_prefix(prefix, e.pos)}/turn-{t:02d}-{execution}.json",
-                     {"tool": call.tool, "arguments": call.arguments, "at": time.time(), "pid": os.getpid(),
-                      "execution": execution})
-        t0 = time.perf_counter()
-        result = e.env.execute(call)
-        r.seconds += time.perf_counter() - t0
-        r.executed, r.execution = True, execution
-        counters.add(tools_run=1)
-    r.observation, r.error, r.reward = result.observation(), result.error, result.reward
-    if result.timed_out:
+    for i, c in enumerate(calls):
+        r.calls[i] = done = _answer(e, t, i, c, r.calls[i], store, prefix, counters)
+        if done.timed_out or (done.error and settings.on_tool_error == "stop"):
+            break  # the episode ends here: the calls after this one are not run
+    answered = [c for c in r.calls if c.observation is not None]
+    r.seconds += sum(c.seconds for c in answered)
+    rewards = [c.reward for c in answered if c.reward is not None]
+    r.reward = sum(rewards) if rewards else None
+    if any(c.timed_out for c in answered):
         r.outcome = "timeout"
-    elif result.error and settings.on_tool_error == "stop":
+    elif any(c.error for c in answered) and settings.on_tool_error == "stop":
         r.outcome = "tool_error"
     elif e.seconds() + r.seconds > settings.episode_timeout_s:
         r.outcome = "timeout"
     else:
-        env_ids = chat.tool_turn(out.ids, r.observation)
+        env_ids = _tool_turn(chat, out.ids, calls, r.calls, native=e.env.native)
         if e.response_len + len(out.ids) + len(env_ids) >= settings.max_episode_tokens:
             r.outcome = "truncated"  # no room left for another model turn
         else:
             r.env_ids = env_ids
     return r
+
+
+def _answer(
+    e: Episode, t: int, i: int, call: TurnCall, r: rec.CallRecord, store: ObjectStore, prefix: str,
+    counters: AgentCounters,
+) -> rec.CallRecord:
+    """Call ``i``'s answer: its error when it is malformed, its recorded result when an earlier attempt
+    ran it, else the tool's result, logged just before the tool runs and recorded before it is used."""
+    if call.error:
+        return r.model_copy(update={"observation": ToolResult.failed(call.error).observation()})
+    key = rec.call_result_key(prefix, e.pos, t, i)
+    if store.exists(key):
+        return art.get_model(store, key, rec.CallRecord)
+    execution = uuid.uuid4().hex
+    art.put_json(store, rec.call_log_key(prefix, e.pos, t, i, execution),
+                 {"tool": call.tool, "arguments": call.arguments, "index": i, "at": time.time(), "pid": os.getpid(),
+                  "execution": execution})
+    t0 = time.perf_counter()
+    result = e.env.execute(call)
+    seconds = time.perf_counter() - t0
+    counters.add(tools_run=1)
+    done = r.model_copy(update={
+        "executed": True, "execution": execution, "observation": result.observation(), "error": result.error,
+        "timed_out": result.timed_out, "reward": result.reward, "seconds": seconds})
+    art.put_model(store, key, done)  # recorded before the next call or turn uses it
+    return done
+
+
+def _tool_turn(
+    chat: IncrementalChat, model_ids: list[int], calls: list[TurnCall], answers: list[rec.CallRecord], *, native: bool,
+) -> list[int]:
+    """The tokens that answer the turn: one tool message per call, after the calls as the template
+    renders them (a native format); a tags or environment turn's single call keeps its one message."""
+    if not native:
+        (answer,) = answers
+        return chat.tool_turn(model_ids, answer.observation or "")
+    tool_calls = [{"id": a.call_id, "type": "function", "function": {"name": c.tool, "arguments": c.parsed or {}}}
+                  for c, a in zip(calls, answers, strict=True)]
+    messages = [{"role": chat.role, "content": a.observation or "", "tool_call_id": a.call_id, "name": c.tool}
+                for c, a in zip(calls, answers, strict=True)]
+    return chat.continuation(model_ids, messages, tool_calls=tool_calls)
 
 
 def _sample(req: RolloutRequest, plan: ChunkPlan, e: Episode, tokenizer: Tokenizer) -> art.Sample:
@@ -220,7 +264,8 @@ def _sample(req: RolloutRequest, plan: ChunkPlan, e: Episode, tokenizer: Tokeniz
     last = e.turns[-1]
     info = art.EpisodeInfo(
         outcome=last.outcome or "truncated", turns=len(e.turns),
-        tool_calls=sum(t.executed for t in e.turns), tool_errors=sum(bool(t.error) for t in e.turns),
+        tool_calls=sum(t.tool_calls for t in e.turns), tool_errors=sum(t.tool_errors for t in e.turns),
+        max_calls_per_turn=max(len(t.calls) for t in e.turns),
         turn_rewards=[t.reward for t in e.turns], seconds=e.seconds(),
     )
     return art.Sample(

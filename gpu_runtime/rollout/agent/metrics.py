@@ -21,6 +21,7 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "tool_calls": float(sum(e.tool_calls for _, e in eps)),
         "tool_errors": float(sum(e.tool_errors for _, e in eps)),
         "tool_calls_mean": sum(e.tool_calls for _, e in eps) / n,
+        "calls_per_turn_max": float(max(e.max_calls_per_turn for _, e in eps)),
         "episode_tokens_mean": sum(len(s.response_ids) for s, _ in eps) / n,
         "model_tokens_mean": sum(sum(s.loss_mask or []) for s, _ in eps) / n,
         "truncation_rate": sum(e.outcome == "truncated" for _, e in eps) / n,

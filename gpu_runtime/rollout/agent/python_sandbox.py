@@ -28,8 +28,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 from gpu_runtime.rollout.agent.tool_api import ToolResult
+from gpu_runtime.rollout.agent.tool_schemas import default_parameters
 
 # runs in the child before the model's code: limits first, then the audit hook
 _PRELUDE = """\
@@ -79,6 +81,7 @@ class PythonSandbox:
     max_output_chars: int = 2000
     name: str = "python"
     description: str = "runs a Python 3 program and returns what it prints (no network, no files kept)"
+    schema: ClassVar[dict] = default_parameters("code")  # the program, as the model's JSON arguments carry it
 
     def __call__(self, arguments: str) -> ToolResult:
         code = arguments.strip("\n")

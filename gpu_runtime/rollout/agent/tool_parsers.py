@@ -110,7 +110,8 @@ def _json_values(text: str, pos: int, sep: str, close: str | None) -> tuple[list
         try:
             value, end = dec.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            return values, pos, f"malformed JSON: {e.msg} (cut off?)" if e.pos >= len(text) else f"malformed JSON: {e.msg}"
+            cut = e.pos >= len(text) or e.msg.startswith("Unterminated string")
+            return values, pos, f"malformed JSON: {e.msg}{' (cut off?)' if cut else ''}"
         values.append((text[pos:end], value))
         pos = end
         while pos < len(text) and text[pos].isspace():

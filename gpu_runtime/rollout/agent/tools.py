@@ -7,9 +7,10 @@ and ``python``. Your own: ``agent.tools: ["my_pkg.tools:make_weather"]`` names a
 zero-argument callable (a class or function) returning such an object, imported on the
 node agent (docs/agents.md).
 
-The call format is one tag per tool: ``<calculator>1234*5678</calculator>``; the first
-complete tag of a registered tool in the model's turn is the call, its body (stripped)
-the arguments. An opened tag without its closing tag is a malformed call.
+How a model's turn writes its calls is the parser's business (``tool_parsers``: the model's
+native format, or our tags ``<calculator>1234*5678</calculator>``); what a call's arguments
+become for the tool, ``tool_schemas``'. ``parse_tool_call`` reads our tags for an environment
+of your own that wants them.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import ClassVar
 
 from gpu_runtime.rollout.agent import calculator
 from gpu_runtime.rollout.agent.python_sandbox import PythonSandbox
 from gpu_runtime.rollout.agent.tool_api import Environment, Tool, ToolCall, ToolResult
+from gpu_runtime.rollout.agent.tool_parsers import first_tag
+from gpu_runtime.rollout.agent.tool_schemas import default_parameters, tool_schema
 
 GRACE_S = 5.0  # over agent.tool_timeout_s before a call is abandoned (python kills its child itself first)
 
@@ -38,6 +42,7 @@ class Calculator:
 
     name: str = "calculator"
     description: str = "evaluates an arithmetic expression (+ - * / // % ** and parentheses)"
+    schema: ClassVar[dict] = default_parameters("expression")
 
     def __call__(self, arguments: str) -> ToolResult:
         try:
@@ -67,6 +72,10 @@ def load_tool(spec: str, timeout_s: float) -> Tool:
     name = getattr(tool, "name", None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][\w-]*", name) or not callable(tool):
         raise ToolNotFound(f"agent.tools: {spec!r} returned {tool!r}: a tool needs a name (a tag) and __call__(arguments)")
+    try:
+        tool_schema(tool)
+    except ValueError as e:
+        raise ToolNotFound(f"agent.tools: {spec!r}: {e}") from e
     return tool
 
 
@@ -82,17 +91,12 @@ def load_tools(specs: Sequence[str], timeout_s: float) -> dict[str, Tool]:
 
 def parse_tool_call(text: str, names: Sequence[str]) -> ToolCall | None:
     """The first ``<name>...</name>`` of a known tool in ``text``; ``None`` when the turn calls none."""
-    if not names:
+    tag = first_tag(text, names)
+    if tag is None:
         return None
-    alt = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
-    opened = re.search(rf"<({alt})>", text)
-    if opened is None:
-        return None
-    name = opened.group(1)
-    close = text.find(f"</{name}>", opened.end())
-    if close < 0:
-        return ToolCall(name, text[opened.end():].strip(), error=f"<{name}> is not closed by </{name}>")
-    return ToolCall(name, text[opened.end():close].strip())
+    if not tag.closed:
+        return ToolCall(tag.name, tag.body, error=f"<{tag.name}> is not closed by </{tag.name}>")
+    return ToolCall(tag.name, tag.body)
 
 
 def run_tool(tool: Tool, arguments: str, timeout_s: float) -> ToolResult:
@@ -114,20 +118,6 @@ def run_tool(tool: Tool, arguments: str, timeout_s: float) -> ToolResult:
         return ToolResult.failed(f"timed out after {timeout_s:g} s", timed_out=True)
     finally:
         pool.shutdown(wait=False)
-
-
-class ToolEnvironment:
-    """The default environment: the configured tools, called by tag."""
-
-    def __init__(self, tools: dict[str, Tool], timeout_s: float) -> None:
-        self.tools = tools
-        self.timeout_s = timeout_s
-
-    def parse(self, model_text: str) -> ToolCall | None:
-        return parse_tool_call(model_text, list(self.tools))
-
-    def execute(self, call: ToolCall) -> ToolResult:
-        return run_tool(self.tools[call.tool], call.arguments, self.timeout_s)
 
 
 def load_environment_factory(spec: str) -> Callable[[dict], Environment]:
