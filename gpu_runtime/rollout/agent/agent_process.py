@@ -86,20 +86,20 @@ class AgentZygote:
             if "import_error" in msg:
                 self.import_error = msg["import_error"]
                 with self._lock:
-                    for job in self._jobs.values():  # the zygote forks nothing: every waiting job ends
-                        job.forked.set()
-                        job.ended.set()
+                    for waiting in self._jobs.values():  # the zygote forks nothing: every waiting job ends
+                        waiting.forked.set()
+                        waiting.ended.set()
                 continue
             with self._lock:
-                job = self._jobs.get(msg["episode"])
-            if job is None:
+                found = self._jobs.get(msg["episode"])
+            if found is None:
                 continue
             if "pid" in msg:
-                job.pid = int(msg["pid"])
-                job.forked.set()
+                found.pid = int(msg["pid"])
+                found.forked.set()
             else:
-                job.exit = int(msg["exit"])
-                job.ended.set()
+                found.exit = int(msg["exit"])
+                found.ended.set()
         with self._lock:  # the zygote is gone: its episodes' ends will never be reported
             self._ended.add(proc.pid)
             for job in self._jobs.values():
@@ -133,7 +133,10 @@ class AgentZygote:
                     proc.stdin.flush()
                 except (BrokenPipeError, ValueError):  # it died: its reader marks this job lost
                     pass
-                if not job.forked.wait(FORK_TIMEOUT_S) or self.import_error:
+                deadline = time.monotonic() + FORK_TIMEOUT_S
+                while not job.forked.wait(poll_s) and not self.import_error and time.monotonic() < deadline:
+                    pass
+                if not job.forked.is_set() or self.import_error:
                     return AgentExit("agent_error", error=self.import_error or "the agent zygote did not fork in "
                                      f"{FORK_TIMEOUT_S:g} s", seconds=time.monotonic() - t0)
                 if job.pid:
