@@ -53,6 +53,7 @@ def generate_openai_chunk(
     prefix = rec.episodes_prefix(req.run_id, req.step, plan.chunk, req.round)
     parser = get_parser(settings.tool_parser, tokenizer.chat_template)
     chats = Chats(tokenizer, settings.tool_role)
+    chats.get(None)  # a template the endpoint cannot continue fails the rollout here, as the built-in loop's does
     with AgentEndpoint() as endpoint, AgentZygote(settings.entrypoint) as zygote:
         sessions = []
         for pos in range(len(plan.members)):
