@@ -7,10 +7,12 @@ its chunks as well, so the node agent scores them from memory (``gpu_runtime.rol
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chunk
+from gpu_runtime.rollout.agent.agent_process import AgentZygote
 from gpu_runtime.rollout.agent.metrics import episode_metrics
 from gpu_runtime.rollout.agent.openai_chunk import OpenAICounters, generate_openai_chunk
 from gpu_runtime.rollout.chunks import ChunkPlan, RolloutContext, plan_chunks
@@ -43,7 +45,12 @@ def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
     agent_kind = req.rollout.agent.kind if req.rollout.agent is not None else None
     counters = AgentCounters() if agent_kind in ("tools", "environment") else None
     openai = OpenAICounters() if agent_kind == "openai" else None
-    chunks, reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters, openai_counters=openai)
+    with ExitStack() as stack:  # kind openai: one agent zygote for the rollout's chunks (the entrypoint imported once)
+        zygote = None
+        if openai is not None and req.rollout.agent is not None and req.rollout.agent.entrypoint is not None:
+            zygote = stack.enter_context(AgentZygote(req.rollout.agent.entrypoint))
+        chunks, reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters,
+                                         openai_counters=openai, zygote=zygote)
     n_tokens, n_samples = 0, 0
     samples: list[art.Sample] = []
     for chunk in chunks:
@@ -80,6 +87,7 @@ def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
 def generate_chunks(
     req: RolloutRequest, planned: list[tuple[ChunkPlan, str]], ctx: RolloutContext,
     agent_counters: AgentCounters | None = None, openai_counters: OpenAICounters | None = None,
+    zygote: AgentZygote | None = None,
 ) -> tuple[list[art.RolloutChunk], int]:
     """Generate and store each (plan, key) whose key is not in the store yet,
     ``ctx.parallelism`` in flight. Returns every planned chunk, in order (the ones found in
@@ -92,7 +100,7 @@ def generate_chunks(
         plan, key = item
         if req.rollout.agent is not None and req.rollout.agent.kind == "openai":
             chunk = generate_openai_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate, ctx.store,
-                                          openai_counters, ctx.pin)
+                                          openai_counters, ctx.pin, zygote)
         elif req.rollout.agent is not None:
             chunk = generate_agent_chunk(req, plan, ctx.rows, ctx.tokenizer, ctx.generate, ctx.store, agent_counters)
         else:

@@ -17,6 +17,9 @@ as ``agent_error`` naming it. Zygote and episode processes exit when the node ag
 
 Forking from a process that has imported your module costs milliseconds an episode, where a
 fresh interpreter costs the interpreter and your imports (``openai`` alone is ~0.6 s of CPU).
+When your module imported ``openai``, the zygote also makes one call through it against a
+canned local answer first (``warm_openai``): the SDK's first call loads and builds what every
+later one reuses, so each forked episode starts warm.
 """
 
 from __future__ import annotations
@@ -42,6 +45,54 @@ def answer_text(value: Any) -> str | None:
         inner = value.get("answer")
         return None if inner is None else str(inner)
     return str(value)
+
+
+# a canned chat.completion with a tool call: what the zygote's warm-up call gets back
+_WARM_REPLY = json.dumps({
+    "id": "chatcmpl-warmup", "object": "chat.completion", "created": 0, "model": "policy",
+    "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "warmup000", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}).encode()
+
+
+def warm_openai() -> None:
+    """One chat completion through the ``openai`` SDK against a canned local answer, in the
+    zygote, when the entrypoint imported it: the SDK loads its resources and builds its models
+    on first use (~0.5 s of CPU, measured), which every forked episode would otherwise pay again.
+    The stub server is shut down and joined before any fork."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import openai
+
+    class Canned(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(_WARM_REPLY)))
+            self.end_headers()
+            self.wfile.write(_WARM_REPLY)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Canned)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="warm-up",
+                           max_retries=0) as client:
+            reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+            reply.choices[0].message.model_dump(exclude_none=True)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
 
 
 def _say(message: dict) -> None:
@@ -98,6 +149,11 @@ def main() -> int:
         run = getattr(importlib.import_module(mod_name), attr)
     except BaseException as e:  # noqa: BLE001 - reported; every episode then ends naming it
         _say({"import_error": f"rollout.agent.entrypoint {entrypoint!r}: {type(e).__name__}: {e}"})
+    if run is not None and "openai" in sys.modules:
+        try:
+            warm_openai()
+        except Exception:  # noqa: BLE001 - only a warm-up: each episode then pays the SDK's first use itself
+            pass
     running: dict[int, int] = {}  # pid -> episode
     stdin = sys.stdin.buffer
     buf = b""

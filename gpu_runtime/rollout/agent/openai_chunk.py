@@ -11,6 +11,7 @@ place up to ``agent.agent_restarts`` times, replaying the same way.
 from __future__ import annotations
 
 import functools
+from contextlib import ExitStack
 import logging
 import time
 from collections.abc import Callable
@@ -46,7 +47,10 @@ class OpenAICounters(SessionCounters):
 def generate_openai_chunk(
     req: RolloutRequest, plan: ChunkPlan, rows: list[dict], tokenizer: Tokenizer, generate: ChunkGenerator,
     store: ObjectStore, counters: OpenAICounters | None = None, pin: Pin | None = None,
+    zygote: AgentZygote | None = None,
 ) -> art.RolloutChunk:
+    """The chunk's episodes; ``zygote``: the rollout's (shared by its chunks: the entrypoint is
+    imported once a step), else one of the chunk's own."""
     settings = req.rollout.agent
     assert settings is not None and settings.entrypoint is not None
     counters = counters or OpenAICounters()
@@ -54,7 +58,10 @@ def generate_openai_chunk(
     parser = get_parser(settings.tool_parser, tokenizer.chat_template)
     chats = Chats(tokenizer, settings.tool_role)
     chats.get(None)  # a template the endpoint cannot continue fails the rollout here, as the built-in loop's does
-    with AgentEndpoint() as endpoint, AgentZygote(settings.entrypoint) as zygote:
+    with ExitStack() as stack:
+        endpoint = stack.enter_context(AgentEndpoint())
+        if zygote is None:
+            zygote = stack.enter_context(AgentZygote(settings.entrypoint))
         sessions = []
         for pos in range(len(plan.members)):
             gen = pin(f"{req.run_id}/{req.step}/{req.round}/{plan.chunk}/{pos}") if pin else generate
