@@ -22,6 +22,7 @@ from gpu_runtime.rollout.held import HeldChunks
 from gpu_runtime.trainer.process import TrainerProcess
 from gpu_runtime.weight_sync.member_push import GroupMember
 from gpu_runtime.weight_sync.shared_memory import prune_orphans
+from gpu_runtime.rollout.agent.agent_process import ZYGOTES
 from spec.engine import EngineSpec
 from spec.events import RunEvent
 from spec.trainer_rpc import RunSetup
@@ -70,6 +71,7 @@ class NodeRuntime:
         self.engines.stop()
         if self.trains:
             self.trainer.stop()
+        ZYGOTES.close()  # kind openai agents' zygotes (and, through them, their episodes)
         (self.work_dir / "children.json").unlink(missing_ok=True)
 
     def _write_children(self) -> None:

@@ -7,12 +7,11 @@ its chunks as well, so the node agent scores them from memory (``gpu_runtime.rol
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gpu_runtime.rollout.agent.episodes import AgentCounters, generate_agent_chunk
-from gpu_runtime.rollout.agent.agent_process import AgentZygote
+from gpu_runtime.rollout.agent.agent_process import ZYGOTES, AgentZygote
 from gpu_runtime.rollout.agent.metrics import episode_metrics
 from gpu_runtime.rollout.agent.openai_chunk import OpenAICounters, generate_openai_chunk
 from gpu_runtime.rollout.chunks import ChunkPlan, RolloutContext, plan_chunks
@@ -45,12 +44,11 @@ def run_rollout(req: RolloutRequest, ctx: RolloutContext) -> RolloutStats:
     agent_kind = req.rollout.agent.kind if req.rollout.agent is not None else None
     counters = AgentCounters() if agent_kind in ("tools", "environment") else None
     openai = OpenAICounters() if agent_kind == "openai" else None
-    with ExitStack() as stack:  # kind openai: one agent zygote for the rollout's chunks (the entrypoint imported once)
-        zygote = None
-        if openai is not None and req.rollout.agent is not None and req.rollout.agent.entrypoint is not None:
-            zygote = stack.enter_context(AgentZygote(req.rollout.agent.entrypoint))
-        chunks, reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters,
-                                         openai_counters=openai, zygote=zygote)
+    zygote = None  # kind openai: the node's zygote for the run's agent (its module imported once per node)
+    if openai is not None and req.rollout.agent is not None and req.rollout.agent.entrypoint is not None:
+        zygote = ZYGOTES.get(req.run_id, req.rollout.agent.entrypoint)
+    chunks, reused = generate_chunks(req, list(zip(plans, keys)), ctx, agent_counters=counters,
+                                     openai_counters=openai, zygote=zygote)
     n_tokens, n_samples = 0, 0
     samples: list[art.Sample] = []
     for chunk in chunks:

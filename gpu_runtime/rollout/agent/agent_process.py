@@ -201,3 +201,32 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+class Zygotes:
+    """The node's agent zygotes, one per (run, entrypoint), kept from step to step so a run imports
+    its agent's module (and warms the ``openai`` SDK) once per node, not once per rollout. Asking
+    for another run's closes the others: a node agent serves one run at a time, and a new run
+    (or a resumed one) imports the module as it is then."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, str], AgentZygote] = {}
+        self._lock = threading.Lock()
+
+    def get(self, run_id: str, entrypoint: str) -> AgentZygote:
+        with self._lock:
+            key = (run_id, entrypoint)
+            for other in [k for k in self._by_key if k != key]:
+                self._by_key.pop(other).close()
+            if key not in self._by_key:
+                self._by_key[key] = AgentZygote(entrypoint)
+            return self._by_key[key]
+
+    def close(self) -> None:
+        with self._lock:
+            for zygote in self._by_key.values():
+                zygote.close()
+            self._by_key.clear()
+
+
+ZYGOTES = Zygotes()  # the node agent's (its episodes' processes exit with it)
