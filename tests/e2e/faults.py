@@ -221,3 +221,11 @@ def module_baseline_fixture(config: Callable[[Path], dict]) -> Callable:
         return baseline_weights(stack, store, config(store))
 
     return baseline
+
+
+def rollout_samples(store: Path, run_id: str, step: int) -> list[dict]:
+    """Step ``step``'s rollout samples as stored, in chunk order (JSON, as a test compares them)."""
+    out = []
+    for chunk in sorted((store / "runs" / run_id / "steps" / f"{step:06d}" / "rollout").glob("chunk-*.json")):
+        out += json.loads(chunk.read_text())["samples"]
+    return out

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.e2e.faults import (
-    assert_bitwise_equal, baseline_weights, final_weights, module_stack_fixtures, progress, run_progress, start_run,
+    assert_bitwise_equal, baseline_weights, final_weights, module_stack_fixtures, progress, rollout_samples,
+    run_progress, start_run,
 )
 from tests.stack import Stack, tiny_config, wait_for
 from workers.common import connect
@@ -86,13 +87,6 @@ def tool_executions(store: Path, run_id: str, dead_pids: frozenset[int] = frozen
     return recorded, lost
 
 
-def samples(store: Path, run_id: str, step: int) -> list[dict]:
-    out = []
-    for chunk in sorted((store / "runs" / run_id / "steps" / f"{step:06d}" / "rollout").glob("chunk-*.json")):
-        out += json.loads(chunk.read_text())["samples"]
-    return out
-
-
 def test_multi_turn_run_calls_the_tool(stack: Stack, store: Path, baseline: dict) -> None:
     p = run_progress(stack, "agent-base")
     assert [s.step for s in p.steps] == [1, 2, 3]
@@ -102,7 +96,7 @@ def test_multi_turn_run_calls_the_tool(stack: Stack, store: Path, baseline: dict
     assert all(m["turns_mean"] >= 1 and m["episodes"] == 16 for m in metrics)
     assert tool_executions(store, "agent-base") == (sum(m["tool_calls"] for m in metrics), 0)
     for step in range(1, STEPS + 1):
-        for s in samples(store, "agent-base", step):
+        for s in rollout_samples(store, "agent-base", step):
             ep = s["episode"]
             assert ep["outcome"] in ("completed", "truncated", "tool_error", "timeout")
             assert len(s["loss_mask"]) == len(s["response_ids"]) == len(s["logprobs"])
@@ -154,7 +148,7 @@ def test_fault_mid_episode_ends_bitwise_equal(stack: Stack, store: Path, baselin
     _, lost = tool_executions(store, run_id, frozenset({killed}) if fault == "worker" else frozenset())
     assert lost <= 2, lost  # at most one call in flight per chunk (a chunk runs its tools one at a time)
     for step in range(1, STEPS + 1):  # the same episodes, token for token
-        got, want = samples(store, run_id, step), samples(store, "agent-base", step)
+        got, want = rollout_samples(store, run_id, step), rollout_samples(store, "agent-base", step)
         assert [(s["response_ids"], s["logprobs"], s["loss_mask"]) for s in got] == [
             (s["response_ids"], s["logprobs"], s["loss_mask"]) for s in want], f"step {step}"
     assert_bitwise_equal(final_weights(store, run_id, STEPS), baseline)

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.faults import (
-    assert_bitwise_equal, baseline_weights, final_weights, module_stack_fixtures, progress, run_progress, start_run,
+    assert_bitwise_equal, baseline_weights, final_weights, module_stack_fixtures, progress, rollout_samples,
+    run_progress, start_run,
 )
 from tests.stack import Stack, tiny_config, wait_for
 from workers.common import connect
@@ -58,13 +59,6 @@ def episodes(store: Path, run_id: str, step: int) -> list[Path]:
     return sorted((store / "runs" / run_id / "steps" / f"{step:06d}" / "rollout" / "episodes").glob("chunk-*/ep-*"))
 
 
-def samples(store: Path, run_id: str, step: int) -> list[dict]:
-    out = []
-    for chunk in sorted((store / "runs" / run_id / "steps" / f"{step:06d}" / "rollout").glob("chunk-*.json")):
-        out += json.loads(chunk.read_text())["samples"]
-    return out
-
-
 def generations(store: Path, run_id: str) -> Counter:
     """How often each recorded call was generated (the generation log is written just before the
     engines are asked), by (step, episode folder, call)."""
@@ -86,7 +80,7 @@ def test_an_openai_sdk_agent_trains(stack: Stack, store: Path, baseline: dict) -
     assert all(m["calls_replayed"] == 0 and m["agent_restarts"] == 0 for m in metrics)
     assert set(generations(store, "oa-base").values()) == {1}
     for step in range(1, STEPS + 1):
-        for s in samples(store, "oa-base", step):
+        for s in rollout_samples(store, "oa-base", step):
             assert s["episode"]["outcome"] in ("completed", "no_calls", "agent_error", "timeout")
             assert len(s["loss_mask"]) == len(s["response_ids"]) == len(s["logprobs"])
             assert (0 in s["loss_mask"]) == (s["episode"]["turns"] > 1), s["episode"]
@@ -146,7 +140,7 @@ def test_a_kill_mid_episode_ends_bitwise_equal(stack: Stack, store: Path, baseli
     # every recorded call was generated exactly once, across the fault
     assert set(generations(store, run_id).values()) == {1}
     for step in range(1, STEPS + 1):  # the same episodes, token for token, each prompt once
-        got, want = samples(store, run_id, step), samples(store, "oa-base", step)
+        got, want = rollout_samples(store, run_id, step), rollout_samples(store, "oa-base", step)
         assert [s["sample_id"] for s in got] == [s["sample_id"] for s in want]
         assert [(s["response_ids"], s["logprobs"], s["loss_mask"]) for s in got] == [
             (s["response_ids"], s["logprobs"], s["loss_mask"]) for s in want], f"step {step}"

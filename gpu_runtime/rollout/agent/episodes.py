@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from gpu_runtime.data.rows import prompt_messages, prompt_text
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.rollout.agent import records as rec
+from gpu_runtime.rollout.agent.counters import AttemptCounters
 from gpu_runtime.rollout.agent.chat import IncrementalChat
 from gpu_runtime.rollout.agent.tool_api import ToolResult
 from gpu_runtime.rollout.agent.tool_parsers import get_parser
@@ -39,18 +39,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class AgentCounters:
+class AgentCounters(AttemptCounters):
     """What this rollout attempt did (not part of any artifact: a retry differs)."""
 
     turns_reused: int = 0  # finished turns loaded from the store
     model_turns_reused: int = 0  # model turn batches loaded from the store
     tools_run: int = 0  # tool executions by this attempt
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, **counts: int) -> None:
-        with self.lock:
-            for k, v in counts.items():
-                setattr(self, k, getattr(self, k) + v)
 
 
 @dataclass

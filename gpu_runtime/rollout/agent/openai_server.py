@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
+from gpu_runtime.proc.rpc import send_json
 from gpu_runtime.rollout.agent import openai_protocol as proto
 from gpu_runtime.rollout.agent.openai_session import EpisodeSession
 
@@ -109,9 +110,4 @@ class AgentEndpoint:
             log.warning("agent endpoint: a call failed: %s: %s", type(e).__name__, e)
             self.fatal = self.fatal or e  # the rollout fails with it, and its retry replays the recorded calls
             status, body = 503, proto.RequestError(f"{type(e).__name__}: {e}", status=503, kind="server_error").body()
-        data = json.dumps(body).encode()
-        handler.send_response(status)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        handler.wfile.write(data)
+        send_json(handler, status, body)
