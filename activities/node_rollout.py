@@ -58,11 +58,11 @@ class RolloutActivities:
                 pin=lambda key: functools.partial(fleet.generate_chunk, affinity=key),
             ))
 
-        # an agent chunk runs many turns and tool calls: heartbeat while it runs, not only per chunk
-        # (every model turn and tool call is bounded: the engines' timeout, agent.tool_timeout_s)
-        stats = self._generating(inp.run_id, inp.epoch, f"rollout step {inp.step}", (
-            (lambda: with_heartbeat(generate, detail=lambda: dict(progress))) if req.rollout.agent is not None else generate
-        ))
+        # heartbeat while it runs, not only per chunk: a chunk (an agent chunk's turns and tool calls, or
+        # one slow batch on a loaded machine) may outlast the heartbeat timeout, which on a rollout node
+        # is the run's liveness timeout (3 s); a stopped or dead agent stops this beat too
+        stats = self._generating(inp.run_id, inp.epoch, f"rollout step {inp.step}",
+                                 lambda: with_heartbeat(generate, detail=lambda: dict(progress)))
         metrics.ROLLOUT_TOKENS_PER_S.set(stats.tokens_per_s)
         metrics.RESPONSE_LENGTH.set(stats.response_len_mean)
         for name, value in (stats.agent or {}).items():

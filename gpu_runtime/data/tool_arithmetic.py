@@ -12,10 +12,10 @@ tokens are trained (tool turns are loss-masked). Pure Python, deterministic in t
 
 from __future__ import annotations
 
+import json
 import random
 
 from gpu_runtime.data.arithmetic import _apply, _check
-from gpu_runtime.rollout.agent.tool_parsers import get_parser
 from gpu_runtime.store.artifacts import derive_seed
 
 SYSTEM = "Use the calculator: write <calculator>EXPRESSION</calculator>, read its result, then answer with the number."
@@ -31,11 +31,16 @@ def demonstration(expression: str, value: int, tool_role: str = "tool") -> str:
             f"<|im_start|>assistant\n{value}")
 
 
+def hermes_call(expression: str) -> str:
+    """A calculator call as Hermes / Qwen2.5 write it (what ``tool_parsers``' hermes parser reads and
+    its ``render_call`` writes: tests/unit/test_agent_two_calls.py checks they agree)."""
+    return f"<tool_call>\n{json.dumps({'name': 'calculator', 'arguments': {'expression': expression}})}\n</tool_call>"
+
+
 def two_call_demonstration(first: str, second: str, a: int, b: int, tool_role: str = "tool") -> str:
     """``first + second`` in hermes calls, in ChatML: both products called in ONE turn (two
     ``<tool_call>`` blocks, answered by two tool messages in order), then their sum, then the answer."""
-    hermes = get_parser("hermes")
-    call = lambda e: hermes.render_call("calculator", {"expression": e})  # noqa: E731
+    call = hermes_call
     total = a + b
     return (f"{call(first)}\n{call(second)}<|im_end|>\n<|im_start|>{tool_role}\n{a}<|im_end|>\n"
             f"<|im_start|>{tool_role}\n{b}<|im_end|>\n<|im_start|>assistant\n{call(f'{a}+{b}')}<|im_end|>\n"
@@ -84,6 +89,6 @@ def generate_tool_arithmetic(
 
 def demonstration_hermes(expression: str, value: int, tool_role: str = "tool") -> str:
     """``demonstration`` with the call written as a hermes ``<tool_call>`` block."""
-    call = get_parser("hermes").render_call("calculator", {"expression": expression})
+    call = hermes_call(expression)
     return (f"{call}<|im_end|>\n<|im_start|>{tool_role}\n{value}<|im_end|>\n"
             f"<|im_start|>assistant\n{value}")

@@ -101,6 +101,8 @@ class RouterProcess:
             return
         cmd = self.command()
         log.info("starting router: %s", " ".join(cmd))
+        if self.log_path:  # a node's first engines may start before anything else made its logs folder
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             env = {**os.environ, "PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

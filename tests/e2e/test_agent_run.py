@@ -29,8 +29,8 @@ from workflows.run_state import RunProgress
 pytestmark = pytest.mark.e2e
 STEPS = 3
 AGENT = {"tools": ["calculator"], "max_turns": 3, "max_tokens_per_turn": 12, "max_episode_tokens": 40}
-# slowed decoding (fault-injection aid): a turn of ~10 tokens takes ~2 s, so a kill lands mid-episode
-ENV = {"MILESTONE_ENGINE_STEP_DELAY_MS": "200"}
+# slowed decoding (fault-injection aid): a turn of ~10 tokens takes ~1 s, so a kill lands mid-episode
+ENV = {"MILESTONE_ENGINE_STEP_DELAY_MS": "100"}
 
 
 def agent_config(store: Path) -> dict:

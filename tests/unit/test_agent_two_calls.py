@@ -74,3 +74,16 @@ def test_the_openai_agent_gets_both_calls_in_one_message(tmp_path: Path) -> None
         calls = call0.response["choices"][0]["message"]["tool_calls"]
         assert [c["function"]["arguments"] for c in calls] == [
             f'{{"expression": "{first}"}}', f'{{"expression": "{second}"}}']
+
+
+def test_the_demonstrations_call_is_what_the_hermes_parser_writes_and_reads() -> None:
+    from gpu_runtime.data.tool_arithmetic import hermes_call
+    from gpu_runtime.rollout.agent.tool_parsers import get_parser
+    from gpu_runtime.rollout.agent.tool_schemas import tool_schemas
+    from gpu_runtime.rollout.agent.tools import load_tools
+
+    hermes = get_parser("hermes")
+    assert hermes_call("12*34") == hermes.render_call("calculator", {"expression": "12*34"})
+    turn = hermes.parse(hermes_call("12*34") + hermes_call("5*6"), tool_schemas(load_tools(["calculator"], 5.0).values()))
+    assert [(c.name, c.arguments, c.error) for c in turn.calls] == [
+        ("calculator", {"expression": "12*34"}, ""), ("calculator", {"expression": "5*6"}, "")]
