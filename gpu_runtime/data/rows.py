@@ -142,3 +142,8 @@ def sft_target(row: Mapping[str, Any]) -> str:
     if isinstance(prompt, str) and ARITHMETIC_PROMPT.fullmatch(prompt):
         return final_answer(row)
     return str(row["answer"])
+
+
+def opening_chat(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    """An agent episode's opening chat: a messages row as it is, a plain prompt as one user message."""
+    return prompt_messages(row) or [{"role": "user", "content": prompt_text(row)}]

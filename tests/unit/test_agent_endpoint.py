@@ -60,7 +60,7 @@ def served(tmp_path: Path):  # one episode's session behind a live endpoint, and
     session = EpisodeSession(
         pos=0, seed=7, prefix="runs/r/ep", store=store, rollout=req.rollout, settings=req.rollout.agent,
         tokenizer=tok, chats=Chats(tok, "tool"), parser=get_parser("tags", tok.chat_template),
-        generate=lambda p, sp: _one(req, plan_chunks(req)[0], model, p, sp), policy_version=0,
+        generate=lambda p, sp: _one(req, plan_chunks(req)[0], model, p, sp),
         counters=SessionCounters())
     with AgentEndpoint() as endpoint:
         session.start_attempt()

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpu_runtime.data.rows import prompt_messages, prompt_text
+from gpu_runtime.data.rows import opening_chat
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.rollout.agent import records as rec
 from gpu_runtime.rollout.agent.counters import AttemptCounters
@@ -70,11 +70,6 @@ class Episode:
         return sum(t.seconds for t in self.turns)
 
 
-def _messages(row: dict) -> list[dict]:
-    """The episode's opening chat: a messages row as it is, a plain prompt as one user message."""
-    return prompt_messages(row) or [{"role": "user", "content": prompt_text(row)}]
-
-
 def generate_agent_chunk(
     req: RolloutRequest, plan: ChunkPlan, rows: list[dict], tokenizer: Tokenizer, generate: ChunkGenerator,
     store: ObjectStore, counters: AgentCounters | None = None,
@@ -86,7 +81,7 @@ def generate_agent_chunk(
     chat = IncrementalChat(tokenizer, settings.tool_role, tools=schemas)
     prefix = rec.episodes_prefix(req.run_id, req.step, plan.chunk, req.round)
     episodes = [
-        Episode(pos, rows[idx], chat.prompt(_messages(rows[idx])), make_env(rows[idx]))
+        Episode(pos, rows[idx], chat.prompt(opening_chat(rows[idx])), make_env(rows[idx]))
         for pos, (idx, _g) in enumerate(plan.members)
     ]
     url = ""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from gpu_runtime.data.rows import prompt_messages, prompt_text
+from gpu_runtime.data.rows import opening_chat
 from gpu_runtime.models.tokenizer import Tokenizer
 from gpu_runtime.rollout.agent import openai_records as orec
 from gpu_runtime.rollout.agent import records as rec
@@ -68,7 +68,7 @@ def generate_openai_chunk(
             sessions.append(EpisodeSession(
                 pos=pos, seed=plan.seed, prefix=prefix, store=store, rollout=req.rollout, settings=settings,
                 tokenizer=tokenizer, chats=chats, parser=parser, generate=functools.partial(_one, req, plan, gen),
-                policy_version=req.policy_version, counters=counters))
+                counters=counters))
         with ThreadPoolExecutor(max_workers=len(sessions), thread_name_prefix=f"agent-c{plan.chunk}") as pool:
             futures = [pool.submit(_episode, s, rows[plan.members[s.pos][0]], settings, endpoint, zygote, store,
                                    counters) for s in sessions]
@@ -158,7 +158,7 @@ def _sample(req: RolloutRequest, plan: ChunkPlan, pos: int, records: list[orec.C
         last = seg[-1].response["choices"][0]["message"].get("content") or ""
         finish = seg[-1].finish_reason
     else:  # no call: one untrained EOS, so the group keeps its size (the reward is the error policy's)
-        prompt = chats.get(None).prompt(prompt_messages(row) or [{"role": "user", "content": prompt_text(row)}])
+        prompt = chats.get(None).prompt(opening_chat(row))
         ids, lps, mask, last, finish = [tokenizer.eos_token_id], [0.0], [0], "", "stop"
     settings = req.rollout.agent
     assert settings is not None

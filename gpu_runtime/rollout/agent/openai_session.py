@@ -17,6 +17,7 @@ afresh, with the same seed; ``replay_diverged`` counts it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -66,7 +67,7 @@ class Chats:
         self._lock = threading.Lock()
 
     def get(self, tools: list[dict] | None) -> IncrementalChat:
-        key = proto.ChatRequest([], tools or [], "auto", None, [], False, 0).digest
+        key = json.dumps(tools or [], sort_keys=True)
         with self._lock:
             if key not in self._by_tools:
                 self._by_tools[key] = IncrementalChat(self.tok, self.role, tools)
@@ -76,12 +77,11 @@ class Chats:
 class EpisodeSession:
     def __init__(
         self, *, pos: int, seed: int, prefix: str, store: ObjectStore, rollout: RolloutSpec, settings: AgentSpec,
-        tokenizer: Tokenizer, chats: Chats, parser: ToolParser, generate: CallGenerator, policy_version: int,
-        counters: SessionCounters,
+        tokenizer: Tokenizer, chats: Chats, parser: ToolParser, generate: CallGenerator, counters: SessionCounters,
     ) -> None:
         self.pos, self.seed, self.prefix, self.store = pos, seed, prefix, store
         self.rollout, self.settings, self.tok, self.chats, self.parser = rollout, settings, tokenizer, chats, parser
-        self.generate, self.version, self.counters = generate, policy_version, counters
+        self.generate, self.counters = generate, counters
         self.key = uuid.uuid4().hex  # this episode's API key (never stored: a re-run gets a new one)
         self.calls: list[_Call] = []
         self.open = False
@@ -136,8 +136,8 @@ class EpisodeSession:
             return record.response
 
     def _drop_records_from(self, k: int, record: orec.CallRecord, req: proto.ChatRequest) -> None:
-        stale = sorted(key for key in self.store.list(orec.episode_prefix(self.prefix, self.pos))
-                       if orec.call_index(key) is not None and (orec.call_index(key) or 0) >= k)
+        calls = ((key, orec.call_index(key)) for key in self.store.list(orec.episode_prefix(self.prefix, self.pos)))
+        stale = sorted(key for key, index in calls if index is not None and index >= k)
         log.warning("episode %d call %d: the re-run agent asked differently from its record (digest %s..., "
                     "recorded %s...): dropping %d recorded calls and generating afresh",
                     self.pos, k, req.digest[:8], record.digest[:8], len(stale))
