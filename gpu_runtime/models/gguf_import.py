@@ -97,7 +97,14 @@ def import_gguf(gguf_path: str | Path, out: str | Path) -> ImportReport:
     except (OSError, ValueError, KeyError) as err:
         raise GGUFImportError(f"{src}: transformers cannot read it: {type(err).__name__}: {err}") from err
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(folder), safe_serialization=True)
+    # transformers marks a GGUF-loaded model as quantized and refuses to save it; its tensors are
+    # already float32, so a plain model of the same config takes them and saves as any other
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(str(folder), safe_serialization=True)
     tok.save_pretrained(str(folder))
     quant = quantization(src)
     report = ImportReport(
