@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_runtime.models.causal_lm import ATTENTION
 from gpu_runtime.models.gguf_import import REPORT_FILE, GGUFImportError, import_gguf, packaged_gguf
 from gpu_runtime.models.model_folder import load_model_folder
 from milestone_cli.main import amain
@@ -45,7 +46,9 @@ def test_its_logits_are_the_gguf_read_directly(folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     gguf = packaged_gguf(PACKAGE)
-    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # the same attention kernel as Milestone's loader (sdpa and eager differ at ~1e-4 in float32)
+    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                  attn_implementation=ATTENTION)
     model, tok, _ = load_model_folder(folder)
     ids = torch.tensor([tok.encode_chat([{"role": "user", "content": "What is 7*8?"}])])
     with torch.no_grad():
