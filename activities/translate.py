@@ -110,5 +110,5 @@ def checkpoint_result(saved: CheckpointSaved, seconds: float, node_events: list[
 def eval_result(inp: EvalInput, stats: EvalStats, node_events: list[RunEvent]) -> EvalResult:
     return EvalResult(
         step=inp.step, policy_version=inp.policy_version, greedy_accuracy=stats.greedy_accuracy,
-        pass_at_k=stats.pass_at_k, k=stats.k, n=stats.n, seconds=stats.seconds, node_events=node_events,
+        pass_at_k=stats.pass_at_k, sampled_accuracy=stats.sampled_accuracy, k=stats.k, n=stats.n, seconds=stats.seconds, node_events=node_events,
     )

@@ -208,6 +208,9 @@ async def watch(client: Client, run_id: str, interval_s: float = 1.0) -> int:
                     f"held-out greedy accuracy {before}after step {summary.eval_step} {summary.eval_greedy:.3f}; "
                     f"pass@{summary.eval_k} {summary.eval_pass_at_k:.3f}"
                 )
+                if summary.eval_sampled is not None:
+                    was = f"{summary.eval_before_sampled:.3f} -> " if summary.eval_before_sampled is not None else ""
+                    print(f"held-out sampled accuracy (pass@1 at the eval temperature) {was}{summary.eval_sampled:.3f}")
             if summary.final_weights_key:
                 print(f"final model (Hugging Face folder): {summary.final_weights_key} in the run's store")
             return 0

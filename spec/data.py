@@ -35,6 +35,10 @@ class DataSpec(Strict):
     min_operand: int = Field(0, ge=0, description="operands are drawn from min_operand..max_operand (arithmetic, tool_arithmetic)")
     max_operand: int = Field(99, ge=1, description="operands are drawn from min_operand..max_operand (arithmetic, tool_arithmetic)")
     ops: str = Field("+", description="operators to draw from, any of +-* (arithmetic, tool_arithmetic)")
+    chat: bool = Field(
+        False, description="arithmetic: each prompt as a chat, the user asking 'What is a<op>b?' (rendered by the "
+        "model's chat template: for an instruction-tuned model); false: the bare 'a<op>b=' prompt",
+    )
     terms: int = Field(
         1, ge=1, le=2,
         description="tool_arithmetic: 1 asks a<op>b; 2 asks a<op>b + c<op>d (the demonstration makes both calls in one "
@@ -78,6 +82,8 @@ class DataSpec(Strict):
             if self.path is not None or self.eval_path is not None:
                 raise ValueError("path / eval_path are for jsonl / parquet; reasoning_gym generates its rows")
             return self
+        if self.chat and self.kind != "arithmetic":
+            raise ValueError(f"chat applies to kind arithmetic, not {self.kind!r} (remove it)")
         if self.kind != "tool_arithmetic" and (self.terms != 1 or self.tool_format != "tags"):
             raise ValueError(f"terms / tool_format apply to kind tool_arithmetic, not {self.kind!r} (remove them)")
         if self.tool_format not in ("tags", "hermes"):

@@ -97,9 +97,11 @@ class RunState(BaseModel):
             final_weights_key=self.history[-1].weights_key if self.history else "",
             eval_before_greedy=before.greedy_accuracy if before else None,
             eval_before_pass_at_k=before.pass_at_k if before else None,
+            eval_before_sampled=before.sampled_accuracy if before else None,
             eval_step=evaluated.step if evaluated else None,
             eval_greedy=evaluated.eval_greedy if evaluated else None,
             eval_pass_at_k=evaluated.eval_pass_at_k if evaluated else None,
+            eval_sampled=evaluated.eval_sampled if evaluated else None,
             eval_k=evaluated.eval_k if evaluated else None,
         )
 
@@ -140,7 +142,9 @@ class RunSummary(BaseModel):
     final_weights_key: str = ""
     eval_before_greedy: float | None = None  # the post-SFT policy (v0), before any RL step
     eval_before_pass_at_k: float | None = None
+    eval_before_sampled: float | None = None
     eval_step: int | None = None  # the last evaluated step and its numbers (None: never evaluated)
     eval_greedy: float | None = None
     eval_pass_at_k: float | None = None
+    eval_sampled: float | None = None  # pass@1 at the eval temperature
     eval_k: int | None = None

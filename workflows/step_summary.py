@@ -104,4 +104,5 @@ def eval_fields(evaluated: EvalResult | None) -> dict[str, Any]:
     if evaluated is None:
         return {}
     return {"eval_greedy": evaluated.greedy_accuracy, "eval_pass_at_k": evaluated.pass_at_k,
+            "eval_sampled": evaluated.sampled_accuracy,
             "eval_k": evaluated.k, "eval_n": evaluated.n}

@@ -48,23 +48,42 @@ def _draw(rng: random.Random, row_id: str, max_operand: int, ops: str, min_opera
     }
 
 
+def as_chat(row: dict) -> dict:
+    """An arithmetic row as a chat, for an instruction-tuned model: the user asks ``What is
+    a<op>b?`` (the model's chat template renders it); the label stays ``"#### c"``. The
+    expression is kept in ``metadata.expression`` (the held-out split excludes by it) and the
+    SFT target is the bare answer."""
+    expr = row["prompt"]
+    return {**row, "prompt": None, "messages": [{"role": "user", "content": f"What is {expr[:-1]}?"}],
+            "answer": f"#### {row['answer'].rsplit('#### ', 1)[1]}",
+            "metadata": {"expression": expr, "sft_target": row["answer"].rsplit("#### ", 1)[1]}}
+
+
+def expression(row: dict) -> str | None:
+    """The ``a<op>b=`` a plain or chat arithmetic row asks (other rows: their prompt)."""
+    return row.get("prompt") or (row.get("metadata") or {}).get("expression")
+
+
 def generate_arithmetic(
-    n: int, seed: int, max_operand: int = 99, ops: str = "+", *, min_operand: int = 0
+    n: int, seed: int, max_operand: int = 99, ops: str = "+", *, min_operand: int = 0, chat: bool = False
 ) -> list[dict]:
     """``n`` rows ``a<op>b=`` with min_operand <= a, b <= max_operand, deterministic in
     ``seed``. ``min_operand=10, max_operand=99`` is 2-digit arithmetic: every prompt
     has the same layout (``DD+DD=``), which a small model learns far faster than the
-    mixed 1- and 2-digit operands of ``0..99`` (bench/plain_grpo.py, 300 SFT steps)."""
+    mixed 1- and 2-digit operands of ``0..99`` (bench/plain_grpo.py, 300 SFT steps).
+    ``chat``: each row ``as_chat`` (the same draws)."""
     _check(n, max_operand, ops, min_operand)
     rng = random.Random(derive_seed("arithmetic", seed))
-    return [_draw(rng, f"arith-{seed}-{i:06d}", max_operand, ops, min_operand) for i in range(n)]
+    rows = [_draw(rng, f"arith-{seed}-{i:06d}", max_operand, ops, min_operand) for i in range(n)]
+    return [as_chat(r) for r in rows] if chat else rows
 
 
 def generate_heldout_arithmetic(
-    n: int, seed: int, max_operand: int = 99, ops: str = "+", *, exclude: Iterable[str] = (), min_operand: int = 0
+    n: int, seed: int, max_operand: int = 99, ops: str = "+", *, exclude: Iterable[str] = (), min_operand: int = 0,
+    chat: bool = False,
 ) -> list[dict]:
     """Held-out rows: the same generator under a derived seed, keeping only prompts not
-    in ``exclude`` (the train prompts) and not drawn before. Fewer than ``n`` rows when
+    in ``exclude`` (the train rows' ``expression``) and not drawn before. Fewer than ``n`` rows when
     fewer unseen prompts exist ((max_operand-min_operand+1)^2 per operator); none when there are none."""
     _check(n, max_operand, ops, min_operand)
     seen = set(exclude)
@@ -81,4 +100,4 @@ def generate_heldout_arithmetic(
         if row["prompt"] not in seen:
             seen.add(row["prompt"])
             rows.append(row)
-    return rows
+    return [as_chat(r) for r in rows] if chat else rows

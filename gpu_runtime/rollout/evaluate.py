@@ -39,6 +39,7 @@ class EvalRequest:
 class EvalStats:
     greedy_accuracy: float
     pass_at_k: float
+    sampled_accuracy: float  # the mean of the k samples' correctness: pass@1 at the eval temperature
     k: int
     n: int
     seconds: float
@@ -79,6 +80,7 @@ def run_eval(req: EvalRequest, ctx: RolloutContext) -> EvalStats:
     return EvalStats(
         greedy_accuracy=accuracy([f[0] for f in correct["greedy"]]),
         pass_at_k=pass_at_k(correct["sampled"], req.k),
+        sampled_accuracy=accuracy([c for f in correct["sampled"] for c in f]),
         k=req.k,
         n=len(rows),
         seconds=time.perf_counter() - t0,

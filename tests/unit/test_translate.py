@@ -51,9 +51,10 @@ def test_eval_request_and_result() -> None:
                     temperature=0.6, max_new_tokens=7, chunk_size=3)
     req = translate.eval_request(inp)
     assert dataclasses.asdict(req) == inp.model_dump(exclude={"store_uri", "eval_key", "epoch"})
-    out = translate.eval_result(inp, EvalStats(greedy_accuracy=0.5, pass_at_k=0.75, k=5, n=8, seconds=1.5), [EVENT])
+    out = translate.eval_result(inp, EvalStats(greedy_accuracy=0.5, pass_at_k=0.75, sampled_accuracy=0.4, k=5, n=8,
+                                                        seconds=1.5), [EVENT])
     assert out.model_dump(exclude={"node_events"}) == {
-        "step": 4, "policy_version": 4, "greedy_accuracy": 0.5, "pass_at_k": 0.75, "k": 5, "n": 8, "seconds": 1.5}
+        "step": 4, "policy_version": 4, "greedy_accuracy": 0.5, "pass_at_k": 0.75, "sampled_accuracy": 0.4, "k": 5, "n": 8, "seconds": 1.5}
     assert out.node_events == [EVENT]
 
 

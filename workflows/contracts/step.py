@@ -62,6 +62,7 @@ class StepSummary(BaseModel):
     cell: CellInfo | None = None  # backend fsdp2: the cell that trained the step (TrainingRun moves it to its state)
     eval_greedy: float | None = None  # held-out greedy accuracy after this step (None: not evaluated)
     eval_pass_at_k: float | None = None
+    eval_sampled: float | None = None  # held-out pass@1 at the eval temperature
     eval_k: int | None = None
     eval_n: int | None = None
     reward_errors: int = 0  # samples scored 0 after a failed reward call (error_policy zero)

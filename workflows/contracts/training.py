@@ -83,6 +83,7 @@ class EvalResult(BaseModel):
     policy_version: int
     greedy_accuracy: float  # pass@1 of the greedy (temperature 0) answers
     pass_at_k: float  # unbiased pass@k estimate from k samples per prompt (= any of the k correct)
+    sampled_accuracy: float | None = None  # pass@1 at the eval temperature (the k samples' mean); None: older runs
     k: int
     n: int  # held-out prompts
     seconds: float
