@@ -20,7 +20,7 @@ E2E_PREFIX = "tests/e2e/"
 # while the fault modules run (that worker starts its own plain stack: ~20 s against ~3 min
 # taken off the e2e worker, the critical path of `make test`)
 FAULT_FREE_E2E = frozenset(f"{E2E_PREFIX}test_{name}.py" for name in (
-    "rl_run", "fork", "rewards_sampling", "sft_distill", "divergence", "resume", "rollout_nodes"))
+    "rl_run", "fork", "rewards_sampling", "sft_distill", "divergence", "resume", "rollout_nodes", "real_model"))
 
 # the agent fault modules: each starts its own stack and aims its kills by state it waits for in the
 # store (an episode past its first call, a recorded turn), not by timing, so they need no quiet
