@@ -58,7 +58,7 @@ def load_run_config(path: str | Path, overrides: dict | None = None) -> RunConfi
     if cfg.mode == "rl" and (bad := rl_sampling_conflicts(cfg.rollout)):
         raise ConfigError("\n".join(f"{path}:{_line_of(root, tuple(key.split('.'))) or 1}: {key}: {why}"
                                      for key, why in bad))
-    return absolutize_teacher_path(absolutize_data_path(absolutize_store(cfg)))
+    return absolutize_model_path(absolutize_teacher_path(absolutize_data_path(absolutize_store(cfg))))
 
 
 def absolutize_store(cfg: RunConfig) -> RunConfig:
@@ -78,6 +78,15 @@ def absolutize_data_path(cfg: RunConfig) -> RunConfig:
         if value and not Path(value).is_absolute():
             data = cfg.data.model_copy(update={field: str(Path(value).expanduser().resolve())})
             cfg = cfg.model_copy(update={"data": data})
+    return cfg
+
+
+def absolutize_model_path(cfg: RunConfig) -> RunConfig:
+    """A relative ``model.path`` is relative to where the run is started (the node agents that load
+    it run with their own working directories)."""
+    path = cfg.model.path
+    if path and not Path(path).expanduser().is_absolute():
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(Path(path).expanduser().resolve())})})
     return cfg
 
 

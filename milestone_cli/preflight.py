@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 
 import os
 import sys
@@ -39,6 +40,7 @@ def check_config(path: str | Path) -> RunConfig:
         cfg = load_run_config(path)
     except ConfigError as err:
         raise PreflightError(str(err)) from None
+    check_model(cfg)
     if cfg.data.kind == "reasoning_gym":
         check_reasoning_gym(cfg)
     elif cfg.data.kind not in ("arithmetic", "tool_arithmetic"):
@@ -48,6 +50,31 @@ def check_config(path: str | Path) -> RunConfig:
     if cfg.rollout.agent is not None:
         check_agent(cfg)
     return cfg
+
+
+def check_model(cfg: RunConfig) -> None:
+    """``model.path`` is a Hugging Face folder (``config.json`` in it); chat prompts (``data.chat``, a
+    ``messages_key``) need its tokenizer to carry a chat template. A GGUF is imported first."""
+    path = cfg.model.path
+    if path is None:
+        return
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        source = path if folder.suffix == ".gguf" else "FILE.gguf"
+        hint = f" (from a GGUF: milestone model import-gguf {source} --out FOLDER; docs/real-model.md)"
+        what = "no such folder" if not folder.exists() else "not a Hugging Face model folder (no config.json)"
+        raise PreflightError(f"model.path {path}: {what}{hint}")
+    chat = cfg.data.chat or cfg.data.messages_key is not None or cfg.data.kind == "tool_arithmetic"
+    if chat and not _has_chat_template(folder):
+        raise PreflightError(f"model.path {path}: the tokenizer has no chat template, which chat prompts need "
+                             f"(data.chat / data.messages_key / tool_arithmetic)")
+
+
+def _has_chat_template(folder: Path) -> bool:
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
 def check_agent(cfg: RunConfig) -> None:

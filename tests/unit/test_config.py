@@ -294,3 +294,10 @@ def test_kept_versions_name_their_field_and_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_run_config(p)
     assert f"{p}:2: checkpoint.keep_versions:" in str(err.value) and "1 or more" in str(err.value)
+
+
+def test_relative_model_path_is_relative_to_where_the_run_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config(write(tmp_path, "model: {path: models/smollm2}\n"))
+    assert cfg.model.path == str(tmp_path / "models" / "smollm2")
+    assert load_run_config(write(tmp_path, "model: {path: /abs/m}\n")).model.path == "/abs/m"
