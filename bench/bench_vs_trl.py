@@ -101,6 +101,24 @@ def trl_job(cfg: dict, folder: Path, workdir: Path) -> dict:
     }
 
 
+def prompt_tokens_agree(cfg: dict, folder: Path) -> str:
+    """Whether TRL's prompt tokens (``processing_class(text=...)`` on a plain prompt, the chat template
+    on a chat) equal Milestone's (``encode_prompt``) on the first training row; a line to print."""
+    from transformers import AutoTokenizer
+
+    from gpu_runtime.data.datasets import encode_prompt
+    from gpu_runtime.models.tokenizer import Tokenizer
+
+    d = cfg["data"]
+    row = generate_arithmetic(1, cfg["seed"], d["max_operand"], d["ops"], min_operand=d.get("min_operand", 0),
+                              chat=d.get("chat", False))[0]
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    trl_ids = (list(hf.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)["input_ids"])
+               if row.get("messages") else hf(text=row["prompt"])["input_ids"])
+    ours = encode_prompt(Tokenizer.load(folder), row)
+    return "prompt tokens: equal" if trl_ids == ours else f"prompt tokens DIFFER: TRL {trl_ids} vs Milestone {ours}"
+
+
 def run_trl(cfg: dict, folder: Path, workdir: Path, with_eval: bool) -> dict:
     if not TRL_PY.exists():
         raise SystemExit(f"{TRL_PY}: no TRL venv (make install-trl)")
@@ -185,6 +203,7 @@ def main() -> None:
             else:
                 folder = demo_folder(stack, Path(tmp) / "store", a)
             runs: dict[str, Any] = {}
+            print(f"{model}: {prompt_tokens_agree(cfg, folder)}", flush=True)
             t0 = time.perf_counter()
             runs["trl"] = run_trl(cfg, folder, Path(tmp), a.eval)
             print(report(model, "TRL GRPOTrainer", runs["trl"], None), f"({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -78,7 +78,9 @@ def held_out(model: Any, tok: Any, job: dict) -> dict[str, float]:
     for start in range(0, len(rows), 25):
         batch = rows[start:start + 25]
         texts = [prompt_text(tok, r["prompt"]) for r in batch]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        # as TRL's GRPOTrainer tokenizes prompts: a plain prompt with the tokenizer's special tokens, a
+        # rendered chat as is (its template wrote them)
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=isinstance(batch[0]["prompt"], str))
         with torch.no_grad():
             g = model.generate(**enc, max_new_tokens=job["max_new_tokens"], do_sample=False, pad_token_id=tok.pad_token_id)
             s = model.generate(**enc, max_new_tokens=job["max_new_tokens"], do_sample=True, temperature=temp, top_p=1.0,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from temporalio.client import Client, WorkflowHandle
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from gpu_runtime.data.datasets import prompts_for_step
 from spec.run import RunConfig
@@ -41,7 +41,19 @@ async def start_run(client: Client, run_id: str, cfg: dict) -> WorkflowHandle:
 
 async def run_to_end(client: Client, run_id: str, cfg: dict, timeout_s: float = 300) -> RunSummary:
     handle = await start_run(client, run_id, cfg)
-    return await asyncio.wait_for(handle.result(), timeout_s)
+    return await asyncio.wait_for(run_result(handle), timeout_s)
+
+
+async def run_result(handle: WorkflowHandle) -> RunSummary:
+    """The run's result. ``handle.result()`` long-polls the history; when the server lets one poll run past
+    its deadline (DEADLINE_EXCEEDED, seen with two runs and a probe on 2 cores) the SDK raises rather
+    than polling again, though the run goes on untouched: poll again."""
+    while True:
+        try:
+            return await handle.result()
+        except RPCError as err:
+            if err.status != RPCStatusCode.DEADLINE_EXCEEDED:
+                raise
 
 
 async def activity_started(client: Client, workflow_id: str, activity: str) -> bool:
