@@ -144,7 +144,10 @@ def run_milestone(stack: Stack, cfg: dict, folder: Path, store: Path, mode: str)
         steps = (await progress(client, run_id)).steps
         ev = {"greedy": summary.eval_before_greedy, "sampled": summary.eval_before_sampled}
         after = {"greedy": summary.eval_greedy, "sampled": summary.eval_sampled}
-        return {"rewards": [s.reward_mean for s in steps], "seconds": [s.step_seconds for s in steps],
+        later = steps[1:] or steps
+        phases = {k: statistics.fmean(s.phase_seconds.get(k, 0.0) for s in later)
+                  for k in sorted({k for s in later for k in s.phase_seconds})}
+        return {"rewards": [s.reward_mean for s in steps], "seconds": [s.step_seconds for s in steps], "phases": phases,
                 "before": ev if summary.eval_greedy is not None else None,
                 "after": after if summary.eval_greedy is not None else None}
 
@@ -155,10 +158,11 @@ def demo_folder(stack: Stack, store: Path, a: argparse.Namespace) -> Path:
     """The demo's model after the demo's SFT warm-up (600 steps of 64 rows): a Milestone run in ``mode:
     sft``, whose final weights (a Hugging Face folder in the file store) both sides start RL from."""
     demo = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
-    cfg = {**demo, "name": "vs-trl-sft", "mode": "sft", "seed": a.seed, "steps": demo["sft"]["steps"],
+    sft_steps = a.demo_sft_steps or demo["sft"]["steps"]
+    cfg = {**demo, "name": "vs-trl-sft", "mode": "sft", "seed": a.seed, "steps": sft_steps,
            "store": f"file://{store}", "sft": {"steps": 0, "batch_size": demo["sft"]["batch_size"]},
            "train": {"lr": demo["sft"]["lr"], "betas": [0.9, 0.95]}, "eval": {"enabled": False},
-           "checkpoint": {"every": demo["sft"]["steps"], "keep_last": 1},
+           "checkpoint": {"every": sft_steps, "keep_last": 1},
            "engines": {"backend": "torch", "num_engines": 1}}
 
     async def main() -> str:
@@ -178,6 +182,8 @@ def report(model: str, name: str, res: dict, base: dict | None) -> str:
     if base is not None:
         b = base["seconds"][1:] or base["seconds"]
         line += f" (x{sps / statistics.fmean(b):.2f} TRL)"
+    if res.get("phases"):
+        line += " [" + ", ".join(f"{k} {v:.2f}" for k, v in res["phases"].items()) + "]"
     if res["before"] and res["after"]:
         line += (f" | held-out greedy {res['before']['greedy']:.2f} -> {res['after']['greedy']:.2f}, "
                  f"sampled {res['before']['sampled']:.2f} -> {res['after']['sampled']:.2f}")
@@ -194,6 +200,7 @@ def main() -> None:
     p.add_argument("--eval-n", type=int, default=100)
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--json", help="write every run's numbers here")
+    p.add_argument("--demo-sft-steps", type=int, default=0, help="the demo model's SFT warm-up (0: the demo's 600)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of Milestone's trainer and engine (TRL: torch's default, every core)")
     a = p.parse_args()

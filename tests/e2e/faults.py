@@ -45,14 +45,14 @@ async def run_to_end(client: Client, run_id: str, cfg: dict, timeout_s: float = 
 
 
 async def run_result(handle: WorkflowHandle) -> RunSummary:
-    """The run's result. ``handle.result()`` long-polls the history; when the server lets one poll run past
-    its deadline (DEADLINE_EXCEEDED, seen with two runs and a probe on 2 cores) the SDK raises rather
-    than polling again, though the run goes on untouched: poll again."""
+    """The run's result. ``handle.result()`` long-polls the history; when one poll outlives its deadline
+    the SDK raises (the server's DEADLINE_EXCEEDED, or the client's own CANCELLED "Timeout expired";
+    both seen in 13-minute runs, two at once on 2 cores), though the run goes on untouched: poll again."""
     while True:
         try:
             return await handle.result()
         except RPCError as err:
-            if err.status != RPCStatusCode.DEADLINE_EXCEEDED:
+            if err.status not in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
                 raise
 
 
