@@ -119,6 +119,7 @@ def test_run_eval_scores_both_passes_and_reuses_stored_chunks(tmp_path: Path) ->
     stats = run_eval(REQ, RolloutContext(store, ROWS, _tokenizer(), engine, parallelism=2))
     assert (stats.k, stats.n) == (4, 3)
     assert (stats.greedy_accuracy, stats.pass_at_k) == (pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert stats.sampled_accuracy == pytest.approx(8 / 12)  # the 12 samples' mean: pass@1 at the temperature
     # greedy: 3 samples in 1 chunk at temperature 0; sampled: 12 samples in chunks of 5, 5, 2
     greedy = [p for p in engine.params if p["temperature"] == 0]
     sampled = sorted((p for p in engine.params if p["temperature"] > 0), key=lambda p: p["sampling_seed"])
