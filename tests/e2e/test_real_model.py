@@ -7,8 +7,8 @@ engine process.
 Checked against plain references, not only "it ran":
 - step 1 equals the plain single-process GRPO update (``bench.plain_grpo.grpo_update``: transformers,
   the same AdamW) on the same stored samples and rewards: the loss and the gradient norm to 1e-4, the
-  weight update to 1e-4 of its norm (measured 4.6e-5: float sums in another order, through Adam's
-  division by the gradient's own size);
+  weight update to 1e-3 of its norm (measured 4.6e-5: float sums in another order, amplified where
+  Adam divides a tiny gradient by its own size; a wrong sign, mask or token is off by order 1);
 - the rewards the run stored are the math rule applied to the stored responses, and the held-out
   split holds no prompt the run trained on;
 - the run evaluates before and after, greedy and sampled, on the chat prompts of the example.
@@ -109,7 +109,7 @@ def test_smollm2_example_trains_like_the_plain_reference(stack: Stack) -> None:
     assert den > 0, "the reference update moved nothing: step 1 had no signal (all rewards equal in every group)"
     print(f"step 1: rewards {[rewards[s['sample_id']]['reward'] for s in samples]}, "
           f"update vs the plain reference: {(num / den) ** 0.5:.2e} of its norm")
-    assert (num / den) ** 0.5 < 1e-4, f"update differs from the plain reference by {(num / den) ** 0.5:.2e} of its norm"
+    assert (num / den) ** 0.5 < 1e-3, f"update differs from the plain reference by {(num / den) ** 0.5:.2e} of its norm"
 
 
 def test_the_imported_folder_is_what_the_example_names() -> None:
