@@ -5,9 +5,10 @@ For each model (``--models``: ``smollm2``, SmolLM2-135M-Instruct imported from t
 package, tests/real_model.py; ``demo``, the demo's Qwen2 shape after its SFT warm-up, made once by a
 Milestone SFT run and exported), it runs TRL (``bench/trl_grpo.py`` in ``.venv-trl``, ``make
 install-trl``) and Milestone in ``sync`` and in ``one_step_off`` on one real stack, one after the
-other, and prints per run: the mean reward of the first and last steps, held-out greedy and sampled
-accuracy before and after (``--eval``), s/step (mean of steps 2..N: step 1 includes start-up),
-and the ratios Milestone / TRL.
+other, and prints per run: the mean reward of the first and last steps and of all, held-out greedy and
+sampled accuracy before and after (``--eval``), s/step (``steady``: steps 2..N-1, so neither
+start-up nor Milestone's final eval and checkpoint count), Milestone's seconds per phase, and the
+ratio Milestone / TRL.
 
 What is matched, and where the two still differ in math (docs/real-model.md, "Against TRL"):
 - prompts: TRL reads Milestone's prompt order (``prompts_for_step``) with ``shuffle_dataset=False``;
@@ -173,21 +174,35 @@ def demo_folder(stack: Stack, store: Path, a: argparse.Namespace) -> Path:
     return store / asyncio.run(main())
 
 
+def steady(seconds: list[float]) -> list[float]:
+    """The steps that time training alone: from the second (the first holds start-up: the engine's first
+    load, TRL's first generate) to the one before the last (Milestone's last step also holds the run's
+    final eval and its durable checkpoint, which TRL's step times do not)."""
+    return seconds[1:-1] if len(seconds) >= 3 else seconds
+
+
 def report(model: str, name: str, res: dict, base: dict | None) -> str:
-    r, s = res["rewards"], res["seconds"][1:] or res["seconds"]
+    r = res["rewards"]
     n = max(1, min(20, len(r) // 2))
-    sps = statistics.fmean(s)
+    sps = statistics.fmean(steady(res["seconds"]))
     line = (f"{model:8s} {name:22s} reward first {n} {statistics.fmean(r[:n]):.3f} last {n} {statistics.fmean(r[-n:]):.3f}"
-            f" | {sps:6.2f} s/step")
+            f" all {statistics.fmean(r):.3f} | {sps:6.2f} s/step")
     if base is not None:
-        b = base["seconds"][1:] or base["seconds"]
-        line += f" (x{sps / statistics.fmean(b):.2f} TRL)"
+        line += f" (x{sps / statistics.fmean(steady(base['seconds'])):.2f} TRL)"
     if res.get("phases"):
         line += " [" + ", ".join(f"{k} {v:.2f}" for k, v in res["phases"].items()) + "]"
     if res["before"] and res["after"]:
         line += (f" | held-out greedy {res['before']['greedy']:.2f} -> {res['after']['greedy']:.2f}, "
                  f"sampled {res['before']['sampled']:.2f} -> {res['after']['sampled']:.2f}")
     return line
+
+
+def reprint(path: str) -> None:
+    """The table of a run saved with ``--json``."""
+    for model, runs in json.loads(Path(path).read_text()).items():
+        for name, res in runs.items():
+            label = "TRL GRPOTrainer" if name == "trl" else f"Milestone {name}"
+            print(report(model, label, res, None if name == "trl" else runs["trl"]))
 
 
 def main() -> None:
@@ -203,7 +218,11 @@ def main() -> None:
     p.add_argument("--demo-sft-steps", type=int, default=0, help="the demo model's SFT warm-up (0: the demo's 600)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of Milestone's trainer and engine (TRL: torch's default, every core)")
+    p.add_argument("--from-json", help="print the table of a run saved with --json, run nothing")
     a = p.parse_args()
+    if a.from_json:
+        reprint(a.from_json)
+        return
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-vs-trl-") as tmp, running_stack(Path(tmp), gpu_nodes=()) as stack:
         # TRL's one process uses every core (torch's default threads); Milestone's node agent gives its
