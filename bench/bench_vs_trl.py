@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gpu_runtime.data.arithmetic import generate_arithmetic, generate_heldout_arithmetic  # noqa: E402
+from gpu_runtime.data.arithmetic import expression, generate_arithmetic, generate_heldout_arithmetic  # noqa: E402
 from gpu_runtime.data.datasets import prompts_for_step  # noqa: E402
 from gpu_runtime.data.rows import final_answer  # noqa: E402
 from tests.e2e.faults import progress, run_to_end  # noqa: E402
@@ -85,7 +85,7 @@ def trl_job(cfg: dict, folder: Path, workdir: Path) -> dict:
                                min_operand=d.get("min_operand", 0), chat=d.get("chat", False))
     order = prompts_for_step(len(rows), cfg["seed"], 0, cfg["steps"] * r["prompts_per_step"])
     train = [rows[i] for i in order]
-    exclude = {r0.get("prompt") or r0["metadata"]["expression"] for r0 in rows}
+    exclude = {e for r0 in rows if (e := expression(r0))}
     ev = cfg["eval"]
     held = generate_heldout_arithmetic(ev.get("n", 0), cfg["seed"], d["max_operand"], d["ops"], exclude=exclude,
                                        min_operand=d.get("min_operand", 0), chat=d.get("chat", False)) \

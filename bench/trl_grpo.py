@@ -7,7 +7,8 @@ the held-out rows, and the hyperparameters. Writes ``--out`` (JSON): the mean re
 seconds of each step, and the held-out greedy and sampled (T = eval temperature) accuracy before and
 after, by HF ``generate`` on the same rows. The reward is Milestone's ``math_answer`` rule (the
 integer after the last ``####``, else the last integer), written out again below because this venv
-does not hold Milestone; ``bench_vs_trl`` checks the two agree on every completion TRL logs.
+does not hold Milestone: the same two regular expressions as ``rules.extract_answer`` (kept equal by
+hand; nothing checks them against each other).
 
     .venv-trl/bin/python bench/trl_grpo.py --job job.json --out trl.json
 """

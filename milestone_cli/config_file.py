@@ -70,23 +70,27 @@ def absolutize_store(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def from_start(value: str) -> str:
+    """A path as seen from where the run is started: an absolute one as it is, a relative one (or one
+    under ``~``) resolved here, since the workers that read it run with other working directories."""
+    return value if Path(value).is_absolute() else str(Path(value).expanduser().resolve())
+
+
 def absolutize_data_path(cfg: RunConfig) -> RunConfig:
     """A relative ``data.path`` / ``data.eval_path`` is relative to where the run is started
     (the control worker that reads it again in ``prepare_data`` may run elsewhere)."""
     for field in ("path", "eval_path"):
         value = getattr(cfg.data, field)
-        if value and not Path(value).is_absolute():
-            data = cfg.data.model_copy(update={field: str(Path(value).expanduser().resolve())})
-            cfg = cfg.model_copy(update={"data": data})
+        if value:
+            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={field: from_start(value)})})
     return cfg
 
 
 def absolutize_model_path(cfg: RunConfig) -> RunConfig:
     """A relative ``model.path`` is relative to where the run is started (the node agents that load
     it run with their own working directories)."""
-    path = cfg.model.path
-    if path and not Path(path).expanduser().is_absolute():
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(Path(path).expanduser().resolve())})})
+    if cfg.model.path:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": from_start(cfg.model.path)})})
     return cfg
 
 
@@ -94,7 +98,6 @@ def absolutize_teacher_path(cfg: RunConfig) -> RunConfig:
     """A relative ``distill.teacher_path`` is relative to where the run is started (the
     trainer that loads it runs elsewhere)."""
     d = cfg.distill
-    if d is not None and not Path(d.teacher_path).expanduser().is_absolute():
-        d = d.model_copy(update={"teacher_path": str(Path(d.teacher_path).expanduser().resolve())})
-        cfg = cfg.model_copy(update={"distill": d})
+    if d is not None:
+        cfg = cfg.model_copy(update={"distill": d.model_copy(update={"teacher_path": from_start(d.teacher_path)})})
     return cfg

