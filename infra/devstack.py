@@ -20,13 +20,13 @@ the codec server on 127.0.0.1:8234 and points the dev server's UI at it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-from gpu_runtime.proc.processes import pid_alive, spawn, stop_pid
+from gpu_runtime.node.children_file import left_behind, remove_children
+from gpu_runtime.proc.processes import process_identity, spawn, stop_pid
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 from workers.payload_codec import codec_from_env
 from workers.temporal_connection import TemporalSettings, connect_with, settings_from_env
@@ -45,11 +45,27 @@ def _pidfile(name: str) -> Path:
 
 
 def running(name: str) -> int | None:
+    """The service's pid while the process ``up`` started still has it: the pidfile holds the pid
+    and its identity (``processes.process_identity``), so a number the kernel has given to another
+    process since (after a reboot, or once its counter wrapped) is not taken for the service."""
+    found = _recorded(name)
+    return found[0] if found else None
+
+
+def _recorded(name: str) -> tuple[int, str] | None:
     path = _pidfile(name)
     if not path.exists():
         return None
-    pid = int(path.read_text().split()[0])
-    return pid if pid_alive(pid) else None
+    fields = path.read_text().split()
+    pid, identity = int(fields[0]), fields[1] if len(fields) > 1 else None
+    if identity is None:
+        if process_identity(pid) is not None:
+            log.warning("%s holds pid %d without its identity (written by an older devstack): not taken for %s;"
+                        " stop it by hand if it is, then remove the file", path, pid, name)
+        return None
+    if process_identity(pid) != identity:
+        return None
+    return pid, identity
 
 
 def _start(name: str, cmd: list[str], env: dict[str, str] | None = None) -> int:
@@ -59,7 +75,7 @@ def _start(name: str, cmd: list[str], env: dict[str, str] | None = None) -> int:
         return pid
     proc = spawn(cmd, STATE / "logs" / f"{name}.log", env={**s3_env(), **(env or {})})
     _pidfile(name).parent.mkdir(parents=True, exist_ok=True)
-    _pidfile(name).write_text(str(proc.pid))
+    _pidfile(name).write_text(f"{proc.pid} {process_identity(proc.pid)}")
     log.info("%s started (pid %d), log %s", name, proc.pid, STATE / "logs" / f"{name}.log")
     return proc.pid
 
@@ -149,22 +165,21 @@ def _check_reachable(settings: TemporalSettings) -> None:
 
 def down() -> None:
     for name in reversed(SERVICES):
-        pid = running(name)
-        if pid:
+        found = _recorded(name)
+        if found:
+            pid, identity = found
             if name == "ray":  # the head and every process of it, by pid (never ``ray stop``)
                 from infra.ray_head import stop_head
 
                 stop_head(pid)
             else:
-                stop_pid(pid, timeout_s=20)
+                stop_pid(pid, timeout_s=20, identity=identity)
             log.info("%s stopped (pid %d)", name, pid)
         _pidfile(name).unlink(missing_ok=True)
-    for children in (STATE / "nodes").glob("*/children.json"):  # left by a SIGKILLed agent
-        pids = json.loads(children.read_text())
-        for pid in [pids.get("trainer"), pids.get("router"), *pids.get("engines", [])]:
-            if pid and pid_alive(pid):
-                stop_pid(pid)
-        children.unlink(missing_ok=True)
+    for node_dir in (STATE / "nodes").glob("*"):  # children left by a SIGKILLed agent
+        for pid, identity in left_behind(node_dir):
+            stop_pid(pid, identity=identity)
+        remove_children(node_dir)
     if (STATE / "s3").exists():
         from infra.seaweedfs import stop_by_pidfile
 

@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from gpu_runtime.proc.processes import free_port, packaged_binary, port_free, stop_pid
+from gpu_runtime.proc.processes import free_port, packaged_binary, port_free, process_identity, stop_pid
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,9 @@ def stop_by_pidfile(data_dir: Path, timeout: float = 15.0) -> bool:
         log.warning("pid %d from %s is not a weed server for this dir; removing stale pidfile", pid, pidfile)
         pidfile.unlink()
         return False
-    stop_pid(pid, timeout_s=timeout)  # its own session (start_new_session): the group goes too
+    identity = process_identity(pid)  # the process whose command line was just checked
+    if identity is not None:  # its own session (start_new_session): the group goes too
+        stop_pid(pid, timeout_s=timeout, identity=identity)
     srv = SeaweedServer(data_dir, int(info["s3_port"]))
     srv.ports = {k: int(v) for k, v in info["ports"].items()}
     srv._remove_sockets()

@@ -38,7 +38,6 @@ import atexit
 import ctypes
 import functools
 import gc
-import json
 import os
 import random
 import secrets
@@ -59,6 +58,7 @@ from temporalio.client import Client
 from temporalio.runtime import Runtime, TelemetryConfig
 
 from gpu_runtime.engine.auth import ENGINE_TOKEN_ENV
+from gpu_runtime.node.children_file import left_behind, read_children
 from gpu_runtime.proc.processes import pid_alive, spawn
 from gpu_runtime.store.s3 import S3Store
 from infra.seaweedfs import SeaweedServer
@@ -653,14 +653,12 @@ class Bed:
 
     def node_pids(self, host: Host | str) -> dict:
         """{"agent", "trainer", "router", "engines": [...]} as the host's node agent last wrote them."""
-        path = self.host(host).dir / "node" / "children.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        return read_children(self.host(host).dir / "node")
 
     def node_children(self, host: Host | str) -> list[int]:
-        """The live trainer, router and engine pids of the host's node agent."""
-        pids = self.node_pids(host)
-        candidates = [pids.get("trainer"), pids.get("router"), *pids.get("engines", [])]
-        return [p for p in candidates if p and pid_alive(p)]
+        """The live trainer, router and engine pids of the host's node agent (``children_file``:
+        not a pid another process has taken since)."""
+        return [pid for pid, _ in left_behind(self.host(host).dir / "node")]
 
     def log(self, host: Host | str, name: str) -> str:
         path = self.logs / f"{self.host(host).name}-{name}.log"

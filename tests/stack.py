@@ -7,7 +7,6 @@ also when the test fails.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,8 @@ from pathlib import Path
 from typing import TypeVar
 
 
-from gpu_runtime.proc.processes import free_port, pid_alive, spawn, stop_pid
+from gpu_runtime.node.children_file import left_behind, read_children
+from gpu_runtime.proc.processes import free_port, spawn, stop_pid
 from gpu_runtime.trainer.work_dir import versions_root
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 
@@ -164,21 +164,20 @@ class Stack:
 
     def node_pids(self, node_id: str) -> dict:
         """{"agent", "trainer", "router", "engines": [...]} as the node agent last wrote them."""
-        path = self.workdir / "nodes" / node_id / "children.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        return read_children(self.workdir / "nodes" / node_id)
 
     def node_children(self, node_id: str) -> list[int]:
-        pids = self.node_pids(node_id)
-        candidates = [pids.get("trainer"), pids.get("router"), *pids.get("engines", [])]
-        return [p for p in candidates if p and pid_alive(p)]
+        """The node agent's trainer, router and engines still running (a pid they had that
+        another process has now is not one of them)."""
+        return [pid for pid, _ in left_behind(self.workdir / "nodes" / node_id)]
 
     def stop(self) -> None:
         for proc in list(self.procs.values()):
             if proc.poll() is None:
                 stop_pid(proc.pid, proc, timeout_s=20)
         for node_dir in (self.workdir / "nodes").glob("*"):  # children of a SIGKILLed agent
-            for pid in self.node_children(node_dir.name):
-                stop_pid(pid)
+            for pid, identity in left_behind(node_dir):
+                stop_pid(pid, identity=identity)
             shutil.rmtree(versions_root(node_dir / "trainer"), ignore_errors=True)  # $MILESTONE_VERSIONS_DIR: outside workdir
         self.server.stop()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from gpu_runtime.engine.backends import EngineBackend
 from gpu_runtime.engine.client import EngineClient, EngineError
 from gpu_runtime.engine.fleet_types import HealthConfig, Slot
-from gpu_runtime.proc.processes import free_port, port_free
+from gpu_runtime.proc.processes import free_port, port_free, signal_group
 from spec.status import SlotState
 
 log = logging.getLogger(__name__)
@@ -136,10 +136,8 @@ class SlotProcesses:
                 os.kill(proc.pid, signal.SIGKILL)  # works on a SIGSTOPped process too
             except ProcessLookupError:
                 pass
-        try:  # its children too (vLLM's EngineCore and Worker outlive a killed API server): the
-            os.killpg(proc.pid, signal.SIGKILL)  # engine leads its own group (start_new_session)
-        except (ProcessLookupError, PermissionError):
-            pass
+        # its children too (vLLM's EngineCore and Worker outlive a killed API server): the engine
+        signal_group(proc.pid, signal.SIGKILL, proc)  # leads its own group (start_new_session)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -8,12 +8,11 @@ restores that run's state by checkpoint + replay).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 from pathlib import Path
 
+from gpu_runtime.node.children_file import remove_children, write_children
 from gpu_runtime.node.engines import NodeEngines
 from gpu_runtime.node.local_weights import LocalWeights
 from gpu_runtime.node.rows import DatasetRows
@@ -72,18 +71,13 @@ class NodeRuntime:
         if self.trains:
             self.trainer.stop()
         ZYGOTES.close()  # kind openai agents' zygotes (and, through them, their episodes)
-        (self.work_dir / "children.json").unlink(missing_ok=True)
+        remove_children(self.work_dir)
 
     def _write_children(self) -> None:
-        """Child pids on disk, so ``make down`` can stop them even if this process was killed.
-        Written whole then renamed: a reader (``make down``, a test aiming a kill) never sees
-        a half-written file."""
+        """Child pids on disk (``children_file``), so ``make down`` can stop them even if this
+        process was killed, and a test can aim a kill."""
         router, engines = self.engines.pids()
-        trainer = self.trainer.pid if self.trains else None
-        children = {"agent": os.getpid(), "trainer": trainer, "router": router, "engines": engines}
-        tmp = self.work_dir / f"children.json.{threading.get_ident()}.tmp"
-        tmp.write_text(json.dumps(children))
-        os.replace(tmp, self.work_dir / "children.json")
+        write_children(self.work_dir, trainer=self.trainer.pid if self.trains else None, router=router, engines=engines)
 
     def _add_event(self, ev: RunEvent) -> None:
         with self._events_lock:

@@ -17,11 +17,20 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def stop_pid(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 10.0) -> None:
+def stop_pid(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 10.0, *,
+             identity: str | None = None) -> None:
     """SIGTERM the process group led by ``pid``, then SIGKILL it after ``timeout_s``.
     The SIGTERM is followed by a SIGCONT: a SIGSTOPped process (a fault test's, or one
-    stopped from a shell) would only act on it when continued, so it cost ``timeout_s``."""
+    stopped from a shell) would only act on it when continued, so it cost ``timeout_s``.
+
+    ``pid`` is our child ``proc``, or a pid read from a file with the ``identity``
+    (:func:`process_identity`) recorded beside it: a process that took the number since is
+    never signalled (:func:`group_is_ours`)."""
+    if proc is None and identity is None:
+        raise ValueError(f"stop_pid({pid}): a pid alone may be another process's by now; pass proc or identity")
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not group_is_ours(pid, proc, identity):
+            break
         try:
             _signal_group(pid, sig)
             if sig == signal.SIGTERM:
@@ -40,6 +49,56 @@ def stop_pid(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 
             time.sleep(0.05)
     if proc is not None:
         proc.wait(timeout=timeout_s)
+
+
+def signal_group(pid: int, sig: signal.Signals, proc: subprocess.Popen | None = None, *,
+                 identity: str | None = None) -> bool:
+    """``sig`` to the group ``pid`` leads, if it is still ours (:func:`group_is_ours`); whether
+    it was sent (False: the group is gone, or the number is another process's now)."""
+    if not group_is_ours(pid, proc, identity):
+        return False
+    try:
+        _signal_group(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def group_is_ours(pid: int, proc: subprocess.Popen | None = None, identity: str | None = None) -> bool:
+    """Whether a signal to the group led by ``pid`` (our child ``proc``, or a process recorded
+    with ``identity``) can reach only the processes we mean.
+
+    The kernel hands out pids in turn and starts again at ``pid_max`` (32768 on this repo's
+    machines: a CI run wraps it; a CI run lost a module's Temporal server, a session leader, while
+    other modules stopped processes by such numbers: docs/testing.md). So a number alone is no process:
+    - our child not yet reaped (running, or a zombie) holds its number: the group is ours;
+    - a process that has the number now and matches ``identity`` is the one recorded;
+    - no process with the number: what is left of the group (orphans of a dead leader) keeps
+      the number from being given out while any member lives, so only they can be reached;
+    - else the number went to another process since: not ours."""
+    if proc is not None and proc.poll() is None:
+        return True
+    now = process_identity(pid)
+    return now is None or (identity is not None and now == identity)
+
+
+def process_identity(pid: int) -> str | None:
+    """Which process has ``pid`` now: ``"<boot id>/<start time>"`` (clock ticks after boot,
+    /proc/PID/stat field 22), None when none has it. Recorded beside a pid written to a file,
+    it tells the process from a later one given the same number, in this boot or the next
+    (to a clock tick, 10 ms: the number comes round again only after the whole counter has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # FileNotFoundError, or ProcessLookupError while it exits
+        return None
+    return f"{_boot_id()}/{stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown-boot"
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

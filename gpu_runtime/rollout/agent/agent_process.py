@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from gpu_runtime.proc.processes import process_identity, signal_group
+
 log = logging.getLogger(__name__)
 LOG_TAIL = 2000
 FORK_TIMEOUT_S = 60.0  # the zygote imports the entrypoint before its first fork
@@ -42,6 +44,7 @@ class AgentExit:
 class _Job:
     zygote: int  # the pid of the zygote asked to fork it
     pid: int = 0
+    identity: str | None = None  # processes.process_identity of pid, read when it was forked
     exit: int | None = None
     lost: bool = False  # the zygote died: this process's end is unknown (it was killed)
     forked: threading.Event = field(default_factory=threading.Event)
@@ -96,6 +99,7 @@ class AgentZygote:
                 continue
             if "pid" in msg:
                 found.pid = int(msg["pid"])
+                found.identity = process_identity(found.pid)
                 found.forked.set()
             else:
                 found.exit = int(msg["exit"])
@@ -105,8 +109,7 @@ class AgentZygote:
             for job in self._jobs.values():
                 if job.zygote == proc.pid and not job.ended.is_set():
                     job.lost = True
-                    if job.pid:
-                        _kill_group(job.pid)
+                    _kill_group(job)
                     job.forked.set()
                     job.ended.set()
         proc.wait()
@@ -148,10 +151,10 @@ class AgentZygote:
                     elif should_stop():
                         ended_by_us = "stopped"
                     if ended_by_us:
-                        _kill_group(job.pid)
+                        _kill_group(job)
                         job.ended.wait(10.0)
                         break
-                _kill_group(job.pid)  # whatever it started and left behind, in its group
+                _kill_group(job)  # whatever it started and left behind, in its group
                 return _exit(job, ended_by_us, result, out, timeout_s, time.monotonic() - t0)
             finally:
                 with self._lock:
@@ -170,7 +173,7 @@ class AgentZygote:
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
+            signal_group(proc.pid, signal.SIGKILL, proc)
             proc.wait()
 
 
@@ -194,13 +197,11 @@ def _exit(job: _Job, ended_by_us: str, result: Path, out: Path, timeout_s: float
                      seconds=seconds)
 
 
-def _kill_group(pid: int) -> None:
-    if pid <= 0:
-        return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill_group(job: _Job) -> None:
+    """SIGKILL the episode's process group: its leader may have ended (the zygote reaped it), and
+    the group's id is never another process's (``processes.group_is_ours``)."""
+    if job.pid > 0:
+        signal_group(job.pid, signal.SIGKILL, identity=job.identity)
 
 
 class Zygotes:

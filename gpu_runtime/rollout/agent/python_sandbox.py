@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
+from gpu_runtime.proc.processes import signal_group
 from gpu_runtime.rollout.agent.tool_api import ToolResult
 from gpu_runtime.rollout.agent.tool_schemas import default_parameters
 
@@ -128,8 +129,5 @@ class PythonSandbox:
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the child's process group (its pid leads it), then reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_group(proc.pid, signal.SIGKILL, proc)
     proc.communicate()

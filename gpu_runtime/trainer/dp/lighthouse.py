@@ -20,7 +20,7 @@ import httpx
 import psutil
 
 from gpu_runtime.proc.http_client import http_client
-from gpu_runtime.proc.processes import free_port, packaged_binary, pid_alive, reachable, spawn, stop_pid
+from gpu_runtime.proc.processes import free_port, packaged_binary, pid_alive, reachable, signal_group, spawn, stop_pid
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +140,7 @@ class Lighthouse:
             return False
         was, old_child = self.proc, self._child
         if was is not None:  # its process group: the watcher and whatever is left of the lighthouse
-            try:
-                os.killpg(was.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_group(was.pid, signal.SIGKILL, was)
             was.wait()
             deadline = time.monotonic() + 10.0
             while old_child is not None and pid_alive(old_child) and time.monotonic() < deadline:
