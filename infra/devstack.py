@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpu_runtime.node.children_file import left_behind, remove_children
+from gpu_runtime.node.children_file import remove_children, stop_left_behind
 from gpu_runtime.proc.processes import process_identity, spawn, stop_pid
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
 from workers.payload_codec import codec_from_env
@@ -58,14 +58,11 @@ def _recorded(name: str) -> tuple[int, str] | None:
         return None
     fields = path.read_text().split()
     pid, identity = int(fields[0]), fields[1] if len(fields) > 1 else None
-    if identity is None:
-        if process_identity(pid) is not None:
-            log.warning("%s holds pid %d without its identity (written by an older devstack): not taken for %s;"
-                        " stop it by hand if it is, then remove the file", path, pid, name)
-        return None
-    if process_identity(pid) != identity:
-        return None
-    return pid, identity
+    now = process_identity(pid)
+    if identity is None and now is not None:
+        log.warning("%s holds pid %d without its identity (written by an older devstack): not taken for %s;"
+                    " stop it by hand if it is, then remove the file", path, pid, name)
+    return (pid, identity) if identity is not None and now == identity else None
 
 
 def _start(name: str, cmd: list[str], env: dict[str, str] | None = None) -> int:
@@ -177,8 +174,7 @@ def down() -> None:
             log.info("%s stopped (pid %d)", name, pid)
         _pidfile(name).unlink(missing_ok=True)
     for node_dir in (STATE / "nodes").glob("*"):  # children left by a SIGKILLed agent
-        for pid, identity in left_behind(node_dir):
-            stop_pid(pid, identity=identity)
+        stop_left_behind(node_dir)
         remove_children(node_dir)
     if (STATE / "s3").exists():
         from infra.seaweedfs import stop_by_pidfile

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 
-from gpu_runtime.node.children_file import left_behind, read_children
+from gpu_runtime.node.children_file import left_behind, read_children, stop_left_behind
 from gpu_runtime.proc.processes import free_port, spawn, stop_pid
 from gpu_runtime.trainer.work_dir import versions_root
 from infra.temporal_server import server_command, wait_for_port, wait_until_serving
@@ -176,8 +176,7 @@ class Stack:
             if proc.poll() is None:
                 stop_pid(proc.pid, proc, timeout_s=20)
         for node_dir in (self.workdir / "nodes").glob("*"):  # children of a SIGKILLed agent
-            for pid, identity in left_behind(node_dir):
-                stop_pid(pid, identity=identity)
+            stop_left_behind(node_dir)
             shutil.rmtree(versions_root(node_dir / "trainer"), ignore_errors=True)  # $MILESTONE_VERSIONS_DIR: outside workdir
         self.server.stop()
 

@@ -16,17 +16,15 @@ import os
 import threading
 from pathlib import Path
 
-from gpu_runtime.proc.processes import process_identity
+from gpu_runtime.proc.processes import process_identity, stop_pid
 
 FILE = "children.json"
 
 
 def write_children(work_dir: Path, *, trainer: int | None, router: int | None, engines: list[int | None]) -> None:
     """This agent's children as they are now (the agent's own pid too, for a test aiming a kill)."""
-    pids = [p for p in (trainer, router, *engines) if p]
-    identities = {str(p): process_identity(p) for p in pids}
-    body = {"agent": os.getpid(), "trainer": trainer, "router": router, "engines": engines,
-            "identities": {p: i for p, i in identities.items() if i is not None}}
+    identities = {str(p): i for p in (trainer, router, *engines) if p and (i := process_identity(p)) is not None}
+    body = {"agent": os.getpid(), "trainer": trainer, "router": router, "engines": engines, "identities": identities}
     tmp = work_dir / f"{FILE}.{threading.get_ident()}.tmp"
     tmp.write_text(json.dumps(body))
     os.replace(tmp, work_dir / FILE)
@@ -49,6 +47,12 @@ def left_behind(work_dir: Path) -> list[tuple[int, str]]:
         if identity is not None and process_identity(pid) == identity:
             out.append((pid, identity))
     return out
+
+
+def stop_left_behind(work_dir: Path) -> None:
+    """Stop (``stop_pid``, each with its group) the children :func:`left_behind` names."""
+    for pid, identity in left_behind(work_dir):
+        stop_pid(pid, identity=identity)
 
 
 def remove_children(work_dir: Path) -> None:

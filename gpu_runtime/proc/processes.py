@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -94,7 +95,9 @@ def process_identity(pid: int) -> str | None:
     return f"{_boot_id()}/{stat.rsplit(')', 1)[1].split()[19]}"
 
 
+@functools.cache
 def _boot_id() -> str:
+    """This boot's id (read once: it does not change while the process lives)."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:

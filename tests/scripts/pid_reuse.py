@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from gpu_runtime.node.children_file import left_behind, write_children
@@ -125,8 +126,6 @@ def _reaches(pgid: int) -> bool:
 
 def _waited_gone(pid: int) -> bool:
     """Whether ``pid`` (an orphan: pid 1, this process, reaps it) ended within 10 s."""
-    import time
-
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

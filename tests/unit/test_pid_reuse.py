@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.proc.processes import process_identity
+from gpu_runtime.proc.processes import process_identity, stop_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,8 +62,6 @@ def test_a_dead_leaders_group_keeps_its_number_and_is_stopped(reuse: dict) -> No
 
 def test_a_pid_alone_is_refused() -> None:
     with pytest.raises(ValueError, match="pass proc or identity"):
-        from gpu_runtime.proc.processes import stop_pid
-
         stop_pid(os.getpid())
 
 
