@@ -173,6 +173,7 @@ class TrainerCell(TrainerDefaults):
         except ray.exceptions.GetTimeoutError:
             resources = ray.cluster_resources()
             remove_placement_group(self.pg)
+            _wait_released(self.pg)
             raise CellPlacementFailed(
                 f"the cell's placement group ({ranks} bundles of {rank_bundle(self.kind, cpus_per_rank)}, "
                 f"{strategy}) was not "
@@ -375,24 +376,48 @@ class TrainerCell(TrainerDefaults):
                     log.warning("ending a rank: %s", err)
             try:
                 remove_placement_group(self.pg)
-                _wait_removed(self.pg)
+                _wait_released(self.pg)
             except Exception as err:  # noqa: BLE001
                 log.warning("removing the placement group: %s", err)
 
 
-def _wait_removed(pg: Any, timeout_s: float = 15.0) -> None:
-    """Until Ray has removed ``pg`` (``remove_placement_group`` only asks): the next cell's group is
-    placed against the resources this one frees. Without the wait, a ``spread`` cell created right
-    after may find the other node's CPUs still held and put every bundle on this one (SPREAD is
-    best effort): seen in CI as a spread cell with both ranks on the head."""
-    from ray.util import placement_group_table
+def _wait_released(pg: Any, timeout_s: float = 15.0) -> None:
+    """Until the Ray cluster's resource view no longer holds any of ``pg``'s bundles on a node
+    that can still give them back: the next cell's group is placed against that view.
 
+    ``remove_placement_group`` only asks. The group's table state reads ``REMOVED`` within a
+    few ms, but the GCS gets a node's CPUs back only when that node's raylet reports the
+    returned bundle: 20-95 ms later on a quiet machine (measured, Ray 2.60), longer under load.
+    A ``spread`` cell placed in between finds the other node's CPUs still held and puts every
+    bundle on this one (SPREAD is best effort): seen in CI twice, the second time after a wait
+    for ``REMOVED`` alone. A bundle shows in a node's resources as ``<resource>_group_<pg id>``
+    entries, which leave together with the CPUs' return.
+
+    A node whose raylet no longer answers (its host was lost) keeps its bundle in the view until
+    Ray counts the node dead; it is not waited for: a heal goes on with the nodes that are left."""
+    from ray._private.state import total_resources_per_node
+
+    suffix = f"_{pg.id.hex()}"
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if placement_group_table(pg).get("state") == "REMOVED":
+    while True:
+        held = {node for node, resources in total_resources_per_node().items()
+                if any(name.endswith(suffix) for name in resources)}
+        waiting = [n for n in _raylets(held) if reachable(n, timeout_s=0.5)]
+        if not waiting:
             return
-        time.sleep(0.05)
-    log.warning("the cell's placement group was not removed within %.0f s", timeout_s)
+        if time.monotonic() >= deadline:
+            log.warning("the cell's placement group still holds resources on %s after %.0f s",
+                        ", ".join(waiting), timeout_s)
+            return
+        time.sleep(0.02)
+
+
+def _raylets(node_ids: set[str]) -> list[str]:
+    """``HOST:PORT`` of the raylets of those of ``node_ids`` Ray counts alive."""
+    import ray
+
+    return [f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}" for n in ray.nodes()
+            if n["NodeID"] in node_ids and n["Alive"]]
 
 
 def _gcs_address() -> str | None:
