@@ -44,7 +44,7 @@ from temporalio.worker import Replayer
 from gpu_runtime.data.datasets import prompts_for_step
 from gpu_runtime.proc.processes import pid_alive
 from spec.engine import EngineUpdate
-from tests.e2e.faults import assert_bitwise_equal, progress, start_run, wait_activity_started
+from tests.e2e.faults import assert_bitwise_equal, assert_no_node_lost, progress, start_run, wait_activity_started
 from tests.recorded_histories import record
 from tests.hosts import Bed, BedStore, Host, multi_host_bed_fixture  # noqa: F401  (fixture)
 from tests.stack import async_wait_for, tiny_config
@@ -151,7 +151,11 @@ def fault_free(bed: Bed, run_id: str, cfg: dict) -> Finished:
     done = finish(bed, run_id)
     assert done.summary.steps == STEPS
     # no false positive of the liveness watches on this loaded machine: the twin is fault-free
-    assert not [e for e in done.progress.events if e.kind == "node_lost"], done.progress.events
+
+    async def no_node_lost(client: Client) -> None:
+        await assert_no_node_lost(client, run_id)
+
+    bed.call(no_node_lost)
     return done
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.scheduling import AGENT_E2E, FAULT_FREE_E2E, VLLM, scope_of
+from tests.scheduling import AGENT_E2E, FAULT_FREE_E2E, OWN_STACK_E2E, VLLM, scope_of
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ("os.kill", "SIGKILL", "SIGSTOP", "MILESTONE_FAULT_", "running_stack(", "module_stack_fixtures", "kill_")
@@ -22,6 +22,17 @@ def test_the_fault_free_e2e_modules_exist_inject_nothing_and_start_no_stack() ->
     for module in sorted(FAULT_FREE_E2E):
         source = (ROOT / module).read_text()
         found = [f for f in FAULTS if f in source]
+        assert not found, f"{module} is scheduled as fault-free but uses {found}"
+
+
+def test_an_own_stack_module_is_a_unit_of_its_own_and_injects_nothing() -> None:
+    stack_of_its_own = ("running_stack(", "module_stack_fixtures")
+    for module in sorted(OWN_STACK_E2E):
+        assert scope_of(f"{module}::test_x") == module
+        assert module not in FAULT_FREE_E2E
+        source = (ROOT / module).read_text()
+        assert any(f in source for f in stack_of_its_own), f"{module} starts no stack of its own"
+        found = [f for f in FAULTS if f in source and f not in stack_of_its_own]
         assert not found, f"{module} is scheduled as fault-free but uses {found}"
 
 
