@@ -9,6 +9,7 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,7 +17,7 @@ import pytest
 
 import torch
 from safetensors.torch import load_file
-from temporalio.api.enums.v1 import TimeoutType
+from temporalio.api.enums.v1 import RetryState, TimeoutType
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
@@ -76,13 +77,30 @@ async def wait_activity_started(client: Client, workflow_id: str, activity: str,
     )
 
 
-async def timed_out_activities(client: Client, run_id: str) -> list[str]:
-    """Each activity of the run and of its child workflows (the steps) that timed out, read from
-    their histories: which, on which queue, the timeout's type and when it was scheduled, started
-    and timed out. What a "no node lost in a fault-free run" assertion prints: a false positive
-    of the liveness timeouts is then one of these lines, not a guess."""
-    out: list[str] = []
-    pending = [run_id]
+@dataclass(frozen=True)
+class TimedOut:
+    """An activity that timed out, as its workflow's history records it (times are HH:MM:SS.mmm)."""
+
+    workflow: str
+    activity: str
+    queue: str
+    timeout: str  # TIMEOUT_TYPE_HEARTBEAT, TIMEOUT_TYPE_SCHEDULE_TO_START, ...
+    retry_state: str  # RETRY_STATE_NON_RETRYABLE_FAILURE, RETRY_STATE_IN_PROGRESS, ...
+    scheduled: str
+    started: str  # "never": it timed out before a worker took it
+    at: str
+
+    def __str__(self) -> str:
+        return (f"{self.workflow}: {self.activity} on {self.queue} {self.timeout}: scheduled {self.scheduled}, "
+                f"started {self.started}, timed out {self.at}")
+
+
+async def timed_out_activities(client: Client, workflow_id: str) -> list[TimedOut]:
+    """Each activity of ``workflow_id`` and of its child workflows (a run's steps) that timed out,
+    read from their histories. What a "no node lost in a fault-free run" assertion prints: a false
+    positive of the liveness timeouts is then one of these, not a guess."""
+    out: list[TimedOut] = []
+    pending = [workflow_id]
     while pending:
         wf = pending.pop(0)
         scheduled: dict[int, tuple[str, str, str]] = {}
@@ -97,9 +115,9 @@ async def timed_out_activities(client: Client, run_id: str) -> list[str]:
             elif ev.HasField("activity_task_timed_out_event_attributes"):
                 t = ev.activity_task_timed_out_event_attributes
                 name, queue, sched = scheduled.get(t.scheduled_event_id, ("?", "?", "?"))
-                kind = TimeoutType.Name(t.failure.timeout_failure_info.timeout_type)
-                out.append(f"{wf}: {name} on {queue} {kind}: scheduled {sched}, "
-                           f"started {started.get(t.scheduled_event_id, 'never')}, timed out {at}")
+                out.append(TimedOut(wf, name, queue, TimeoutType.Name(t.failure.timeout_failure_info.timeout_type),
+                                    RetryState.Name(t.retry_state), sched,
+                                    started.get(t.scheduled_event_id, "never"), at))
             elif ev.HasField("child_workflow_execution_started_event_attributes"):
                 pending.append(ev.child_workflow_execution_started_event_attributes.workflow_execution.workflow_id)
     return out
@@ -110,8 +128,8 @@ async def assert_no_node_lost(client: Client, run_id: str) -> None:
     machine. When it did, the message names the timeouts from the histories."""
     lost = [e for e in (await progress(client, run_id)).events if e.kind == "node_lost"]
     if lost:
-        raise AssertionError(f"a fault-free run lost a node: {lost}; timed out: "
-                             f"{await timed_out_activities(client, run_id)}")
+        timed_out = "; ".join(str(t) for t in await timed_out_activities(client, run_id))
+        raise AssertionError(f"a fault-free run lost a node: {lost}; timed out: {timed_out or 'none'}")
 
 
 async def progress(client: Client, run_id: str) -> RunProgress:

@@ -36,7 +36,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
-from temporalio.api.enums.v1 import RetryState, TimeoutType
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
@@ -44,7 +43,9 @@ from temporalio.worker import Replayer
 from gpu_runtime.data.datasets import prompts_for_step
 from gpu_runtime.proc.processes import pid_alive
 from spec.engine import EngineUpdate
-from tests.e2e.faults import assert_bitwise_equal, assert_no_node_lost, progress, start_run, wait_activity_started
+from tests.e2e.faults import (
+    assert_bitwise_equal, assert_no_node_lost, progress, start_run, timed_out_activities, wait_activity_started,
+)
 from tests.recorded_histories import record
 from tests.hosts import Bed, BedStore, Host, multi_host_bed_fixture  # noqa: F401  (fixture)
 from tests.stack import async_wait_for, tiny_config
@@ -198,19 +199,8 @@ def rollout_timeouts(bed: Bed, workflow_id: str, queue: str) -> list[tuple[str, 
     timed out, from the workflow's history."""
 
     async def main(client: Client) -> list[tuple[str, str]]:
-        scheduled: set[int] = set()
-        out = []
-        async for ev in client.get_workflow_handle(workflow_id).fetch_history_events():
-            if ev.HasField("activity_task_scheduled_event_attributes"):
-                a = ev.activity_task_scheduled_event_attributes
-                if a.task_queue.name == queue and a.activity_type.name == ROLLOUT.name:
-                    scheduled.add(ev.event_id)
-            elif ev.HasField("activity_task_timed_out_event_attributes"):
-                t = ev.activity_task_timed_out_event_attributes
-                if t.scheduled_event_id in scheduled:
-                    out.append((TimeoutType.Name(t.failure.timeout_failure_info.timeout_type),
-                                RetryState.Name(t.retry_state)))
-        return out
+        return [(t.timeout, t.retry_state) for t in await timed_out_activities(client, workflow_id)
+                if t.workflow == workflow_id and t.activity == ROLLOUT.name and t.queue == queue]
 
     return bed.call(main)
 
