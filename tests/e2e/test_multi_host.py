@@ -158,11 +158,7 @@ def fault_free(bed: Bed, run_id: str, cfg: dict) -> Finished:
     done = finish(bed, run_id)
     assert done.summary.steps == STEPS
     # no false positive of the liveness watches on this loaded machine: the twin is fault-free
-
-    async def no_node_lost(client: Client) -> None:
-        await assert_no_node_lost(client, run_id)
-
-    bed.call(no_node_lost)
+    bed.call(lambda client: assert_no_node_lost(client, run_id))
     return done
 
 

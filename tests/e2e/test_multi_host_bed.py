@@ -25,7 +25,7 @@ from safetensors.torch import load as load_safetensors
 from temporalio.client import Client
 
 from gpu_runtime.proc.processes import pid_alive
-from tests.e2e.faults import assert_bitwise_equal, progress, start_run
+from tests.e2e.faults import assert_bitwise_equal, assert_no_node_lost, progress, start_run
 from tests.hosts import METRICS_PORT, ROOT, Bed, multi_host_bed_fixture  # noqa: F401  (fixture)
 from tests.stack import async_wait_for, tiny_config, wait_for
 from workflows.run_state import RunProgress, RunSummary
@@ -155,7 +155,7 @@ def test_full_run_completes(bed: Bed, twin: FinishedRun) -> None:
     assert twin.progress.node_queue is not None
     host = bed.host_of_queue(twin.progress.node_queue)
     assert host in bed.nodes
-    assert not [e for e in twin.progress.events if e.kind == "node_lost"]
+    bed.call(lambda client: assert_no_node_lost(client, twin.summary.run_id))
     keys = bed.store(BUCKET).list("runs/bed-twin/checkpoints")
     assert any(k.endswith("manifest.json") for k in keys), keys
     assert (host.dir / "node").is_dir()
